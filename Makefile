@@ -1,0 +1,48 @@
+# Two commands on a fresh machine: `make repro` and `make test`. Everything else builds on `make setup`.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export DVC_NO_ANALYTICS := 1
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export MLFLOW_DISABLE_TELEMETRY := true
+export DO_NOT_TRACK := 1
+export HF_HUB_DISABLE_TELEMETRY := 1
+export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
+
+.PHONY: setup test test-fast repro lint bench ui clean
+
+# torch==2.13.0 goes in first: it is the CPU wheel on this machine, and the project's range
+# (torch>=2.13,<2.15) is then already satisfied, so pip never fetches a CUDA build.
+# The project itself goes in through uv for one reason: requirements/overrides.txt (prefect 3.9.x names
+# a certifi release the index does not serve; pip has no way to override a dependency's pin).
+$(STAMP): pyproject.toml requirements/overrides.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q "uv>=0.5"
+	$(VENV)/bin/uv pip install -q --python $(PY) --override requirements/overrides.txt -e ".[dev]"
+	$(PY) -c "import torch; assert '+cpu' in torch.__version__ or torch.cuda.is_available(), torch.__version__"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: setup
+	$(PY) -m pytest
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow"
+
+repro: setup
+	$(VENV)/bin/dvc repro
+
+lint: setup
+	$(VENV)/bin/ruff check grpo_core flows tests benchmarks
+
+bench: setup
+	$(PY) -m benchmarks.run --config cpu-tiny
+
+ui: setup
+	$(VENV)/bin/mlflow ui --backend-store-uri $(MLFLOW_TRACKING_URI) --host 127.0.0.1 --port 5000
+
+clean:
+	rm -rf .pytest_cache .ruff_cache
