@@ -1,0 +1,180 @@
+"""Atomic, resumable checkpoints.
+
+``<dir>/checkpoint-<step>/`` holds everything a bit-exact resume needs:
+
+- ``model.safetensors`` + config + tokenizer (HF format, ``save_pretrained``) — loadable on its own;
+- ``optimizer.pt``, ``scheduler.pt`` — loaded with ``torch.load(weights_only=True)``;
+- ``rollout_buffer.pt`` — the generation batch in use when a step boundary falls inside it
+  (``num_iterations`` > 1 or ``steps_per_generation`` > 1), else absent;
+- ``reference.safetensors`` — the reference weights when they have been synced (TR-DPO);
+- ``trainer_state.json`` — step, data-sampler position, RNG states (python, numpy, torch, cuda),
+  the params hash, and the metrics of the last step.
+
+A checkpoint is written into ``checkpoint-<step>.tmp-<pid>`` and renamed into place only once every
+file is flushed, so a crash never leaves a partial checkpoint under a valid name: a checkpoint is
+complete or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+STATE_FILE = "trainer_state.json"
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used (incompatible params, unreadable files); the message says which."""
+
+
+def rng_state() -> dict:
+    """Every RNG the training loop draws from, in JSON-safe form."""
+    np_state = np.random.get_state()
+    state = {
+        "python": _to_json(random.getstate()),
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "torch": torch.get_rng_state().tolist(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(_from_json(state["python"]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def _to_json(obj: Any) -> Any:
+    return [_to_json(o) for o in obj] if isinstance(obj, (tuple, list)) else obj
+
+
+def _from_json(obj: Any) -> Any:
+    return tuple(_from_json(o) for o in obj) if isinstance(obj, list) else obj
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in path.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optimizer, scheduler,
+                    state: dict, rollout_buffer: dict | None = None,
+                    reference_state: dict | None = None, keep_last: int | None = None) -> Path:
+    """Write checkpoint-<step> atomically; prune to the newest ``keep_last``. Returns the final path."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"checkpoint-{step}"
+    tmp = directory / f"checkpoint-{step}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    if rollout_buffer is not None:
+        torch.save(rollout_buffer, tmp / "rollout_buffer.pt")
+    if reference_state is not None:
+        save_file({k: v.contiguous() for k, v in reference_state.items()}, tmp / "reference.safetensors")
+    full_state = {**state, "step": step, "rng": rng_state()}
+    (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=1))
+    _fsync_tree(tmp)
+    if final.exists():  # re-saving the same step (e.g. the end of a resumed run): replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    if keep_last:
+        for old in list_checkpoints(directory)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temp dirs and dirs without a state file are ignored)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for p in directory.iterdir():
+        m = _NAME.match(p.name)
+        if m and (p / STATE_FILE).is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    ckpts = list_checkpoints(directory)
+    return ckpts[-1] if ckpts else None
+
+
+def remove_stale_temp_dirs(directory: str | Path) -> int:
+    """Delete leftovers of interrupted writes (``checkpoint-N.tmp-PID``). Returns how many."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return 0
+    stale = [p for p in directory.iterdir() if p.is_dir() and ".tmp-" in p.name]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return len(stale)
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    state: dict
+    optimizer: dict
+    scheduler: dict
+    rollout_buffer: dict | None
+    reference_state: dict | None
+
+
+def load_checkpoint(path: str | Path, expected_hash: str | None = None) -> LoadedCheckpoint:
+    """Read a checkpoint's training state (the weights load with ``from_pretrained(path)``).
+
+    Refuses, with a clear error, a checkpoint written under different training params.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: unreadable {STATE_FILE}: {err}") from err
+    if expected_hash is not None and state.get("params_hash") != expected_hash:
+        raise CheckpointError(
+            f"{path}: written under different training params (hash {str(state.get('params_hash'))[:12]}, "
+            f"now {expected_hash[:12]}). Resuming would mix two runs. Start fresh with train.resume: never "
+            f"(or delete {path.parent}), or restore the params it was written with.")
+    buffer_file = path / "rollout_buffer.pt"
+    ref_file = path / "reference.safetensors"
+    return LoadedCheckpoint(
+        path=path,
+        state=state,
+        optimizer=torch.load(path / "optimizer.pt", weights_only=True),
+        scheduler=torch.load(path / "scheduler.pt", weights_only=True),
+        rollout_buffer=torch.load(buffer_file, weights_only=True) if buffer_file.exists() else None,
+        reference_state=load_file(ref_file) if ref_file.exists() else None,
+    )

@@ -1,0 +1,406 @@
+"""Typed params.yaml, validated at load.
+
+Every section is a dataclass; each field carries its default and a one-line meaning (``help``), and
+optionally a numeric range. ``load_config`` turns YAML into these dataclasses and rejects, naming the
+key: unknown keys (with the closest valid key), wrong types, out-of-range values and inconsistent
+combinations (e.g. a generation batch not divisible by ``num_generations``).
+
+``train.*`` uses TRL ``GRPOConfig`` names wherever the concept is the same, so a TRL user can carry a
+config over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from grpo_core.embedded.config import EmbeddedConfig
+
+
+class ConfigError(ValueError):
+    """A params.yaml problem; the message names the key (``section.key``) and what is allowed."""
+
+
+def _f(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
+       le: float | None = None, lt: float | None = None) -> Any:
+    """A dataclass field with a documented meaning and an optional numeric range."""
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = _f([], "local train files (jsonl, parquet or csv); ignored when hub_dataset is set")
+    eval_files: list[str] = _f([], "local held-out files (jsonl, parquet or csv)")
+    hub_dataset: str | None = _f(None, "a dataset id for datasets.load_dataset (e.g. openai/gsm8k)")
+    hub_config: str | None = _f(None, "the dataset's configuration name (e.g. main)")
+    train_split: str = _f("train", "split of hub_dataset used for training")
+    eval_split: str = _f("test", "split of hub_dataset held out for evaluation")
+    prompt_column: str = _f("prompt", "column holding the prompt (a string or chat messages)")
+    answer_column: str = _f("answer", "column holding the gold answer, passed to rewards as `answer`")
+    system_prompt: str | None = _f(None, "system message prepended to every prompt (chat template)")
+    overlong_prompt: Literal["truncate", "error"] = _f(
+        "truncate", "a prompt over max_prompt_length: left-truncate with a counted warning, or error")
+
+
+@dataclass
+class LoraConfig:
+    r: int = _f(16, "LoRA rank", ge=1)
+    lora_alpha: float = _f(32.0, "LoRA scaling numerator", gt=0)
+    lora_dropout: float = _f(0.05, "dropout on the LoRA path", ge=0, lt=1)
+    target_modules: str | list[str] = _f("all-linear", "modules to adapt (peft's target_modules)")
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = _f("artifacts/base_model", "a local directory or a hub model id")
+    dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "weights' dtype when loading")
+    trust_remote_code: bool = _f(False, "run code shipped with the model (only for models you trust)")
+    attn_implementation: str | None = _f(None, "transformers attn_implementation (sdpa, flash_attention_2, ...)")
+    lora: LoraConfig | None = _f(None, "train LoRA adapters instead of all weights (needs the `lora` extra)")
+
+
+@dataclass
+class RewardSpec:
+    name: str = _f("", "metric name: logged as rewards/<name>/mean")
+    function: str = _f("", "built-in reward name, or package.module:function (trusted code)")
+    kwargs: dict = _f({}, "keyword arguments for the built-in factory or bound to the function")
+    target_share: float = _f(1.0, "share of within-group advantage variance calibration aims for", ge=0)
+    clip: list[float] | None = _f(None, "[low, high]: clip this reward to the range")
+
+
+@dataclass
+class ValidateConfig:
+    check_gold_reward: bool = _f(True, "the gold answer must score the maximum under each correctness reward")
+    max_report_rows: int = _f(1000, "failures listed in the report at most", ge=1)
+
+
+@dataclass
+class CalibrateConfig:
+    enabled: bool = _f(True, "sample the base policy and derive reward weights; off = equal weights")
+    num_prompts: int = _f(64, "training prompts sampled for calibration", ge=1)
+    num_generations: int = _f(8, "completions per calibration prompt", ge=2)
+    temperature: float = _f(1.0, "sampling temperature for calibration", gt=0)
+    dead_std_threshold: float = _f(1e-6, "mean within-group std below this marks a reward dead", ge=0)
+    dominant_share: float = _f(0.9, "flag a reward above this share of advantage variance", gt=0, le=1)
+    drop_always_solved: bool = _f(False, "drop prompts the base policy always solves (zero advantage)")
+    drop_never_solved: bool = _f(False, "drop prompts the base policy never solves (zero advantage)")
+    seed: int = _f(0, "seed for prompt choice and sampling")
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = _f("artifacts", "checkpoints go to <output_dir>/checkpoints, the model to <output_dir>/model")
+    learning_rate: float = _f(1e-6, "AdamW peak learning rate", gt=0)
+    num_generations: int = _f(8, "G: completions sampled per prompt (the group)", ge=2)
+    per_device_train_batch_size: int = _f(8, "completions per micro-batch per process", ge=1)
+    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step", ge=1)
+    steps_per_generation: int | None = _f(None, "optimizer steps one generation batch feeds (None = grad accum)", ge=1)
+    max_prompt_length: int | None = _f(512, "prompt tokens kept (left-truncated) or allowed", ge=1)
+    max_completion_length: int = _f(256, "completion tokens sampled at most", ge=1)
+    temperature: float = _f(1.0, "sampling temperature (log-probs use the same scaling)", gt=0)
+    top_p: float = _f(1.0, "nucleus sampling mass", gt=0, le=1)
+    top_k: int = _f(0, "top-k sampling (0 = off)", ge=0)
+    beta: float = _f(0.0, "KL coefficient against the reference model (0 = no reference model)", ge=0)
+    epsilon: float = _f(0.2, "lower clip range: ratio >= 1 - epsilon", gt=0, lt=1)
+    epsilon_high: float | None = _f(None, "upper clip range: ratio <= 1 + epsilon_high (None = epsilon)", gt=0)
+    delta: float | None = _f(None, "two-sided clipping: cap on the unclipped ratio (None = off)", gt=1)
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = _f("dapo", "loss aggregation (see docs/algorithm.md)")
+    importance_sampling_level: Literal["token", "sequence"] = _f("token", "token ratios, or GSPO sequence ratios")
+    scale_rewards: Literal["group", "batch", "none"] = _f("group", "advantage std: per group, whole batch, or none")
+    num_iterations: int = _f(1, "optimisation passes over each generation batch (mu)", ge=1)
+    reward_weights: list[float] | None = _f(None, "pin reward weights (None = calibration's, else all 1)")
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = _f(
+        "sum_then_normalize", "combine rewards before (GRPO) or after (GDPO) per-function normalisation")
+    mask_truncated_completions: bool = _f(False, "exclude completions that hit max_completion_length from the loss")
+    max_steps: int = _f(100, "optimizer steps to train", ge=1)
+    save_steps: int = _f(50, "checkpoint every N optimizer steps (and at the end)", ge=1)
+    save_total_limit: int = _f(2, "checkpoints kept (oldest deleted first)", ge=1)
+    logging_steps: int = _f(1, "log metrics every N steps", ge=1)
+    seed: int = _f(0, "seed for sampling, data order and initialisation")
+    warmup_ratio: float = _f(0.0, "share of max_steps spent warming the learning rate up", ge=0, le=1)
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = _f("constant", "learning-rate schedule after warmup")
+    weight_decay: float = _f(0.0, "AdamW decoupled weight decay", ge=0)
+    adam_beta1: float = _f(0.9, "AdamW beta1", ge=0, lt=1)
+    adam_beta2: float = _f(0.999, "AdamW beta2", ge=0, lt=1)
+    max_grad_norm: float = _f(1.0, "clip the global gradient norm (0 = off)", ge=0)
+    sync_ref_model: bool = _f(False, "TR-DPO: mix the policy into the reference every ref_model_sync_steps")
+    ref_model_mixup_alpha: float = _f(0.6, "TR-DPO alpha: ref = alpha * policy + (1 - alpha) * ref", ge=0, le=1)
+    ref_model_sync_steps: int = _f(512, "steps between reference syncs", ge=1)
+    mixed_precision: Literal["no", "bf16", "fp16"] = _f("no", "accelerate mixed precision")
+    gradient_checkpointing: bool = _f(False, "trade compute for activation memory")
+    num_processes: int = _f(1, "processes (GPUs); > 1 launches through `accelerate launch`", ge=1)
+    reward_errors: Literal["raise", "none"] = _f("raise", "a raising reward function: stop, or count as None")
+    resume: Literal["auto", "never"] = _f("auto", "resume from the latest valid checkpoint, or start fresh")
+
+    @property
+    def effective_steps_per_generation(self) -> int:
+        return self.steps_per_generation or self.gradient_accumulation_steps
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Completions sampled per generation round, over all processes."""
+        return self.per_device_train_batch_size * self.num_processes * self.effective_steps_per_generation
+
+
+@dataclass
+class EvaluateConfig:
+    max_samples: int | None = _f(500, "held-out prompts evaluated (None = all)", ge=1)
+    num_generations: int = _f(8, "n: samples per prompt for pass@k", ge=1)
+    pass_k: list[int] = _f([1, 4, 8], "k values for the unbiased pass@k")
+    temperature: float = _f(1.0, "sampling temperature for pass@k (greedy accuracy is separate)", gt=0)
+    max_completion_length: int = _f(256, "completion tokens at most", ge=1)
+    batch_size: int = _f(64, "prompts per generate call", ge=1)
+    seed: int = _f(0, "seed for sampling")
+
+
+@dataclass
+class TrackingConfig:
+    experiment_name: str = _f("grpo-pipeline", "MLflow experiment")
+    tracking_uri: str | None = _f(None, "MLflow tracking URI (None = sqlite:///<repo>/mlflow.db, or $MLFLOW_TRACKING_URI)")
+    register_model: bool = _f(True, "register the trained model in the MLflow Model Registry")
+    registered_model_name: str = _f("grpo-policy", "registered model name")
+    promotion_metric: str = _f("accuracy", "eval metric the promotion gate compares")
+    promotion_margin: float = _f(0.0, "alias `champion` only when the metric beats the champion's by this", ge=0)
+
+
+@dataclass
+class PipelineConfig:
+    embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rewards: list[RewardSpec] = field(default_factory=list)
+    validate: ValidateConfig = field(default_factory=ValidateConfig)
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Building dataclasses from plain YAML values, with errors that name the key.
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        (inner,) = typing.get_args(tp) or (Any,)
+        return f"list[{_type_name(inner)}]"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against annotation ``tp``; return it converted (dicts become dataclasses)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{key}: null is not allowed; expected {_type_name(tp)}")
+        candidates = [a for a in args if a is not type(None)]
+        if len(candidates) == 1:  # Optional[X]: X's own, more precise, error
+            return _convert(value, candidates[0], key)
+        for arg in candidates:
+            try:
+                return _convert(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: {value!r} is not {_type_name(tp)}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list ({_type_name(tp)}), got {type(value).__name__} {value!r}")
+        (inner,) = typing.get_args(tp) or (Any,)
+        return [_convert(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {tp!r}")  # a bug in a config class, not in the YAML
+
+
+def _check_range(value: Any, meta: typing.Mapping, key: str) -> None:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    bounds = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
+              "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
+    for name, (symbol, ok) in bounds.items():
+        bound = meta.get(name)
+        if bound is not None and not ok(value, bound):
+            allowed = " and ".join(f"{s} {meta[n]}" for n, (s, _) in bounds.items() if meta.get(n) is not None)
+            raise ConfigError(f"{key}: {value!r} is out of range; allowed: {allowed}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix}: expected a mapping of keys, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.5)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
+            raise ConfigError(f"{prefix}.{key}: unknown key{hint}")
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}"
+        kwargs[name] = _convert(value, hints[name], key)
+        _check_range(kwargs[name], fields[name].metadata, key)
+    return cls(**kwargs)
+
+
+def _check_consistency(cfg: PipelineConfig) -> None:
+    t = cfg.train
+    if t.generation_batch_size % t.num_generations:
+        raise ConfigError(
+            f"train.per_device_train_batch_size: the generation batch (per_device_train_batch_size "
+            f"{t.per_device_train_batch_size} x num_processes {t.num_processes} x steps_per_generation "
+            f"{t.effective_steps_per_generation} = {t.generation_batch_size} completions) must be divisible "
+            f"by train.num_generations ({t.num_generations}) so that whole groups are sampled")
+    if t.epsilon_high is not None and t.epsilon_high < t.epsilon:
+        raise ConfigError(f"train.epsilon_high: {t.epsilon_high} is below train.epsilon ({t.epsilon})")
+    if not cfg.rewards:
+        raise ConfigError("rewards: at least one reward function is required")
+    names = [r.name for r in cfg.rewards]
+    for i, spec in enumerate(cfg.rewards):
+        if not spec.name or not spec.function:
+            raise ConfigError(f"rewards[{i}]: both `name` and `function` are required")
+        if spec.clip is not None and (len(spec.clip) != 2 or spec.clip[0] > spec.clip[1]):
+            raise ConfigError(f"rewards[{i}].clip: expected [low, high] with low <= high, got {spec.clip}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"rewards: names must be unique, got {names}")
+    if t.reward_weights is not None and len(t.reward_weights) != len(cfg.rewards):
+        raise ConfigError(f"train.reward_weights: {len(t.reward_weights)} weights for {len(cfg.rewards)} "
+                          f"reward functions ({', '.join(names)})")
+    for k in cfg.evaluate.pass_k:
+        if not 1 <= k <= cfg.evaluate.num_generations:
+            raise ConfigError(f"evaluate.pass_k: k={k} must be between 1 and evaluate.num_generations "
+                              f"({cfg.evaluate.num_generations})")
+    if cfg.data.hub_dataset is None and not cfg.data.train_files:
+        raise ConfigError("data.train_files: empty; name local files or set data.hub_dataset")
+
+
+def _apply_overrides(raw: dict, overrides: typing.Mapping[str, Any]) -> dict:
+    """``{"train.learning_rate": 1e-4}`` -> raw["train"]["learning_rate"] = 1e-4 (keys checked at build)."""
+    for dotted, value in overrides.items():
+        parts = dotted.split(".")
+        node = raw
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{dotted}: cannot override inside a non-mapping value")
+        node[parts[-1]] = value
+    return raw
+
+
+def config_from_dict(raw: dict, overrides: typing.Mapping[str, Any] | None = None,
+                     source: str = "params") -> PipelineConfig:
+    raw = json.loads(json.dumps(raw or {}))  # deep copy of plain YAML data
+    if overrides:
+        raw = _apply_overrides(raw, overrides)
+    sections = {f.name for f in dataclasses.fields(PipelineConfig)}
+    for key in raw:
+        if key not in sections:
+            close = difflib.get_close_matches(str(key), sections, n=1, cutoff=0.5)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; sections: {', '.join(sorted(sections))}"
+            raise ConfigError(f"{source}: unknown section '{key}'{hint}")
+    kwargs: dict[str, Any] = {}
+    hints = typing.get_type_hints(PipelineConfig)
+    for name, value in raw.items():
+        kwargs[name] = _convert(value, hints[name], name)
+    cfg = PipelineConfig(**kwargs)
+    _check_consistency(cfg)
+    return cfg
+
+
+def load_config(path: str | Path = "params.yaml", overrides: typing.Mapping[str, Any] | None = None) -> PipelineConfig:
+    """Read and validate params.yaml. Raises ConfigError naming the key on any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such parameters file")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    return config_from_dict(raw, overrides, source=str(path))
+
+
+# Keys that change bookkeeping only; they never make a checkpoint incompatible.
+_BOOKKEEPING_KEYS = {"output_dir", "save_steps", "save_total_limit", "logging_steps", "resume", "max_steps",
+                     "num_processes"}
+
+
+def training_params_hash(cfg: PipelineConfig, reward_weights: typing.Sequence[float] | None = None) -> str:
+    """sha256 over everything that changes what training computes (model, data, rewards, train.*).
+
+    A checkpoint stores it; resuming under a different hash is refused. ``max_steps`` is excluded so a
+    run can be extended, as are the other bookkeeping keys in ``_BOOKKEEPING_KEYS``.
+    """
+    train = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in _BOOKKEEPING_KEYS}
+    payload = {
+        "model": dataclasses.asdict(cfg.model),
+        "data": dataclasses.asdict(cfg.data),
+        "rewards": [dataclasses.asdict(r) for r in cfg.rewards],
+        "train": train,
+        "reward_weights": list(reward_weights) if reward_weights is not None else None,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def describe(cls: type) -> list[tuple[str, str, Any, str]]:
+    """(key, type, default, meaning) for every field of a config section: for docs and --help."""
+    hints = typing.get_type_hints(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        rows.append((f.name, _type_name(hints[f.name]), default, f.metadata.get("help", "")))
+    return rows

@@ -1,0 +1,139 @@
+"""Prompts: loading (local jsonl / parquet / csv, or a hub dataset) and encoding (chat templates, truncation).
+
+Rows keep every column: the ones other than ``prompt`` reach reward functions as keyword arguments.
+The configured ``prompt_column`` / ``answer_column`` are renamed to ``prompt`` / ``answer`` so rewards
+see one convention whatever the source.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from grpo_core.config import DataConfig
+
+log = logging.getLogger(__name__)
+
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class DataError(ValueError):
+    """A dataset problem; the message names the file, split or column."""
+
+
+def _builder_for(paths: list[str]) -> str:
+    kinds = set()
+    for p in paths:
+        suffix = Path(p).suffix.lower()
+        if suffix not in _BUILDERS:
+            raise DataError(f"{p}: unsupported file type '{suffix}'; use one of {', '.join(_BUILDERS)}")
+        if not Path(p).is_file():
+            raise DataError(f"{p}: no such data file")
+        kinds.add(_BUILDERS[suffix])
+    if len(kinds) != 1:
+        raise DataError(f"data files of mixed formats in one split: {paths}")
+    return kinds.pop()
+
+
+def load_split(cfg: DataConfig, split: Literal["train", "eval"], root: str | Path = "."):
+    """Load one split as a ``datasets.Dataset`` with ``prompt`` (and ``answer`` if present) columns.
+
+    Local files are read through ``datasets.load_dataset`` with the file's builder (json/parquet/csv),
+    the same code path a hub dataset takes. Relative paths resolve against ``root`` (the repo root), so
+    the stage works from any working directory (``dvc exp run --temp`` runs elsewhere).
+    """
+    import datasets
+
+    if cfg.hub_dataset:
+        hub_split = cfg.train_split if split == "train" else cfg.eval_split
+        try:
+            ds = datasets.load_dataset(cfg.hub_dataset, cfg.hub_config, split=hub_split)
+        except Exception as err:  # the hub raises many types; the message is what matters
+            raise DataError(f"data.hub_dataset: could not load '{cfg.hub_dataset}' "
+                            f"(config {cfg.hub_config!r}, split {hub_split!r}): {err}") from err
+        where = f"{cfg.hub_dataset}[{hub_split}]"
+    else:
+        files = cfg.train_files if split == "train" else cfg.eval_files
+        key = "data.train_files" if split == "train" else "data.eval_files"
+        if not files:
+            raise DataError(f"{key}: no files configured")
+        paths = [str(Path(root, f)) if not Path(f).is_absolute() else f for f in files]
+        builder = _builder_for(paths)
+        try:
+            ds = datasets.load_dataset(builder, data_files=paths, split="train")
+        except Exception as err:
+            raise DataError(f"{key}: could not read {paths}: {err}") from err
+        where = ", ".join(paths)
+
+    if cfg.prompt_column not in ds.column_names:
+        raise DataError(f"{where}: no '{cfg.prompt_column}' column (data.prompt_column); "
+                        f"columns are {ds.column_names}")
+    if cfg.prompt_column != "prompt":
+        if "prompt" in ds.column_names:
+            ds = ds.remove_columns("prompt")
+        ds = ds.rename_column(cfg.prompt_column, "prompt")
+    if cfg.answer_column in ds.column_names and cfg.answer_column != "answer":
+        if "answer" in ds.column_names:
+            ds = ds.remove_columns("answer")
+        ds = ds.rename_column(cfg.answer_column, "answer")
+    if len(ds) == 0:
+        raise DataError(f"{where}: the {split} split is empty")
+    return ds
+
+
+def is_conversational(prompt: Any) -> bool:
+    """A chat prompt is a list of {"role", "content"} messages (TRL's convention)."""
+    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+@dataclass
+class PromptEncoder:
+    """Turns a dataset prompt into token ids: chat template for messages, left truncation when too long.
+
+    Left truncation keeps the end of the prompt, where the question usually is. ``truncated_count``
+    counts truncations so the trainer can report them.
+    """
+
+    tokenizer: Any
+    max_prompt_length: int | None
+    system_prompt: str | None = None
+    overlong: Literal["truncate", "error"] = "truncate"
+    truncated_count: int = field(default=0, init=False)
+
+    def render(self, prompt: Any) -> str:
+        if is_conversational(prompt):
+            messages = list(prompt)
+            if self.system_prompt and not any(m["role"] == "system" for m in messages):
+                messages = [{"role": "system", "content": self.system_prompt}] + messages
+            if getattr(self.tokenizer, "chat_template", None) is None:
+                raise DataError("a chat-format prompt needs a tokenizer with a chat template "
+                                f"({type(self.tokenizer).__name__} has none)")
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if not isinstance(prompt, str):
+            raise DataError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+        if self.system_prompt:
+            return self.system_prompt + "\n" + prompt
+        return prompt
+
+    def encode(self, prompt: Any, row: int | None = None) -> list[int]:
+        text = self.render(prompt)
+        ids = self.tokenizer(text, add_special_tokens=not is_conversational(prompt))["input_ids"]
+        if self.max_prompt_length is not None and len(ids) > self.max_prompt_length:
+            if self.overlong == "error":
+                raise DataError(f"prompt{'' if row is None else f' in row {row}'} has {len(ids)} tokens, over "
+                                f"train.max_prompt_length={self.max_prompt_length} (data.overlong_prompt: error)")
+            self.truncated_count += 1
+            if self.truncated_count in (1, 10, 100, 1000):
+                log.warning("%d prompt(s) left-truncated to max_prompt_length=%d so far",
+                            self.truncated_count, self.max_prompt_length)
+            ids = ids[-self.max_prompt_length:]
+        return ids
+
+
+def completion_for_reward(text: str, prompt: Any) -> Any:
+    """TRL's convention: chat prompts get completions as a one-message list, plain prompts a string."""
+    if is_conversational(prompt):
+        return [{"role": "assistant", "content": text}]
+    return text

@@ -1,0 +1,111 @@
+"""Loading the policy and the reference model, hub or local, the same way (``from_pretrained``)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from grpo_core.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """The model or tokenizer cannot be loaded; the message names model.name_or_path."""
+
+
+def resolve_model_path(name_or_path: str, root: str | Path = ".") -> str:
+    """A local directory (relative to the repo root) if one exists, else a hub id.
+
+    Something that is plainly a path (``./x``, ``/x``, ``~/x``, ``a/b/c``) but does not exist is an
+    error here, rather than a confusing hub lookup later.
+    """
+    candidate = Path(root, name_or_path).expanduser()
+    if candidate.is_dir():
+        return str(candidate)
+    if Path(name_or_path).expanduser().is_dir():
+        return str(Path(name_or_path).expanduser())
+    looks_like_path = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    if looks_like_path or not name_or_path:
+        raise ModelLoadError(f"model.name_or_path: '{name_or_path}' is not a directory (looked in {candidate}); "
+                             "run the `prepare` stage for the embedded model, or give a hub id")
+    return name_or_path
+
+
+def load_tokenizer(cfg: ModelConfig, root: str | Path = "."):
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(cfg.name_or_path, root)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"model.name_or_path: cannot load a tokenizer from '{path}': {err}") from err
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        if tok.eos_token_id is None:
+            raise ModelLoadError(f"model.name_or_path: the tokenizer of '{path}' has neither a pad nor an EOS token")
+        tok.pad_token = tok.eos_token  # masks, not the pad id, decide what is trained on
+        log.info("tokenizer has no pad token; using the EOS token '%s' for padding", tok.eos_token)
+    return tok
+
+
+def load_model(cfg: ModelConfig, root: str | Path = "."):
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(cfg.name_or_path, root)
+    kwargs = {"dtype": DTYPES[cfg.dtype], "trust_remote_code": cfg.trust_remote_code, "use_safetensors": True}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"model.name_or_path: cannot load a causal LM from '{path}' "
+                             f"(safetensors weights required): {err}") from err
+
+
+def load_policy(cfg: ModelConfig, root: str | Path = ".", gradient_checkpointing: bool = False):
+    """(model, tokenizer): trainable policy, with LoRA adapters when ``cfg.lora`` is set."""
+    tokenizer = load_tokenizer(cfg, root)
+    model = load_model(cfg, root)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    if cfg.lora is not None:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError as err:
+            raise ModelLoadError("model.lora: LoRA needs peft; install the extra: pip install -e '.[lora]'") from err
+        lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.lora_alpha, lora_dropout=cfg.lora.lora_dropout,
+                          target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
+    return model, tokenizer
+
+
+class AdapterDisabledReference(torch.nn.Module):
+    """The reference under LoRA: the same base weights with adapters switched off (no second copy)."""
+
+    _is_adapter_view = True
+
+    def __init__(self, peft_model):
+        super().__init__()
+        self._peft = [peft_model]  # a list, so the policy is not registered as a submodule
+
+    def forward(self, *args, **kwargs):
+        with self._peft[0].disable_adapter():
+            return self._peft[0](*args, **kwargs)
+
+
+def load_reference(cfg: ModelConfig, root: str | Path, policy) -> torch.nn.Module:
+    """A frozen reference: the base weights as loaded (a fresh copy), or the adapter-less view under LoRA."""
+    if cfg.lora is not None:
+        return AdapterDisabledReference(policy)
+    ref = load_model(cfg, root)
+    ref.eval()
+    ref.requires_grad_(False)
+    return ref

@@ -1,0 +1,141 @@
+"""Rollouts: G sampled completions per prompt, behind a small backend interface.
+
+The trainer only sees ``RolloutBackend.generate`` and ``RolloutBatch``; the HF ``generate`` backend
+here is the default, and a vLLM backend can be added beside it without touching the trainer.
+
+Layout: rows are grouped G at a time — rows ``[g*G, (g+1)*G)`` are prompt g's samples — which is the
+layout ``compute_advantages`` expects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    do_sample: bool = True
+
+
+@dataclass
+class RolloutBatch:
+    """Prompts and sampled completions, padded into rectangles.
+
+    prompt_ids, prompt_mask:         (N, P) left-padded (mask 1 on real tokens)
+    completion_ids, completion_mask: (N, C) right-padded; mask 1 up to and including the first EOS
+    is_truncated:                    (N,) bool, True when no EOS was produced within max_new_tokens
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    is_truncated: torch.Tensor
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(dim=1)
+
+
+class RolloutBackend(Protocol):
+    def generate(self, prompt_ids: list[list[int]], num_generations: int,
+                 sampling: SamplingParams) -> RolloutBatch: ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Called after each optimizer step (an external engine reloads weights here)."""
+
+
+def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, max_len) ids and mask, padded on the left so every prompt ends at the same column."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        if seq:
+            ids[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+            mask[i, width - len(seq):] = 1
+    return ids, mask
+
+
+def completion_mask_from_eos(completion_ids: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask up to and including the first EOS; a row without EOS is truncated (mask all ones).
+
+    completion_ids: (N, C) -> mask (N, C) long, is_truncated (N,) bool
+    """
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
+    n, c = completion_ids.shape
+    has_eos = is_eos.any(dim=1)
+    first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full((n,), c, device=completion_ids.device))
+    positions = torch.arange(c, device=completion_ids.device).expand(n, c)
+    mask = (positions <= first_eos.unsqueeze(1)).long()
+    return mask, ~has_eos
+
+
+class HFGenerateBackend:
+    """Sampling with ``model.generate``: KV cache, batched, left padding, stops when all rows end."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, eos_token_ids: list[int] | None = None,
+                 max_batch_size: int | None = None):
+        self.model = model
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        eos = eos_token_ids if eos_token_ids is not None else tokenizer.eos_token_id
+        self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
+        if not self.eos_ids or self.pad_id is None:
+            raise ValueError("the tokenizer has neither an EOS nor a pad token: generation cannot stop")
+        self.max_batch_size = max_batch_size
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        self.model = model  # same process, same weights: nothing to copy
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], num_generations: int,
+                 sampling: SamplingParams) -> RolloutBatch:
+        repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
+        ids, mask = left_pad(repeated, self.pad_id)
+        device = next(self.model.parameters()).device
+        step = self.max_batch_size or len(repeated)
+        outputs = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, len(repeated), step):
+                chunk_ids = ids[start:start + step].to(device)
+                chunk_mask = mask[start:start + step].to(device)
+                out = self.model.generate(
+                    input_ids=chunk_ids, attention_mask=chunk_mask,
+                    max_new_tokens=sampling.max_new_tokens, do_sample=sampling.do_sample,
+                    temperature=sampling.temperature if sampling.do_sample else None,
+                    top_p=sampling.top_p if sampling.do_sample else None,
+                    top_k=sampling.top_k if sampling.do_sample else None,
+                    pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
+                    # A hub model's generation_config may carry its own repetition penalty or min_p;
+                    # sampling must follow exactly the distribution the loss's log-probs describe.
+                    repetition_penalty=1.0, min_p=None,
+                )
+                outputs.append(out[:, chunk_ids.shape[1]:].cpu())
+        finally:
+            self.model.train(was_training)
+        width = max(o.shape[1] for o in outputs)
+        completion_ids = torch.full((len(repeated), width), self.pad_id, dtype=torch.long)
+        row = 0
+        for o in outputs:
+            completion_ids[row:row + o.shape[0], :o.shape[1]] = o
+            row += o.shape[0]
+        completion_mask, is_truncated = completion_mask_from_eos(completion_ids, self.eos_ids)
+        completion_ids = completion_ids.masked_fill(completion_mask == 0, self.pad_id)
+        return RolloutBatch(ids, mask, completion_ids, completion_mask, is_truncated)
+
+
+def decode_completions(tokenizer, batch: RolloutBatch) -> list[str]:
+    """Completion texts without the EOS and padding (what reward functions read)."""
+    texts = []
+    for ids, m in zip(batch.completion_ids, batch.completion_mask):
+        texts.append(tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True))
+    return texts

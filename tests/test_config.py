@@ -1,0 +1,110 @@
+"""params.yaml loading: the shipped file validates; every kind of mistake is an error naming the key."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grpo_core.config import (
+    ConfigError,
+    TrainConfig,
+    config_from_dict,
+    describe,
+    load_config,
+    training_params_hash,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def base() -> dict:
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+def test_shipped_params_validate():
+    cfg = load_config(ROOT / "params.yaml")
+    assert cfg.train.num_generations >= 2
+    assert [r.name for r in cfg.rewards] == ["correctness", "format"]
+    # 64 completions per generation round = 8 whole groups of 8
+    assert cfg.train.generation_batch_size % cfg.train.num_generations == 0
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")) if (ROOT / "configs").exists() else [])
+def test_example_configs_validate(path):
+    load_config(path)
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d["train"].update(learnig_rate=1e-4), "train.learnig_rate: unknown key; did you mean 'learning_rate'?"),
+        (lambda d: d.update(trian={}), "unknown section 'trian'; did you mean 'train'?"),
+        (lambda d: d["train"].update(num_generations="eight"), "train.num_generations: expected an integer"),
+        (lambda d: d["train"].update(num_generations=1), "train.num_generations: 1 is out of range; allowed: >= 2"),
+        (lambda d: d["train"].update(loss_type="ppo"), "train.loss_type: 'ppo' is not allowed; choose one of 'grpo'"),
+        (lambda d: d["train"].update(learning_rate=0), "train.learning_rate: 0.0 is out of range; allowed: > 0"),
+        (lambda d: d["train"].update(mask_truncated_completions="yes"), "train.mask_truncated_completions: expected true or false"),
+        (lambda d: d["train"].update(per_device_train_batch_size=12), "must be divisible by train.num_generations (8)"),
+        (lambda d: d["train"].update(reward_weights=[1.0]), "train.reward_weights: 1 weights for 2 reward functions"),
+        (lambda d: d["train"].update(epsilon_high=0.1), "train.epsilon_high: 0.1 is below train.epsilon"),
+        (lambda d: d["model"].update(lora={"r": 0}), "model.lora.r: 0 is out of range; allowed: >= 1"),
+        (lambda d: d["rewards"][0].update(weight=2.0), "rewards[0].weight: unknown key"),
+        (lambda d: d["rewards"][1].update(name="correctness"), "rewards: names must be unique"),
+        (lambda d: d["evaluate"].update(pass_k=[16]), "evaluate.pass_k: k=16 must be between 1 and"),
+        (lambda d: d["embedded"].update(label_noise=1.5), "embedded.label_noise: 1.5 is out of range"),
+        (lambda d: d.update(rewards=[]), "rewards: at least one reward function is required"),
+        (lambda d: d["data"].update(train_files="x.jsonl"), "data.train_files: expected a list"),
+    ],
+)
+def test_bad_params_name_the_key(mutate, message):
+    raw = base()
+    mutate(raw)
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(raw)
+    assert message in str(err.value)
+
+
+def test_overrides_apply_and_are_checked():
+    cfg = config_from_dict(base(), {"train.learning_rate": 1e-4, "train.max_steps": 3})
+    assert cfg.train.learning_rate == 1e-4 and cfg.train.max_steps == 3
+    with pytest.raises(ConfigError, match="train.max_stepz: unknown key; did you mean 'max_steps'"):
+        config_from_dict(base(), {"train.max_stepz": 3})
+
+
+def test_ints_are_accepted_for_floats_but_not_bools():
+    cfg = config_from_dict(base(), {"train.beta": 0})
+    assert cfg.train.beta == 0.0 and isinstance(cfg.train.beta, float)
+    with pytest.raises(ConfigError, match="train.beta: expected a number"):
+        config_from_dict(base(), {"train.beta": True})
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="no such parameters file"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_params_hash_ignores_bookkeeping_but_not_training_keys():
+    a = config_from_dict(base())
+    same = config_from_dict(base(), {"train.save_steps": 7, "train.max_steps": 999, "train.logging_steps": 5})
+    other = config_from_dict(base(), {"train.learning_rate": 1e-3})
+    assert training_params_hash(a) == training_params_hash(same)
+    assert training_params_hash(a) != training_params_hash(other)
+    assert training_params_hash(a, [1.0, 0.5]) != training_params_hash(a, [1.0, 1.0])
+
+
+def test_every_train_field_is_documented():
+    rows = describe(TrainConfig)
+    assert all(meaning for _, _, _, meaning in rows)
+    names = {r[0] for r in rows}
+    # TRL GRPOConfig names the contract promises
+    for trl_name in ["learning_rate", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
+                     "max_completion_length", "max_prompt_length", "temperature", "top_p", "top_k", "beta", "epsilon",
+                     "epsilon_high", "delta", "loss_type", "scale_rewards", "num_iterations", "reward_weights",
+                     "multi_objective_aggregation", "mask_truncated_completions", "max_steps", "save_steps",
+                     "logging_steps", "seed", "warmup_ratio", "lr_scheduler_type", "weight_decay", "adam_beta1",
+                     "adam_beta2", "max_grad_norm"]:
+        assert trl_name in names
