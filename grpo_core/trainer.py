@@ -1,0 +1,528 @@
+"""The GRPO training loop, top to bottom.
+
+    for each generation round:
+        prompts  <- sampler (whole groups: each prompt repeated G times)
+        rollout  <- backend.generate(prompts)                     # G completions per prompt
+        rewards  <- score_completions(reward_fns, ...)            # (N, K), NaN where a reward is None
+        A        <- compute_advantages(rewards, weights, G)       # group-relative
+        old_logps <- policy(rollout) once, only if the round feeds more than one optimizer step
+        repeat num_iterations times:
+            for each optimizer step the round feeds:
+                for each micro-batch: loss = grpo_loss(logps, old_logps, ref_logps, A, mask); backward
+                clip grads; optimizer.step(); scheduler.step(); log; checkpoint
+
+The math lives in ``advantages.py``, ``loss.py`` and ``logprobs.py``; this file only wires it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from grpo_core.advantages import compute_advantages
+from grpo_core.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    remove_stale_temp_dirs,
+    save_checkpoint,
+)
+from grpo_core.config import PipelineConfig, training_params_hash
+from grpo_core.data import PromptEncoder, completion_for_reward, load_split
+from grpo_core.logprobs import token_logprobs_and_entropy
+from grpo_core.loss import grpo_loss
+from grpo_core.modeling import load_policy, load_reference
+from grpo_core.rewards import build_reward_functions, score_completions
+from grpo_core.rollout import HFGenerateBackend, RolloutBackend, SamplingParams, decode_completions
+
+log = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on; the message says why."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data order
+
+
+class PromptSampler:
+    """Prompt indices in seeded epoch permutations; its state is two integers, so resume is exact."""
+
+    def __init__(self, num_prompts: int, seed: int, allowed: list[int] | None = None):
+        self.pool = np.asarray(allowed if allowed is not None else range(num_prompts), dtype=np.int64)
+        if len(self.pool) == 0:
+            raise TrainingError("no training prompts to sample from (after calibration's filtering)")
+        self.seed, self.epoch, self.position = seed, 0, 0
+
+    def _order(self) -> np.ndarray:
+        return self.pool[np.random.default_rng([self.seed, self.epoch]).permutation(len(self.pool))]
+
+    def take(self, n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            order = self._order()
+            chunk = order[self.position:self.position + n - len(out)]
+            out.extend(int(i) for i in chunk)
+            self.position += len(chunk)
+            if self.position >= len(order):
+                self.epoch, self.position = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-step log: a CSV with fixed columns (TRL's metric names), append-only, so a crash loses at most
+# the line being written and DVC can plot it directly.
+
+
+def metric_columns(reward_names: list[str]) -> list[str]:
+    cols = ["step", "loss", "reward", "reward_std", "frac_reward_zero_std"]
+    for name in reward_names:
+        cols += [f"rewards/{name}/mean", f"rewards/{name}/std"]
+    cols += ["kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+             "completions/mean_length", "completions/min_length", "completions/max_length",
+             "completions/clipped_ratio", "grad_norm", "learning_rate", "reward_errors", "num_tokens",
+             "step_time", "generation_time"]
+    return cols
+
+
+class StepLog:
+    def __init__(self, path: Path, columns: list[str], resume_step: int):
+        self.path, self.columns = path, columns
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept: list[dict] = []
+        if resume_step > 0 and path.exists():  # drop steps after the checkpoint: they are redone
+            with open(path, newline="") as fh:
+                kept = [r for r in csv.DictReader(fh) if r.get("step") and int(float(r["step"])) <= resume_step]
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        with open(tmp, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(kept)
+        os.replace(tmp, path)
+
+    def append(self, metrics: dict) -> None:
+        with open(self.path, "a", newline="") as fh:
+            csv.DictWriter(fh, fieldnames=self.columns, extrasaction="ignore").writerow(
+                {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in metrics.items()})
+
+
+# ---------------------------------------------------------------------------------------------------
+# One generation round: sample, score, compute advantages.
+
+
+def generate_and_score(*, backend: RolloutBackend, tokenizer, dataset, indices: list[int], encoder: PromptEncoder,
+                       reward_fns, reward_names: list[str], weights: torch.Tensor, cfg, accelerator) -> dict:
+    """Sample G completions for each prompt in ``indices``; return the round's tensors and metrics.
+
+    Returns a dict of tensors (rows grouped G at a time): prompt_ids/prompt_mask (N, P),
+    completion_ids/completion_mask (N, C), is_truncated (N,), advantages (N,), plus ``metrics``.
+    """
+    t = cfg.train
+    rows = [dataset[i] for i in indices]
+    prompt_ids = [encoder.encode(r["prompt"], row=i) for r, i in zip(rows, indices)]
+    sampling = SamplingParams(max_new_tokens=t.max_completion_length, temperature=t.temperature,
+                              top_p=t.top_p, top_k=t.top_k)
+    t0 = time.perf_counter()
+    batch = backend.generate(prompt_ids, t.num_generations, sampling)
+    generation_time = time.perf_counter() - t0
+
+    G = t.num_generations
+    texts = decode_completions(tokenizer, batch)
+    prompts = [r["prompt"] for r in rows for _ in range(G)]
+    completions = [completion_for_reward(text, p) for text, p in zip(texts, prompts)]
+    columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+    columns["completion_ids"] = [ids[m.bool()].tolist() for ids, m in zip(batch.completion_ids, batch.completion_mask)]
+    rewards_np, error_counts = score_completions(reward_fns, prompts, completions, columns, on_error=t.reward_errors)
+    rewards = torch.as_tensor(rewards_np, dtype=torch.float32)
+
+    # Whole groups live on one process; advantages still see the global batch (scale_rewards="batch").
+    all_rewards = accelerator.gather(rewards.to(accelerator.device)).cpu() if accelerator.num_processes > 1 else rewards
+    advantages = compute_advantages(all_rewards, weights, G, scale=t.scale_rewards,
+                                    aggregation=t.multi_objective_aggregation)
+    if accelerator.num_processes > 1:
+        n = rewards.shape[0]
+        advantages = advantages[accelerator.process_index * n:(accelerator.process_index + 1) * n]
+
+    metrics = reward_metrics(all_rewards, weights, G, reward_names)
+    lengths = batch.completion_lengths.float()
+    metrics.update({
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": batch.is_truncated.float().mean().item(),
+        "reward_errors": float(sum(error_counts.values())),
+        "generation_time": generation_time,
+    })
+    return {
+        "prompt_ids": batch.prompt_ids, "prompt_mask": batch.prompt_mask,
+        "completion_ids": batch.completion_ids, "completion_mask": batch.completion_mask,
+        "is_truncated": batch.is_truncated, "advantages": advantages.float(),
+        "metrics": metrics, "texts": texts,
+    }
+
+
+def reward_metrics(rewards: torch.Tensor, weights: torch.Tensor, group_size: int, names: list[str]) -> dict:
+    """TRL's reward metrics: mean weighted reward, mean group std, share of zero-std groups, per function."""
+    total = torch.nansum(rewards * weights.to(rewards.dtype), dim=1)  # all-None rows count 0, as in TRL
+    group_std = total.view(-1, group_size).std(dim=1)
+    out = {
+        "reward": total.mean().item(),
+        "reward_std": group_std.mean().item(),
+        "frac_reward_zero_std": torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item(),
+    }
+    for k, name in enumerate(names):
+        col = rewards[:, k]
+        valid = col[~torch.isnan(col)]
+        out[f"rewards/{name}/mean"] = valid.mean().item() if len(valid) else float("nan")
+        out[f"rewards/{name}/std"] = valid.std().item() if len(valid) > 1 else float("nan")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward passes
+
+
+def _trim(mb: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Concatenate prompt and completion, dropping columns that are padding in every row of the micro-batch."""
+    pm, cm = mb["prompt_mask"], mb["completion_mask"]
+    first = int((pm.sum(0) > 0).int().argmax()) if pm.any() else pm.shape[1]
+    width = int(cm.sum(1).max()) if cm.any() else 1
+    input_ids = torch.cat([mb["prompt_ids"][:, first:], mb["completion_ids"][:, :width]], dim=1)
+    attention = torch.cat([pm[:, first:], cm[:, :width]], dim=1)
+    return input_ids, attention, cm[:, :width], width
+
+
+def policy_logprobs(model, mb: dict, temperature: float, compute_entropy: bool):
+    """Per-token log-probs (and entropies) of the completion tokens: (B, C') each, C' the trimmed width.
+
+    Position ids follow the attention mask (as ``generate`` does with left padding), so a padded
+    prompt sees the same positions at training time as at sampling time.
+    """
+    input_ids, attention, mask, width = _trim(mb)
+    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    logps, entropy = token_logprobs_and_entropy(model, input_ids, attention, logits_to_keep=width,
+                                                temperature=temperature, compute_entropy=compute_entropy,
+                                                position_ids=position_ids)
+    return logps, entropy, mask
+
+
+def micro_batches(round_: dict, rows: list[int], size: int) -> list[dict]:
+    keys = ["prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "is_truncated", "advantages",
+            "old_logps", "ref_logps"]
+    out = []
+    for start in range(0, len(rows), size):
+        idx = torch.tensor(rows[start:start + size])
+        out.append({k: round_[k][idx] for k in keys if round_.get(k) is not None})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Optimiser
+
+
+def build_optimizer_and_scheduler(model, t):
+    from transformers import get_scheduler
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
+                                  weight_decay=t.weight_decay)
+    warmup = math.ceil(t.warmup_ratio * t.max_steps)
+    name = "constant_with_warmup" if t.lr_scheduler_type == "constant" else t.lr_scheduler_type
+    scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=t.max_steps)
+    return optimizer, scheduler
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainResult:
+    final_step: int
+    model_dir: Path
+    log_path: Path
+    checkpoint_dir: Path
+    resumed_from: Path | None
+    last_metrics: dict
+
+
+def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tracker=None,
+          root: str | Path = ".", allowed_prompts: list[int] | None = None, progress: bool = True,
+          log_path: str | Path = "metrics/train_log.csv", backend_factory=None) -> TrainResult:
+    """Run GRPO per ``cfg.train``; write checkpoints, the final model and the per-step log.
+
+    reward_weights: one per reward function (None = all 1). tracker: an object with ``log_metrics(dict,
+    step)`` (e.g. MLflow), optional. allowed_prompts: dataset indices to train on (calibration may drop
+    always/never-solved prompts). Resumes from the newest complete checkpoint unless train.resume=never.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    t = cfg.train
+    root = Path(root)
+    out_dir = root / t.output_dir
+    ckpt_dir, model_dir, log_path = out_dir / "checkpoints", out_dir / "model", root / log_path
+    accelerator = Accelerator(mixed_precision=t.mixed_precision, cpu=not torch.cuda.is_available())
+    set_seed(t.seed)
+
+    # Model, data, rewards --------------------------------------------------------------------------
+    model, tokenizer = load_policy(cfg.model, root, gradient_checkpointing=t.gradient_checkpointing)
+    ref_model = load_reference(cfg.model, root, model) if t.beta > 0 else None
+    dataset = load_split(cfg.data, "train", root)
+    encoder = PromptEncoder(tokenizer, t.max_prompt_length, cfg.data.system_prompt, cfg.data.overlong_prompt)
+    reward_fns = build_reward_functions(cfg.rewards)
+    reward_names = [r.name for r in cfg.rewards]
+    weights = torch.tensor(reward_weights if reward_weights is not None else [1.0] * len(reward_fns))
+    if len(weights) != len(reward_fns):
+        raise TrainingError(f"{len(weights)} reward weights for {len(reward_fns)} reward functions {reward_names}")
+    optimizer, scheduler = build_optimizer_and_scheduler(model, t)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if ref_model is not None and not getattr(ref_model, "_is_adapter_view", False):
+        ref_model.to(accelerator.device)
+    policy = accelerator.unwrap_model(model)
+    backend = (backend_factory or HFGenerateBackend)(policy, tokenizer)
+
+    # Resume ---------------------------------------------------------------------------------------
+    G = t.num_generations
+    spg, ga, mu = t.effective_steps_per_generation, t.gradient_accumulation_steps, t.num_iterations
+    micro_per_round = spg  # a generation round = spg micro-batches of per_device_train_batch_size
+    prompts_per_round = t.per_device_train_batch_size * spg // G  # per process
+    need_old_logps = mu > 1 or spg > ga
+    sampler = PromptSampler(len(dataset), t.seed + accelerator.process_index, allowed_prompts)
+    params_hash = training_params_hash(cfg, weights.tolist())
+    step, micro_step, round_ = 0, 0, None
+    resumed_from = None
+    remove_stale_temp_dirs(ckpt_dir)
+    last = latest_checkpoint(ckpt_dir) if t.resume == "auto" else None
+    if last is not None:
+        ck = load_checkpoint(last, expected_hash=params_hash)
+        _load_weights(policy, last)
+        optimizer.load_state_dict(ck.optimizer)
+        scheduler.load_state_dict(ck.scheduler)
+        if ck.reference_state is not None and ref_model is not None:
+            ref_model.load_state_dict(ck.reference_state)
+        sampler.load_state_dict(ck.state["sampler"])
+        step, micro_step = ck.state["step"], ck.state["micro_step"]
+        round_ = ck.rollout_buffer
+        if round_ is not None:
+            round_["metrics"] = json.loads(bytes(round_.pop("metrics_json").tolist()))
+        from grpo_core.checkpoint import set_rng_state
+        set_rng_state(ck.state["rng"])
+        resumed_from = last
+        log.info("resumed from %s (step %d)", last, step)
+    if step >= t.max_steps:
+        log.info("already trained to step %d >= max_steps %d", step, t.max_steps)
+    step_log = StepLog(log_path, metric_columns(reward_names), step)
+
+    bar = None
+    if progress and accelerator.is_main_process:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=t.max_steps, initial=step, desc="grpo", unit="step", dynamic_ncols=True)
+
+    # Loop -----------------------------------------------------------------------------------------
+    metrics: dict[str, Any] = {}
+    model.train()
+    while step < t.max_steps:
+        step_start = time.perf_counter()
+        if micro_step % (micro_per_round * mu) == 0:  # a new generation round
+            indices = sampler.take(prompts_per_round)
+            round_ = generate_and_score(backend=backend, tokenizer=tokenizer, dataset=dataset, indices=indices,
+                                        encoder=encoder, reward_fns=reward_fns, reward_names=reward_names,
+                                        weights=weights, cfg=cfg, accelerator=accelerator)
+            round_.pop("texts")
+            if need_old_logps:
+                round_["old_logps"] = _frozen_logprobs(model, round_, t)
+            if ref_model is not None:
+                round_["ref_logps"] = _frozen_logprobs(ref_model, round_, t)
+
+        # The micro-batches of this optimizer step: slice (micro_step % spg) .. of the round.
+        losses, stats_acc = [], []
+        step_slices = [(micro_step + j) % micro_per_round for j in range(ga)]
+        bs = t.per_device_train_batch_size
+        mbs = [micro_batches(round_, list(range(s * bs, (s + 1) * bs)), bs)[0] for s in step_slices]
+        loss_masks = [_loss_mask(mb, t) for mb in mbs]
+        num_items = _global_sum(accelerator, sum(int(m.sum()) for m in loss_masks)) / accelerator.num_processes
+        entropies = []
+        for j, (mb, loss_mask) in enumerate(zip(mbs, loss_masks)):
+            sync = j == ga - 1
+            ctx = accelerator.no_sync(model) if (not sync and accelerator.num_processes > 1) else _nullcontext()
+            with ctx:
+                logps, entropy, _ = policy_logprobs(model, mb, t.temperature, compute_entropy=True)
+                width = logps.shape[1]
+                loss, stats = grpo_loss(
+                    logps, _cut(mb.get("old_logps"), width), _cut(mb.get("ref_logps"), width),
+                    mb["advantages"].to(logps.device), loss_mask[:, :width].to(logps.device),
+                    loss_type=t.loss_type, beta=t.beta, epsilon_low=t.epsilon, epsilon_high=t.epsilon_high,
+                    delta=t.delta, importance_sampling_level=t.importance_sampling_level,
+                    max_completion_length=t.max_completion_length, num_items=max(num_items, 1.0))
+                if t.loss_type != "dapo":  # dapo already divides by the step's token count
+                    loss = loss / ga
+                if not torch.isfinite(loss):
+                    raise TrainingError(f"step {step + 1}: the loss is {loss.item()} (not finite); "
+                                        "stopping rather than training on it")
+                accelerator.backward(loss)
+            losses.append(loss.detach())
+            stats_acc.append(stats)
+            m = loss_mask[:, :width].to(entropy.device).float()
+            entropies.append(((entropy * m).sum() / m.sum().clamp(min=1)).detach())
+        max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        if not torch.isfinite(torch.as_tensor(grad_norm)):
+            raise TrainingError(f"step {step + 1}: gradient norm is {float(grad_norm)}; stopping")
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        micro_step += ga
+        step += 1
+        backend.sync_weights(policy)
+        if ref_model is not None and t.sync_ref_model and step % t.ref_model_sync_steps == 0:
+            _mix_reference(ref_model, policy, t.ref_model_mixup_alpha)
+
+        # Metrics (TRL names) ----------------------------------------------------------------------
+        metrics = {"step": step, **round_["metrics"]}
+        metrics["loss"] = torch.stack(losses).sum().item()
+        for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+            vals = [float(s[key]) for s in stats_acc if key in s]
+            metrics[key] = sum(vals) / len(vals) if vals else 0.0
+        metrics["entropy"] = torch.stack(entropies).mean().item()
+        metrics["grad_norm"] = float(grad_norm)
+        metrics["learning_rate"] = scheduler.get_last_lr()[0]
+        metrics["num_tokens"] = num_items * accelerator.num_processes
+        metrics["step_time"] = time.perf_counter() - step_start  # generation included when this step sampled
+        if accelerator.is_main_process:
+            if step % t.logging_steps == 0 or step == t.max_steps:
+                step_log.append(metrics)
+                if tracker is not None:
+                    tracker.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=step)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.4f}",
+                                len=f"{metrics['completions/mean_length']:.1f}")
+        if step % t.save_steps == 0 or step == t.max_steps:
+            _save(ckpt_dir, step, micro_step, policy, tokenizer, optimizer, scheduler, sampler, params_hash,
+                  round_ if micro_step % (micro_per_round * mu) else None, ref_model, t, metrics, accelerator)
+    if bar is not None:
+        bar.close()
+
+    # Final model: the newest checkpoint's weights, in HF format, written atomically -----------------
+    if accelerator.is_main_process:
+        _export_model(policy, tokenizer, model_dir)
+    accelerator.wait_for_everyone()
+    return TrainResult(step, model_dir, log_path, ckpt_dir, resumed_from, metrics)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Helpers of the loop
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _cut(x: torch.Tensor | None, width: int) -> torch.Tensor | None:
+    return None if x is None else x[:, :width]
+
+
+def _loss_mask(mb: dict, t) -> torch.Tensor:
+    mask = mb["completion_mask"].clone()
+    if t.mask_truncated_completions:
+        mask = mask * (~mb["is_truncated"]).unsqueeze(1).long()
+    return mask
+
+
+def _global_sum(accelerator, value: int) -> float:
+    if accelerator.num_processes == 1:
+        return float(value)
+    return float(accelerator.reduce(torch.tensor(float(value), device=accelerator.device), "sum").item())
+
+
+@torch.no_grad()
+def _frozen_logprobs(model, round_: dict, t) -> torch.Tensor:
+    """Log-probs of the round's completions under a frozen model, micro-batch by micro-batch: (N, C)."""
+    n, width = round_["completion_ids"].shape
+    out = torch.zeros(n, width)
+    bs = t.per_device_train_batch_size
+    for start in range(0, n, bs):
+        mb = micro_batches(round_, list(range(start, min(start + bs, n))), bs)[0]
+        logps, _, _ = policy_logprobs(model, mb, t.temperature, compute_entropy=False)
+        out[start:start + logps.shape[0], :logps.shape[1]] = logps.float().cpu()
+    return out
+
+
+@torch.no_grad()
+def _mix_reference(ref_model, policy, alpha: float) -> None:
+    """TR-DPO: ref <- alpha * policy + (1 - alpha) * ref."""
+    for ref_p, p in zip(ref_model.parameters(), policy.parameters()):
+        ref_p.mul_(1 - alpha).add_(p.detach().to(ref_p.dtype), alpha=alpha)
+    ref_model._synced = True
+
+
+def _load_weights(model, path: Path) -> None:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    files = [f for f in files if f.name != "reference.safetensors"]
+    state = {}
+    for f in files:
+        state.update(load_file(f))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # Tied embeddings are saved once; anything else missing means a different architecture.
+    missing = [k for k in missing if "lm_head" not in k]
+    if missing or unexpected:
+        raise TrainingError(f"{path}: checkpoint weights do not match the model (missing {missing[:5]}, "
+                            f"unexpected {unexpected[:5]})")
+
+
+def _save(ckpt_dir, step, micro_step, policy, tokenizer, optimizer, scheduler, sampler, params_hash,
+          round_, ref_model, t, metrics, accelerator) -> None:
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        return
+    buffer = None
+    if round_ is not None:
+        buffer = {k: v for k, v in round_.items() if isinstance(v, torch.Tensor)}
+        buffer["metrics_json"] = torch.tensor(list(_json_bytes(round_["metrics"])), dtype=torch.uint8)
+    ref_state = ref_model.state_dict() if ref_model is not None and getattr(ref_model, "_synced", False) else None
+    state = {"micro_step": micro_step, "sampler": sampler.state_dict(), "params_hash": params_hash,
+             "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
+    save_checkpoint(ckpt_dir, step, model=policy, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
+                    state=state, rollout_buffer=buffer, reference_state=ref_state, keep_last=t.save_total_limit)
+
+
+def _json_bytes(obj) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def _export_model(policy, tokenizer, model_dir: Path) -> None:
+    """Save the final policy (merging LoRA adapters) with save_pretrained, via a temp dir + rename."""
+    import shutil
+
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = model_dir.with_name(model_dir.name + f".tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    to_save = policy.merge_and_unload() if hasattr(policy, "merge_and_unload") else policy
+    to_save.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if model_dir.exists():
+        shutil.rmtree(model_dir)
+    os.replace(tmp, model_dir)
