@@ -1,0 +1,33 @@
+"""Reward functions that tests name by import path (``tests.reward_helpers:<name>``)."""
+
+import os
+import signal
+
+_calls = {"n": 0}
+
+
+def digit_fraction(prompts, completions, **kwargs):
+    """Share of a completion's characters that are digits: a graded signal even for a random model."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def starts_with_digit(prompts, completions, **kwargs):
+    return [1.0 if c[:1].isdigit() else 0.0 for c in completions]
+
+
+def digit_fraction_then_die(prompts, completions, **kwargs):
+    """digit_fraction, but SIGKILLs its own process on call number $GRPO_TEST_DIE_AT (fault injection)."""
+    _calls["n"] += 1
+    if os.environ.get("GRPO_TEST_DIE_AT") and _calls["n"] == int(os.environ["GRPO_TEST_DIE_AT"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return digit_fraction(prompts, completions)
+
+
+def raises_on_long(prompts, completions, **kwargs):
+    """Raises on completions longer than 4 characters (a buggy user reward)."""
+    out = []
+    for c in completions:
+        if len(c) > 4:
+            raise ValueError(f"cannot score {c!r}")
+        out.append(1.0)
+    return out

@@ -1,0 +1,188 @@
+"""The GRPO loop on a tiny model: the update has the right sign, reuse and resume behave, errors are clear."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import grpo_core.trainer as trainer_mod
+from grpo_core.checkpoint import CheckpointError, list_checkpoints
+from grpo_core.rewards import RewardFunctionError
+from grpo_core.trainer import PromptSampler, train
+from tests.tiny import make_prompts, make_tiny_model, tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
+DIGITS = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    return make_tiny_model(d / "model"), make_prompts(d / "train.jsonl")
+
+
+def read_log(path: Path) -> list[dict]:
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_every_trainable_parameter_changes_after_one_step(assets, tmp_path):
+    model_dir, data = assets
+    before = load_file(model_dir / "model.safetensors")
+    res = train(tiny_config(model_dir, data, DIGITS, max_steps=1), root=tmp_path, progress=False)
+    after = load_file(res.model_dir / "model.safetensors")
+    assert before.keys() == after.keys()
+    unchanged = [k for k in before if torch.equal(before[k], after[k])]
+    assert unchanged == []
+
+
+def test_reward_rises_when_the_update_has_the_right_sign(assets, tmp_path):
+    model_dir, data = assets
+    cfg = tiny_config(model_dir, data, DIGITS, max_steps=40, learning_rate=5e-3, num_generations=8,
+                      per_device_train_batch_size=64)
+    train(cfg, root=tmp_path, progress=False)
+    rewards = [float(r["rewards/digits/mean"]) for r in read_log(tmp_path / "metrics/train_log.csv")]
+    first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
+    assert last > first + 0.1, (first, last)
+
+
+def test_num_iterations_halves_generation_and_activates_clipping(assets, tmp_path, monkeypatch):
+    model_dir, data = assets
+    calls = {"generate": 0, "frozen": 0}
+    real_generate = trainer_mod.HFGenerateBackend.generate
+    real_frozen = trainer_mod._frozen_logprobs
+
+    def counting_generate(self, *a, **k):
+        calls["generate"] += 1
+        return real_generate(self, *a, **k)
+
+    def counting_frozen(*a, **k):
+        calls["frozen"] += 1
+        return real_frozen(*a, **k)
+
+    monkeypatch.setattr(trainer_mod.HFGenerateBackend, "generate", counting_generate)
+    monkeypatch.setattr(trainer_mod, "_frozen_logprobs", counting_frozen)
+
+    train(tiny_config(model_dir, data, DIGITS, max_steps=6), root=tmp_path / "mu1", progress=False)
+    assert calls == {"generate": 6, "frozen": 0}  # on-policy: no old log-prob pass at all
+    log1 = read_log(tmp_path / "mu1/metrics/train_log.csv")
+    assert all(float(r["clip_ratio/region_mean"]) == 0.0 for r in log1)  # ratio == 1: clipping is inert
+
+    calls.update(generate=0, frozen=0)
+    train(tiny_config(model_dir, data, DIGITS, max_steps=6, num_iterations=2, learning_rate=2e-2),
+          root=tmp_path / "mu2", progress=False)
+    assert calls == {"generate": 3, "frozen": 3}  # one old log-prob pass per generation round
+    log2 = read_log(tmp_path / "mu2/metrics/train_log.csv")
+    second_passes = [float(r["clip_ratio/region_mean"]) for r in log2[1::2]]
+    assert max(second_passes) > 0.0
+
+
+def test_beta_gives_kl_and_leaves_the_reference_alone(assets, tmp_path, monkeypatch):
+    model_dir, data = assets
+    captured = {}
+    real_load_reference = trainer_mod.load_reference
+
+    def capture(*a, **k):
+        ref = real_load_reference(*a, **k)
+        captured["ref"] = ref
+        captured["before"] = {k: v.clone() for k, v in ref.state_dict().items()}
+        return ref
+
+    monkeypatch.setattr(trainer_mod, "load_reference", capture)
+    train(tiny_config(model_dir, data, DIGITS, max_steps=4, beta=0.1), root=tmp_path, progress=False)
+    kls = [float(r["kl"]) for r in read_log(tmp_path / "metrics/train_log.csv")]
+    assert kls[0] == pytest.approx(0.0, abs=1e-6)  # step 1: policy == reference
+    assert all(k > 0 for k in kls[1:])
+    after = captured["ref"].state_dict()
+    assert all(torch.equal(captured["before"][k], after[k]) for k in after)
+
+
+def test_raising_reward_stops_with_its_name_or_counts_as_none(assets, tmp_path):
+    model_dir, data = assets
+    buggy = [{"name": "buggy", "function": "tests.reward_helpers:raises_on_long"}]
+    with pytest.raises(RewardFunctionError, match="'buggy' raised on sample 0: ValueError"):
+        train(tiny_config(model_dir, data, buggy, max_steps=1), root=tmp_path / "a", progress=False)
+    res = train(tiny_config(model_dir, data, buggy + DIGITS, max_steps=2, reward_errors="none"),
+                root=tmp_path / "b", progress=False)
+    assert res.last_metrics["reward_errors"] > 0
+
+
+def test_resume_refuses_changed_params(assets, tmp_path):
+    model_dir, data = assets
+    train(tiny_config(model_dir, data, DIGITS, max_steps=2, save_steps=1), root=tmp_path, progress=False)
+    with pytest.raises(CheckpointError, match="different training params"):
+        train(tiny_config(model_dir, data, DIGITS, max_steps=3, learning_rate=1e-4), root=tmp_path, progress=False)
+    # told to start fresh, it does
+    res = train(tiny_config(model_dir, data, DIGITS, max_steps=1, learning_rate=1e-4, resume="never"),
+                root=tmp_path, progress=False)
+    assert res.resumed_from is None and res.final_step == 1
+
+
+def test_checkpoints_are_pruned_to_the_limit(assets, tmp_path):
+    model_dir, data = assets
+    train(tiny_config(model_dir, data, DIGITS, max_steps=5, save_steps=1, save_total_limit=2), root=tmp_path,
+          progress=False)
+    assert [p.name for p in list_checkpoints(tmp_path / "out/checkpoints")] == ["checkpoint-4", "checkpoint-5"]
+
+
+def test_prompt_sampler_covers_each_epoch_once_and_restores():
+    s = PromptSampler(10, seed=3)
+    first = s.take(10)
+    assert sorted(first) == list(range(10))
+    s.take(4)
+    state = s.state_dict()
+    expected = s.take(9)
+    t = PromptSampler(10, seed=3)
+    t.load_state_dict(state)
+    assert t.take(9) == expected
+
+
+RUN = """
+import sys
+from grpo_core.trainer import train
+from tests.tiny import tiny_config
+cfg = tiny_config(sys.argv[1], sys.argv[2], [{"name": "digits", "function": "tests.reward_helpers:digit_fraction_then_die"}],
+                  max_steps=12, save_steps=5, num_iterations=2)
+train(cfg, root=sys.argv[3], progress=False)
+"""
+
+
+@pytest.mark.slow
+def test_exact_resume_after_sigkill(assets, tmp_path):
+    """k steps + SIGKILL + resume == an uninterrupted run: bit-identical weights and the same metrics.
+
+    num_iterations=2 with save_steps=5 puts checkpoint-5 in the middle of a generation round, so the
+    saved rollout buffer is exercised too. The kill comes from a reward function on its 5th call
+    (round 5 = steps 9-10), after checkpoint-5 and before checkpoint-10.
+    """
+    model_dir, data = assets
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+    def run(root: Path, die_at: str | None) -> int:
+        e = dict(env)
+        e.pop("GRPO_TEST_DIE_AT", None)
+        if die_at:
+            e["GRPO_TEST_DIE_AT"] = die_at
+        return subprocess.run([sys.executable, "-c", RUN, str(model_dir), str(data), str(root)], env=e,
+                              capture_output=True, text=True).returncode
+
+    assert run(tmp_path / "straight", None) == 0
+    assert run(tmp_path / "killed", "5") == -9
+    assert [p.name for p in list_checkpoints(tmp_path / "killed/out/checkpoints")] == ["checkpoint-5"]
+    assert run(tmp_path / "killed", None) == 0
+
+    a = load_file(tmp_path / "straight/out/model/model.safetensors")
+    b = load_file(tmp_path / "killed/out/model/model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    drop = {"step_time", "generation_time"}
+    log_a = [{k: v for k, v in r.items() if k not in drop} for r in read_log(tmp_path / "straight/metrics/train_log.csv")]
+    log_b = [{k: v for k, v in r.items() if k not in drop} for r in read_log(tmp_path / "killed/metrics/train_log.csv")]
+    assert [r["step"] for r in log_b] == [str(i) for i in range(1, 13)]
+    assert log_a == log_b

@@ -1,0 +1,44 @@
+"""A tiny model, tokenizer and dataset for trainer tests, built with the embedded default's own builders."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from grpo_core.config import config_from_dict
+from grpo_core.embedded.model import build_model
+from grpo_core.embedded.tasks import vocabulary_words
+from grpo_core.embedded.tokenizer import build_tokenizer
+
+
+def make_tiny_model(path: Path, hidden_size: int = 32, layers: int = 2, seed: int = 0) -> Path:
+    tokenizer = build_tokenizer(vocabulary_words())
+    model = build_model(tokenizer, hidden_size=hidden_size, num_hidden_layers=layers, num_attention_heads=4,
+                        intermediate_size=64, seed=seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def make_prompts(path: Path, n: int = 64, seed: int = 0) -> Path:
+    """Prompts of different lengths (so left padding matters) with a numeric gold answer."""
+    rng = random.Random(seed)
+    with open(path, "w") as fh:
+        for i in range(n):
+            a, b = rng.randint(1, 99), rng.randint(1, 99)
+            prompt = f"Q{i}: " + "what is " * rng.randint(0, 3) + f"{a} + {b}?"
+            fh.write(json.dumps({"prompt": prompt, "answer": str(a + b)}) + "\n")
+    return path
+
+
+def tiny_config(model_dir: Path, data_file: Path, rewards: list[dict], **train):
+    raw = {
+        "data": {"train_files": [str(data_file)], "eval_files": [str(data_file)]},
+        "model": {"name_or_path": str(model_dir)},
+        "rewards": rewards,
+        "train": {"learning_rate": 3e-3, "num_generations": 4, "per_device_train_batch_size": 16,
+                  "max_completion_length": 8, "max_prompt_length": 48, "max_steps": 4, "save_steps": 100,
+                  "output_dir": "out", "beta": 0.0, "seed": 0, **train},
+    }
+    return config_from_dict(raw)
