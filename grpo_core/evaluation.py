@@ -1,0 +1,150 @@
+"""Evaluation metrics: greedy accuracy, unbiased pass@k, per-reward means, base-vs-trained deltas.
+
+Generation happens elsewhere; this module turns a per-sample table into the numbers of
+``metrics/eval.json``::
+
+    {"base": {"accuracy": ..., "pass@4": ..., ...}, "trained": {...}, "delta": {...}}
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from numbers import Real
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+GREEDY = "greedy"
+SAMPLED = "sampled"
+REQUIRED_COLUMNS = ("prompt_index", "sample_index", "mode", "correct", "format_ok", "completion_length")
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k estimate from n samples of which c are correct (Chen et al. 2021).
+
+        pass@k = 1 - C(n-c, k) / C(n, k) = 1 - prod_{i=n-c+1}^{n} (1 - k/i)
+
+    The product form avoids huge binomials. When n - c < k every k-subset contains a correct sample,
+    so the estimate is exactly 1.
+    """
+    for name, value in (("n", n), ("c", c), ("k", k)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise TypeError(f"pass_at_k: {name} must be an integer, got {value!r}")
+    if n < 1:
+        raise ValueError(f"pass_at_k: n must be >= 1, got n={n}")
+    if not 0 <= c <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n, got c={c}, n={n}")
+    if not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 1 <= k <= n, got k={k}, n={n} (draw at least k samples)")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
+
+
+def _nan_to_none(x: float) -> float | None:
+    return float(x) if math.isfinite(float(x)) else None
+
+
+def _check_frame(df: pd.DataFrame, reward_names: Sequence[str]) -> None:
+    missing = [c for c in (*REQUIRED_COLUMNS, *(f"reward/{n}" for n in reward_names)) if c not in df.columns]
+    if missing:
+        raise ValueError(f"summarize_evaluation: per-sample frame lacks columns {missing}; "
+                         f"has {list(df.columns)}")
+    modes = set(df["mode"].unique()) - {GREEDY, SAMPLED}
+    if modes:
+        raise ValueError(f"summarize_evaluation: unknown mode(s) {sorted(map(str, modes))}; "
+                         f"expected '{GREEDY}' or '{SAMPLED}'")
+    dup = df.duplicated(["prompt_index", "sample_index", "mode"])
+    if dup.any():
+        first = df.loc[dup, ["prompt_index", "sample_index", "mode"]].iloc[0].tolist()
+        raise ValueError(f"summarize_evaluation: {int(dup.sum())} duplicate (prompt_index, sample_index, "
+                         f"mode) rows, first {first}")
+
+
+def _metric_keys(reward_names: Sequence[str], prefix: str) -> list[str]:
+    return [*(f"{prefix}rewards/{n}/mean" for n in reward_names), f"{prefix}format_compliance",
+            f"{prefix}mean_completion_length"]
+
+
+def _sample_metrics(rows: pd.DataFrame, reward_names: Sequence[str], prefix: str) -> dict[str, Any]:
+    """Means over the rows of one mode: per-reward means (NaN ignored), format compliance, length."""
+    out: dict[str, Any] = {}
+    for name in reward_names:
+        col = rows[f"reward/{name}"].astype(np.float64)
+        out[f"{prefix}rewards/{name}/mean"] = _nan_to_none(col.mean()) if col.notna().any() else None
+    out[f"{prefix}format_compliance"] = float(rows["format_ok"].astype(bool).mean())
+    out[f"{prefix}mean_completion_length"] = float(rows["completion_length"].astype(np.float64).mean())
+    return out
+
+
+def summarize_evaluation(per_sample: pd.DataFrame, ks: Iterable[int],
+                         reward_names: Sequence[str]) -> dict[str, Any]:
+    """Aggregate one policy's evaluation.
+
+    ``per_sample``: one row per (prompt_index, sample_index, mode), mode in {"greedy", "sampled"}, with
+    columns ``correct`` (bool), ``reward/<name>`` (float, NaN allowed), ``format_ok`` (bool),
+    ``completion_length`` (int).
+
+    Returns (None where there are no rows to average):
+      ``accuracy``: greedy pass@1 = mean over prompts of the greedy sample's correctness;
+      ``pass@k`` for each k: mean over prompts of ``pass_at_k(n_p, c_p, k)`` on the sampled rows;
+      ``rewards/<name>/mean``, ``format_compliance``, ``mean_completion_length``: over greedy rows (the
+      policy's answer), and the same under ``sampled/`` over sampled rows;
+      ``num_prompts``, ``num_samples_per_prompt`` (sampled, minimum over prompts).
+    """
+    _check_frame(per_sample, reward_names)
+    ks = [int(k) for k in ks]
+    greedy = per_sample[per_sample["mode"] == GREEDY]
+    sampled = per_sample[per_sample["mode"] == SAMPLED]
+    out: dict[str, Any] = {"num_prompts": int(per_sample["prompt_index"].nunique())}
+
+    if len(greedy):
+        # mean per prompt first, so a prompt with two greedy rows does not count twice
+        out["accuracy"] = float(greedy.groupby("prompt_index")["correct"].mean().mean())
+        out.update(_sample_metrics(greedy, reward_names, ""))
+    else:
+        out["accuracy"] = None
+        out.update({key: None for key in _metric_keys(reward_names, "")})
+
+    if len(sampled):
+        per_prompt = sampled.groupby("prompt_index")["correct"].agg(["size", "sum"])
+        n_min = int(per_prompt["size"].min())
+        for k in ks:
+            if k > n_min:
+                short = per_prompt.index[per_prompt["size"] < k].tolist()[:5]
+                raise ValueError(f"summarize_evaluation: pass@{k} needs >= {k} sampled completions per "
+                                 f"prompt; prompts {short} have {n_min}")
+            out[f"pass@{k}"] = float(np.mean([pass_at_k(int(n), int(c), k)
+                                              for n, c in zip(per_prompt["size"], per_prompt["sum"])]))
+        out["num_samples_per_prompt"] = n_min
+        out.update(_sample_metrics(sampled, reward_names, "sampled/"))
+    else:
+        out.update({f"pass@{k}": None for k in ks})
+        out["num_samples_per_prompt"] = 0
+    return out
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(float(x))
+
+
+def compare(base: Mapping[str, Any], trained: Mapping[str, Any]) -> dict[str, Any]:
+    """trained - base for every key both have with finite numeric values (bools excluded); nested
+    dicts are compared key by key and kept only when they have a delta."""
+    out: dict[str, Any] = {}
+    for key in base.keys() & trained.keys():
+        b, t = base[key], trained[key]
+        if isinstance(b, Mapping) and isinstance(t, Mapping):
+            sub = compare(b, t)
+            if sub:
+                out[key] = sub
+        elif _is_number(b) and _is_number(t):
+            out[key] = float(t) - float(b)
+    return dict(sorted(out.items()))
+
+
+def eval_report(base: Mapping[str, Any], trained: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
+    """The metrics/eval.json object: {"base", "trained", "delta", **extra}."""
+    return {"base": dict(base), "trained": dict(trained), "delta": compare(base, trained), **extra}
