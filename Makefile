@@ -27,10 +27,10 @@ $(STAMP): pyproject.toml requirements/overrides.txt
 setup: $(STAMP)
 
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -q --durations=15
 
 test-fast: setup
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -q -m "not slow"
 
 repro: setup
 	$(VENV)/bin/dvc repro

@@ -1,0 +1,116 @@
+"""Checkpoints are complete or absent; RNG state round-trips; a SIGKILL mid-write leaves the last one valid."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from grpo_core.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    remove_stale_temp_dirs,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.lin(x)
+
+    def save_pretrained(self, path, safe_serialization=True):
+        from safetensors.torch import save_file
+        save_file(self.state_dict(), Path(path) / "model.safetensors")
+
+
+class _Tok:
+    def save_pretrained(self, path):
+        (Path(path) / "tokenizer.json").write_text("{}")
+
+
+def _save(directory: Path, step: int, **kw) -> Path:
+    model = _Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return save_checkpoint(directory, step, model=model, tokenizer=_Tok(), optimizer=opt, scheduler=sched,
+                           state={"params_hash": "abc", "sampler": {"epoch": 0, "position": 3}}, **kw)
+
+
+def test_rng_state_round_trips_every_generator():
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    state = rng_state()
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(2), np.random.seed(2), torch.manual_seed(2)
+    set_rng_state(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_save_load_prune_and_hash_check(tmp_path):
+    for step in (1, 2, 3):
+        _save(tmp_path, step, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-3"]
+    ck = load_checkpoint(latest_checkpoint(tmp_path), expected_hash="abc")
+    assert ck.state["step"] == 3 and ck.state["sampler"]["position"] == 3
+    assert ck.optimizer["state"]  # Adam moments came back through torch.load(weights_only=True)
+    assert ck.rollout_buffer is None
+    with pytest.raises(CheckpointError, match="different training params"):
+        load_checkpoint(latest_checkpoint(tmp_path), expected_hash="xyz")
+
+
+def test_partial_directories_never_count(tmp_path):
+    _save(tmp_path, 5)
+    (tmp_path / "checkpoint-9.tmp-1234").mkdir()  # an interrupted write
+    (tmp_path / "checkpoint-7").mkdir()           # a directory without its state file
+    assert latest_checkpoint(tmp_path).name == "checkpoint-5"
+    assert remove_stale_temp_dirs(tmp_path) == 1
+    assert not (tmp_path / "checkpoint-9.tmp-1234").exists()
+
+
+def test_rollout_buffer_round_trips(tmp_path):
+    buffer = {"advantages": torch.tensor([0.5, -0.5]), "completion_ids": torch.tensor([[1, 2], [3, 4]])}
+    _save(tmp_path, 1, rollout_buffer=buffer)
+    ck = load_checkpoint(tmp_path / "checkpoint-1")
+    assert torch.equal(ck.rollout_buffer["completion_ids"], buffer["completion_ids"])
+
+
+KILL_DURING_SAVE = """
+import os, signal, sys, torch
+sys.path.insert(0, sys.argv[2])
+from tests.test_checkpoint import _save
+real_save = torch.save
+def dying_save(obj, f, *a, **k):
+    real_save(obj, f, *a, **k)
+    if str(f).endswith("optimizer.pt"):
+        os.kill(os.getpid(), signal.SIGKILL)   # half-way through checkpoint-2
+torch.save = dying_save
+_save(__import__("pathlib").Path(sys.argv[1]), 2)
+"""
+
+
+def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one_valid(tmp_path):
+    _save(tmp_path, 1)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, str(tmp_path), str(REPO)], env=env)
+    assert proc.returncode == -9
+    assert any(".tmp-" in p.name for p in tmp_path.iterdir())  # the write really was cut off
+    latest = latest_checkpoint(tmp_path)
+    assert latest.name == "checkpoint-1"
+    assert load_checkpoint(latest, expected_hash="abc").state["step"] == 1
