@@ -64,6 +64,8 @@ def load_split(cfg: DataConfig, split: Literal["train", "eval"], root: str | Pat
         try:
             ds = datasets.load_dataset(builder, data_files=paths, split="train")
         except Exception as err:
+            if "corresponds to no data" in str(err):  # datasets' way of saying the files hold no rows
+                raise DataError(f"{key}: {paths}: the {split} split is empty") from err
             raise DataError(f"{key}: could not read {paths}: {err}") from err
         where = ", ".join(paths)
 
