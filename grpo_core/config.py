@@ -50,6 +50,8 @@ class DataConfig:
     prompt_column: str = _f("prompt", "column holding the prompt (a string or chat messages)")
     answer_column: str = _f("answer", "column holding the gold answer, passed to rewards as `answer`")
     system_prompt: str | None = _f(None, "system message prepended to every prompt (chat template)")
+    prompt_format: Literal["auto", "chat"] = _f(
+        "auto", "auto: chat messages use the chat template, strings stay plain text; chat: wrap strings as a user message")
     overlong_prompt: Literal["truncate", "error"] = _f(
         "truncate", "a prompt over max_prompt_length: left-truncate with a counted warning, or error")
 

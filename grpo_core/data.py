@@ -102,9 +102,12 @@ class PromptEncoder:
     max_prompt_length: int | None
     system_prompt: str | None = None
     overlong: Literal["truncate", "error"] = "truncate"
+    prompt_format: Literal["auto", "chat"] = "auto"
     truncated_count: int = field(default=0, init=False)
 
     def render(self, prompt: Any) -> str:
+        if self.prompt_format == "chat" and isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
         if is_conversational(prompt):
             messages = list(prompt)
             if self.system_prompt and not any(m["role"] == "system" for m in messages):
@@ -121,7 +124,9 @@ class PromptEncoder:
 
     def encode(self, prompt: Any, row: int | None = None) -> list[int]:
         text = self.render(prompt)
-        ids = self.tokenizer(text, add_special_tokens=not is_conversational(prompt))["input_ids"]
+        # A chat template already wrote its special tokens; plain text gets the tokenizer's own (e.g. BOS).
+        templated = is_conversational(prompt) or (self.prompt_format == "chat" and isinstance(prompt, str))
+        ids = self.tokenizer(text, add_special_tokens=not templated)["input_ids"]
         if self.max_prompt_length is not None and len(ids) > self.max_prompt_length:
             if self.overlong == "error":
                 raise DataError(f"prompt{'' if row is None else f' in row {row}'} has {len(ids)} tokens, over "

@@ -284,7 +284,8 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
     model, tokenizer = load_policy(cfg.model, root, gradient_checkpointing=t.gradient_checkpointing)
     ref_model = load_reference(cfg.model, root, model) if t.beta > 0 else None
     dataset = load_split(cfg.data, "train", root)
-    encoder = PromptEncoder(tokenizer, t.max_prompt_length, cfg.data.system_prompt, cfg.data.overlong_prompt)
+    encoder = PromptEncoder(tokenizer, t.max_prompt_length, cfg.data.system_prompt, cfg.data.overlong_prompt,
+                            cfg.data.prompt_format)
     reward_fns = build_reward_functions(cfg.rewards)
     reward_names = [r.name for r in cfg.rewards]
     weights = torch.tensor(reward_weights if reward_weights is not None else [1.0] * len(reward_fns))
