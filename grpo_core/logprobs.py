@@ -1,0 +1,242 @@
+"""Per-token log-probabilities and entropies of sampled tokens, computed in chunks of rows.
+
+The (B, T, V) logits of a language model are large (V ~ 1e5); a full float32 log-softmax of them can
+cost more memory than the model. Every function here walks the flattened (B*T, V) rows ``chunk_size``
+at a time. When gradients are needed each chunk runs under activation checkpointing, so autograd keeps
+only the chunk's input (a view of the logits) and recomputes the chunk's softmax in backward, instead of
+keeping every chunk's float32 intermediates alive until then.
+
+Semantics follow TRL 1.16: ``selective_log_softmax`` and ``entropy_from_logits`` as in
+``trl.trainer.utils``, ``token_logprobs_and_entropy`` as ``GRPOTrainer._get_per_token_logps_and_entropies``
+(temperature-scaled logits, fp32 arithmetic for half-precision models, 0 at padded positions).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_CHUNK_SIZE = 256  # rows of V logits per chunk: 256 x 152k vocab x 4 bytes ~ 156 MB in float32
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def selective_log_softmax(
+    logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> torch.Tensor:
+    """log softmax(logits / temperature)[index] without materialising the full log-softmax.
+
+    Args:
+        logits: (..., V), e.g. (B, T, V).
+        index: (...) token ids, e.g. (B, T).
+        temperature: logits are divided by it first (> 0).
+        chunk_size: rows of V logits processed at once.
+
+    Returns:
+        (...) log-probs in the dtype of ``logits``.
+        fp32/fp64: logit[index] - logsumexp(logits)  (exact, no (rows, V) log-softmax kept).
+        fp16/bf16: gather from F.log_softmax per chunk, as TRL (logsumexp is unstable in bf16).
+    """
+    _check_logits_and_index(logits, index)
+    _check_positive("temperature", temperature)
+    _check_chunk_size(chunk_size)
+    flat_logits, flat_index = logits.reshape(-1, logits.shape[-1]), index.reshape(-1)
+    gather = _gather_log_softmax_half if logits.dtype in HALF_DTYPES else _gather_logsumexp
+    per_chunk = [
+        _maybe_checkpoint(gather, logits_chunk, index_chunk, temperature)
+        for logits_chunk, index_chunk in zip(flat_logits.split(chunk_size), flat_index.split(chunk_size))
+    ]
+    return _concat_rows(per_chunk, logits).reshape(index.shape)
+
+
+def entropy_from_logits(
+    logits: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE, temperature: float = 1.0
+) -> torch.Tensor:
+    """Shannon entropy in nats of softmax(logits / temperature), row by row: (..., V) -> (...).
+
+    H = -sum_v p_v log p_v, computed from log_softmax in the dtype of ``logits`` (TRL's
+    ``entropy_from_logits``), ``chunk_size`` rows at a time.
+    """
+    _check_positive("temperature", temperature)
+    _check_chunk_size(chunk_size)
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    per_chunk = [_maybe_checkpoint(_entropy, chunk, temperature) for chunk in flat_logits.split(chunk_size)]
+    return _concat_rows(per_chunk, logits).reshape(logits.shape[:-1])
+
+
+def token_logprobs_and_entropy(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    temperature: float = 1.0,
+    compute_entropy: bool = True,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of the last ``logits_to_keep`` tokens of input_ids under a causal LM.
+
+    Args:
+        model: a causal LM returning ``.logits`` (B, L', V) (HF ``*ForCausalLM``, PEFT wrapped or not).
+        input_ids: (B, L) prompt + completion token ids, completion = the last logits_to_keep columns.
+        attention_mask: (B, L) 1 for real tokens, 0 for padding.
+        logits_to_keep: K, number of completion positions to score (>= 1).
+        temperature: the sampling temperature; logits are divided by it, so the log-probs are those of
+            the distribution the completions were sampled from.
+        compute_entropy: also return the entropy of each position's next-token distribution.
+        chunk_size: rows of V logits processed at once.
+        position_ids: optional (B, L) positions (padding-free packing); passed through to the model.
+
+    Returns:
+        (logps (B, K), entropies (B, K) or None): position j scores input_ids[:, L-K+j] with the logits
+        of position L-K+j-1. Computed in float32 for half-precision models (TRL 1.16's fused LM head
+        does the same), otherwise in the logits' dtype. 0 where attention_mask is 0, as TRL 1.16.
+    """
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 1:
+        raise ValueError(f"logits_to_keep must be an int >= 1, got {logits_to_keep!r}")
+    if input_ids.ndim != 2 or logits_to_keep >= input_ids.shape[1]:
+        raise ValueError(
+            f"input_ids must be (B, L) with L > logits_to_keep={logits_to_keep} (a prompt token precedes the "
+            f"first completion token), got shape {tuple(input_ids.shape)}"
+        )
+    if tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
+        )
+    if position_ids is not None and tuple(position_ids.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"position_ids must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(position_ids.shape)}"
+        )
+    _check_positive("temperature", temperature)
+
+    model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if position_ids is not None:
+        model_inputs["position_ids"] = position_ids
+    if _accepts_logits_to_keep(model):
+        # One extra position: the logits at L-K-1 predict the first completion token.
+        model_inputs["logits_to_keep"] = logits_to_keep + 1
+    logits = model(**model_inputs).logits  # (B, K+1, V), or (B, L, V) without logits_to_keep
+    # Drop the last position (it predicts the token after the sequence), keep the K that predict completions.
+    logits = logits[:, :-1][:, -logits_to_keep:]  # (B, K, V)
+    completion_ids = input_ids[:, -logits_to_keep:]
+    # Half-precision logits are upcast one chunk at a time: the per-token numbers match TRL's fused head
+    # (fp32) and the full (B, K, V) float32 copy never exists.
+    logps, entropies = _chunked_logps_and_entropy(
+        logits, completion_ids, temperature, compute_entropy, chunk_size
+    )
+    is_padding = attention_mask[:, -logits_to_keep:] == 0
+    logps = logps.masked_fill(is_padding, 0.0)
+    if entropies is not None:
+        entropies = entropies.masked_fill(is_padding, 0.0)
+    return logps, entropies
+
+
+def _chunked_logps_and_entropy(
+    logits: torch.Tensor, index: torch.Tensor, temperature: float, compute_entropy: bool, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, K, V), (B, K) -> log-probs (B, K) and entropies (B, K) or None, fp32 for half logits."""
+    _check_chunk_size(chunk_size)
+    flat_logits, flat_index = logits.reshape(-1, logits.shape[-1]), index.reshape(-1)
+    kernel = _logps_and_entropy_upcast if compute_entropy else _logps_upcast
+    logps_chunks, entropy_chunks = [], []
+    for logits_chunk, index_chunk in zip(flat_logits.split(chunk_size), flat_index.split(chunk_size)):
+        result = _maybe_checkpoint(kernel, logits_chunk, index_chunk, temperature)
+        if compute_entropy:
+            logps_chunks.append(result[0])
+            entropy_chunks.append(result[1])
+        else:
+            logps_chunks.append(result)
+    logps = _concat_rows(logps_chunks, logits, upcast=True).reshape(index.shape)
+    entropies = (
+        _concat_rows(entropy_chunks, logits, upcast=True).reshape(index.shape) if compute_entropy else None
+    )
+    return logps, entropies
+
+
+# --- per-chunk kernels: (rows, V) logits -> (rows,) ---------------------------------------------------------
+
+
+def _gather_logsumexp(logits: torch.Tensor, index: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(index) = z[index] - logsumexp(z),  z = logits / temperature."""
+    scaled = logits / temperature if temperature != 1.0 else logits
+    return scaled.gather(-1, index.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+
+
+def _gather_log_softmax_half(logits: torch.Tensor, index: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(z)[index] in the half dtype itself (TRL's path for bf16/fp16)."""
+    scaled = logits / temperature if temperature != 1.0 else logits
+    return F.log_softmax(scaled, dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
+
+
+def _entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """H = -sum_v p_v log p_v with log p = log_softmax(logits / temperature)."""
+    scaled = logits / temperature if temperature != 1.0 else logits
+    log_probs = F.log_softmax(scaled, dim=-1)
+    return -(log_probs.exp() * log_probs).sum(-1)
+
+
+def _logps_upcast(logits: torch.Tensor, index: torch.Tensor, temperature: float) -> torch.Tensor:
+    return _gather_logsumexp(_upcast(logits), index, temperature)
+
+
+def _logps_and_entropy_upcast(
+    logits: torch.Tensor, index: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One log-softmax of the chunk serves both: log p(index) and H = -sum_v p_v log p_v."""
+    scaled = _upcast(logits)
+    scaled = scaled / temperature if temperature != 1.0 else scaled
+    log_probs = F.log_softmax(scaled, dim=-1)
+    logps = log_probs.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    return logps, -(log_probs.exp() * log_probs).sum(-1)
+
+
+# --- helpers -------------------------------------------------------------------------------------------------
+
+
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float() if logits.dtype in HALF_DTYPES else logits
+
+
+def _maybe_checkpoint(function: Callable, *args):
+    """function(*args), recomputed in backward rather than stored, when a gradient will be needed.
+
+    No RNG state is saved: the chunk kernels are deterministic, and saving it costs a device query.
+    """
+    if torch.is_grad_enabled() and args[0].requires_grad:
+        return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=False)
+    return function(*args)
+
+
+def _concat_rows(chunks: list[torch.Tensor], logits: torch.Tensor, upcast: bool = False) -> torch.Tensor:
+    """Concatenate per-chunk (rows,) results; an empty (0-row) input gives an empty result."""
+    if chunks:
+        return torch.cat(chunks)
+    dtype = _upcast(logits[:0]).dtype if upcast else logits.dtype
+    return torch.zeros(0, dtype=dtype, device=logits.device)
+
+
+def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether model.forward takes ``logits_to_keep`` (HF causal LMs do); looks through PEFT wrappers."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
+def _check_logits_and_index(logits: torch.Tensor, index: torch.Tensor) -> None:
+    if logits.ndim < 1 or tuple(index.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"index must have the shape of logits without the vocabulary axis {tuple(logits.shape[:-1])}, "
+            f"got {tuple(index.shape)}"
+        )
+
+
+def _check_chunk_size(chunk_size) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+
+
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")

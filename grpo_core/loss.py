@@ -1,0 +1,310 @@
+"""The GRPO objective: clipped importance-ratio surrogate + k3 KL penalty + token aggregation.
+
+Same numbers and gradients as TRL 1.16 ``GRPOTrainer._compute_loss`` for loss types grpo / bnpo /
+dr_grpo / dapo, token- and sequence-level (GSPO) importance sampling, two-sided clipping (``delta``) and
+the importance-ratio corrected KL (``use_bias_correction_kl``). Gradient accumulation is the caller's
+business: this function never divides by the number of accumulation steps (TRL does, for every loss type
+except dapo, whose ``num_items`` already spans the whole generation batch).
+
+Per token t of completion i (shapes: (B, T) per token, (B, 1) per sequence):
+
+    r_it   = exp(logp_it - old_it)                          token level
+    r_i    = exp( sum_t m_it (logp_it - old_it) / max(1, sum_t m_it) )   sequence level (GSPO)
+    l_it   = -min(min(r, delta) * A_i, clip(r, 1 - eps_low, 1 + eps_high) * A_i)
+    kl_it  = exp(ref_it - logp_it) - (ref_it - logp_it) - 1   (k3), times r when kl_ratio_correction
+    loss   = aggregate(l + beta * kl, mask)
+
+See docs/algorithm.md for the formulas beside each function.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+def grpo_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_type: str = "dapo",
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    importance_sampling_level: str = "token",
+    kl_ratio_correction: bool = True,
+    max_completion_length: int | None = None,
+    num_items: int | float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO loss of one micro-batch and its statistics.
+
+    Args:
+        logps: (B, T) log-probs of the sampled completion tokens under the current policy (with grad).
+        old_logps: (B, T) log-probs under the policy that sampled them; None = on-policy
+            (``logps.detach()``: ratio value 1, ratio gradient = grad logp).
+        ref_logps: (B, T) log-probs under the reference model; needed only when beta != 0.
+        advantages: (B,) one advantage per completion.
+        mask: (B, T) 1 for completion tokens that count, 0 for padding (bool, int or float).
+        loss_type: "grpo" | "bnpo" | "dr_grpo" | "dapo" (TRL ``loss_type``).
+        beta: KL coefficient (TRL ``beta``).
+        epsilon_low / epsilon_high: clip range [1 - eps_low, 1 + eps_high] (TRL ``epsilon`` /
+            ``epsilon_high``); epsilon_high None = epsilon_low.
+        delta: upper cap on the unclipped ratio, two-sided clipping (TRL ``delta``); None = off.
+        importance_sampling_level: "token" | "sequence" (TRL ``importance_sampling_level``; GSPO).
+        kl_ratio_correction: multiply the per-token KL by the importance ratio (TRL
+            ``use_bias_correction_kl``, default True there too).
+        max_completion_length: dr_grpo's constant normaliser L; None = T.
+        num_items: dapo's normaliser, the number of completion tokens in the whole generation batch;
+            None = mask.sum() (this micro-batch).
+
+    Returns:
+        (loss, stats): loss a 0-dim tensor in the dtype of ``logps``; stats detached 0-dim tensors:
+        "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
+        "clip_ratio/region_mean", "ratio_mean", and "kl" only when beta != 0 (as TRL logs it).
+    """
+    _check_tensors(logps, old_logps, ref_logps, advantages, mask)
+    _check_options(loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta)
+    _check_normalisers(loss_type, max_completion_length, num_items, completion_length=logps.shape[1])
+    if beta != 0.0 and ref_logps is None:
+        raise ValueError(f"ref_logps is required when beta != 0 (beta={beta})")
+    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+    present = mask > 0
+    mask = mask.to(logps.dtype)
+    # Padding may hold anything (NaN where vLLM could not score a token, -inf from an ignored label).
+    # It is multiplied by 0 below, but 0 * NaN = NaN, in the value and in the gradient; so padded
+    # positions are neutralised first: logp 0, ratio 1, KL 0. Real tokens are untouched.
+    logps = torch.where(present, logps, torch.zeros_like(logps))
+    # On-policy: old = logp.detach(), so the ratio is exactly 1 but still carries grad logp.
+    old_logps = logps.detach() if old_logps is None else torch.where(present, old_logps, logps.detach())
+    if ref_logps is not None:
+        ref_logps = torch.where(present, ref_logps, logps.detach())
+    advantages = advantages.unsqueeze(1)  # (B, 1), broadcast over tokens
+
+    ratio = importance_ratio(logps, old_logps, mask, importance_sampling_level)  # (B, T) or (B, 1)
+    per_token_loss = clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high, delta)
+    if beta != 0.0:
+        per_token_kl = k3_kl(logps, ref_logps)
+        if kl_ratio_correction:
+            # Sampled under pi_old, so E_old[r * k3] is the KL of pi_theta (DeepSeek-V3.2); r is not
+            # detached, which changes the KL gradient even on-policy where r == 1.
+            per_token_kl = per_token_kl * ratio
+        per_token_loss = per_token_loss + beta * per_token_kl
+    loss = aggregate(per_token_loss, mask, loss_type, max_completion_length, num_items)
+
+    stats = clip_stats(_capped(ratio, delta), advantages, mask, epsilon_low, epsilon_high)
+    stats["ratio_mean"] = masked_mean(ratio.detach(), mask)
+    if beta != 0.0:
+        stats["kl"] = masked_mean(per_token_kl.detach(), mask)
+    return loss, stats
+
+
+def importance_ratio(
+    logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str
+) -> torch.Tensor:
+    """pi_theta / pi_old per token (B, T), or per sequence (B, 1) as the exp of the masked mean log-ratio.
+
+    token:    r_it = exp(logp_it - old_it)
+    sequence: r_i  = exp( sum_t m_it (logp_it - old_it) / max(1, sum_t m_it) )   (GSPO, length-normalised)
+    TRL 1.16 uses the sequence ratio as is (no stop-gradient trick), so each token's gradient is
+    r_i * A_i / |o_i| * grad logp_it while unclipped.
+    """
+    log_ratio = logps - old_logps
+    if level == "token":
+        return torch.exp(log_ratio)
+    mean_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # empty row -> 0 -> ratio 1
+    return torch.exp(mean_log_ratio).unsqueeze(-1)
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+    delta: float | None,
+) -> torch.Tensor:
+    """Per-token PPO-clip loss: -min(min(r, delta) * A, clip(r, 1 - eps_low, 1 + eps_high) * A).
+
+    ratio (B, T) or (B, 1); advantages (B, 1); result broadcast to ratio's shape. The clipped branch
+    has zero gradient outside the range, so min() switches the token off once the ratio has moved
+    far enough in the direction A favours. delta (INTELLECT-2) also caps the unclipped branch, which
+    bounds the loss of a negative-advantage token whose ratio explodes.
+    """
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    unclipped = _capped(ratio, delta)
+    return -torch.min(unclipped * advantages, clipped * advantages)
+
+
+def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi_theta || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0, (B, T).
+
+    Unbiased for samples from pi_theta, zero exactly when logp == ref (Schulman's k3).
+    """
+    log_ratio_ref = ref_logps - logps
+    return torch.exp(log_ratio_ref) - log_ratio_ref - 1
+
+
+def aggregate(
+    per_token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str,
+    max_completion_length: int | None,
+    num_items: int | float | torch.Tensor | None,
+) -> torch.Tensor:
+    """Reduce (B, T) or (B, 1) per-token losses to a scalar over the tokens in mask (B, T).
+
+    grpo:    1/B sum_i [ sum_t m_it l_it / max(1, sum_t m_it) ]   (an empty row counts as 0 in the mean)
+    bnpo:    sum_it m_it l_it / max(1, sum_it m_it)
+    dr_grpo: sum_it m_it l_it / (B * L),  L = max_completion_length (None -> T)
+    dapo:    sum_it m_it l_it / max(1, num_items),  num_items None -> sum_it m_it
+    """
+    masked = per_token_loss * mask  # (B, T) also when per_token_loss is (B, 1)
+    if loss_type == "grpo":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return masked.sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        length = mask.shape[1] if max_completion_length is None else max_completion_length
+        return masked.sum() / (mask.shape[0] * length)
+    # dapo
+    normaliser = (
+        mask.sum() if num_items is None else torch.as_tensor(num_items, dtype=mask.dtype, device=mask.device)
+    )
+    return masked.sum() / normaliser.clamp(min=1.0)
+
+
+def clip_stats(
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, epsilon_low: float, epsilon_high: float
+) -> dict[str, torch.Tensor]:
+    """TRL's clip metrics. ratio (B, T) or (B, 1) after the delta cap; advantages (B, 1); mask (B, T).
+
+    low:    r < 1 - eps_low  and A < 0   (the clipped branch is active and its gradient is 0)
+    high:   r > 1 + eps_high and A > 0
+    region: low or high
+    *_mean are token means over the batch (sequence level: means over sequences); low_min / high_max
+    are the min / max over sequences of the per-sequence means (empty sequences skipped).
+    """
+    ratio = ratio.detach()
+    is_low = ((ratio < 1 - epsilon_low) & (advantages < 0)).to(mask.dtype)
+    is_high = ((ratio > 1 + epsilon_high) & (advantages > 0)).to(mask.dtype)
+    is_region = torch.maximum(is_low, is_high)
+    return {
+        "clip_ratio/low_mean": masked_mean(is_low, mask),
+        "clip_ratio/low_min": _nan_extreme(_per_sequence_mean(is_low, mask), torch.min),
+        "clip_ratio/high_mean": masked_mean(is_high, mask),
+        "clip_ratio/high_max": _nan_extreme(_per_sequence_mean(is_high, mask), torch.max),
+        "clip_ratio/region_mean": masked_mean(is_region, mask),
+    }
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of (B, T) values over mask (B, T) tokens; of (B, 1) values over all B sequences (TRL's rule).
+
+    0 when no token counts (denominator clamped at 1).
+    """
+    values = values.detach()
+    if values.shape[1] == 1 and mask.shape[1] != 1:  # sequence level: one value per sequence
+        return values.sum() / max(values.shape[0], 1)
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _per_sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) -> (B,) masked mean per sequence (NaN for an empty row); (B, 1) -> (B,)."""
+    if values.shape[1] == 1 and mask.shape[1] != 1:
+        return values.squeeze(1)
+    return (values * mask).sum(-1) / mask.sum(-1)
+
+
+def _nan_extreme(values: torch.Tensor, reduce) -> torch.Tensor:
+    """min or max over the non-NaN entries of a 1-D tensor; NaN if there are none (TRL's nanmin/nanmax).
+
+    Written without boolean indexing, which would make the host wait for the device on every call.
+    """
+    is_nan = torch.isnan(values)
+    neutral = math.inf if reduce is torch.min else -math.inf
+    extreme = reduce(values.masked_fill(is_nan, neutral)) if values.numel() else values.new_tensor(neutral)
+    return torch.where(is_nan.all(), values.new_tensor(math.nan), extreme)
+
+
+def _capped(ratio: torch.Tensor, delta: float | None) -> torch.Tensor:
+    """min(r, delta) when delta is set (two-sided clipping), else r."""
+    return ratio if delta is None else torch.clamp(ratio, max=delta)
+
+
+def _check_tensors(logps, old_logps, ref_logps, advantages, mask) -> None:
+    """Raise ValueError naming the first tensor whose type or shape is out of contract."""
+    if not isinstance(logps, torch.Tensor) or logps.ndim != 2:
+        raise ValueError(f"logps must be a 2-D (B, T) tensor, got {_describe(logps)}")
+    if not logps.is_floating_point():
+        raise ValueError(f"logps must be floating point, got dtype {logps.dtype}")
+    shape = tuple(logps.shape)
+    for name, tensor, optional in (
+        ("old_logps", old_logps, True),
+        ("ref_logps", ref_logps, True),
+        ("mask", mask, False),
+    ):
+        if tensor is None and optional:
+            continue
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} must have the shape of logps {shape}, got {_describe(tensor)}")
+    if not isinstance(advantages, torch.Tensor) or tuple(advantages.shape) != shape[:1]:
+        raise ValueError(f"advantages must have shape (B,) = {shape[:1]}, got {_describe(advantages)}")
+
+
+def _check_options(loss_type, level, beta, epsilon_low, epsilon_high, delta) -> None:
+    """Raise ValueError naming the first option that is out of contract."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {level!r}"
+        )
+    if not _is_real(beta) or beta < 0:
+        raise ValueError(f"beta must be a number >= 0, got {beta!r}")
+    if not _is_real(epsilon_low) or not 0 <= epsilon_low <= 1:
+        raise ValueError(f"epsilon_low must be in [0, 1], got {epsilon_low!r}")
+    if epsilon_high is not None and (not _is_real(epsilon_high) or epsilon_high < 0):
+        raise ValueError(f"epsilon_high must be a number >= 0 or None, got {epsilon_high!r}")
+    if delta is not None and (not _is_real(delta) or delta <= 0):
+        raise ValueError(f"delta must be a number > 0 or None, got {delta!r}")
+
+
+def _check_normalisers(loss_type, max_completion_length, num_items, completion_length: int) -> None:
+    """dr_grpo needs a length >= T; dapo's num_items must be a scalar count."""
+    if loss_type == "dr_grpo":
+        if completion_length == 0 and max_completion_length is None:
+            raise ValueError(
+                "max_completion_length is required for dr_grpo when logps has no token column (T=0)"
+            )
+        if max_completion_length is not None and (
+            isinstance(max_completion_length, bool)
+            or not isinstance(max_completion_length, int)
+            or max_completion_length < max(completion_length, 1)
+        ):
+            raise ValueError(
+                f"max_completion_length must be an int >= T={completion_length} (the padded completion length), "
+                f"got {max_completion_length!r}"
+            )
+    if isinstance(num_items, torch.Tensor):
+        # A tensor's value is not read here: that would force a device sync on every micro-batch.
+        if num_items.numel() != 1:
+            raise ValueError(f"num_items must be a scalar token count, got {_describe(num_items)}")
+    elif num_items is not None and (not _is_real(num_items) or num_items < 0):
+        raise ValueError(f"num_items must be a token count >= 0 or None, got {num_items!r}")
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"shape {tuple(value.shape)}"
+    return f"{type(value).__name__}"

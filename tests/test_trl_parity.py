@@ -1,0 +1,341 @@
+"""Parity with TRL 1.16, using TRL's own code as the oracle (float64 values and gradients to 1e-6).
+
+* loss: ``GRPOTrainer._compute_loss`` runs on a stand-in ``self`` (``object.__new__``, no model, no
+  accelerator) whose log-prob method returns our tensors, so every line of TRL's loss runs as shipped.
+* advantages: TRL computes them inline in ``_generate_and_score_completions`` (not separable), so
+  ``trl_advantages`` below is a line-by-line copy of that block (trl/trainer/grpo_trainer.py, 1.16.0,
+  from ``unscorable_mask = ...`` to ``advantages = torch.nan_to_num(...)``) using TRL's real ``nanstd``.
+* log-probs: ``trl.trainer.utils.selective_log_softmax`` / ``entropy_from_logits``, and
+  ``_get_per_token_logps_and_entropies`` on a tiny Qwen2 given TRL's fused LM head.
+
+TRL is imported once here (it takes seconds); no other test module imports it.
+"""
+
+import contextlib
+import copy
+import itertools
+import math
+import types
+from collections import defaultdict
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+from trl.trainer import utils as trl_utils  # noqa: E402
+from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
+
+from grpo_core.advantages import compute_advantages  # noqa: E402
+from grpo_core.logprobs import entropy_from_logits, selective_log_softmax, token_logprobs_and_entropy  # noqa: E402
+from grpo_core.loss import grpo_loss  # noqa: E402
+
+F64 = torch.float64
+TOL = 1e-6
+
+
+def test_the_oracle_is_trl_1_16():
+    assert trl.__version__ == "1.16.0"
+
+
+# --- loss ------------------------------------------------------------------------------------------------------
+
+
+class SingleProcessAccelerator:
+    """What _compute_loss asks of the accelerator, for one process: reductions are identities."""
+
+    num_processes = 1
+    sync_gradients = True
+
+    def reduce(self, tensor, reduction="sum"):
+        return tensor
+
+    def gather(self, tensor):
+        return tensor
+
+    gather_for_metrics = gather
+
+
+def trl_grpo_loss(
+    logps,
+    old_logps,
+    ref_logps,
+    advantages,
+    mask,
+    *,
+    loss_type,
+    beta,
+    epsilon_low,
+    epsilon_high,
+    delta,
+    importance_sampling_level,
+    kl_ratio_correction,
+    max_completion_length,
+    num_items,
+):
+    """TRL's _compute_loss on a stand-in trainer; returns (loss, logged metrics)."""
+    trainer = object.__new__(GRPOTrainer)
+    trainer.__dict__.update(
+        loss_type=loss_type,
+        beta=beta,
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_low if epsilon_high is None else epsilon_high,  # as GRPOTrainer.__init__
+        importance_sampling_level=importance_sampling_level,
+        max_completion_length=max_completion_length,
+        args=types.SimpleNamespace(
+            use_bias_correction_kl=kl_ratio_correction, delta=delta, steps_per_generation=1
+        ),
+        # features outside this function's scope, switched off
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        use_vllm=False,
+        aux_loss_enabled=False,
+        _entropy_bonus_enabled=False,
+        # one process, no gradient accumulation (our function leaves accumulation to the caller)
+        current_gradient_accumulation_steps=1,
+        accelerator=SingleProcessAccelerator(),
+        model=types.SimpleNamespace(training=True),
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+    )
+    trainer._get_per_token_logps_and_entropies = lambda *args, **kwargs: (
+        logps,
+        torch.zeros_like(logps),
+        None,
+    )
+    batch, length = logps.shape
+    inputs = {
+        "prompt_ids": torch.zeros(batch, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(batch, 1, dtype=torch.long),
+        "completion_ids": torch.zeros(batch, length, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": advantages,
+        "ref_per_token_logps": ref_logps,
+        "num_items_in_batch": torch.as_tensor(mask.sum() if num_items is None else num_items, dtype=F64),
+    }
+    if old_logps is not None:
+        inputs["old_per_token_logps"] = old_logps
+    loss = trainer._compute_loss(None, inputs)
+    return loss, {name: values[-1] for name, values in trainer._metrics["train"].items()}
+
+
+def random_loss_inputs(seed, batch=6, length=7):
+    generator = torch.Generator().manual_seed(seed)
+    base = -torch.rand(batch, length, dtype=F64, generator=generator) * 3
+    # per-token log-ratios ~ N(0, 0.4^2) plus a per-sequence drift, so that token and sequence ratios
+    # both cross the clip bounds [0.8, 1.28] and delta = 1.5
+    drift = 0.5 * torch.randn(batch, 1, dtype=F64, generator=generator)
+    drift[4], drift[5] = 0.8, -0.7  # sequence ratios ~ e^0.8 = 2.2 (above delta) and ~ e^-0.7 = 0.5
+    old = base - drift + 0.4 * torch.randn(batch, length, dtype=F64, generator=generator)
+    ref = base + 0.3 * torch.randn(batch, length, dtype=F64, generator=generator)
+    advantages = torch.randn(batch, dtype=F64, generator=generator)
+    advantages[1] = 0.0  # a zero-advantage sequence
+    advantages[4], advantages[5] = -1.0, -0.5  # A < 0: where delta and the low clip bind
+    mask = (torch.rand(batch, length, generator=generator) > 0.3).to(F64)
+    mask[2] = 0.0  # an empty row
+    mask[3] = 1.0  # a full row
+    return base, old, ref, advantages, mask
+
+
+LOSS_GRID = [
+    (loss_type, level, beta, delta, old_given, kl_ratio_correction)
+    for loss_type, level, beta, delta, old_given in itertools.product(
+        ["grpo", "bnpo", "dr_grpo", "dapo"],  # loss_type
+        ["token", "sequence"],  # importance_sampling_level
+        [0.0, 0.05],  # beta
+        [None, 1.5],  # delta
+        [True, False],  # old_logps given (off-policy) / None (on-policy)
+    )
+    for kl_ratio_correction in ([True, False] if beta else [True])  # the correction only acts on the KL
+]
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "level", "beta", "delta", "old_given", "kl_ratio_correction"), LOSS_GRID
+)
+def test_loss_values_gradients_and_stats_match_trl(
+    loss_type, level, beta, delta, old_given, kl_ratio_correction
+):
+    seed = LOSS_GRID.index((loss_type, level, beta, delta, old_given, kl_ratio_correction))
+    base, old, ref, advantages, mask = random_loss_inputs(seed)
+    options = {
+        "loss_type": loss_type,
+        "beta": beta,
+        "epsilon_low": 0.2,
+        "epsilon_high": 0.28,
+        "delta": delta,
+        "importance_sampling_level": level,
+        "kl_ratio_correction": kl_ratio_correction,
+        "max_completion_length": base.shape[1] + 3,
+        "num_items": mask.sum() + 11 if loss_type == "dapo" else None,  # tokens of the whole generation batch
+    }
+    ours_logps = base.clone().requires_grad_(True)
+    trl_logps = base.clone().requires_grad_(True)
+    old_logps = old if old_given else None
+    ours, stats = grpo_loss(ours_logps, old_logps, ref, advantages, mask, **options)
+    theirs, trl_stats = trl_grpo_loss(trl_logps, old_logps, ref, advantages, mask, **options)
+    ours.backward()
+    theirs.backward()
+
+    torch.testing.assert_close(ours, theirs, atol=TOL, rtol=0)
+    torch.testing.assert_close(ours_logps.grad, trl_logps.grad, atol=TOL, rtol=0)
+    assert set(stats) - {"ratio_mean"} == set(trl_stats) - {"entropy"}  # entropy: not computed by grpo_loss
+    for name, value in trl_stats.items():
+        if name != "entropy":
+            assert float(stats[name]) == pytest.approx(value, abs=TOL, nan_ok=True), name
+
+
+def test_dapo_default_num_items_is_the_micro_batch_token_count():
+    base, old, ref, advantages, mask = random_loss_inputs(123)
+    options = {
+        "loss_type": "dapo",
+        "beta": 0.0,
+        "epsilon_low": 0.2,
+        "epsilon_high": None,
+        "delta": None,
+        "importance_sampling_level": "token",
+        "kl_ratio_correction": True,
+        "max_completion_length": None,
+    }
+    ours, _ = grpo_loss(base, old, ref, advantages, mask, num_items=None, **options)
+    theirs, _ = trl_grpo_loss(base, old, ref, advantages, mask, num_items=mask.sum(), **options)
+    torch.testing.assert_close(ours, theirs, atol=TOL, rtol=0)
+
+
+# --- advantages ------------------------------------------------------------------------------------------------
+
+
+def trl_advantages(
+    rewards_per_func, reward_weights, num_generations, scale_rewards, multi_objective_aggregation
+):
+    """TRL 1.16 GRPOTrainer._generate_and_score_completions, the advantage block, copied verbatim
+    (self.* turned into arguments, `device` into rewards' device). float64 here, where TRL uses float32
+    rewards, so that the comparison can be made to 1e-6."""
+    nanstd = trl_utils.nanstd
+    device = rewards_per_func.device
+    unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)
+
+    if multi_objective_aggregation == "sum_then_normalize":
+        rewards = (rewards_per_func * reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
+        rewards[unscorable_mask] = torch.nan
+        mean_grouped_rewards = torch.nanmean(rewards.view(-1, num_generations), dim=1)
+        mean_grouped_rewards = mean_grouped_rewards.repeat_interleave(num_generations, dim=0)
+        if scale_rewards in ["group", "none"]:
+            if num_generations > 1:
+                std_rewards = nanstd(rewards.view(-1, num_generations), dim=1)
+                std_rewards = std_rewards.repeat_interleave(num_generations, dim=0)
+            else:
+                std_rewards = torch.zeros_like(rewards)
+        elif scale_rewards == "batch":
+            if rewards.numel() > 1:
+                std_rewards = nanstd(rewards).expand_as(rewards)
+            else:
+                std_rewards = torch.zeros_like(rewards)
+        advantages = rewards - mean_grouped_rewards
+        if scale_rewards != "none":
+            advantages = advantages / (std_rewards + 1e-4)
+
+    elif multi_objective_aggregation == "normalize_then_sum":
+        num_funcs = rewards_per_func.shape[1]
+        grouped = rewards_per_func.view(-1, num_generations, num_funcs)
+        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+        std_k = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
+        reward_k = (grouped - mean_k) / (std_k + 1e-4)
+        reward_k = reward_k.view(-1, num_funcs)
+        rewards = (reward_k * reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
+        rewards[unscorable_mask] = torch.nan
+        std_rewards = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        advantages = (rewards - torch.nanmean(rewards)) / (std_rewards + 1e-4)
+
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+def random_rewards(seed, num_groups=5, group_size=4, num_functions=3):
+    """Rewards with the cases that matter: None entries, unscorable rows, a group with a single scorable
+    row, an all-unscorable group, a group of equal rewards, binary and continuous functions."""
+    generator = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(num_groups * group_size, num_functions, dtype=F64, generator=generator)
+    rewards[:, 0] = (rewards[:, 0] > 0).to(F64)  # a 0/1 correctness reward
+    none = torch.rand(rewards.shape, generator=generator) < 0.25
+    rewards[none] = math.nan
+    rewards[1] = math.nan  # an unscorable row
+    rewards[group_size : 2 * group_size] = math.nan  # group 1: a single scorable row
+    rewards[group_size + 2] = torch.tensor([1.0, 0.5, math.nan])
+    rewards[2 * group_size : 3 * group_size] = math.nan  # group 2: nothing scorable
+    rewards[3 * group_size : 4 * group_size] = torch.tensor([0.1, 0.3, 0.7])  # group 3: all equal
+    weights = torch.rand(num_functions, dtype=F64, generator=generator) * 2
+    return rewards, weights, group_size
+
+
+@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("seed", range(5))
+def test_advantages_match_trl(aggregation, scale, seed):
+    rewards, weights, group_size = random_rewards(seed)
+    ours = compute_advantages(rewards, weights, group_size, scale=scale, aggregation=aggregation)
+    theirs = trl_advantages(rewards.clone(), weights, group_size, scale, aggregation)
+    torch.testing.assert_close(ours, theirs, atol=TOL, rtol=0)
+
+
+# --- log-probs and entropies -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_selective_log_softmax_matches_trl(dtype, temperature):
+    generator = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(3, 6, 50, generator=generator, dtype=F64)).to(dtype)
+    index = torch.randint(0, 50, (3, 6), generator=generator)
+    ours = selective_log_softmax(logits, index, temperature=temperature, chunk_size=5)
+    theirs = trl_utils.selective_log_softmax(logits, index, temperature=temperature)
+    assert ours.dtype == theirs.dtype
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_entropy_from_logits_matches_trl():
+    logits = 4 * torch.randn(3, 6, 50, generator=torch.Generator().manual_seed(1), dtype=F64)
+    torch.testing.assert_close(
+        entropy_from_logits(logits, 7), trl_utils.entropy_from_logits(logits, 7), atol=1e-12, rtol=0
+    )
+
+
+def test_token_logprobs_and_entropy_match_trl_fused_head():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=37,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    trl_model = copy.deepcopy(model)
+    temperature, completion_length = 0.7, 5
+    trl_utils.add_fused_lm_head(trl_model, temperature=temperature, outputs=("log_probs", "entropy"))
+
+    generator = torch.Generator().manual_seed(2)
+    input_ids = torch.randint(0, 37, (3, 4 + completion_length), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :2] = 0  # left-padded prompt
+    attention_mask[1, -2:] = 0  # right-padded completion
+    trainer = object.__new__(GRPOTrainer)
+    trainer.accelerator = types.SimpleNamespace(autocast=contextlib.nullcontext)
+    trl_logps, trl_entropies, _ = GRPOTrainer._get_per_token_logps_and_entropies.__wrapped__(
+        trainer, trl_model, input_ids, attention_mask, completion_length, compute_entropy=True
+    )
+    logps, entropies = token_logprobs_and_entropy(
+        model, input_ids, attention_mask, completion_length, temperature=temperature, chunk_size=4
+    )
+    # TRL's fused head accumulates in float32: 1e-5
+    torch.testing.assert_close(logps, trl_logps, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropies, trl_entropies, atol=1e-5, rtol=0)
+
+    weights = torch.randn(logps.shape, generator=generator)
+    ours_grads = torch.autograd.grad((logps * weights).sum() + entropies.sum(), list(model.parameters()))
+    trl_grads = torch.autograd.grad(
+        (trl_logps * weights).sum() + trl_entropies.sum(), list(trl_model.parameters())
+    )
+    for ours, theirs in zip(ours_grads, trl_grads):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
