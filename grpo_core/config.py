@@ -24,6 +24,7 @@ from typing import Any, Literal
 import yaml
 
 from grpo_core.embedded.config import EmbeddedConfig
+from grpo_core.guards import GuardsConfig
 
 
 class ConfigError(ValueError):
@@ -188,6 +189,7 @@ class PipelineConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    guards: GuardsConfig = field(default_factory=GuardsConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

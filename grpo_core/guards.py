@@ -1,0 +1,149 @@
+"""Guards that act: watch each step's metrics and warn, skip the update, stop, or roll back.
+
+Training quietly going wrong is the usual way a long run is lost: KL blows up, entropy collapses,
+completions run to the length limit, the loss or gradients turn NaN, or the policy games a format
+reward while getting answers wrong. Each guard has a threshold (``None`` = off) and an action:
+
+- ``warn``: log it (and tag the tracker run); training goes on;
+- ``skip_step``: discard this step's update (the optimizer does not step);
+- ``stop``: end training with an error naming the guard; the last checkpoint stays the good one;
+- ``rollback``: restore the last checkpoint, multiply the learning rate by ``rollback_lr_factor``
+  and continue (at most ``max_rollbacks`` times, then stop).
+
+Every guard is checked before ``optimizer.step()``: the step's KL, entropy, lengths and rewards are
+known from its forward pass, so ``skip_step`` really keeps a bad update out of the weights.
+Non-finite loss or gradients are always checked; their action can be chosen but never ``warn``:
+training on NaN is not an option.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+Action = Literal["warn", "skip_step", "stop", "rollback"]
+SEVERITY = {"warn": 0, "skip_step": 1, "rollback": 2, "stop": 3}
+
+
+@dataclass
+class ThresholdGuard:
+    threshold: float | None = field(default=None, metadata={"help": "trigger level (null = guard off)"})
+    action: Action = field(default="warn", metadata={"help": "warn | skip_step | stop | rollback"})
+
+
+@dataclass
+class NonFiniteGuard:
+    action: Literal["skip_step", "stop", "rollback"] = field(
+        default="stop", metadata={"help": "NaN/inf loss or gradient norm: skip_step | stop | rollback"})
+
+
+@dataclass
+class RewardHackingGuard:
+    format_reward: str | None = field(default=None, metadata={"help": "name of the format reward watched (null = off)"})
+    correctness_reward: str | None = field(default=None, metadata={"help": "name of the correctness reward watched"})
+    window: int = field(default=10, metadata={"help": "steps per window: the last window is compared with the one before",
+                                              "ge": 1})
+    format_rise: float = field(default=0.1, metadata={"help": "format mean rose by at least this", "ge": 0})
+    correctness_drop: float = field(default=0.05, metadata={"help": "while correctness fell by at least this", "ge": 0})
+    action: Action = field(default="warn", metadata={"help": "warn | skip_step | stop | rollback"})
+
+
+@dataclass
+class GuardsConfig:
+    kl_max: ThresholdGuard = field(default_factory=ThresholdGuard, metadata={"help": "kl above threshold"})
+    entropy_min: ThresholdGuard = field(default_factory=ThresholdGuard, metadata={"help": "entropy below threshold"})
+    clipped_ratio_max: ThresholdGuard = field(
+        default_factory=ThresholdGuard,
+        metadata={"help": "share of completions hitting max_completion_length above threshold (length blow-up)"})
+    nonfinite: NonFiniteGuard = field(default_factory=NonFiniteGuard, metadata={"help": "NaN/inf loss or gradients"})
+    reward_hacking: RewardHackingGuard = field(default_factory=RewardHackingGuard,
+                                               metadata={"help": "format saturating while correctness falls"})
+    rollback_lr_factor: float = field(default=0.5, metadata={"help": "learning rate x this after a rollback",
+                                                             "gt": 0, "le": 1})
+    max_rollbacks: int = field(default=2, metadata={"help": "rollbacks allowed before a rollback becomes a stop",
+                                                    "ge": 0})
+
+
+@dataclass(frozen=True)
+class GuardEvent:
+    guard: str
+    action: Action
+    message: str
+
+
+class GuardStop(RuntimeError):
+    """Training stopped by a guard; the message names the guard, the step and the value."""
+
+
+class GuardMonitor:
+    """Checks one step's metrics against the configured guards; keeps the history the hacking guard needs."""
+
+    def __init__(self, cfg: GuardsConfig):
+        self.cfg = cfg
+        n = cfg.reward_hacking.window
+        self._format: deque[float] = deque(maxlen=2 * n)
+        self._correct: deque[float] = deque(maxlen=2 * n)
+
+    def check(self, step: int, metrics: dict) -> list[GuardEvent]:
+        """Events for this step (empty if all is well). ``metrics`` uses the trainer's metric names."""
+        cfg, events = self.cfg, []
+        loss, grad_norm = metrics.get("loss"), metrics.get("grad_norm")
+        bad = [name for name, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None and not math.isfinite(v)]
+        if bad:
+            events.append(GuardEvent("nonfinite", cfg.nonfinite.action,
+                                     f"step {step}: {' and '.join(f'{b}={metrics[b]}' for b in bad)} is not finite"))
+        self._threshold(events, "kl_max", cfg.kl_max, metrics.get("kl"), step, above=True)
+        self._threshold(events, "entropy_min", cfg.entropy_min, metrics.get("entropy"), step, above=False)
+        self._threshold(events, "clipped_ratio_max", cfg.clipped_ratio_max,
+                        metrics.get("completions/clipped_ratio"), step, above=True)
+        hacking = self._hacking(step, metrics)
+        if hacking:
+            events.append(hacking)
+        return events
+
+    @staticmethod
+    def _threshold(events, name, guard: ThresholdGuard, value, step, above: bool) -> None:
+        if guard.threshold is None or value is None or not math.isfinite(value):
+            return
+        if (value > guard.threshold) if above else (value < guard.threshold):
+            relation = "above" if above else "below"
+            events.append(GuardEvent(name, guard.action,
+                                     f"step {step}: {name.rsplit('_', 1)[0]}={value:.6g} is {relation} "
+                                     f"the threshold {guard.threshold:g}"))
+
+    def _hacking(self, step: int, metrics: dict) -> GuardEvent | None:
+        g = self.cfg.reward_hacking
+        if g.format_reward is None or g.correctness_reward is None:
+            return None
+        fmt = metrics.get(f"rewards/{g.format_reward}/mean")
+        cor = metrics.get(f"rewards/{g.correctness_reward}/mean")
+        if fmt is None or cor is None or not (math.isfinite(fmt) and math.isfinite(cor)):
+            return None
+        self._format.append(fmt)
+        self._correct.append(cor)
+        n = g.window
+        if len(self._format) < 2 * n:
+            return None
+        fmt_before, fmt_now = _mean(list(self._format)[:n]), _mean(list(self._format)[n:])
+        cor_before, cor_now = _mean(list(self._correct)[:n]), _mean(list(self._correct)[n:])
+        if fmt_now - fmt_before >= g.format_rise and cor_before - cor_now >= g.correctness_drop:
+            return GuardEvent("reward_hacking", g.action,
+                              f"step {step}: {g.format_reward} rose {fmt_before:.3f} -> {fmt_now:.3f} while "
+                              f"{g.correctness_reward} fell {cor_before:.3f} -> {cor_now:.3f} over {n}-step windows")
+        return None
+
+    def reset_history(self) -> None:
+        """After a rollback the windows describe steps that no longer exist."""
+        self._format.clear()
+        self._correct.clear()
+
+
+def decide(events: list[GuardEvent]) -> GuardEvent | None:
+    """The most severe event decides what happens to the step (stop > rollback > skip_step > warn)."""
+    return max(events, key=lambda e: SEVERITY[e.action]) if events else None
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)

@@ -1,0 +1,72 @@
+"""Guards: each fires on the metric it watches, with the configured action, and only then."""
+
+import math
+
+import pytest
+
+from grpo_core.config import ConfigError, config_from_dict
+from grpo_core.guards import GuardMonitor, GuardsConfig, NonFiniteGuard, RewardHackingGuard, ThresholdGuard, decide
+
+CALM = {"loss": 0.01, "grad_norm": 0.5, "kl": 0.02, "entropy": 1.5, "completions/clipped_ratio": 0.0,
+        "rewards/format/mean": 0.5, "rewards/correctness/mean": 0.5}
+
+
+def test_calm_metrics_raise_nothing():
+    cfg = GuardsConfig(kl_max=ThresholdGuard(1.0, "stop"), entropy_min=ThresholdGuard(0.1, "stop"),
+                       clipped_ratio_max=ThresholdGuard(0.5, "stop"))
+    assert GuardMonitor(cfg).check(1, CALM) == []
+
+
+@pytest.mark.parametrize("key, value, cfg_kwargs, guard", [
+    ("kl", 1.5, {"kl_max": ThresholdGuard(1.0, "rollback")}, "kl_max"),
+    ("entropy", 0.05, {"entropy_min": ThresholdGuard(0.1, "stop")}, "entropy_min"),
+    ("completions/clipped_ratio", 0.9, {"clipped_ratio_max": ThresholdGuard(0.5, "skip_step")}, "clipped_ratio_max"),
+])
+def test_threshold_guards_fire_with_their_action(key, value, cfg_kwargs, guard):
+    cfg = GuardsConfig(**cfg_kwargs)
+    (event,) = GuardMonitor(cfg).check(7, {**CALM, key: value})
+    assert event.guard == guard and event.action == getattr(cfg, guard).action
+    assert "step 7" in event.message and f"{value:.6g}" in event.message
+
+
+def test_threshold_none_means_off():
+    assert GuardMonitor(GuardsConfig()).check(1, {**CALM, "kl": 1e9, "entropy": 0.0}) == []
+
+
+@pytest.mark.parametrize("bad", [{"loss": math.nan}, {"grad_norm": math.inf}])
+def test_nonfinite_always_checked(bad):
+    (event,) = GuardMonitor(GuardsConfig(nonfinite=NonFiniteGuard("skip_step"))).check(3, {**CALM, **bad})
+    assert event.guard == "nonfinite" and event.action == "skip_step" and "not finite" in event.message
+
+
+def test_nonfinite_cannot_be_set_to_warn():
+    with pytest.raises(ConfigError, match="guards.nonfinite.action: 'warn' is not allowed"):
+        config_from_dict({"data": {"train_files": ["x.jsonl"]}, "rewards": [{"name": "a", "function": "b"}],
+                          "guards": {"nonfinite": {"action": "warn"}}})
+
+
+def test_reward_hacking_needs_format_up_and_correctness_down():
+    g = RewardHackingGuard(format_reward="format", correctness_reward="correctness", window=3,
+                           format_rise=0.2, correctness_drop=0.1, action="stop")
+    mon = GuardMonitor(GuardsConfig(reward_hacking=g))
+    # window 1: format 0.5, correctness 0.6; window 2: format 0.8 (+0.3), correctness 0.45 (-0.15) -> fires
+    steps = [(0.5, 0.6)] * 3 + [(0.8, 0.45)] * 3
+    events = [mon.check(i, {**CALM, "rewards/format/mean": f, "rewards/correctness/mean": c})
+              for i, (f, c) in enumerate(steps, 1)]
+    assert events[:5] == [[]] * 5
+    assert events[5][0].guard == "reward_hacking" and events[5][0].action == "stop"
+
+    # both rising is learning, not hacking
+    mon = GuardMonitor(GuardsConfig(reward_hacking=g))
+    steps = [(0.5, 0.4)] * 3 + [(0.8, 0.7)] * 3
+    assert all(mon.check(i, {**CALM, "rewards/format/mean": f, "rewards/correctness/mean": c}) == []
+               for i, (f, c) in enumerate(steps, 1))
+
+
+def test_most_severe_action_decides():
+    cfg = GuardsConfig(kl_max=ThresholdGuard(1.0, "warn"), entropy_min=ThresholdGuard(0.1, "rollback"),
+                       nonfinite=NonFiniteGuard("skip_step"))
+    events = GuardMonitor(cfg).check(2, {**CALM, "kl": 5.0, "entropy": 0.0, "loss": math.nan})
+    assert {e.guard for e in events} == {"kl_max", "entropy_min", "nonfinite"}
+    assert decide(events).guard == "entropy_min"
+    assert decide([]) is None
