@@ -35,9 +35,11 @@ from grpo_core.checkpoint import (
     load_checkpoint,
     remove_stale_temp_dirs,
     save_checkpoint,
+    set_rng_state,
 )
 from grpo_core.config import PipelineConfig, training_params_hash
 from grpo_core.data import PromptEncoder, completion_for_reward, load_split
+from grpo_core.guards import GuardEvent, GuardMonitor, GuardStop, decide
 from grpo_core.logprobs import token_logprobs_and_entropy
 from grpo_core.loss import grpo_loss
 from grpo_core.modeling import load_policy, load_reference
@@ -96,7 +98,7 @@ def metric_columns(reward_names: list[str]) -> list[str]:
         cols += [f"rewards/{name}/mean", f"rewards/{name}/std"]
     cols += ["kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
              "completions/mean_length", "completions/min_length", "completions/max_length",
-             "completions/clipped_ratio", "grad_norm", "learning_rate", "reward_errors", "num_tokens",
+             "completions/clipped_ratio", "grad_norm", "learning_rate", "reward_errors", "num_tokens", "guard/skipped",
              "step_time", "generation_time"]
     return cols
 
@@ -308,27 +310,18 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
     params_hash = training_params_hash(cfg, weights.tolist())
     step, micro_step, round_ = 0, 0, None
     resumed_from = None
+    rollbacks = 0
     remove_stale_temp_dirs(ckpt_dir)
     last = latest_checkpoint(ckpt_dir) if t.resume == "auto" else None
     if last is not None:
-        ck = load_checkpoint(last, expected_hash=params_hash)
-        _load_weights(policy, last)
-        optimizer.load_state_dict(ck.optimizer)
-        scheduler.load_state_dict(ck.scheduler)
-        if ck.reference_state is not None and ref_model is not None:
-            ref_model.load_state_dict(ck.reference_state)
-        sampler.load_state_dict(ck.state["sampler"])
-        step, micro_step = ck.state["step"], ck.state["micro_step"]
-        round_ = ck.rollout_buffer
-        if round_ is not None:
-            round_["metrics"] = json.loads(bytes(round_.pop("metrics_json").tolist()))
-        from grpo_core.checkpoint import set_rng_state
-        set_rng_state(ck.state["rng"])
+        state, round_ = _restore_checkpoint(last, params_hash, policy, optimizer, scheduler, ref_model, sampler)
+        step, micro_step, rollbacks = state["step"], state["micro_step"], state.get("rollbacks", 0)
         resumed_from = last
         log.info("resumed from %s (step %d)", last, step)
     if step >= t.max_steps:
         log.info("already trained to step %d >= max_steps %d", step, t.max_steps)
     step_log = StepLog(log_path, metric_columns(reward_names), step)
+    monitor = GuardMonitor(cfg.guards)
 
     bar = None
     if progress and accelerator.is_main_process:
@@ -373,20 +366,53 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
                     max_completion_length=t.max_completion_length, num_items=max(num_items, 1.0))
                 if t.loss_type != "dapo":  # dapo already divides by the step's token count
                     loss = loss / ga
-                if not torch.isfinite(loss):
-                    raise TrainingError(f"step {step + 1}: the loss is {loss.item()} (not finite); "
-                                        "stopping rather than training on it")
-                accelerator.backward(loss)
+                if torch.isfinite(loss):  # a NaN never reaches the gradients; the nonfinite guard acts on it
+                    accelerator.backward(loss)
             losses.append(loss.detach())
             stats_acc.append(stats)
             m = loss_mask[:, :width].to(entropy.device).float()
             entropies.append(((entropy * m).sum() / m.sum().clamp(min=1)).detach())
         max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
-        if not torch.isfinite(torch.as_tensor(grad_norm)):
-            raise TrainingError(f"step {step + 1}: gradient norm is {float(grad_norm)}; stopping")
-        optimizer.step()
-        scheduler.step()
+
+        # Metrics (TRL names) and guards, before the update is applied ------------------------------
+        metrics = {"step": step + 1, **round_["metrics"]}
+        metrics["loss"] = torch.stack(losses).sum().item()
+        for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+            vals = [float(s[key]) for s in stats_acc if key in s]
+            metrics[key] = sum(vals) / len(vals) if vals else 0.0
+        metrics["entropy"] = torch.stack(entropies).mean().item()
+        metrics["grad_norm"] = float(grad_norm)
+        event = decide(monitor.check(step + 1, metrics))
+        if event is not None:
+            log.warning("guard %s (%s): %s", event.guard, event.action, event.message)
+            _tag(tracker, {f"guard.{event.guard}": f"{event.action}: {event.message}"})
+        if event is not None and event.action == "rollback" and rollbacks >= cfg.guards.max_rollbacks:
+            event = GuardEvent(event.guard, "stop", f"{event.message} (after {rollbacks} rollbacks)")
+        if event is not None and event.action == "stop":
+            raise GuardStop(f"guard {event.guard} stopped training: {event.message}; "
+                            f"the last good checkpoint is {latest_checkpoint(ckpt_dir)}")
+        if event is not None and event.action == "rollback":
+            last = latest_checkpoint(ckpt_dir)
+            if last is None:
+                raise GuardStop(f"guard {event.guard} asked for a rollback but there is no checkpoint yet: "
+                                f"{event.message}")
+            optimizer.zero_grad(set_to_none=True)
+            state, round_ = _restore_checkpoint(last, params_hash, policy, optimizer, scheduler, ref_model, sampler)
+            step, micro_step = state["step"], state["micro_step"]
+            rollbacks += 1
+            _scale_learning_rate(optimizer, scheduler, cfg.guards.rollback_lr_factor)
+            step_log = StepLog(log_path, metric_columns(reward_names), step)
+            monitor.reset_history()
+            if bar is not None:
+                bar.n = step
+                bar.refresh()
+            log.warning("rolled back to %s; learning rate x%g", last, cfg.guards.rollback_lr_factor)
+            continue
+        skipped = event is not None and event.action == "skip_step"
+        if not skipped:
+            optimizer.step()
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         micro_step += ga
         step += 1
@@ -394,14 +420,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
         if ref_model is not None and t.sync_ref_model and step % t.ref_model_sync_steps == 0:
             _mix_reference(ref_model, policy, t.ref_model_mixup_alpha)
 
-        # Metrics (TRL names) ----------------------------------------------------------------------
-        metrics = {"step": step, **round_["metrics"]}
-        metrics["loss"] = torch.stack(losses).sum().item()
-        for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
-            vals = [float(s[key]) for s in stats_acc if key in s]
-            metrics[key] = sum(vals) / len(vals) if vals else 0.0
-        metrics["entropy"] = torch.stack(entropies).mean().item()
-        metrics["grad_norm"] = float(grad_norm)
+        metrics["guard/skipped"] = float(skipped)
         metrics["learning_rate"] = scheduler.get_last_lr()[0]
         metrics["num_tokens"] = num_items * accelerator.num_processes
         metrics["step_time"] = time.perf_counter() - step_start  # generation included when this step sampled
@@ -416,7 +435,8 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
                                 len=f"{metrics['completions/mean_length']:.1f}")
         if step % t.save_steps == 0 or step == t.max_steps:
             _save(ckpt_dir, step, micro_step, policy, tokenizer, optimizer, scheduler, sampler, params_hash,
-                  round_ if micro_step % (micro_per_round * mu) else None, ref_model, t, metrics, accelerator)
+                  round_ if micro_step % (micro_per_round * mu) else None, ref_model, t, metrics, accelerator,
+                  rollbacks)
     if bar is not None:
         bar.close()
 
@@ -477,6 +497,36 @@ def _mix_reference(ref_model, policy, alpha: float) -> None:
     ref_model._synced = True
 
 
+def _restore_checkpoint(path, params_hash, policy, optimizer, scheduler, ref_model, sampler):
+    """Load weights, optimizer, scheduler, reference, sampler and RNGs; return (state, rollout buffer)."""
+    ck = load_checkpoint(path, expected_hash=params_hash)
+    _load_weights(policy, path)
+    optimizer.load_state_dict(ck.optimizer)
+    scheduler.load_state_dict(ck.scheduler)
+    if ck.reference_state is not None and ref_model is not None:
+        ref_model.load_state_dict(ck.reference_state)
+    sampler.load_state_dict(ck.state["sampler"])
+    round_ = ck.rollout_buffer
+    if round_ is not None:
+        round_["metrics"] = json.loads(bytes(round_.pop("metrics_json").tolist()))
+    set_rng_state(ck.state["rng"])
+    return ck.state, round_
+
+
+def _scale_learning_rate(optimizer, scheduler, factor: float) -> None:
+    """Multiply the schedule's base rates (and the current rate) by ``factor``: the rollback's cooler restart."""
+    scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+    for group in optimizer.param_groups:
+        group["lr"] *= factor
+        if "initial_lr" in group:
+            group["initial_lr"] *= factor
+
+
+def _tag(tracker, tags: dict) -> None:
+    if tracker is not None and hasattr(tracker, "set_tags"):
+        tracker.set_tags(tags)
+
+
 def _load_weights(model, path: Path) -> None:
     from safetensors.torch import load_file
 
@@ -494,7 +544,7 @@ def _load_weights(model, path: Path) -> None:
 
 
 def _save(ckpt_dir, step, micro_step, policy, tokenizer, optimizer, scheduler, sampler, params_hash,
-          round_, ref_model, t, metrics, accelerator) -> None:
+          round_, ref_model, t, metrics, accelerator, rollbacks) -> None:
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return
@@ -504,6 +554,7 @@ def _save(ckpt_dir, step, micro_step, policy, tokenizer, optimizer, scheduler, s
         buffer["metrics_json"] = torch.tensor(list(_json_bytes(round_["metrics"])), dtype=torch.uint8)
     ref_state = ref_model.state_dict() if ref_model is not None and getattr(ref_model, "_synced", False) else None
     state = {"micro_step": micro_step, "sampler": sampler.state_dict(), "params_hash": params_hash,
+             "rollbacks": rollbacks,
              "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
     save_checkpoint(ckpt_dir, step, model=policy, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
                     state=state, rollout_buffer=buffer, reference_state=ref_state, keep_last=t.save_total_limit)
