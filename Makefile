@@ -46,3 +46,33 @@ ui: setup
 
 clean:
 	rm -rf .pytest_cache .ruff_cache
+
+# ---- orchestration: dvc.yaml stages, the Prefect flow and its deployment (flows/, prefect.yaml) ----
+# dvc.yaml runs `python -m flows.stages <stage>`: the venv's bin goes first on PATH so that `python`
+# (and `dvc`, `prefect`) are the project's, for every target.
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export GRPO_REPO_DIR ?= $(CURDIR)
+POOL ?= grpo-process
+# make pipeline SET="train.learning_rate=1e-4 train.max_steps=50"   (params.yaml overrides)
+SET ?=
+
+.PHONY: pipeline deploy worker prefect-server infra-up infra-down
+
+pipeline: setup
+	$(PY) -m flows.pipeline $(foreach s,$(SET),--set $(s))
+
+prefect-server: setup
+	$(VENV)/bin/prefect server start
+
+deploy: setup
+	$(VENV)/bin/prefect work-pool inspect $(POOL) >/dev/null 2>&1 || $(VENV)/bin/prefect work-pool create --type process $(POOL)
+	$(VENV)/bin/prefect --no-prompt deploy --all
+
+worker: setup
+	$(VENV)/bin/prefect worker start --pool $(POOL)
+
+infra-up:
+	docker compose -f infra/docker-compose.yml up -d
+
+infra-down:
+	docker compose -f infra/docker-compose.yml down

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 
 from grpo_core.embedded.config import EmbeddedConfig
 from grpo_core.guards import GuardsConfig
@@ -365,13 +364,21 @@ def config_from_dict(raw: dict, overrides: typing.Mapping[str, Any] | None = Non
 
 
 def load_config(path: str | Path = "params.yaml", overrides: typing.Mapping[str, Any] | None = None) -> PipelineConfig:
-    """Read and validate params.yaml. Raises ConfigError naming the key on any problem."""
+    """Read and validate params.yaml. Raises ConfigError naming the key on any problem.
+
+    Parsed as YAML 1.2, the way DVC reads and writes it: ``dvc exp run -S`` rewrites params.yaml and
+    drops the quotes of ``mixed_precision: "no"``, which a YAML 1.1 parser would read as ``false``
+    (and YAML 1.1 reads ``5e-4`` as a string).
+    """
+    from ruamel.yaml import YAML
+    from ruamel.yaml.error import YAMLError
+
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such parameters file")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
+        raw = YAML(typ="safe", pure=True).load(path.read_text(encoding="utf-8")) or {}
+    except YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from err
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")

@@ -108,3 +108,12 @@ def test_every_train_field_is_documented():
                      "logging_steps", "seed", "warmup_ratio", "lr_scheduler_type", "weight_decay", "adam_beta1",
                      "adam_beta2", "max_grad_norm"]:
         assert trl_name in names
+
+
+def test_params_are_read_as_yaml_1_2_like_dvc_writes_them(tmp_path):
+    # `dvc exp run -S` rewrites params.yaml without the quotes of "no"; YAML 1.1 would read it as false
+    text = (ROOT / "params.yaml").read_text().replace('mixed_precision: "no"', "mixed_precision: no")
+    text = text.replace("learning_rate: 5.0e-4", "learning_rate: 5e-4")
+    (tmp_path / "params.yaml").write_text(text)
+    cfg = load_config(tmp_path / "params.yaml")
+    assert cfg.train.mixed_precision == "no"

@@ -1,0 +1,411 @@
+"""Prefect flow around the DVC pipeline: one task per stage, each ``dvc repro --single-item <stage>``.
+
+    grpo_pipeline(experiment_name=None, params_overrides=None, stages=None, force=False)
+
+What the flow adds to ``dvc repro``:
+- **process isolation**: every stage runs in its own ``dvc`` subprocess (and DVC runs the stage's command
+  in another), so training's GPU memory is released before evaluation starts;
+- **retries** on transient failures (a crash, an OOM kill, a busy DVC lock: exit code 1 or a signal), never
+  on permanent ones - failed data validation, bad params, unreadable data, a non-finite loss (stage exit
+  codes 2-5, see ``flows/stages/__init__.py``). Training resumes from its newest checkpoint on a retry;
+- **timeouts** per stage (``timeouts`` parameter, seconds; the stage's whole process group is killed);
+  ``retries`` / ``retry_delay_seconds`` set the retry policy (default 2 retries, 30 s apart);
+- **one MLflow parent run** per flow run: created here, passed to the stages as ``GRPO_PARENT_RUN_ID``
+  with ``GRPO_FLOW_RUN_ID`` (tagged ``prefect.flow_run_id`` on every run) and ``GRPO_EXPERIMENT_NAME``,
+  ended here with the pipeline's status;
+- a **markdown artifact** (key ``grpo-pipeline-summary``) with the calibrated weights, the evaluation
+  table and the registry decision (or the validation report when validation failed).
+
+Params overrides (``{"train.learning_rate": 1e-4}``, dotted keys) are validated against the config
+schema, then written into params.yaml the way ``dvc exp run -S`` writes them (ruamel, comments kept):
+DVC sees an ordinary param change, re-runs exactly the stages that read those keys and records the
+values in dvc.lock. Like ``dvc exp run -S`` without ``--temp``, the working copy's params.yaml keeps them.
+
+Stages: ``None`` runs all five in order; a subset runs just those (each ``--single-item``: their upstream
+outputs must be current). ``force=True`` re-runs the selected stages even when DVC sees no change.
+
+Run locally: ``make pipeline`` or ``python -m flows.pipeline --set train.max_steps=50``.
+Deploy (nightly schedule, process work pool): see prefect.yaml and infra/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from flows.stages import PERMANENT_EXIT_CODES, STAGES
+from flows.stages.common import find_repo_root, load_params, store_root
+from flows.stages.runs import (
+    EXPERIMENT_ENV,
+    FLOW_RUN_ENV,
+    PARENT_RUN_ENV,
+    RUN_GROUP_ENV,
+    common_tags,
+    create_parent_run,
+    tracking_uri_for,
+)
+
+#: seconds per stage before its process group is killed (override with the flow's ``timeouts``)
+DEFAULT_TIMEOUTS = {"prepare": 2 * 3600, "validate": 3600, "calibrate": 4 * 3600, "train": 48 * 3600,
+                    "evaluate": 6 * 3600}
+SUMMARY_ARTIFACT_KEY = "grpo-pipeline-summary"
+TAIL_LINES = 60
+
+
+class StageFailed(RuntimeError):
+    """``dvc repro <stage>`` failed; retried (transient unless a subclass says otherwise)."""
+
+    def __init__(self, stage: str, returncode: int, stage_exit_code: int | None, tail: str, what: str = "failed"):
+        self.stage, self.returncode, self.stage_exit_code, self.tail = stage, returncode, stage_exit_code, tail
+        code = f"stage exit code {stage_exit_code}" if stage_exit_code is not None else f"dvc exit code {returncode}"
+        super().__init__(f"stage '{stage}' {what} ({code}); last output:\n{tail}")
+
+
+class PermanentStageFailure(StageFailed):
+    """A failure retrying cannot fix (validation, params, data, deterministic training error)."""
+
+
+class StageTimeout(StageFailed):
+    """The stage ran past its timeout and was killed (retried: training resumes from a checkpoint)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# running one stage
+
+
+def stage_exit_code(output: str, stage: str) -> int | None:
+    """The stage command's exit code from DVC's error line, None when DVC failed for another reason."""
+    m = re.search(rf"failed to reproduce '{re.escape(stage)}': failed to run: .*?, exited with (-?\d+)", output)
+    return int(m.group(1)) if m else None
+
+
+def retry_transient(task, task_run, state) -> bool:  # noqa: ARG001 - Prefect's retry_condition_fn signature
+    """Prefect ``retry_condition_fn``: retry unless the stage failed permanently."""
+    exc = state.data if isinstance(getattr(state, "data", None), BaseException) else None
+    if exc is None:
+        try:
+            state.result(raise_on_failure=True)
+        except BaseException as err:  # noqa: BLE001
+            exc = err
+    return not isinstance(exc, PermanentStageFailure)
+
+
+def dvc_command() -> str:
+    here = Path(sys.executable).parent / "dvc"
+    return str(here) if here.exists() else "dvc"
+
+
+def stage_env(base: Mapping[str, str], **extra: str | None) -> dict[str, str]:
+    """The stages' environment: this interpreter's bin first on PATH (dvc.yaml runs ``python``)."""
+    env = dict(base)
+    bin_dir = str(Path(sys.executable).parent)
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    for key, value in {"DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1",
+                       "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONUNBUFFERED": "1"}.items():
+        env.setdefault(key, value)
+    env.pop(RUN_GROUP_ENV, None)
+    for key, value in extra.items():
+        if value:
+            env[key] = value
+        else:
+            env.pop(key, None)
+    return env
+
+
+def run_dvc_stage(stage: str, root: str | Path, env: Mapping[str, str], *, force: bool = False,
+                  timeout_s: float | None = None, echo=None) -> dict[str, Any]:
+    """``dvc repro --single-item <stage>`` in ``root``; raises StageFailed / PermanentStageFailure / StageTimeout.
+
+    Returns {"stage", "ran" (False when DVC skipped it as unchanged), "seconds"}.
+    """
+    cmd = [dvc_command(), "repro", "--single-item", stage, *(["--force"] if force else [])]
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    full: list[str] = []
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=str(root), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, errors="replace", bufsize=1, start_new_session=True)
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line)
+            full.append(line) if len(full) < 20000 else None
+            (echo or sys.stdout.write)(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        reader.join(timeout=10)
+        raise StageTimeout(stage, -9, None, "".join(tail), what=f"timed out after {timeout_s:.0f}s") from None
+    except BaseException:  # cancelled / interrupted: take the stage down with us
+        _kill_group(proc)
+        raise
+    reader.join(timeout=30)
+    output = "".join(full)
+    if rc != 0:
+        code = stage_exit_code(output, stage)
+        cls = PermanentStageFailure if code in PERMANENT_EXIT_CODES else StageFailed
+        raise cls(stage, rc, code, "".join(tail))
+    return {"stage": stage, "ran": f"Stage '{stage}' didn't change" not in output,
+            "seconds": round(time.monotonic() - start, 2)}
+
+
+def _kill_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@task(name="dvc-stage", task_run_name="{stage}", retries=2, retry_delay_seconds=30,
+      retry_condition_fn=retry_transient, cache_policy=NO_CACHE)
+def stage_task(stage: str, root: str, run_env: dict[str, str | None], force: bool = False,
+               timeout_s: float | None = None) -> dict[str, Any]:
+    """One stage. ``run_env``: only the pipeline's own variables (parent run id, flow-run id, experiment,
+    tracking URI); the rest of the environment is the worker's, read here, never passed as a parameter."""
+    logger = get_run_logger()
+    logger.info("dvc repro --single-item %s%s (timeout %ss)", stage, " --force" if force else "", timeout_s)
+    result = run_dvc_stage(stage, root, stage_env(os.environ, **run_env), force=force, timeout_s=timeout_s)
+    logger.info("%s: %s in %.1fs", stage, "ran" if result["ran"] else "up to date, skipped", result["seconds"])
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# params overrides
+
+
+def apply_params_overrides(params_path: Path, overrides: Mapping[str, Any]) -> None:
+    """Validate dotted-key overrides against the schema, then write them into params.yaml like
+    ``dvc exp run -S`` (DVC's ruamel round-trip writer: comments and layout kept)."""
+    from dvc.utils.serialize import modify_yaml
+
+    from grpo_core.config import ConfigError, config_from_dict
+
+    bad = [k for k in overrides if not isinstance(k, str) or not k or k.startswith(".") or k.endswith(".")]
+    if bad:
+        raise ConfigError(f"params_overrides: keys must be dotted params.yaml keys like 'train.learning_rate', got {bad}")
+    cfg_raw = _yaml12(params_path)
+    config_from_dict(cfg_raw, dict(overrides), source=f"{params_path} + params_overrides")  # raises naming the key
+    with modify_yaml(str(params_path)) as data:
+        for dotted, value in overrides.items():
+            node = data
+            parts = dotted.split(".")
+            for part in parts[:-1]:
+                if part not in node or node[part] is None:
+                    node[part] = {}
+                node = node[part]
+            node[parts[-1]] = value
+
+
+def _yaml12(path: Path) -> dict:
+    from ruamel.yaml import YAML
+
+    return YAML(typ="safe", pure=True).load(path.read_text(encoding="utf-8")) or {}
+
+
+# --------------------------------------------------------------------------------------------------
+# the summary artifact
+
+
+def _read(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text()) if path.suffix == ".json" else path.read_text()
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _num(x: Any) -> str:
+    return f"{x:.4f}" if isinstance(x, float) else ("-" if x is None else str(x))
+
+
+def summary_markdown(root: Path, *, status: str, results: list[dict], selected: list[str], flow_run_id: str | None,
+                     parent_run_id: str | None, experiment: str, tracking_uri: str, error: str | None = None) -> str:
+    lines = ["# GRPO pipeline run", "",
+             f"Status **{status}**. Prefect flow run `{flow_run_id or '-'}`; MLflow parent run `{parent_run_id or '-'}` "
+             f"in experiment `{experiment}` ({tracking_uri}).", "",
+             "| stage | result | seconds |", "| --- | --- | ---: |"]
+    done = {r["stage"]: r for r in results}
+    for st in selected:
+        r = done.get(st)
+        res = ("ran" if r["ran"] else "up to date") if r else ("failed" if error and not r and st == next(
+            (s for s in selected if s not in done), None) else "not run")
+        lines.append(f"| {st} | {res} | {r['seconds'] if r else '-'} |")
+    if error:
+        lines += ["", "**Error**", "", "```", error[-3000:], "```"]
+    failed_validation = _read(root / "reports/validation.json")
+    if error and isinstance(failed_validation, dict) and not failed_validation.get("ok", True):
+        text = _read(root / "reports/validation.txt") or ""
+        lines += ["", "## Validation report", "", "```", text[:6000], "```"]
+    weights = _read(root / "artifacts/calibration/reward_weights.json")
+    if isinstance(weights, dict) and "weights" in weights:
+        lines += ["", "## Calibration", "", f"Rule: {weights.get('rule', '-')[:200]}", "",
+                  "| reward | weight | flags |", "| --- | ---: | --- |"]
+        for name, w in weights["weights"].items():
+            flags = ", ".join((weights.get("flags") or {}).get(name, [])) or "-"
+            lines.append(f"| `{name}` | {w:.4f} | {flags} |")
+        lines += [f"- {w}" for w in weights.get("warnings", [])]
+    metrics = _read(root / "metrics/eval.json")
+    if isinstance(metrics, dict) and "base" in metrics:
+        keys = [k for k in metrics["trained"] if k == "accuracy" or k.startswith(("pass@", "format_compliance",
+                                                                                  "mean_completion_length"))]
+        lines += ["", "## Evaluation", "", "| metric | base | trained | delta |", "| --- | ---: | ---: | ---: |"]
+        for k in keys:
+            lines.append(f"| {k} | {_num(metrics['base'].get(k))} | {_num(metrics['trained'].get(k))} | "
+                         f"{_num(metrics.get('delta', {}).get(k))} |")
+    report = _read(root / "reports/evaluation.md")
+    if isinstance(report, str) and "## Registry" in report:
+        registry = report.split("## Registry", 1)[1].split("\n## ", 1)[0].strip()
+        lines += ["", "## Registry", "", registry]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# the flow
+
+
+@flow(name="grpo-pipeline", description="GRPO fine-tuning: the DVC stages prepare -> validate -> calibrate -> "
+                                        "train -> evaluate, tracked in MLflow")
+def grpo_pipeline(experiment_name: str | None = None, params_overrides: dict[str, Any] | None = None,
+                  stages: list[str] | None = None, force: bool = False, repo: str | None = None,
+                  timeouts: dict[str, float] | None = None, retries: int = 2,
+                  retry_delay_seconds: float = 30.0) -> dict[str, Any]:
+    """Run the DVC pipeline stage by stage (see the module docstring). Returns the parent run id, what
+    each stage did and the evaluation metrics (None when evaluate did not run)."""
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.runtime import flow_run
+
+    from grpo_core.tracking import end_run, flatten_params
+
+    logger = get_run_logger()
+    root = find_repo_root(repo)
+    selected = list(STAGES) if not stages else list(stages)
+    unknown = [s for s in selected if s not in STAGES]
+    if unknown:
+        raise ValueError(f"stages: unknown {unknown}; the stages are {list(STAGES)}")
+    selected = [s for s in STAGES if s in selected]  # always in pipeline order
+    limits = {**DEFAULT_TIMEOUTS, **(timeouts or {})}
+
+    params_path = root / "params.yaml"
+    if params_overrides:
+        apply_params_overrides(params_path, params_overrides)
+        logger.info("params.yaml overrides applied: %s", params_overrides)
+    cfg = load_params(params_path)
+    experiment = experiment_name or cfg.tracking.experiment_name
+    uri = tracking_uri_for(cfg, store_root(root))
+    flow_run_id = str(flow_run.id) if flow_run.id else None
+    tags = {**common_tags(root), "prefect.flow_run_name": flow_run.name or "", "grpo.stages": ",".join(selected)}
+    if flow_run_id:
+        tags["prefect.flow_run_id"] = flow_run_id
+    if params_overrides:
+        tags["grpo.params_overrides"] = json.dumps(params_overrides, default=str)[:5000]
+    parent_run_id = None
+    try:
+        parent_run_id = create_parent_run(uri, experiment, run_name=f"pipeline-{flow_run.name or 'local'}", tags=tags,
+                                          params=flatten_params(cfg.to_dict()))
+        logger.info("MLflow parent run %s in experiment '%s' (%s)", parent_run_id, experiment, uri)
+    except Exception as exc:  # noqa: BLE001 - tracking must not stop the pipeline
+        logger.warning("MLflow unavailable (%s): stages will log runs without the flow's parent", exc)
+
+    run_env = {PARENT_RUN_ENV: parent_run_id, FLOW_RUN_ENV: flow_run_id, EXPERIMENT_ENV: experiment,
+               "MLFLOW_TRACKING_URI": uri}
+    results: list[dict] = []
+    status, error = "FINISHED", None
+    try:
+        for stage in selected:
+            run_stage = stage_task.with_options(retries=retries, retry_delay_seconds=retry_delay_seconds)
+            results.append(run_stage(stage, str(root), run_env, force=force, timeout_s=limits.get(stage)))
+    except BaseException as exc:
+        status, error = "FAILED", str(exc)
+        raise
+    finally:
+        markdown = summary_markdown(root, status=status, results=results, selected=selected, flow_run_id=flow_run_id,
+                                    parent_run_id=parent_run_id, experiment=experiment, tracking_uri=uri, error=error)
+        try:
+            create_markdown_artifact(key=SUMMARY_ARTIFACT_KEY, markdown=markdown,
+                                     description="GRPO pipeline: calibration, evaluation and registry")
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("could not create the summary artifact: %s", exc)
+        if parent_run_id:
+            _log_parent_summary(uri, parent_run_id, markdown, root)
+            end_run(uri, parent_run_id, status)
+    metrics = _read(root / "metrics/eval.json") if "evaluate" in selected else None
+    return {"parent_run_id": parent_run_id, "flow_run_id": flow_run_id, "experiment": experiment,
+            "stages": results, "eval": metrics if isinstance(metrics, dict) else None}
+
+
+def _log_parent_summary(uri: str, run_id: str, markdown: str, root: Path) -> None:
+    try:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        client.log_text(run_id, markdown, "pipeline_summary.md")
+        metrics = _read(root / "metrics/eval.json")
+        if isinstance(metrics, dict) and isinstance(metrics.get("trained"), dict):
+            from mlflow.entities import Metric
+
+            from flows.stages.runs import safe_key
+
+            ts = int(time.time() * 1000)
+            values = [Metric(safe_key(f"{side}/{k}"), float(v), ts, 0) for side in ("base", "trained")
+                      for k, v in metrics[side].items() if isinstance(v, int | float) and not isinstance(v, bool)]
+            client.log_batch(run_id, metrics=values[:1000], synchronous=True)
+    except Exception as exc:  # noqa: BLE001
+        print(f"grpo_pipeline: could not log the summary to MLflow run {run_id}: {exc}", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------------------
+# command line: python -m flows.pipeline [--set key=value ...] [--stages a,b] [--force]
+
+
+def _parse_value(text: str) -> Any:
+    from ruamel.yaml import YAML
+
+    value = YAML(typ="safe", pure=True).load(text)
+    return text if value is None and text not in ("null", "~", "") else value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows.pipeline", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--experiment-name", default=None)
+    parser.add_argument("--set", "-S", action="append", default=[], metavar="KEY=VALUE",
+                        help="params.yaml override (YAML value), repeatable, e.g. -S train.learning_rate=1e-4")
+    parser.add_argument("--stages", default=None, help="comma-separated subset, e.g. train,evaluate")
+    parser.add_argument("--force", action="store_true", help="re-run the selected stages even if unchanged")
+    args = parser.parse_args(argv)
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set {item!r}: expected KEY=VALUE")
+        overrides[key.strip()] = _parse_value(value)
+    result = grpo_pipeline(experiment_name=args.experiment_name, params_overrides=overrides or None,
+                           stages=args.stages.split(",") if args.stages else None, force=args.force)
+    print(json.dumps({k: v for k, v in result.items() if k != "eval"}, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

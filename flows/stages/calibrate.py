@@ -1,0 +1,209 @@
+"""`calibrate`: sample the base policy on training prompts, score, and derive the reward weights.
+
+``calibrate.num_prompts`` training prompts (seeded choice from data/validated/train.parquet) x
+``calibrate.num_generations`` completions at ``calibrate.temperature`` (length, top_p and top_k as in
+training) -> reward matrix -> ``grpo_core.calibration.calibrate_weights`` (the rule is documented there).
+
+Outputs
+  artifacts/calibration/reward_weights.json  weights (``weights``, ``weights_list``), the rule, target and
+                                             realised shares, statistics, flags, warnings, sampling setup
+  artifacts/calibration/difficulty.json      per-prompt pass rates of the sampled prompts; with
+                                             ``drop_always_solved`` / ``drop_never_solved`` the training
+                                             prompt indices to keep (``kept_indices``: every training
+                                             prompt except sampled ones found always / never solved;
+                                             prompts not sampled are kept), else ``kept_indices: null``
+  reports/calibration.md                     the same, readable
+
+``calibrate.enabled: false``: equal weights (1.0 each) with ``rule: "disabled"`` and no sampling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import numpy as np
+
+from flows.stages.common import (
+    CALIBRATION_DIFFICULTY,
+    CALIBRATION_WEIGHTS,
+    CORRECTNESS_FUNCTIONS,
+    VALIDATED_TRAIN,
+    jsonable,
+    require_file,
+    reward_index,
+    with_validated_data,
+    write_json_atomic,
+    write_text_atomic,
+)
+
+REPORT = "reports/calibration.md"
+
+
+def _fmt(x, spec: str = ".3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and not np.isfinite(x)) else format(x, spec)
+
+
+def disabled_outputs(names: list[str], num_train: int, drop: tuple[bool, bool]) -> tuple[dict, dict, str]:
+    weights = {"names": names, "weights": {n: 1.0 for n in names}, "weights_list": [1.0] * len(names),
+               "rule": "disabled", "stats": None, "flags": {n: [] for n in names},
+               "warnings": ["calibration disabled (calibrate.enabled: false): equal weights"],
+               "calibration": {"enabled": False}}
+    difficulty = {"enabled": False, "num_train_prompts": num_train, "prompt_indices": [], "pass_rates": [],
+                  "drop_always_solved": drop[0], "drop_never_solved": drop[1], "kept_indices": None}
+    report = ("# Reward calibration\n\nCalibration is disabled (`calibrate.enabled: false`): every reward "
+              "function gets weight 1.0 and no prompt is dropped.\n\n"
+              + "\n".join(f"- `{n}`: 1.0" for n in names) + "\n")
+    return weights, difficulty, report
+
+
+def difficulty_doc(out: dict, indices: list[int], num_train: int, cfg) -> dict:
+    c = cfg.calibrate
+    diff = out.get("difficulty")
+    doc = {"enabled": True, "num_train_prompts": num_train, "prompt_indices": indices,
+           "correctness_function": diff["correctness_function"] if diff else None,
+           "pass_rates": diff["pass_rate_per_prompt"] if diff else [],
+           "mean_pass_rate": diff["mean_pass_rate"] if diff else None,
+           "always_solved": diff["always_solved"] if diff else None,
+           "never_solved": diff["never_solved"] if diff else None,
+           "histogram": diff["histogram"] if diff else None,
+           "drop_always_solved": c.drop_always_solved, "drop_never_solved": c.drop_never_solved,
+           "kept_indices": None}
+    if (c.drop_always_solved or c.drop_never_solved) and diff:
+        from grpo_core.calibration import select_training_prompts
+
+        rates: list = [None] * num_train
+        for i, r in zip(indices, diff["pass_rate_per_prompt"]):
+            rates[i] = r
+        kept = select_training_prompts(rates, c.drop_always_solved, c.drop_never_solved)
+        doc.update(kept_indices=kept, num_kept=len(kept), num_dropped=num_train - len(kept))
+    elif c.drop_always_solved or c.drop_never_solved:
+        doc["warning"] = "drop_* is set but no correctness reward is configured: no prompt dropped"
+    return doc
+
+
+def report_markdown(out: dict, difficulty: dict, cfg, samples: list[dict]) -> str:
+    c = cfg.calibrate
+    cal = out["calibration"]
+    lines = ["# Reward calibration", "",
+             f"Base policy `{cfg.model.name_or_path}`: {cal['num_prompts']} training prompts x "
+             f"{cal['num_generations']} completions (temperature {c.temperature}, seed {c.seed}); mean completion "
+             f"length {_fmt(cal['mean_completion_length'], '.1f')}, truncated {_fmt(cal['truncated_ratio'], '.1%')}.",
+             "", "| reward | weight | target share | realised share | mean | within-group std | None | flags |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    per = out["stats"]["per_function"]
+    for n in out["names"]:
+        lines.append(
+            f"| `{n}` | {out['weights'][n]:.4f} | {_fmt(out['target_shares']['effective'][n], '.1%')} | "
+            f"{_fmt(out['shares']['realised_chosen'][n], '.1%')} | {_fmt(per[n]['mean'])} | "
+            f"{_fmt(per[n]['mean_within_group_std'])} | {_fmt(per[n]['none_fraction'], '.0%')} | "
+            f"{', '.join(out['flags'][n]) or '-'} |")
+    lines += ["", f"Rule: {out['rule']}", ""]
+    if out["warnings"]:
+        lines += ["**Warnings**", ""] + [f"- {w}" for w in out["warnings"]] + [""]
+    if difficulty.get("correctness_function"):
+        hist = difficulty["histogram"]
+        lines += [f"## Difficulty (correctness reward `{difficulty['correctness_function']}`)", "",
+                  f"Mean pass rate {_fmt(difficulty['mean_pass_rate'])}; always solved "
+                  f"{difficulty['always_solved']}, never solved {difficulty['never_solved']} of "
+                  f"{len(difficulty['prompt_indices'])} sampled prompts.", "",
+                  "| pass rate | prompts |", "| ---: | ---: |"]
+        lines += [f"| {r:.3f} | {n} |" for r, n in zip(hist["pass_rate"], hist["count"])]
+        if difficulty["kept_indices"] is not None:
+            lines += ["", f"Training keeps {difficulty['num_kept']} of {difficulty['num_train_prompts']} prompts "
+                          f"({difficulty['num_dropped']} dropped: drop_always_solved={c.drop_always_solved}, "
+                          f"drop_never_solved={c.drop_never_solved})."]
+        lines.append("")
+    if samples:
+        lines += ["## Sample completions", ""]
+        for s in samples:
+            rewards = ", ".join(f"{k}={_fmt(v, '.2f')}" for k, v in s["rewards"].items())
+            lines += [f"- prompt {s['prompt_index']} ({rewards}):", "", "  ```", *(
+                "  " + ln for ln in s["completion"].splitlines() or [""]), "  ```"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def run(ctx) -> int:
+    import torch
+
+    from flows.stages.common import quiet_libraries
+    from grpo_core.calibration import calibrate_weights
+    from grpo_core.data import PromptEncoder, load_split
+    from grpo_core.modeling import load_policy
+    from grpo_core.rewards import build_reward_functions
+    from grpo_core.rollout import SamplingParams
+    from grpo_core.sampling import sample_and_score
+
+    quiet_libraries()
+    cfg = with_validated_data(ctx.cfg)
+    c = cfg.calibrate
+    names = [r.name for r in cfg.rewards]
+    require_file(ctx.path(VALIDATED_TRAIN), "validate")
+    with ctx.stage_run() as run:
+        dataset = load_split(cfg.data, "train", ctx.root)
+        num_train = len(dataset)
+        run.log_data_hashes([VALIDATED_TRAIN])
+        if not c.enabled:
+            weights, difficulty, report = disabled_outputs(names, num_train, (c.drop_always_solved,
+                                                                               c.drop_never_solved))
+        else:
+            rng = np.random.default_rng(c.seed)
+            indices = sorted(int(i) for i in rng.choice(num_train, size=min(c.num_prompts, num_train), replace=False))
+            rows = [dataset[i] for i in indices]
+            # the base policy as loaded: LoRA adapters (model.lora) would only add zero-initialised weights
+            model, tokenizer = load_policy(dataclasses.replace(cfg.model, lora=None), ctx.root)
+            if torch.cuda.is_available():
+                model.to("cuda")
+            model.eval()
+            encoder = PromptEncoder(tokenizer, cfg.train.max_prompt_length, cfg.data.system_prompt,
+                                    cfg.data.overlong_prompt)
+            G = c.num_generations
+            sampling = SamplingParams(max_new_tokens=cfg.train.max_completion_length, temperature=c.temperature,
+                                      top_p=cfg.train.top_p, top_k=cfg.train.top_k)
+            # prompts per generate call: as many sequences at once as one training generation round
+            batch_size = max(1, cfg.train.generation_batch_size // G)
+            res = sample_and_score(model, tokenizer, rows, encoder, build_reward_functions(cfg.rewards),
+                                   num_generations=G, sampling=sampling, batch_size=batch_size,
+                                   on_error=cfg.train.reward_errors, seed=c.seed)
+            out = calibrate_weights(res.rewards, G, names, [r.target_share for r in cfg.rewards],
+                                    dead_std_threshold=c.dead_std_threshold, dominant_share=c.dominant_share,
+                                    correctness_index=reward_index(cfg, CORRECTNESS_FUNCTIONS))
+            out["calibration"] = {
+                "enabled": True, "num_prompts": len(indices), "num_generations": G, "temperature": c.temperature,
+                "seed": c.seed, "prompt_indices": indices, "base_model": cfg.model.name_or_path,
+                "mean_completion_length": float(res.completion_lengths.mean()),
+                "truncated_ratio": float(res.truncated.mean()), "reward_errors": res.error_counts}
+            weights = jsonable(out)
+            difficulty = jsonable(difficulty_doc(out, indices, num_train, cfg))
+            samples = [{"prompt_index": indices[res.prompt_of(r)], "sample": r % G, "prompt": rows[res.prompt_of(r)]["prompt"],
+                        "completion": res.texts[r], "length": int(res.completion_lengths[r]),
+                        "truncated": bool(res.truncated[r]),
+                        "rewards": {n: jsonable(float(res.rewards[r, k])) for k, n in enumerate(names)}}
+                       for r in range(len(res.texts))]
+            shown = [s for s in samples if s["sample"] < 2][:6]
+            report = report_markdown(weights, difficulty, cfg, shown)
+            run.log_text("".join(json.dumps(jsonable(s)) + "\n" for s in samples), "calibration_samples.jsonl",
+                         "samples")
+            metrics = {f"calibration/weight/{n}": w for n, w in weights["weights"].items()}
+            metrics.update({f"calibration/realised_share/{n}": v for n, v in weights["shares"]["realised_chosen"].items()
+                            if v is not None})
+            metrics["calibration/mean_completion_length"] = out["calibration"]["mean_completion_length"]
+            if difficulty.get("mean_pass_rate") is not None:
+                metrics.update({"calibration/mean_pass_rate": difficulty["mean_pass_rate"],
+                                "calibration/always_solved": difficulty["always_solved"],
+                                "calibration/never_solved": difficulty["never_solved"]})
+            run.log_metrics(metrics)
+            for w in weights["warnings"]:
+                print(f"calibrate: warning: {w}", file=sys.stderr)
+
+        write_json_atomic(ctx.path(CALIBRATION_WEIGHTS), weights)
+        write_json_atomic(ctx.path(CALIBRATION_DIFFICULTY), difficulty)
+        write_text_atomic(ctx.path(REPORT), report)
+        run.set_tags({"calibration.rule": "disabled" if not c.enabled else "sqrt_share_over_variance"})
+        for path, where in ((CALIBRATION_WEIGHTS, "calibration"), (CALIBRATION_DIFFICULTY, "calibration"),
+                            (REPORT, "reports")):
+            run.log_artifact(ctx.path(path), where)
+        print(f"calibrate: weights {json.dumps(weights['weights'])}", file=sys.stderr)
+    return 0

@@ -1,0 +1,235 @@
+"""Helpers every stage uses: the repo root, params, atomic writes, the validated-data convention.
+
+Paths: a stage reads and writes relative to the *work root* - the repository root found from the working
+directory (``dvc exp run --temp/--queue`` runs stages in a copy under ``.dvc/tmp/exps/``; the copy is the
+work root then). The MLflow store belongs to the *original* repository: ``store_root`` is DVC's
+``DVC_ROOT`` (set by DVC for every stage command, and pointed at the parent repo for temp/queued
+experiments), falling back to the work root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: validate's outputs, the only data the downstream stages read (canonical `prompt` / `answer` columns).
+VALIDATED_TRAIN = "data/validated/train.parquet"
+VALIDATED_EVAL = "data/validated/eval.parquet"
+CALIBRATION_WEIGHTS = "artifacts/calibration/reward_weights.json"
+CALIBRATION_DIFFICULTY = "artifacts/calibration/difficulty.json"
+TRAIN_LOG = "metrics/train_log.csv"
+
+#: built-in reward functions that grade correctness against the gold answer / check the tag layout.
+CORRECTNESS_FUNCTIONS = frozenset({"correctness", "multiple_choice", "numeric"})
+FORMAT_FUNCTIONS = frozenset({"soft_format", "strict_format"})
+
+
+class StageInputError(RuntimeError):
+    """An input a stage needs is missing or malformed; the message names the file and the stage that makes it."""
+
+
+class StageConfigError(ValueError):
+    """A stage cannot run with these parameters; the message names the key."""
+
+
+# --------------------------------------------------------------------------------------------------
+# process environment
+
+
+def prepare_process_env() -> None:
+    """Defaults for a stage process: no telemetry, no progress-bar noise, a headless matplotlib."""
+    for key, value in {
+        "DVC_NO_ANALYTICS": "1",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "MPLBACKEND": "Agg",
+        "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    }.items():
+        os.environ.setdefault(key, value)
+
+
+def quiet_libraries() -> None:
+    """Switch off HF progress bars (call after the stage has imported transformers / datasets)."""
+    try:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+        datasets.utils.logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+# --------------------------------------------------------------------------------------------------
+# roots and params
+
+
+def find_repo_root(start: str | os.PathLike | None = None) -> Path:
+    """The nearest directory at or above ``start`` (default: the cwd) holding ``dvc.yaml`` or ``.dvc/``."""
+    here = Path(start or os.getcwd()).resolve()
+    for candidate in (here, *here.parents):
+        if (candidate / "dvc.yaml").is_file() or (candidate / ".dvc").is_dir():
+            return candidate
+    return here
+
+
+def store_root(work_root: Path, environ: dict | None = None) -> Path:
+    """Where the MLflow store lives: DVC_ROOT (the original repo, also for temp experiments) or the work root."""
+    env = os.environ if environ is None else environ
+    dvc_root = (env.get("DVC_ROOT") or "").strip()
+    if dvc_root and Path(dvc_root).is_dir():
+        return Path(dvc_root).resolve()
+    return work_root
+
+
+@dataclass
+class StageContext:
+    stage: str
+    root: Path
+    store_root: Path
+    params_path: Path
+    cfg: Any  # grpo_core.config.PipelineConfig
+
+    @classmethod
+    def create(cls, stage: str, params: str | os.PathLike = "params.yaml",
+               start: str | os.PathLike | None = None) -> StageContext:
+        root = find_repo_root(start)
+        params_path = Path(params)
+        if not params_path.is_absolute():
+            params_path = root / params_path
+        cfg = load_params(params_path)
+        return cls(stage=stage, root=root, store_root=store_root(root), params_path=params_path, cfg=cfg)
+
+    def path(self, relative: str | os.PathLike) -> Path:
+        p = Path(relative)
+        return p if p.is_absolute() else self.root / p
+
+    def stage_run(self):
+        from flows.stages.runs import StageRun
+
+        return StageRun(self)
+
+
+def load_params(path: Path):
+    """params.yaml -> PipelineConfig (YAML 1.2, as DVC writes it: see grpo_core.config.load_config)."""
+    from grpo_core.config import load_config
+
+    return load_config(path)
+
+
+def with_validated_data(cfg):
+    """``cfg`` with ``data`` pointing at validate's parquet files (canonical columns, local, no hub)."""
+    data = dataclasses.replace(cfg.data, train_files=[VALIDATED_TRAIN], eval_files=[VALIDATED_EVAL],
+                               hub_dataset=None, hub_config=None, prompt_column="prompt", answer_column="answer")
+    return dataclasses.replace(cfg, data=data)
+
+
+def require_file(path: Path, made_by: str) -> Path:
+    if not path.exists():
+        raise StageInputError(f"{path}: missing; it is written by the `{made_by}` stage "
+                              f"(run `dvc repro {made_by}`)")
+    return path
+
+
+def read_json(path: Path, made_by: str) -> Any:
+    require_file(path, made_by)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise StageInputError(f"{path}: not valid JSON ({err}); re-run `dvc repro -f {made_by}`") from err
+
+
+def reward_index(cfg, functions: frozenset[str]) -> int | None:
+    """Index of the first configured reward whose built-in function is in ``functions`` (None if none)."""
+    for i, spec in enumerate(cfg.rewards):
+        if spec.function in functions:
+            return i
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# atomic writes
+
+
+@contextmanager
+def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp path beside ``path``; on success it replaces ``path`` atomically, on error it is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    with atomic_output(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
+    return write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, allow_nan=False, default=str) + "\n")
+
+
+def jsonable(obj: Any) -> Any:
+    """NaN/inf -> None recursively, numpy scalars -> Python (strict JSON)."""
+    import math
+
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [jsonable(v) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 0) == 0:
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+# --------------------------------------------------------------------------------------------------
+# hashing (for MLflow tags and the train stage's checkpoint fingerprint)
+
+
+def md5_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.md5()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def md5_path(path: Path, max_full_bytes: int = 512 << 20) -> str | None:
+    """md5 of a file, or of a directory (sorted relative names + file md5s). Files larger than
+    ``max_full_bytes`` contribute their size and mtime instead of their content. None if absent."""
+    path = Path(path)
+    if path.is_file():
+        return md5_file(path) if path.stat().st_size <= max_full_bytes else f"size:{path.stat().st_size}"
+    if not path.is_dir():
+        return None
+    h = hashlib.md5()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        st = f.stat()
+        digest = md5_file(f) if st.st_size <= max_full_bytes else f"{st.st_size}:{st.st_mtime_ns}"
+        h.update(f"{f.relative_to(path).as_posix()}\0{digest}\n".encode())
+    return h.hexdigest()

@@ -1,0 +1,323 @@
+"""`evaluate`: the base and the trained policy side by side on held-out prompts; the promotion gate.
+
+Prompts: the first ``evaluate.max_samples`` rows of data/validated/eval.parquet. For each policy
+(``model.name_or_path`` and ``<train.output_dir>/model``):
+  greedy   one completion per prompt, no sampling -> ``accuracy`` (pass@1), per-reward means,
+           ``format_compliance``, ``mean_completion_length``;
+  sampled  ``evaluate.num_generations`` completions at ``evaluate.temperature`` (top_p 1, top_k off,
+           seed ``evaluate.seed``) -> unbiased ``pass@k`` for ``evaluate.pass_k`` and ``sampled/...`` means.
+Batching: ``evaluate.batch_size`` prompts per generate call for greedy decoding, and
+``batch_size // num_generations`` prompts for sampling, so every call holds about ``batch_size`` sequences.
+``correct`` = the first configured correctness reward (correctness / numeric / multiple_choice) scores its
+``correct`` value (else the built-in ``correctness`` grader); ``format_ok`` = the first configured
+soft/strict format reward is > 0 (else the built-in ``soft_format``).
+
+Outputs: ``metrics/eval.json`` = {"base": {...}, "trained": {...}, "delta": {trained - base}},
+``artifacts/eval/completions.parquet`` (one row per completion, both policies), ``plots/evaluation.png``
+(reward and KL curves, base vs trained accuracy / pass@k) and ``reports/evaluation.md``.
+
+Registry (``tracking.register_model``): the trained model directory is logged as the evaluate run's
+``model`` artifact and registered as a new version of ``tracking.registered_model_name``. Promotion gate:
+the alias ``champion`` moves to it only when its ``tracking.promotion_metric`` (higher is better) beats
+the current champion's by more than ``tracking.promotion_margin``; with no champion yet, it must beat the
+base policy by more than the margin. Load a version with
+``mlflow.artifacts.download_artifacts("models:/grpo-policy@champion")`` then ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import sys
+from typing import Any
+
+from flows.stages.common import (
+    CORRECTNESS_FUNCTIONS,
+    FORMAT_FUNCTIONS,
+    TRAIN_LOG,
+    VALIDATED_EVAL,
+    StageConfigError,
+    atomic_output,
+    jsonable,
+    require_file,
+    reward_index,
+    with_validated_data,
+    write_json_atomic,
+    write_text_atomic,
+)
+
+METRICS = "metrics/eval.json"
+COMPLETIONS = "artifacts/eval/completions.parquet"
+PLOT = "plots/evaluation.png"
+REPORT = "reports/evaluation.md"
+CHAMPION = "champion"
+
+
+# --------------------------------------------------------------------------------------------------
+# the promotion gate (pure)
+
+
+def promotion_decision(metric: str, trained: float | None, base: float | None, champion: float | None,
+                       margin: float) -> dict[str, Any]:
+    """Promote when ``trained - reference > margin``; reference = the champion's value, else the base's."""
+    against, reference = ("champion", champion) if champion is not None else ("base", base)
+    decision = {"metric": metric, "trained": trained, "reference": reference, "against": against,
+                "margin": margin, "promote": False}
+    if trained is None or not math.isfinite(trained):
+        decision["reason"] = f"the trained policy has no value for {metric}"
+    elif reference is None or not math.isfinite(reference):
+        decision["promote"] = True
+        decision["reason"] = f"no {against} value for {metric} to compare with"
+    else:
+        delta = trained - reference
+        decision["delta"] = delta
+        decision["promote"] = delta > margin
+        verb = "beats" if decision["promote"] else "does not beat"
+        decision["reason"] = (f"{metric} {trained:.4f} {verb} the {against}'s {reference:.4f} by more than "
+                              f"{margin} (delta {delta:+.4f})")
+    return decision
+
+
+def known_metric_names(cfg) -> list[str]:
+    names = [r.name for r in cfg.rewards]
+    per = [*(f"rewards/{n}/mean" for n in names), "format_compliance", "mean_completion_length"]
+    return ["accuracy", *(f"pass@{k}" for k in cfg.evaluate.pass_k), *per, *(f"sampled/{m}" for m in per)]
+
+
+# --------------------------------------------------------------------------------------------------
+# sampling both policies
+
+
+def _judges(cfg):
+    """(correctness fn, its `correct` value, format fn): configured rewards when present, else built-ins."""
+    from grpo_core.rewards import build_reward_functions, correctness, soft_format
+
+    ci, fi = reward_index(cfg, CORRECTNESS_FUNCTIONS), reward_index(cfg, FORMAT_FUNCTIONS)
+    if ci is not None:
+        spec = cfg.rewards[ci]
+        correct_fn, correct_value = build_reward_functions([spec])[0], float(spec.kwargs.get("correct", 1.0))
+    else:
+        correct_fn, correct_value = correctness(), 1.0
+    format_fn = build_reward_functions([cfg.rewards[fi]])[0] if fi is not None else soft_format()
+    return correct_fn, correct_value, format_fn
+
+
+def _prompt_text(prompt: Any) -> str:
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, default=str)
+
+
+def sample_policy(policy: str, model_cfg, cfg, ctx, rows: list[dict], indices: list[int]) -> list[dict]:
+    """Greedy and sampled completions of one policy as per-sample records (evaluation's frame layout)."""
+    import numpy as np
+    import torch
+
+    from grpo_core.data import PromptEncoder
+    from grpo_core.modeling import load_policy
+    from grpo_core.rewards import build_reward_functions
+    from grpo_core.rollout import SamplingParams
+    from grpo_core.sampling import sample_and_score
+
+    e = cfg.evaluate
+    names = [r.name for r in cfg.rewards]
+    correct_fn, correct_value, format_fn = _judges(cfg)
+    fns = [*build_reward_functions(cfg.rewards), correct_fn, format_fn]
+    model, tokenizer = load_policy(model_cfg, ctx.root)
+    if torch.cuda.is_available():
+        model.to("cuda")
+    model.eval()
+    encoder = PromptEncoder(tokenizer, cfg.train.max_prompt_length, cfg.data.system_prompt, cfg.data.overlong_prompt)
+    modes = {
+        "greedy": (1, SamplingParams(max_new_tokens=e.max_completion_length, do_sample=False), None),
+        "sampled": (e.num_generations, SamplingParams(max_new_tokens=e.max_completion_length,
+                                                      temperature=e.temperature, top_p=1.0, top_k=0), e.seed),
+    }
+    records: list[dict] = []
+    try:
+        for mode, (G, sampling, seed) in modes.items():
+            res = sample_and_score(model, tokenizer, rows, encoder, fns, num_generations=G, sampling=sampling,
+                                   batch_size=max(1, e.batch_size // G) if mode == "sampled" else e.batch_size,
+                                   on_error=cfg.train.reward_errors, seed=seed)
+            K = len(names)
+            for r, text in enumerate(res.texts):
+                p = res.prompt_of(r)
+                c, f = res.rewards[r, K], res.rewards[r, K + 1]
+                rec = {"policy": policy, "prompt_index": indices[p], "sample_index": r % G, "mode": mode,
+                       "prompt": _prompt_text(rows[p]["prompt"]), "answer": rows[p].get("answer"),
+                       "completion": text, "completion_length": int(res.completion_lengths[r]),
+                       "truncated": bool(res.truncated[r]),
+                       "correct": bool(np.isfinite(c) and abs(c - correct_value) < 1e-9),
+                       "format_ok": bool(np.isfinite(f) and f > 0)}
+                rec.update({f"reward/{n}": float(res.rewards[r, k]) for k, n in enumerate(names)})
+                records.append(rec)
+    finally:
+        del model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return records
+
+
+# --------------------------------------------------------------------------------------------------
+# registry
+
+
+def register_and_gate(run, cfg, model_dir, base: dict, trained: dict) -> dict[str, Any]:
+    """Register the trained model (new version) and move ``champion`` when the gate passes."""
+    from flows.stages.runs import safe_key
+
+    t = cfg.tracking
+    if not t.register_model:
+        return {"registered": False, "reason": "tracking.register_model is false"}
+    if run.client is None or run.run_id is None:
+        return {"registered": False, "reason": "MLflow tracking is unavailable"}
+    client, name, metric = run.client, t.registered_model_name, t.promotion_metric
+    run.log_artifact(model_dir, "model")
+    if not run.flush():
+        return {"registered": False, "reason": "could not upload the model to MLflow"}
+    try:
+        client.get_registered_model(name)
+    except Exception:  # noqa: BLE001 - RESOURCE_DOES_NOT_EXIST
+        client.create_registered_model(name, description="GRPO-trained policies (HF format); alias "
+                                                          "`champion` = the one that passed the promotion gate")
+    source = client.get_run(run.run_id).info.artifact_uri.rstrip("/") + "/model"
+    tags = {safe_key(f"metric.{k}"): str(v) for k, v in trained.items() if isinstance(v, int | float)}
+    tags.update({"promotion_metric": metric, "promotion_metric_value": str(trained.get(metric))})
+    tags.update({k: v for k, v in run.tags.items() if k.startswith(("git.", "prefect.", "dvc."))})
+    version = client.create_model_version(name, source, run_id=run.run_id, tags=tags,
+                                          description=f"{metric}={trained.get(metric)}")
+    champion_value, champion_version = None, None
+    try:
+        champ = client.get_model_version_by_alias(name, CHAMPION)
+        champion_version = champ.version
+        if champ.tags.get("promotion_metric") == metric:
+            champion_value = float(champ.tags["promotion_metric_value"])
+        else:  # champion chosen on another metric: compare on this one from its tags, if it has it
+            raw = champ.tags.get(safe_key(f"metric.{metric}"))
+            champion_value = float(raw) if raw not in (None, "None") else None
+    except Exception:  # noqa: BLE001 - no champion yet
+        pass
+    decision = promotion_decision(metric, trained.get(metric), base.get(metric), champion_value,
+                                  t.promotion_margin)
+    if champion_version is not None and champion_value is None:
+        decision["note"] = f"champion v{champion_version} has no {metric}; compared with the base policy"
+    if decision["promote"]:
+        client.set_registered_model_alias(name, CHAMPION, version.version)
+    client.set_model_version_tag(name, version.version, "promotion",
+                                 "champion" if decision["promote"] else "not promoted")
+    return {"registered": True, "model_name": name, "version": int(version.version),
+            "previous_champion": champion_version, **decision}
+
+
+# --------------------------------------------------------------------------------------------------
+# report
+
+
+def _f(x: Any) -> str:
+    return "-" if x is None else (f"{x:.4f}" if isinstance(x, float) else str(x))
+
+
+def _cell(text: str, limit: int = 160) -> str:
+    """One table cell: newlines shown as ⏎, pipes escaped, long text cut."""
+    text = text.replace("\n", "⏎")
+    text = text if len(text) <= limit else text[: limit - 1] + "…"
+    return (text or "(empty)").replace("|", "\\|")
+
+
+def report_markdown(metrics: dict, registry: dict, cfg, n_prompts: int, examples: list[dict]) -> str:
+    e = cfg.evaluate
+    keys = [k for k in metrics["trained"] if k not in ("num_prompts", "num_samples_per_prompt")]
+    lines = ["# Evaluation", "",
+             f"{n_prompts} held-out prompts; greedy decoding for accuracy, {e.num_generations} samples per prompt at "
+             f"temperature {e.temperature} (seed {e.seed}) for pass@k; max {e.max_completion_length} new tokens.",
+             "", "| metric | base | trained | delta |", "| --- | ---: | ---: | ---: |"]
+    for k in keys:
+        lines.append(f"| {k} | {_f(metrics['base'].get(k))} | {_f(metrics['trained'].get(k))} | "
+                     f"{_f(metrics['delta'].get(k))} |")
+    lines += ["", "## Registry", ""]
+    if registry.get("registered"):
+        lines.append(f"Registered `{registry['model_name']}` version {registry['version']}. "
+                     f"{'Promoted to' if registry['promote'] else 'Not promoted to'} `@{CHAMPION}`: {registry['reason']}.")
+        if registry.get("note"):
+            lines.append(f"({registry['note']})")
+    else:
+        lines.append(f"Not registered: {registry.get('reason')}.")
+    if examples:
+        lines += ["", "## Examples (greedy)", "", "| prompt | gold | base | trained |", "| --- | --- | --- | --- |"]
+        for ex in examples:
+            cells = [ex["prompt"], str(ex["answer"]), ex["base"], ex["trained"]]
+            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def run(ctx) -> int:
+    import pandas as pd
+
+    from flows.stages.common import quiet_libraries
+    from flows.stages.plots import evaluation_figure, read_train_log
+    from grpo_core.data import load_split
+    from grpo_core.evaluation import eval_report, summarize_evaluation
+
+    quiet_libraries()
+    cfg = with_validated_data(ctx.cfg)
+    e = cfg.evaluate
+    if cfg.tracking.promotion_metric not in known_metric_names(cfg):
+        raise StageConfigError(f"tracking.promotion_metric: '{cfg.tracking.promotion_metric}' is not an evaluation "
+                               f"metric; choose one of {', '.join(known_metric_names(cfg))}")
+    require_file(ctx.path(VALIDATED_EVAL), "validate")
+    model_dir = require_file(ctx.path(cfg.train.output_dir) / "model", "train")
+    names = [r.name for r in cfg.rewards]
+    with ctx.stage_run() as run:
+        dataset = load_split(cfg.data, "eval", ctx.root)
+        n = len(dataset) if e.max_samples is None else min(e.max_samples, len(dataset))
+        indices = list(range(n))
+        rows = [dataset[i] for i in indices]
+        run.log_data_hashes([VALIDATED_EVAL])
+        records = []
+        policies = {"base": dataclasses.replace(cfg.model, lora=None),
+                    "trained": dataclasses.replace(cfg.model, name_or_path=str(model_dir), lora=None)}
+        for policy, model_cfg in policies.items():
+            print(f"evaluate: {policy} policy ({model_cfg.name_or_path}) on {n} prompts", file=sys.stderr, flush=True)
+            records += sample_policy(policy, model_cfg, cfg, ctx, rows, indices)
+        frame = pd.DataFrame.from_records(records)
+        summaries = {p: summarize_evaluation(frame[frame["policy"] == p], e.pass_k, names) for p in policies}
+        metrics = jsonable(eval_report(summaries["base"], summaries["trained"]))
+        for k in ("num_prompts", "num_samples_per_prompt"):  # sizes, not results: no delta
+            metrics["delta"].pop(k, None)
+
+        write_json_atomic(ctx.path(METRICS), metrics)
+        with atomic_output(ctx.path(COMPLETIONS)) as tmp:
+            frame.to_parquet(tmp, index=False)
+        evaluation_figure(read_train_log(ctx.path(TRAIN_LOG)), metrics, list(e.pass_k), ctx.path(PLOT))
+
+        flat = {f"{side}/{k}": v for side in ("base", "trained", "delta") for k, v in metrics[side].items()
+                if isinstance(v, int | float) and not isinstance(v, bool)}
+        run.log_metrics(flat)
+        try:
+            registry = register_and_gate(run, cfg, model_dir, metrics["base"], metrics["trained"])
+        except Exception as exc:  # noqa: BLE001 - the registry is a side effect; the evaluation stands
+            registry = {"registered": False, "reason": f"registry error: {type(exc).__name__}: {exc}"}
+            print(f"evaluate: warning: {registry['reason']}", file=sys.stderr)
+        run.set_tags({"registry.registered": str(registry.get("registered")).lower(),
+                      "registry.version": str(registry.get("version", "")),
+                      "registry.promoted": str(bool(registry.get("promote"))).lower()})
+
+        greedy = frame[frame["mode"] == "greedy"]
+        examples = []
+        for i in indices[:5]:
+            g = greedy[greedy["prompt_index"] == i]
+            by = {p: g[g["policy"] == p]["completion"].tolist() for p in policies}
+            examples.append({"prompt": g["prompt"].iloc[0], "answer": g["answer"].iloc[0],
+                             "base": (by["base"] or [""])[0], "trained": (by["trained"] or [""])[0]})
+        write_text_atomic(ctx.path(REPORT), report_markdown(metrics, registry, cfg, n, examples))
+        for path, where in ((METRICS, "metrics"), (COMPLETIONS, "eval"), (PLOT, "plots"), (REPORT, "reports")):
+            run.log_artifact(ctx.path(path), where)
+        b, t = metrics["base"].get("accuracy"), metrics["trained"].get("accuracy")
+        print(f"evaluate: accuracy base {_f(b)} -> trained {_f(t)}; "
+              f"{'registered v' + str(registry['version']) if registry.get('registered') else 'not registered'}"
+              f"{' (champion)' if registry.get('promote') else ''}", file=sys.stderr)
+    return 0

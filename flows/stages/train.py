@@ -1,0 +1,178 @@
+"""`train`: GRPO on the validated training prompts (``grpo_core.trainer.train``).
+
+Reward weights: ``train.reward_weights`` when pinned, else calibration's ``weights_list``
+(artifacts/calibration/reward_weights.json). Prompts: all, or calibration's ``kept_indices`` when
+``calibrate.drop_always_solved`` / ``drop_never_solved`` is set.
+
+Outputs: ``<train.output_dir>/checkpoints/`` (``persist: true``: DVC keeps it across runs so an
+interrupted or extended run resumes), ``<train.output_dir>/model/``, ``metrics/train_log.csv`` (persistent
+too: a resumed run keeps the steps before its checkpoint) and ``plots/training.png``.
+
+Resume or start fresh? The checkpoints directory carries ``stage_fingerprint.json``: the training params
+hash (``grpo_core.config.training_params_hash``, which leaves out max_steps and other bookkeeping keys)
+plus md5s of the training data, the base model, the reward weights and the kept prompts. The stage
+resumes only when the fingerprint matches (a crash, or a larger ``max_steps``); otherwise - new params,
+new data, ``dvc exp run -S train.learning_rate=...``, ``train.resume: never`` - it empties the
+checkpoints directory first, so a DVC re-run never silently continues a different run.
+
+``train.num_processes > 1``: the stage re-launches itself with ``accelerate launch --num_processes N -m
+flows.stages train``; rank 0 logs to MLflow and writes the plot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from flows.stages.common import (
+    CALIBRATION_DIFFICULTY,
+    CALIBRATION_WEIGHTS,
+    TRAIN_LOG,
+    VALIDATED_TRAIN,
+    StageConfigError,
+    md5_path,
+    read_json,
+    require_file,
+    with_validated_data,
+    write_json_atomic,
+)
+
+FINGERPRINT = "stage_fingerprint.json"
+PLOT = "plots/training.png"
+
+
+def reward_weights(ctx, cfg) -> tuple[list[float], str]:
+    """(weights, where they came from)."""
+    names = [r.name for r in cfg.rewards]
+    if cfg.train.reward_weights is not None:
+        return list(cfg.train.reward_weights), "train.reward_weights"
+    doc = read_json(ctx.path(CALIBRATION_WEIGHTS), "calibrate")
+    if doc.get("names") != names:
+        raise StageConfigError(f"{CALIBRATION_WEIGHTS}: calibrated for rewards {doc.get('names')}, but params.yaml "
+                               f"names {names}; re-run `dvc repro calibrate`")
+    return [float(w) for w in doc["weights_list"]], CALIBRATION_WEIGHTS
+
+
+def allowed_prompts(ctx, cfg) -> list[int] | None:
+    if not (cfg.calibrate.drop_always_solved or cfg.calibrate.drop_never_solved):
+        return None
+    doc = read_json(ctx.path(CALIBRATION_DIFFICULTY), "calibrate")
+    kept = doc.get("kept_indices")
+    return None if kept is None else [int(i) for i in kept]
+
+
+def fingerprint(ctx, cfg, weights: list[float], allowed: list[int] | None) -> dict:
+    from grpo_core.config import training_params_hash
+    from grpo_core.modeling import resolve_model_path
+
+    try:
+        model_path = Path(resolve_model_path(cfg.model.name_or_path, ctx.root))
+        model_md5 = md5_path(model_path) if model_path.exists() else cfg.model.name_or_path  # a hub id
+    except Exception:  # noqa: BLE001 - the trainer reports model problems itself
+        model_md5 = cfg.model.name_or_path
+    return {
+        "params_hash": training_params_hash(cfg, weights),
+        "train_data_md5": md5_path(ctx.path(VALIDATED_TRAIN)),
+        "base_model_md5": model_md5,
+        "reward_weights": weights,
+        "allowed_prompts_md5": None if allowed is None else md5_bytes(json.dumps(allowed).encode()),
+    }
+
+
+def md5_bytes(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.md5(data).hexdigest()
+
+
+def prepare_checkpoints(ctx, cfg, fp: dict) -> str:
+    """Keep the checkpoints (resume) when they belong to this exact run, else empty the directory."""
+    from grpo_core.checkpoint import latest_checkpoint
+
+    ckpt_dir = ctx.path(cfg.train.output_dir) / "checkpoints"
+    fp_file = ckpt_dir / FINGERPRINT
+    old = json.loads(fp_file.read_text()) if fp_file.is_file() else None
+    latest = latest_checkpoint(ckpt_dir)
+    latest_step = int(latest.name.rsplit("-", 1)[1]) if latest is not None else 0
+    reason = None
+    if cfg.train.resume == "never":
+        reason = "train.resume is 'never'"
+    elif old != fp:
+        reason = "the training inputs changed (params, data, base model or reward weights)"
+    elif latest_step > cfg.train.max_steps:
+        reason = f"the newest checkpoint (step {latest_step}) is past train.max_steps={cfg.train.max_steps}"
+    if reason and ckpt_dir.exists() and any(ckpt_dir.iterdir()):
+        print(f"train: starting fresh, removing {ckpt_dir}: {reason}", file=sys.stderr)
+        for child in ckpt_dir.iterdir():
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+        action = "fresh"
+    elif reason or latest is None:
+        action = "fresh"
+    else:
+        print(f"train: resuming from {latest}", file=sys.stderr)
+        action = f"resume:{latest.name}"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(fp_file, fp)
+    return action
+
+
+def _launched() -> bool:
+    return "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _relaunch(ctx, n: int) -> int:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n),
+           "-m", "flows.stages", "train", "--params", str(ctx.params_path)]
+    print(f"train: launching {n} processes: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    return subprocess.call(cmd, cwd=ctx.root)
+
+
+def run(ctx) -> int:
+    from flows.stages.common import quiet_libraries
+
+    cfg = with_validated_data(ctx.cfg)
+    require_file(ctx.path(VALIDATED_TRAIN), "validate")
+    weights, weights_source = reward_weights(ctx, cfg)
+    allowed = allowed_prompts(ctx, cfg)
+    if not _launched():
+        action = prepare_checkpoints(ctx, cfg, fingerprint(ctx, cfg, weights, allowed))
+        if cfg.train.num_processes > 1:
+            return _relaunch(ctx, cfg.train.num_processes)
+    else:
+        action = "distributed"
+    if int(os.environ.get("RANK", "0")) != 0:
+        return _train(ctx, cfg, weights, allowed, tracker=None)
+
+    quiet_libraries()
+    from flows.stages.plots import read_train_log, training_figure
+
+    with ctx.stage_run() as run:
+        run.set_tags({"train.reward_weights_source": weights_source, "train.checkpoints": action,
+                      "train.num_allowed_prompts": "all" if allowed is None else str(len(allowed))})
+        run.log_params({f"reward_weight.{r.name}": w for r, w in zip(cfg.rewards, weights)})
+        run.log_data_hashes([VALIDATED_TRAIN])
+        result = _train(ctx, cfg, weights, allowed, tracker=run if run.tracker is not None else None)
+        training_figure(read_train_log(ctx.path(TRAIN_LOG)), ctx.path(PLOT))
+        run.set_tags({"train.final_step": str(result.final_step),
+                      "train.resumed_from": str(result.resumed_from) if result.resumed_from else "none"})
+        run.log_artifact(ctx.path(TRAIN_LOG), "metrics")
+        run.log_artifact(ctx.path(PLOT), "plots")
+        if weights_source == CALIBRATION_WEIGHTS:
+            run.log_artifact(ctx.path(CALIBRATION_WEIGHTS), "calibration")
+        last = result.last_metrics
+        if last:
+            print(f"train: step {result.final_step}: reward {last.get('reward', float('nan')):.4f}, "
+                  f"kl {last.get('kl', float('nan')):.5f}; model in {result.model_dir}", file=sys.stderr)
+    return 0
+
+
+def _train(ctx, cfg, weights, allowed, tracker):
+    from grpo_core.trainer import train
+
+    quiet = not sys.stderr.isatty()
+    return train(cfg, reward_weights=weights, tracker=tracker, root=ctx.root, allowed_prompts=allowed,
+                 progress=not quiet, log_path=TRAIN_LOG)

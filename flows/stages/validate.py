@@ -1,0 +1,139 @@
+"""`validate`: check the train and eval splits before anything samples or trains on them.
+
+Reads ``data.train_files`` / ``data.eval_files`` (or ``data.hub_dataset``), renames the configured
+prompt/answer columns to ``prompt`` / ``answer``, and runs ``grpo_core.validation.validate_frames``
+with the policy's tokenizer as token counter and the configured correctness rewards for the gold-answer
+smoke test.
+
+Always writes ``reports/validation.json`` and ``reports/validation.txt`` (rows named by split and row:
+the 0-based record number for a single file, ``<file>:<record>`` across several files).
+On success it also writes ``data/validated/{train,eval}.parquet`` - the only data the later stages read.
+On failure it prints the report, writes **no** validated data, leaves the previous validated data as it
+was (those outputs are ``persist: true`` in dvc.yaml, so DVC does not delete them before the stage
+runs) and exits with code 3: ``dvc repro`` stops there, nothing downstream runs, and the report files
+stay in the workspace (DVC removes a stage's non-persistent outputs *before* running it, never after a
+failure). ``dvc status`` then shows validate as changed until the data is fixed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from flows.stages.common import (
+    CORRECTNESS_FUNCTIONS,
+    VALIDATED_EVAL,
+    VALIDATED_TRAIN,
+    StageConfigError,
+    StageInputError,
+    atomic_output,
+    write_json_atomic,
+    write_text_atomic,
+)
+
+REPORT_JSON = "reports/validation.json"
+REPORT_TXT = "reports/validation.txt"
+
+
+class ValidationFailed(RuntimeError):
+    """The data failed validation (exit code 3); the message says where the report is."""
+
+
+def _local_frame(ctx, files: list[str], key: str):
+    import pandas as pd
+
+    from grpo_core.validation import load_frame
+
+    if not files:
+        raise StageConfigError(f"{key}: no files configured (or set data.hub_dataset)")
+    frames = []
+    for f in files:
+        path = ctx.path(f)
+        if not path.is_file():
+            raise StageInputError(f"{key}: {path} does not exist")
+        frame = load_frame(path)
+        if len(files) > 1:  # rows are named <file>:<record> so the report says where they are
+            frame.index = [f"{f}:{i}" for i in range(len(frame))]
+        frames.append(frame)
+    return pd.concat(frames) if len(frames) > 1 else frames[0]
+
+
+def load_frames(ctx):
+    """(train_df, eval_df, sources): the raw splits with canonical ``prompt`` / ``answer`` column names."""
+    d = ctx.cfg.data
+    if d.hub_dataset:
+        from grpo_core.data import load_split
+
+        train_df = load_split(d, "train", ctx.root).to_pandas()
+        eval_df = load_split(d, "eval", ctx.root).to_pandas()
+        sources = [f"{d.hub_dataset}[{d.train_split}]", f"{d.hub_dataset}[{d.eval_split}]"]
+        return train_df, eval_df, sources  # load_split already renamed the columns
+    train_df = _local_frame(ctx, d.train_files, "data.train_files")
+    eval_df = _local_frame(ctx, d.eval_files, "data.eval_files")
+    rename = {}
+    if d.prompt_column != "prompt":
+        rename[d.prompt_column] = "prompt"
+    if d.answer_column != "answer":
+        rename[d.answer_column] = "answer"
+    if rename:
+        train_df = train_df.drop(columns=[c for c in rename.values() if c in train_df.columns]).rename(columns=rename)
+        eval_df = eval_df.drop(columns=[c for c in rename.values() if c in eval_df.columns]).rename(columns=rename)
+    return train_df, eval_df, [*d.train_files, *d.eval_files]
+
+
+def _to_parquet(df, path: Path) -> None:
+    """Row order kept (calibration's prompt indices refer to it); gold answers stored as strings."""
+    df = df.reset_index(drop=True).copy()
+    if "answer" in df.columns:
+        df["answer"] = [None if a is None else str(a) for a in df["answer"]]
+    with atomic_output(path) as tmp:
+        df.to_parquet(tmp, index=False)
+
+
+def run(ctx) -> int:
+    from flows.stages.common import quiet_libraries
+    from grpo_core.data import PromptEncoder
+    from grpo_core.modeling import load_tokenizer
+    from grpo_core.rewards import build_reward_functions
+    from grpo_core.validation import validate_frames
+
+    quiet_libraries()
+    cfg = ctx.cfg
+    with ctx.stage_run() as run:
+        train_df, eval_df, sources = load_frames(ctx)
+        tokenizer = load_tokenizer(cfg.model, ctx.root)
+        encoder = PromptEncoder(tokenizer, None, cfg.data.system_prompt)
+        correctness = [spec for spec in cfg.rewards if spec.function in CORRECTNESS_FUNCTIONS]
+        gold_fns = build_reward_functions(correctness) if cfg.validate.check_gold_reward and correctness else None
+        report = validate_frames(
+            train_df, eval_df, require_answer=bool(correctness), reward_fns_for_gold=gold_fns,
+            count_tokens=lambda prompt: len(encoder.encode(prompt)),
+            max_prompt_length=cfg.train.max_prompt_length, overlong_policy=cfg.data.overlong_prompt,
+            max_report_rows=cfg.validate.max_report_rows)
+
+        header = (f"sources: train = {', '.join(sources[:len(cfg.data.train_files) or 1])}; "
+                  f"eval = {', '.join(sources[len(cfg.data.train_files) or 1:])} "
+                  "(row = 0-based record number in the file; <file>:<record> when a split has several files)")
+        text = report.to_text() + "\n" + header + "\n"
+        write_json_atomic(ctx.path(REPORT_JSON), {**report.to_dict(), "sources": sources})
+        write_text_atomic(ctx.path(REPORT_TXT), text)
+        summary = report.summary
+        run.log_metrics({"validation/failures": summary.get("total_failures", 0),
+                         "validation/warnings": summary.get("total_warnings", 0),
+                         "validation/train_rows": len(train_df), "validation/eval_rows": len(eval_df)})
+        run.set_tags({"validation": "passed" if report.ok else "failed"})
+        if not cfg.data.hub_dataset:
+            run.log_data_hashes([*cfg.data.train_files, *cfg.data.eval_files])
+        run.log_artifact(ctx.path(REPORT_JSON), "reports")
+        run.log_artifact(ctx.path(REPORT_TXT), "reports")
+
+        if not report.ok:
+            print(text, file=sys.stderr)
+            raise ValidationFailed(
+                f"{summary.get('total_failures', 0)} validation failure(s); report in {REPORT_TXT} and "
+                f"{REPORT_JSON}. No validated data was written, so no later stage runs until the data is fixed.")
+        _to_parquet(train_df, ctx.path(VALIDATED_TRAIN))
+        _to_parquet(eval_df, ctx.path(VALIDATED_EVAL))
+        run.log_data_hashes([VALIDATED_TRAIN, VALIDATED_EVAL])
+        print(text, file=sys.stderr)
+    return 0

@@ -1,0 +1,3 @@
+-- One Postgres, two databases: MLflow's backend store and Prefect's.
+CREATE DATABASE mlflow;
+CREATE DATABASE prefect;

@@ -1,0 +1,217 @@
+"""The Prefect flow: retry policy, params overrides, the summary artifact, and a run of the real pipeline.
+
+One session-scoped ``prefect_test_harness`` (a temporary Prefect server) serves every flow run here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flows.pipeline import (
+    SUMMARY_ARTIFACT_KEY,
+    PermanentStageFailure,
+    StageFailed,
+    apply_params_overrides,
+    retry_transient,
+    stage_exit_code,
+    summary_markdown,
+)
+from flows.stages.common import load_params
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture()
+def clean_env(monkeypatch):
+    for var in ("MLFLOW_TRACKING_URI", "GRPO_PARENT_RUN_ID", "GRPO_FLOW_RUN_ID", "GRPO_RUN_GROUP",
+                "GRPO_EXPERIMENT_NAME", "DVC_ROOT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+# ---------------------------------------------------------------------------------------------------
+# pieces
+
+
+def test_stage_exit_code_is_read_from_dvc_output():
+    out = "...\nERROR: failed to reproduce 'validate': failed to run: python -m flows.stages validate, exited with 3\n"
+    assert stage_exit_code(out, "validate") == 3
+    assert stage_exit_code(out, "train") is None
+    assert stage_exit_code("ERROR: Unable to acquire lock", "validate") is None
+
+
+class _State:
+    def __init__(self, exc):
+        self.data = exc
+
+
+def test_only_transient_failures_are_retried():
+    assert retry_transient(None, None, _State(StageFailed("train", 255, 1, "oom")))
+    assert retry_transient(None, None, _State(RuntimeError("lock")))
+    assert not retry_transient(None, None, _State(PermanentStageFailure("validate", 255, 3, "bad rows")))
+
+
+def test_overrides_are_validated_and_written_like_dvc_exp_run(tmp_path):
+    from grpo_core.config import ConfigError
+
+    params = tmp_path / "params.yaml"
+    params.write_text((REPO / "params.yaml").read_text())
+    with pytest.raises(ConfigError, match="train.learning_rat: unknown key; did you mean 'learning_rate'"):
+        apply_params_overrides(params, {"train.learning_rat": 1e-4})
+    with pytest.raises(ConfigError, match="train.max_steps"):
+        apply_params_overrides(params, {"train.max_steps": 0})
+    assert params.read_text() == (REPO / "params.yaml").read_text()  # nothing written on error
+    apply_params_overrides(params, {"train.learning_rate": 1e-4, "evaluate.pass_k": [1, 2]})
+    text = params.read_text()
+    assert "# grpo-pipeline parameters" in text  # comments kept
+    cfg = load_params(params)
+    assert cfg.train.learning_rate == 1e-4 and cfg.evaluate.pass_k == [1, 2]
+    assert cfg.train.mixed_precision == "no"  # survives the ruamel rewrite
+
+
+def test_summary_lists_stages_weights_evaluation_and_registry(tmp_path):
+    (tmp_path / "artifacts/calibration").mkdir(parents=True)
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "artifacts/calibration/reward_weights.json").write_text(json.dumps(
+        {"weights": {"correctness": 0.7, "format": 0.3}, "rule": "w = ...", "flags": {"format": ["dominant"]},
+         "warnings": ["format dominates"]}))
+    (tmp_path / "metrics/eval.json").write_text(json.dumps(
+        {"base": {"accuracy": 0.25, "pass@4": 0.5}, "trained": {"accuracy": 0.5, "pass@4": 0.75},
+         "delta": {"accuracy": 0.25, "pass@4": 0.25}}))
+    (tmp_path / "reports/evaluation.md").write_text("# Evaluation\n\n## Registry\n\nRegistered v3. Promoted.\n")
+    md = summary_markdown(tmp_path, status="FINISHED", results=[{"stage": "train", "ran": True, "seconds": 3.0}],
+                          selected=["train", "evaluate"], flow_run_id="f1", parent_run_id="p1",
+                          experiment="e", tracking_uri="sqlite:///x")
+    assert "| train | ran | 3.0 |" in md and "| evaluate | not run | - |" in md
+    assert "| `format` | 0.3000 | dominant |" in md
+    assert "| accuracy | 0.2500 | 0.5000 | 0.2500 |" in md
+    assert "Registered v3. Promoted." in md
+
+
+# ---------------------------------------------------------------------------------------------------
+# flow runs
+
+
+STAGE_SCRIPT = """
+import pathlib, sys
+counter = pathlib.Path("attempts")
+n = int(counter.read_text()) + 1 if counter.exists() else 1
+counter.write_text(str(n))
+mode = pathlib.Path("mode").read_text().strip()
+if mode == "permanent":
+    sys.exit(3)  # like a failed data validation
+if mode == "transient" and n == 1:
+    sys.exit(1)  # like a crash
+pathlib.Path("out.txt").write_text("ok")
+"""
+
+
+def fake_repo(root: Path, mode: str) -> Path:
+    """A one-stage DVC repo (no git) whose `validate` fails the way ``mode`` says."""
+    root.mkdir()
+    (root / ".dvc").mkdir()
+    (root / ".dvc/config").write_text("[core]\n    no_scm = true\n    analytics = false\n")
+    (root / "params.yaml").write_text((REPO / "params.yaml").read_text())
+    (root / "stage.py").write_text(STAGE_SCRIPT)
+    (root / "mode").write_text(mode)
+    (root / "dvc.yaml").write_text("stages:\n  validate:\n    cmd: python stage.py\n    deps: [stage.py]\n"
+                                   "    outs: [out.txt]\n")
+    return root
+
+
+def artifact_markdown(flow_run_id: str) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[SUMMARY_ARTIFACT_KEY]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    assert found, f"no {SUMMARY_ARTIFACT_KEY} artifact for flow run {flow_run_id}"
+    return found[0].data
+
+
+@pytest.mark.slow
+def test_transient_failures_are_retried_and_validation_failures_are_not(prefect_harness, clean_env, tmp_path):
+    from flows.pipeline import grpo_pipeline
+    from tests.test_pipeline import mlflow_client
+
+    flaky = fake_repo(tmp_path / "flaky", "transient")
+    result = grpo_pipeline(stages=["validate"], repo=str(flaky), retries=2, retry_delay_seconds=0)
+    assert (flaky / "attempts").read_text() == "2" and result["stages"][0]["ran"]
+
+    bad = fake_repo(tmp_path / "bad", "permanent")
+    with pytest.raises(PermanentStageFailure, match="stage 'validate' failed \\(stage exit code 3\\)"):
+        grpo_pipeline(stages=["validate"], repo=str(bad), retries=2, retry_delay_seconds=0)
+    assert (bad / "attempts").read_text() == "1"  # not retried
+    client = mlflow_client(bad)
+    (parent,) = client.search_runs([client.get_experiment_by_name("grpo-pipeline").experiment_id])
+    assert parent.info.status == "FAILED"
+    md = artifact_markdown(parent.data.tags["prefect.flow_run_id"])
+    assert "Status **FAILED**" in md and "| validate | failed | - |" in md
+
+
+@pytest.mark.slow
+def test_flow_runs_the_pipeline_and_its_runs_carry_the_flow_run_id(prefect_harness, clean_env, tmp_path,
+                                                                    tmp_path_factory):
+    from flows.pipeline import grpo_pipeline
+    from tests.test_pipeline import built_pipeline, copy_repo, dvc, mlflow_client, stage_runs
+
+    repo = copy_repo(built_pipeline(tmp_path_factory)[0], tmp_path / "repo")
+    before = {r.info.run_id for r in stage_runs(repo)}
+    result = grpo_pipeline(params_overrides={"evaluate.seed": 1}, repo=str(repo), retry_delay_seconds=0)
+
+    # only evaluate reads evaluate.seed: DVC re-runs it alone
+    assert [(s["stage"], s["ran"]) for s in result["stages"]] == [
+        ("prepare", False), ("validate", False), ("calibrate", False), ("train", False), ("evaluate", True)]
+    assert load_params(repo / "params.yaml").evaluate.seed == 1
+    assert "Data and pipelines are up to date." in dvc(repo, "status").stdout
+    assert result["eval"]["trained"]["accuracy"] is not None
+
+    flow_run_id = result["flow_run_id"]
+    new = [r for r in stage_runs(repo) if r.info.run_id not in before]
+    parent = next(r for r in new if r.info.run_id == result["parent_run_id"])
+    assert parent.data.tags["grpo.role"] == "pipeline" and parent.info.status == "FINISHED"
+    assert parent.data.tags["prefect.flow_run_id"] == flow_run_id
+    assert parent.data.params["evaluate.seed"] == "1"
+    children = [r for r in new if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert [r.data.tags["stage"] for r in children] == ["evaluate"]
+    assert children[0].data.tags["prefect.flow_run_id"] == flow_run_id
+    assert "pipeline_summary.md" in {a.path for a in mlflow_client(repo).list_artifacts(parent.info.run_id)}
+
+    md = artifact_markdown(flow_run_id)
+    assert "## Calibration" in md and "## Evaluation" in md and "## Registry" in md
+    assert "| evaluate | ran |" in md and "| train | up to date |" in md
+
+
+def test_prefect_yaml_deploys_the_flow_on_a_nightly_schedule():
+    import inspect
+
+    import yaml
+    from prefect.client.schemas.schedules import CronSchedule
+
+    from flows.pipeline import grpo_pipeline
+
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    names = set(inspect.signature(grpo_pipeline.fn).parameters)
+    by_name = {d["name"]: d for d in spec["deployments"]}
+    assert {"nightly-retrain", "adhoc"} <= set(by_name)
+    for dep in spec["deployments"]:
+        path, func = dep["entrypoint"].split(":")
+        assert (REPO / path).is_file() and func == "grpo_pipeline"
+        assert set(dep.get("parameters") or {}) <= names
+        assert dep["work_pool"]["name"] == "grpo-process"
+    (schedule,) = by_name["nightly-retrain"]["schedules"]
+    CronSchedule(cron=schedule["cron"], timezone=schedule["timezone"])  # valid cron
+    assert spec["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == "{{ $GRPO_REPO_DIR }}"

@@ -1,0 +1,201 @@
+"""Stage plumbing without DVC: exit codes, params parsing, checkpoint fingerprints, the promotion gate,
+MLflow key sanitising, and the calibrate stage's wiring run in-process on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from flows.stages import EXIT_CONFIG, EXIT_DATA, EXIT_ERROR, EXIT_TRAINING, EXIT_VALIDATION, exit_code_for
+from flows.stages.common import StageContext, find_repo_root, load_params, store_root
+from flows.stages.evaluate import known_metric_names, promotion_decision
+from flows.stages.runs import safe_key
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_exit_codes_follow_the_exception_class():
+    from grpo_core.config import ConfigError
+    from grpo_core.data import DataError
+    from grpo_core.validation import DataValidationError
+
+    class TrainingError(RuntimeError):  # matched by name along the MRO, like grpo_core.trainer's
+        pass
+
+    class Sub(DataError):
+        pass
+
+    assert exit_code_for(ConfigError("x")) == EXIT_CONFIG
+    assert exit_code_for(DataValidationError("x")) == EXIT_VALIDATION
+    assert exit_code_for(Sub("x")) == EXIT_DATA
+    assert exit_code_for(TrainingError("x")) == EXIT_TRAINING
+    assert exit_code_for(RuntimeError("x")) == EXIT_ERROR
+
+
+def test_safe_key_makes_mlflow_accept_eval_metric_names():
+    assert safe_key("trained/pass@4") == "trained/pass_at_4"
+    assert safe_key("rewards/format/mean") == "rewards/format/mean"
+    assert safe_key("/abs/file") == "abs/file"
+    assert safe_key("/x/../y") == "x/_/y"
+    assert safe_key("a b:c-d.e") == "a b:c-d.e"
+
+
+def test_promotion_gate():
+    first = promotion_decision("accuracy", 0.6, base=0.5, champion=None, margin=0.0)
+    assert first["promote"] and first["against"] == "base"
+    assert not promotion_decision("accuracy", 0.5, base=0.5, champion=None, margin=0.0)["promote"]  # must beat
+    assert not promotion_decision("accuracy", 0.55, base=0.5, champion=None, margin=0.1)["promote"]
+    vs_champion = promotion_decision("accuracy", 0.7, base=0.1, champion=0.69, margin=0.02)
+    assert not vs_champion["promote"] and vs_champion["against"] == "champion"
+    assert promotion_decision("accuracy", 0.72, base=0.1, champion=0.69, margin=0.02)["promote"]
+    assert not promotion_decision("accuracy", None, base=0.1, champion=None, margin=0.0)["promote"]
+
+
+def test_known_metric_names_cover_eval_json_keys():
+    cfg = load_params(REPO / "params.yaml")
+    names = known_metric_names(cfg)
+    assert {"accuracy", "pass@4", "rewards/correctness/mean", "sampled/format_compliance"} <= set(names)
+
+
+def test_params_are_read_as_dvc_writes_them(tmp_path):
+    """`dvc exp run -S` rewrites params.yaml with ruamel and drops the quotes around "no"."""
+    text = (REPO / "params.yaml").read_text().replace('mixed_precision: "no"', "mixed_precision: no")
+    text = text.replace("learning_rate: 5.0e-4", "learning_rate: 5e-4")
+    assert "mixed_precision: no " in text
+    (tmp_path / "params.yaml").write_text(text)
+    cfg = load_params(tmp_path / "params.yaml")
+    assert cfg.train.mixed_precision == "no"
+    assert cfg.train.learning_rate == 5e-4
+
+
+def test_bad_params_name_the_key_and_exit_2(tmp_path, capsys, monkeypatch):
+    from flows.stages.__main__ import main
+
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    text = (REPO / "params.yaml").read_text().replace("learning_rate: 5.0e-4", "learning_rat: 5.0e-4")
+    (tmp_path / "params.yaml").write_text(text)
+    monkeypatch.chdir(tmp_path)
+    assert main(["train"]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "train.learning_rat: unknown key; did you mean 'learning_rate'?" in err
+    assert main(["validate", "--params", "nope.yaml"]) == EXIT_CONFIG
+    assert "nope.yaml: no such parameters file" in capsys.readouterr().err
+
+
+def test_roots_find_the_repo_and_the_original_store(tmp_path, monkeypatch):
+    (tmp_path / ".dvc").mkdir()
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    assert find_repo_root(tmp_path / "a" / "b") == tmp_path.resolve()
+    other = tmp_path / "original"
+    other.mkdir()
+    assert store_root(tmp_path, {"DVC_ROOT": str(other)}) == other.resolve()
+    assert store_root(tmp_path, {}) == tmp_path
+
+
+def _fake_checkpoint(ckpt_dir: Path, step: int) -> None:
+    d = ckpt_dir / f"checkpoint-{step}"
+    d.mkdir(parents=True)
+    (d / "trainer_state.json").write_text(json.dumps({"step": step}))
+
+
+def test_checkpoints_resume_only_for_the_same_inputs(tmp_path, capsys):
+    from flows.stages.train import FINGERPRINT, prepare_checkpoints
+
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text())
+    ctx = StageContext.create("train", start=tmp_path)
+    cfg = ctx.cfg
+    ckpt = tmp_path / "artifacts" / "checkpoints"
+    fp = {"params_hash": "a", "train_data_md5": "b"}
+    assert prepare_checkpoints(ctx, cfg, fp) == "fresh"  # nothing there yet
+    _fake_checkpoint(ckpt, 50)
+    assert prepare_checkpoints(ctx, cfg, fp) == "resume:checkpoint-50"  # e.g. max_steps raised, or a crash
+    assert (ckpt / "checkpoint-50").exists()
+    assert prepare_checkpoints(ctx, cfg, {**fp, "params_hash": "changed"}) == "fresh"  # new params: start over
+    assert not (ckpt / "checkpoint-50").exists()
+    assert "starting fresh" in capsys.readouterr().err
+    assert json.loads((ckpt / FINGERPRINT).read_text())["params_hash"] == "changed"
+    _fake_checkpoint(ckpt, 500)  # past max_steps (150): retrain rather than export an overtrained model
+    assert prepare_checkpoints(ctx, cfg, {**fp, "params_hash": "changed"}) == "fresh"
+
+
+def test_difficulty_kept_indices_drop_only_sampled_extremes():
+    import dataclasses
+
+    from flows.stages.calibrate import difficulty_doc
+
+    cfg = load_params(REPO / "params.yaml")
+    cfg = dataclasses.replace(cfg, calibrate=dataclasses.replace(cfg.calibrate, drop_always_solved=True,
+                                                                 drop_never_solved=True))
+    out = {"difficulty": {"correctness_function": "correctness", "pass_rate_per_prompt": [1.0, 0.0, 0.5, None],
+                          "mean_pass_rate": 0.5, "always_solved": 1, "never_solved": 1, "histogram": {}}}
+    doc = difficulty_doc(out, [1, 3, 5, 7], num_train=9, cfg=cfg)
+    assert doc["kept_indices"] == [0, 2, 4, 5, 6, 7, 8]  # 1 (always) and 3 (never) dropped; unsampled kept
+    assert doc["num_dropped"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# calibrate, in-process, on a tiny model: the stage's wiring (the rule itself: tests/test_calibration.py)
+
+
+@pytest.fixture()
+def tiny_repo(tmp_path, monkeypatch):
+    import yaml
+
+    from tests.tiny import make_prompts, make_tiny_model
+
+    make_tiny_model(tmp_path / "artifacts" / "base_model")
+    rows = [json.loads(line) for line in make_prompts(tmp_path / "p.jsonl", n=12).read_text().splitlines()]
+    (tmp_path / "data" / "validated").mkdir(parents=True)
+    pd.DataFrame(rows).to_parquet(tmp_path / "data/validated/train.parquet", index=False)
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["calibrate"].update(num_prompts=5, num_generations=3)
+    raw["train"].update(max_completion_length=6, num_generations=4, per_device_train_batch_size=8)
+    raw["rewards"] = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction", "target_share": 0.5},
+                      {"name": "correctness", "function": "correctness", "target_share": 0.5}]
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("GRPO_RUN_GROUP", "test-calibrate")
+    for var in ("GRPO_PARENT_RUN_ID", "GRPO_FLOW_RUN_ID", "DVC_ROOT", "GRPO_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path
+
+
+def test_calibrate_stage_writes_weights_difficulty_report_and_logs_a_child_run(tiny_repo):
+    from mlflow import MlflowClient
+
+    from flows.stages.__main__ import main
+
+    assert main(["calibrate"]) == 0
+    weights = json.loads((tiny_repo / "artifacts/calibration/reward_weights.json").read_text())
+    assert weights["names"] == ["digits", "correctness"] and len(weights["weights_list"]) == 2
+    assert {"rule", "stats", "shares", "flags", "calibration"} <= set(weights)
+    assert weights["calibration"]["num_prompts"] == 5 and weights["calibration"]["num_generations"] == 3
+    diff = json.loads((tiny_repo / "artifacts/calibration/difficulty.json").read_text())
+    assert len(diff["prompt_indices"]) == 5 and len(diff["pass_rates"]) == 5 and diff["kept_indices"] is None
+    assert "# Reward calibration" in (tiny_repo / "reports/calibration.md").read_text()
+
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name("grpo-pipeline")
+    runs = client.search_runs([exp.experiment_id])
+    child = next(r for r in runs if r.data.tags.get("stage") == "calibrate")
+    parent = client.get_run(child.data.tags["mlflow.parentRunId"])
+    assert parent.data.tags["grpo.run_group"] == "test-calibrate" and parent.info.status == "FINISHED"
+    assert child.data.params["calibrate.num_prompts"] == "5"
+    assert "calibration/weight/digits" in child.data.metrics
+    assert {a.path for a in client.list_artifacts(child.info.run_id)} >= {"calibration", "reports", "samples"}
+
+    # disabled: equal weights, rule "disabled", same parent (same run group)
+    text = (tiny_repo / "params.yaml").read_text().replace("enabled: true", "enabled: false")
+    (tiny_repo / "params.yaml").write_text(text)
+    assert main(["calibrate"]) == 0
+    weights = json.loads((tiny_repo / "artifacts/calibration/reward_weights.json").read_text())
+    assert weights["rule"] == "disabled" and weights["weights_list"] == [1.0, 1.0]
+    runs = client.search_runs([exp.experiment_id], filter_string="tags.stage = 'calibrate'")
+    assert len(runs) == 2 and len({r.data.tags["mlflow.parentRunId"] for r in runs}) == 1
