@@ -1,0 +1,55 @@
+"""params.yaml `embedded:` — the embedded default's synthetic task, tiny model and warm start.
+
+Field metadata follows grpo_core.config's convention (`help`, optional `ge`/`gt`/`le`/`lt` bounds), so
+the config loader validates and documents these keys like every other section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+TaskName = Literal["arithmetic", "multiple_choice"]
+
+
+def _f(default: Any, help: str, **bounds: float) -> Any:
+    meta = {"help": help, **bounds}
+    if isinstance(default, list):
+        return field(default_factory=lambda d=default: list(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class EmbeddedConfig:
+    seed: int = _f(0, "seed for the data, the model's initial weights and the warm-start batches")
+    num_train: int = _f(3000, "training prompts", ge=1)
+    num_eval: int = _f(500, "held-out prompts (no prompt shared with train)", ge=1)
+    tasks: list[TaskName] = _f(["arithmetic", "multiple_choice"], "task variants, mixed in equal shares")
+    max_operand: int = _f(9, "largest number in a word problem (operands are 1..max_operand)", ge=3, le=999)
+    shuffle_options: bool = _f(
+        False, "shuffle multiple-choice options (else A = sum, B = difference, C/D near misses)"
+    )
+    model_dir: str = _f("artifacts/base_model", "where the base model and tokenizer are written")
+    data_dir: str = _f("data/prepared", "where train.jsonl and eval.jsonl are written")
+    hidden_size: int = _f(96, "model width", ge=8)
+    num_hidden_layers: int = _f(3, "transformer blocks", ge=1)
+    num_attention_heads: int = _f(4, "attention heads (hidden_size must divide by it)", ge=1)
+    intermediate_size: int = _f(256, "MLP width", ge=8)
+    warm_start_steps: int = _f(400, "supervised warm-start steps (0 = untrained base model)", ge=0)
+    warm_start_batch_size: int = _f(64, "demonstrations per warm-start step", ge=1)
+    warm_start_learning_rate: float = _f(
+        3.0e-3, "AdamW peak learning rate (warm-up, then cosine decay)", gt=0
+    )
+    label_noise: float = _f(0.5, "mean share of demonstrations that apply the wrong operation", ge=0, le=1)
+    label_noise_spread: float = _f(
+        0.3,
+        "per-template wrong-operation share spans label_noise ± this (heterogeneous headroom)",
+        ge=0,
+        le=0.5,
+    )
+    format_noise: float = _f(0.1, "share of demonstrations with a broken tag layout", ge=0, le=1)
+    num_threads: int = _f(
+        1,
+        "torch CPU threads for prepare (0 = torch's default); weights are bit-identical per thread count",
+        ge=0,
+    )
