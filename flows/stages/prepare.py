@@ -1,7 +1,7 @@
 """`prepare` (embedded default only): synthetic train/eval prompts and the tiny warm-started base model.
 
 Outputs: ``<embedded.data_dir>/{train,eval}.jsonl`` and ``<embedded.model_dir>/`` (written atomically by
-``grpo_core.embedded.prepare``). With your own data and model the stage still runs (it is cheap); point
+``grpo_core.embedded.build.prepare``). With your own data and model the stage still runs (it is cheap); point
 ``data.*`` / ``model.name_or_path`` elsewhere and downstream stages ignore what it wrote.
 """
 
@@ -13,7 +13,7 @@ import sys
 
 def run(ctx) -> int:
     from flows.stages.common import quiet_libraries
-    from grpo_core.embedded.prepare import prepare
+    from grpo_core.embedded.build import prepare
 
     quiet_libraries()
     emb = ctx.cfg.embedded

@@ -9,7 +9,7 @@ from importlib import import_module
 
 _EXPORTS = {
     "EmbeddedConfig": "grpo_core.embedded.config",
-    "prepare": "grpo_core.embedded.prepare",
+    "prepare": "grpo_core.embedded.build",
     "Problem": "grpo_core.embedded.tasks",
     "generate_splits": "grpo_core.embedded.tasks",
     "template_noise": "grpo_core.embedded.tasks",
