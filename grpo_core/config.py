@@ -71,6 +71,7 @@ class ModelConfig:
     trust_remote_code: bool = _f(False, "run code shipped with the model (only for models you trust)")
     attn_implementation: str | None = _f(None, "transformers attn_implementation (sdpa, flash_attention_2, ...)")
     lora: LoraConfig | None = _f(None, "train LoRA adapters instead of all weights (needs the `lora` extra)")
+    cpu_threads: int = _f(0, "torch CPU threads in stages that run the model (0 = torch's default)", ge=0)
 
 
 @dataclass
