@@ -115,18 +115,28 @@ def token_logprobs_and_entropy(
     model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
     if position_ids is not None:
         model_inputs["position_ids"] = position_ids
-    if _accepts_logits_to_keep(model):
-        # One extra position: the logits at L-K-1 predict the first completion token.
-        model_inputs["logits_to_keep"] = logits_to_keep + 1
-    logits = model(**model_inputs).logits  # (B, K+1, V), or (B, L, V) without logits_to_keep
-    # Drop the last position (it predicts the token after the sequence), keep the K that predict completions.
-    logits = logits[:, :-1][:, -logits_to_keep:]  # (B, K, V)
     completion_ids = input_ids[:, -logits_to_keep:]
-    # Half-precision logits are upcast one chunk at a time: the per-token numbers match TRL's fused head
-    # (fp32) and the full (B, K, V) float32 copy never exists.
-    logps, entropies = _chunked_logps_and_entropy(
-        logits, completion_ids, temperature, compute_entropy, chunk_size
-    )
+    parts = _backbone_and_head(model) if FUSED_LM_HEAD else None
+    if parts is not None:
+        # Fused LM head: the (B, K, V) logits never exist. Each chunk of rows is projected, scored and
+        # (under autograd) recomputed in backward, so only the (B, K, H) hidden states are kept.
+        backbone, head = parts
+        hidden = backbone(**model_inputs, use_cache=False).last_hidden_state[:, -logits_to_keep - 1:-1]
+        logps, entropies = _chunked_head_logps_and_entropy(
+            hidden, head, completion_ids, temperature, compute_entropy, chunk_size
+        )
+    else:
+        if _accepts_logits_to_keep(model):
+            # One extra position: the logits at L-K-1 predict the first completion token.
+            model_inputs["logits_to_keep"] = logits_to_keep + 1
+        logits = model(**model_inputs).logits  # (B, K+1, V), or (B, L, V) without logits_to_keep
+        # Drop the last position (it predicts the token after the sequence), keep the K that predict completions.
+        logits = logits[:, :-1][:, -logits_to_keep:]  # (B, K, V)
+        # Half-precision logits are upcast one chunk at a time: the per-token numbers match TRL's fused head
+        # (fp32) and the full (B, K, V) float32 copy never exists.
+        logps, entropies = _chunked_logps_and_entropy(
+            logits, completion_ids, temperature, compute_entropy, chunk_size
+        )
     is_padding = attention_mask[:, -logits_to_keep:] == 0
     logps = logps.masked_fill(is_padding, 0.0)
     if entropies is not None:
@@ -154,6 +164,62 @@ def _chunked_logps_and_entropy(
         _concat_rows(entropy_chunks, logits, upcast=True).reshape(index.shape) if compute_entropy else None
     )
     return logps, entropies
+
+
+def _chunked_head_logps_and_entropy(
+    hidden: torch.Tensor, head: torch.nn.Linear, index: torch.Tensor, temperature: float, compute_entropy: bool,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, K, H) hidden states through the LM head chunk by chunk -> log-probs (B, K), entropies (B, K) or None."""
+    _check_chunk_size(chunk_size)
+    flat_hidden, flat_index = hidden.reshape(-1, hidden.shape[-1]), index.reshape(-1)
+    kernel = _head_logps_and_entropy if compute_entropy else _head_logps
+    logps_chunks, entropy_chunks = [], []
+    for hidden_chunk, index_chunk in zip(flat_hidden.split(chunk_size), flat_index.split(chunk_size)):
+        result = _maybe_checkpoint(kernel, hidden_chunk, index_chunk, head.weight, head.bias, temperature)
+        if compute_entropy:
+            logps_chunks.append(result[0])
+            entropy_chunks.append(result[1])
+        else:
+            logps_chunks.append(result)
+    empty = hidden.new_zeros(0, 1)
+    logps = _concat_rows(logps_chunks, empty, upcast=True).reshape(index.shape)
+    entropies = _concat_rows(entropy_chunks, empty, upcast=True).reshape(index.shape) if compute_entropy else None
+    return logps, entropies
+
+
+def _head_logps(hidden, index, weight, bias, temperature):
+    return _logps_upcast(F.linear(hidden, weight, bias), index, temperature)
+
+
+def _head_logps_and_entropy(hidden, index, weight, bias, temperature):
+    return _logps_and_entropy_upcast(F.linear(hidden, weight, bias), index, temperature)
+
+
+# Causal LMs whose forward is exactly lm_head(backbone(...).last_hidden_state): no logit scaling or soft-capping.
+FUSED_LM_HEAD = True
+_PLAIN_HEAD_MODEL_TYPES = {"qwen2", "qwen3", "llama", "mistral"}
+
+
+def _backbone_and_head(model: torch.nn.Module):
+    """(backbone, lm_head) when the LM head can be applied outside ``model.forward``, else None.
+
+    Only for the plain architectures above, called directly (not through accelerate's autocast wrapper
+    or DistributedDataParallel, whose forward must run), with a plain ``nn.Linear`` head (no adapter on it).
+    """
+    if getattr(model, "_original_forward", None) is not None:  # accelerate wrapped forward (mixed precision)
+        return None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if getattr(config, "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES:
+        return None
+    if getattr(base, "_original_forward", None) is not None or "forward" in vars(base):  # a patched forward
+        return None
+    backbone = getattr(base, getattr(base, "base_model_prefix", "") or "", None)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if not isinstance(backbone, torch.nn.Module) or type(head) is not torch.nn.Linear:
+        return None
+    return backbone, head
 
 
 # --- per-chunk kernels: (rows, V) logits -> (rows,) ---------------------------------------------------------

@@ -9,10 +9,13 @@ layout ``compute_advantages`` expects.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -52,9 +55,12 @@ class RolloutBackend(Protocol):
         """Called after each optimizer step (an external engine reloads weights here)."""
 
 
-def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, max_len) ids and mask, padded on the left so every prompt ends at the same column."""
+def left_pad(sequences: list[list[int]], pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, max_len) ids and mask, padded on the left so every prompt ends at the same column.
+
+    multiple: round the width up to a multiple of it (a fixed shape for compiled generation)."""
     width = max(len(s) for s in sequences)
+    width = -(-width // multiple) * multiple
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for i, seq in enumerate(sequences):
@@ -82,8 +88,13 @@ class HFGenerateBackend:
     """Sampling with ``model.generate``: KV cache, batched, left padding, stops when all rows end."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, eos_token_ids: list[int] | None = None,
-                 max_batch_size: int | None = None):
+                 max_batch_size: int | None = None, static_cache: bool | None = None, prompt_multiple: int = 64):
+        """static_cache: a static KV cache, with which ``generate`` compiles the decode step (CUDA graphs);
+        None = on CUDA only (on CPU compiling does not pay). Prompts are then left-padded to a multiple of
+        ``prompt_multiple`` so the cache — and the compiled graph — keeps its shape from round to round."""
         self.model = model
+        self.static_cache = static_cache
+        self.prompt_multiple = prompt_multiple
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = eos_token_ids if eos_token_ids is not None else tokenizer.eos_token_id
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
@@ -98,8 +109,9 @@ class HFGenerateBackend:
     def generate(self, prompt_ids: list[list[int]], num_generations: int,
                  sampling: SamplingParams) -> RolloutBatch:
         repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
-        ids, mask = left_pad(repeated, self.pad_id)
         device = next(self.model.parameters()).device
+        static = self.static_cache if self.static_cache is not None else device.type == "cuda"
+        ids, mask = left_pad(repeated, self.pad_id, multiple=self.prompt_multiple if static else 1)
         step = self.max_batch_size or len(repeated)
         outputs = []
         was_training = self.model.training
@@ -108,7 +120,7 @@ class HFGenerateBackend:
             for start in range(0, len(repeated), step):
                 chunk_ids = ids[start:start + step].to(device)
                 chunk_mask = mask[start:start + step].to(device)
-                out = self.model.generate(
+                kwargs = dict(
                     input_ids=chunk_ids, attention_mask=chunk_mask,
                     max_new_tokens=sampling.max_new_tokens, do_sample=sampling.do_sample,
                     temperature=sampling.temperature if sampling.do_sample else None,
@@ -119,6 +131,16 @@ class HFGenerateBackend:
                     # sampling must follow exactly the distribution the loss's log-probs describe.
                     repetition_penalty=1.0, min_p=None,
                 )
+                if static:
+                    try:
+                        out = self.model.generate(**kwargs, cache_implementation="static")
+                    except Exception as err:  # a model or torch build that cannot compile: sample without it
+                        log.warning("static-cache generation failed (%s: %s); using the dynamic cache",
+                                    type(err).__name__, err)
+                        self.static_cache = static = False
+                        out = self.model.generate(**kwargs)
+                else:
+                    out = self.model.generate(**kwargs)
                 outputs.append(out[:, chunk_ids.shape[1]:].cpu())
         finally:
             self.model.train(was_training)

@@ -216,7 +216,9 @@ def policy_logprobs(model, mb: dict, temperature: float, compute_entropy: bool):
     Position ids follow the attention mask (as ``generate`` does with left padding), so a padded
     prompt sees the same positions at training time as at sampling time.
     """
-    input_ids, attention, mask, width = _trim(mb)
+    input_ids, attention, mask, width = _trim(mb)  # trimmed on the host: no device sync
+    device = _device_of(model)
+    input_ids, attention = input_ids.to(device, non_blocking=True), attention.to(device, non_blocking=True)
     position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
     logps, entropy = token_logprobs_and_entropy(model, input_ids, attention, logits_to_keep=width,
                                                 temperature=temperature, compute_entropy=compute_entropy,
@@ -238,12 +240,16 @@ def micro_batches(round_: dict, rows: list[int], size: int) -> list[dict]:
 # Optimiser
 
 
+FUSED_ADAMW = True
+
+
 def build_optimizer_and_scheduler(model, t):
     from transformers import get_scheduler
 
     params = [p for p in model.parameters() if p.requires_grad]
+    # fused: one kernel per step instead of per-tensor ops (and no foreach temporaries the size of the model)
     optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
-                                  weight_decay=t.weight_decay)
+                                  weight_decay=t.weight_decay, fused=FUSED_ADAMW)
     warmup = math.ceil(t.warmup_ratio * t.max_steps)
     name = "constant_with_warmup" if t.lr_scheduler_type == "constant" else t.lr_scheduler_type
     scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=t.max_steps)
@@ -359,7 +365,8 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
                 logps, entropy, _ = policy_logprobs(model, mb, t.temperature, compute_entropy=True)
                 width = logps.shape[1]
                 loss, stats = grpo_loss(
-                    logps, _cut(mb.get("old_logps"), width), _cut(mb.get("ref_logps"), width),
+                    logps, _cut(mb.get("old_logps"), width, logps.device),
+                    _cut(mb.get("ref_logps"), width, logps.device),
                     mb["advantages"].to(logps.device), loss_mask[:, :width].to(logps.device),
                     loss_type=t.loss_type, beta=t.beta, epsilon_low=t.epsilon, epsilon_high=t.epsilon_high,
                     delta=t.delta, importance_sampling_level=t.importance_sampling_level,
@@ -459,7 +466,17 @@ class _nullcontext:
         return False
 
 
-def _cut(x: torch.Tensor | None, width: int) -> torch.Tensor | None:
+def _device_of(model) -> torch.device:
+    """The device of a model's weights (the LoRA reference view holds its policy outside its module tree)."""
+    for p in model.parameters():
+        return p.device
+    inner = getattr(model, "_peft", None)
+    return _device_of(inner[0]) if inner else torch.device("cpu")
+
+
+def _cut(x: torch.Tensor | None, width: int, device=None) -> torch.Tensor | None:
+    if x is not None and device is not None:
+        return x[:, :width].to(device, non_blocking=True)
     return None if x is None else x[:, :width]
 
 

@@ -1,0 +1,61 @@
+"""Switches for measuring one optimisation at a time on our side (``--variant NAME:lever=value,...``).
+
+Each lever is applied inside the side's own process by patching the trainer's modules (``apply``
+returns the undo), so production code keeps one path and the benchmark can still turn a lever off to
+measure what it is worth. Levers (default = what the trainer does):
+
+  static_cache   true/false/null  generation with a static KV cache + compiled decode step (null = CUDA only)
+  fused_head     true/false       LM head applied chunk by chunk to hidden states (no (B, K, V) logits)
+  trim           true/false       drop the micro-batch's all-padding columns before the forward passes
+  fused_adamw    true/false       torch's fused AdamW (one kernel) instead of the per-tensor/foreach one
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def apply(variant: dict) -> Callable[[], None]:
+    import grpo_core.logprobs as logprobs
+
+    undo: list[Callable[[], None]] = []
+
+    def setattr_undo(obj, name, value):
+        old = getattr(obj, name)
+        setattr(obj, name, value)
+        undo.append(lambda: setattr(obj, name, old))
+
+    if "fused_head" in variant:
+        setattr_undo(logprobs, "FUSED_LM_HEAD", bool(variant["fused_head"]))
+    if "fused_adamw" in variant:
+        import grpo_core.trainer as trainer_module
+
+        setattr_undo(trainer_module, "FUSED_ADAMW", bool(variant["fused_adamw"]))
+    if variant.get("trim") is False:
+        import torch
+
+        import grpo_core.trainer as trainer
+
+        def untrimmed(mb):  # prompt + completion at full padded width
+            cm = mb["completion_mask"]
+            return (torch.cat([mb["prompt_ids"], mb["completion_ids"]], dim=1),
+                    torch.cat([mb["prompt_mask"], cm], dim=1), cm, cm.shape[1])
+
+        setattr_undo(trainer, "_trim", untrimmed)
+
+    def restore() -> None:
+        for fn in reversed(undo):
+            fn()
+
+    return restore
+
+
+def backend_factory(variant: dict):
+    if "static_cache" not in variant:
+        return None
+    from grpo_core.rollout import HFGenerateBackend
+
+    def factory(policy, tokenizer):
+        return HFGenerateBackend(policy, tokenizer, static_cache=variant["static_cache"])
+
+    return factory

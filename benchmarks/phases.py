@@ -1,0 +1,90 @@
+"""Where a step's time goes: process CPU seconds per phase, for one side, on the cpu-tiny work.
+
+    python -m benchmarks.phases --side ours|trl [--steps 11]
+
+Each phase (generation, reference log-probs, policy forward, backward, optimizer, rewards, ...) is timed by
+wrapping the function that does it with ``time.process_time``; the first step (warm-up) is included in the
+totals, so compare per-step numbers over many steps. One torch thread, as the cpu-tiny benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _wrap(owner, name: str, label, acc: dict, cnt: collections.Counter) -> None:
+    inner = getattr(owner, name)
+
+    def timed(*a, **k):
+        key = label() if callable(label) else label
+        t0 = time.process_time()
+        try:
+            return inner(*a, **k)
+        finally:
+            acc[key] += time.process_time() - t0
+            cnt[key] += 1
+
+    setattr(owner, name, timed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--side", choices=["ours", "trl"], required=True)
+    p.add_argument("--steps", type=int, default=11)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+
+    import accelerate
+
+    from benchmarks import side
+    from benchmarks.configs import CONFIGS
+    from benchmarks.prepare import prepare
+
+    acc: dict[str, float] = collections.defaultdict(float)
+    cnt: collections.Counter = collections.Counter()
+    _wrap(accelerate.Accelerator, "backward", "backward", acc, cnt)
+    _wrap(torch.optim.AdamW, "step", "optimizer", acc, cnt)
+    if a.side == "ours":
+        import grpo_core.rollout as rollout
+        import grpo_core.trainer as trainer
+
+        _wrap(rollout.HFGenerateBackend, "generate", "generation", acc, cnt)
+        _wrap(trainer, "_frozen_logprobs", "reference log-probs", acc, cnt)
+        _wrap(trainer, "policy_logprobs", lambda: "policy forward" if torch.is_grad_enabled() else "(inside ref)",
+              acc, cnt)
+        _wrap(trainer, "score_completions", "rewards", acc, cnt)
+        _wrap(trainer, "decode_completions", "decoding", acc, cnt)
+        _wrap(trainer, "grpo_loss", "loss", acc, cnt)
+    else:
+        from trl import GRPOTrainer
+
+        _wrap(GRPOTrainer, "_generate_single_turn", "generation", acc, cnt)
+        _wrap(GRPOTrainer, "_get_per_token_logps_and_entropies",
+              lambda: "policy forward" if torch.is_grad_enabled() else "reference log-probs", acc, cnt)
+        _wrap(GRPOTrainer, "_calculate_rewards", "rewards", acc, cnt)
+
+    cfg = CONFIGS["cpu-tiny"].replace(steps=a.steps)
+    with tempfile.TemporaryDirectory(prefix="grpo-phases-") as tmp:
+        assets = prepare(cfg, Path(tmp) / "assets")
+        spec = {"side": a.side, "config": cfg.to_dict(), "assets": assets, "workdir": str(Path(tmp) / "w"),
+                "variant": {}}
+        (Path(tmp) / "spec.json").write_text(json.dumps(spec))
+        side.main(["--spec", str(Path(tmp) / "spec.json"), "--out", str(Path(tmp) / "out.json")])
+        result = json.loads((Path(tmp) / "out.json").read_text())
+    cpu = [s["cpu_step_time"] for s in result["steps"]]
+    print(f"{a.side}: CPU s per step {[round(x, 3) for x in cpu]}")
+    for key, value in sorted(acc.items(), key=lambda kv: -kv[1]):
+        if key != "(inside ref)":
+            print(f"  {key:22s} {value / a.steps:7.4f} s/step  ({cnt[key]} calls)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

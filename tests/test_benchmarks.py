@@ -1,0 +1,40 @@
+"""The benchmark harness runs end to end (one step per side, tiny model), so it cannot rot.
+
+It measures nothing here: `make bench` does (benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_one_step_of_each_side_on_the_tiny_model(tmp_path):
+    out = tmp_path / "result.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--config", "cpu-tiny", "--tiny", "--steps", "1", "--repeats", "1",
+         "--threads", "1", "--parallel", "--out", str(out), "--no-readme"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["failures"] == {}
+    ours, trl = result["sides"]["ours"], result["sides"]["trl"]
+    for side in (ours, trl):
+        # EOS is masked until max_completion_length: both sides score exactly the same number of tokens
+        assert side["mean_completion_length"] == result["config"]["max_completion_length"]
+        assert side["step_time_s"] > 0 and side["peak_rss_mib"] > 0
+        assert 0 < side["generation_share"] < 1
+    assert result["ratio_ours_over_trl"]["completion_tokens_per_s"] > 0
+    assert "| ours |" in subprocess.run(
+        [sys.executable, "-c", f"import json; from benchmarks.run import format_table; "
+                               f"print(format_table(json.load(open({str(out)!r}))))"],
+        cwd=REPO, env=env, capture_output=True, text=True).stdout
