@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-
 from grpo_core.embedded.config import EmbeddedConfig
 from grpo_core.guards import GuardsConfig
 
@@ -273,7 +272,7 @@ def _check_range(value: Any, meta: typing.Mapping, key: str) -> None:
         return
     bounds = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
               "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
-    for name, (symbol, ok) in bounds.items():
+    for name, (_, ok) in bounds.items():
         bound = meta.get(name)
         if bound is not None and not ok(value, bound):
             allowed = " and ".join(f"{s} {meta[n]}" for n, (s, _) in bounds.items() if meta.get(n) is not None)

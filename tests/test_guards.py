@@ -5,7 +5,14 @@ import math
 import pytest
 
 from grpo_core.config import ConfigError, config_from_dict
-from grpo_core.guards import GuardMonitor, GuardsConfig, NonFiniteGuard, RewardHackingGuard, ThresholdGuard, decide
+from grpo_core.guards import (
+    GuardMonitor,
+    GuardsConfig,
+    NonFiniteGuard,
+    RewardHackingGuard,
+    ThresholdGuard,
+    decide,
+)
 
 CALM = {"loss": 0.01, "grad_norm": 0.5, "kl": 0.02, "entropy": 1.5, "completions/clipped_ratio": 0.0,
         "rewards/format/mean": 0.5, "rewards/correctness/mean": 0.5}
