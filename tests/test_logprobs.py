@@ -146,19 +146,9 @@ PROMPT, COMPLETION = 4, 5
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from tests.tiny import random_qwen2
 
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=37,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    return Qwen2ForCausalLM(config).to(F64).eval()
+    return random_qwen2().to(F64)
 
 
 @pytest.fixture(scope="module")

@@ -298,19 +298,9 @@ def test_entropy_from_logits_matches_trl():
 
 
 def test_token_logprobs_and_entropy_match_trl_fused_head():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from tests.tiny import random_qwen2
 
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=37,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    model = Qwen2ForCausalLM(config).eval()
+    model = random_qwen2()
     trl_model = copy.deepcopy(model)
     temperature, completion_length = 0.7, 5
     trl_utils.add_fused_lm_head(trl_model, temperature=temperature, outputs=("log_probs", "entropy"))

@@ -42,3 +42,14 @@ def tiny_config(model_dir: Path, data_file: Path, rewards: list[dict], **train):
                   "output_dir": "out", "beta": 0.0, "seed": 0, **train},
     }
     return config_from_dict(raw)
+
+
+def random_qwen2(vocab_size: int = 37, seed: int = 0):
+    """A one-layer random Qwen2 (float32, eval mode) for log-prob checks that need a real causal LM."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    return Qwen2ForCausalLM(config).eval()
