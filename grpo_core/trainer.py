@@ -16,6 +16,7 @@ The math lives in ``advantages.py``, ``loss.py`` and ``logprobs.py``; this file 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import logging
@@ -360,7 +361,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
         entropies = []
         for j, (mb, loss_mask) in enumerate(zip(mbs, loss_masks)):
             sync = j == ga - 1
-            ctx = accelerator.no_sync(model) if (not sync and accelerator.num_processes > 1) else _nullcontext()
+            ctx = accelerator.no_sync(model) if (not sync and accelerator.num_processes > 1) else contextlib.nullcontext()
             with ctx:
                 logps, entropy, _ = policy_logprobs(model, mb, t.temperature, compute_entropy=True)
                 width = logps.shape[1]
@@ -456,14 +457,6 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
 
 # ---------------------------------------------------------------------------------------------------
 # Helpers of the loop
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _device_of(model) -> torch.device:
