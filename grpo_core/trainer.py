@@ -227,14 +227,13 @@ def policy_logprobs(model, mb: dict, temperature: float, compute_entropy: bool):
     return logps, entropy, mask
 
 
-def micro_batches(round_: dict, rows: list[int], size: int) -> list[dict]:
-    keys = ["prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "is_truncated", "advantages",
-            "old_logps", "ref_logps"]
-    out = []
-    for start in range(0, len(rows), size):
-        idx = torch.tensor(rows[start:start + size])
-        out.append({k: round_[k][idx] for k in keys if round_.get(k) is not None})
-    return out
+_ROW_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "is_truncated", "advantages",
+             "old_logps", "ref_logps")
+
+
+def micro_batch(round_: dict, start: int, stop: int) -> dict:
+    """Rows [start, stop) of a generation round: every per-row tensor the round holds."""
+    return {k: round_[k][start:stop] for k in _ROW_KEYS if round_.get(k) is not None}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -355,7 +354,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
         losses, stats_acc = [], []
         step_slices = [(micro_step + j) % micro_per_round for j in range(ga)]
         bs = t.per_device_train_batch_size
-        mbs = [micro_batches(round_, list(range(s * bs, (s + 1) * bs)), bs)[0] for s in step_slices]
+        mbs = [micro_batch(round_, s * bs, (s + 1) * bs) for s in step_slices]
         loss_masks = [_loss_mask(mb, t) for mb in mbs]
         num_items = _global_sum(accelerator, sum(int(m.sum()) for m in loss_masks)) / accelerator.num_processes
         entropies = []
@@ -493,7 +492,7 @@ def _frozen_logprobs(model, round_: dict, t) -> torch.Tensor:
     out = torch.zeros(n, width)
     bs = t.per_device_train_batch_size
     for start in range(0, n, bs):
-        mb = micro_batches(round_, list(range(start, min(start + bs, n))), bs)[0]
+        mb = micro_batch(round_, start, min(start + bs, n))
         logps, _, _ = policy_logprobs(model, mb, t.temperature, compute_entropy=False)
         out[start:start + logps.shape[0], :logps.shape[1]] = logps.float().cpu()
     return out
