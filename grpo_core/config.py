@@ -144,6 +144,8 @@ class TrainConfig:
     gradient_checkpointing: bool = _f(False, "trade compute for activation memory")
     num_processes: int = _f(1, "processes (GPUs); > 1 launches through `accelerate launch`", ge=1)
     reward_errors: Literal["raise", "none"] = _f("raise", "a raising reward function: stop, or count as None")
+    reward_timeout_s: float = _f(60.0, "seconds one reward-function call may take; a call past it scores None "
+                                 "for its samples and is counted (0 = no limit)", ge=0)
     resume: Literal["auto", "never"] = _f("auto", "resume from the latest valid checkpoint, or start fresh")
 
     @property
@@ -387,7 +389,7 @@ def load_config(path: str | Path = "params.yaml", overrides: typing.Mapping[str,
 
 # Keys that change bookkeeping only; they never make a checkpoint incompatible.
 _BOOKKEEPING_KEYS = {"output_dir", "save_steps", "save_total_limit", "logging_steps", "resume", "max_steps",
-                     "num_processes"}
+                     "num_processes", "reward_timeout_s"}
 
 
 def training_params_hash(cfg: PipelineConfig, reward_weights: typing.Sequence[float] | None = None) -> str:

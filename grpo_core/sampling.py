@@ -45,6 +45,7 @@ class SampleResult:
     rewards: np.ndarray
     reward_names: list[str]
     error_counts: dict[str, int] = field(default_factory=dict)
+    timeout_counts: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_prompts(self) -> int:
@@ -72,7 +73,7 @@ def _reward_columns(rows: Sequence[dict], repeat: int) -> dict[str, list[Any]]:
 def sample_and_score(model, tokenizer, rows: Sequence[dict], encoder: PromptEncoder, reward_fns: Sequence,
                      *, num_generations: int, sampling: SamplingParams, batch_size: int,
                      on_error: Literal["raise", "none"] = "raise", seed: int | None = None,
-                     backend: Any = None) -> SampleResult:
+                     backend: Any = None, reward_timeout_s: float | None = None) -> SampleResult:
     """Sample ``num_generations`` completions for each row's prompt and score them with ``reward_fns``.
 
     rows: dicts with ``prompt`` (string or chat messages) and the columns reward functions read
@@ -80,7 +81,8 @@ def sample_and_score(model, tokenizer, rows: Sequence[dict], encoder: PromptEnco
     prompts per ``generate`` call (each call samples batch_size * G sequences). sampling: use
     ``do_sample=False`` with ``num_generations=1`` for greedy decoding. seed: ``torch.manual_seed(seed)``
     before sampling (None leaves the global RNG alone). backend: a ``RolloutBackend`` to use instead of
-    ``HFGenerateBackend(model, tokenizer)``.
+    ``HFGenerateBackend(model, tokenizer)``. reward_timeout_s: per-call limit of a reward function (a call
+    that times out scores None for its samples and is counted in ``timeout_counts``).
     """
     if num_generations < 1:
         raise ValueError(f"sample_and_score: num_generations must be >= 1, got {num_generations}")
@@ -104,6 +106,7 @@ def sample_and_score(model, tokenizer, rows: Sequence[dict], encoder: PromptEnco
     truncated: list[np.ndarray] = []
     rewards: list[np.ndarray] = []
     errors: dict[str, int] = {n: 0 for n in names}
+    timeouts: dict[str, int] = {n: 0 for n in names}
     for start in range(0, len(rows), batch_size):
         batch_rows = rows[start:start + batch_size]
         prompt_ids = [encoder.encode(r["prompt"], row=start + j) for j, r in enumerate(batch_rows)]
@@ -115,9 +118,13 @@ def sample_and_score(model, tokenizer, rows: Sequence[dict], encoder: PromptEnco
         columns["completion_ids"] = [ids[m.bool()].tolist()
                                      for ids, m in zip(batch.completion_ids, batch.completion_mask)]
         if reward_fns:
-            scores, counts = score_completions(list(reward_fns), prompts, completions, columns, on_error=on_error)
-            for k, v in counts.items():
+            scored = score_completions(list(reward_fns), prompts, completions, columns, on_error=on_error,
+                                       timeout_s=reward_timeout_s)
+            scores = scored.rewards
+            for k, v in scored.error_counts.items():
                 errors[k] = errors.get(k, 0) + v
+            for k, v in scored.timeout_counts.items():
+                timeouts[k] = timeouts.get(k, 0) + v
         else:
             scores = np.zeros((len(completions), 0))
         texts.extend(batch_texts)
@@ -132,4 +139,5 @@ def sample_and_score(model, tokenizer, rows: Sequence[dict], encoder: PromptEnco
         rewards=np.concatenate(rewards, axis=0),
         reward_names=names,
         error_counts=errors,
+        timeout_counts=timeouts,
     )

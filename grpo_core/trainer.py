@@ -99,7 +99,7 @@ def metric_columns(reward_names: list[str]) -> list[str]:
         cols += [f"rewards/{name}/mean", f"rewards/{name}/std"]
     cols += ["kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
              "completions/mean_length", "completions/min_length", "completions/max_length",
-             "completions/clipped_ratio", "grad_norm", "learning_rate", "reward_errors", "num_tokens", "guard/skipped",
+             "completions/clipped_ratio", "grad_norm", "learning_rate", "reward_errors", "reward_timeouts", "num_tokens", "guard/skipped",
              "step_time", "generation_time"]
     return cols
 
@@ -151,8 +151,9 @@ def generate_and_score(*, backend: RolloutBackend, tokenizer, dataset, indices: 
     completions = [completion_for_reward(text, p) for text, p in zip(texts, prompts)]
     columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
     columns["completion_ids"] = [ids[m.bool()].tolist() for ids, m in zip(batch.completion_ids, batch.completion_mask)]
-    rewards_np, error_counts = score_completions(reward_fns, prompts, completions, columns, on_error=t.reward_errors)
-    rewards = torch.as_tensor(rewards_np, dtype=torch.float32)
+    scored = score_completions(reward_fns, prompts, completions, columns, on_error=t.reward_errors,
+                               timeout_s=t.reward_timeout_s)
+    rewards = torch.as_tensor(scored.rewards, dtype=torch.float32)
 
     # Whole groups live on one process; advantages still see the global batch (scale_rewards="batch").
     all_rewards = accelerator.gather(rewards.to(accelerator.device)).cpu() if accelerator.num_processes > 1 else rewards
@@ -169,7 +170,8 @@ def generate_and_score(*, backend: RolloutBackend, tokenizer, dataset, indices: 
         "completions/min_length": lengths.min().item(),
         "completions/max_length": lengths.max().item(),
         "completions/clipped_ratio": batch.is_truncated.float().mean().item(),
-        "reward_errors": float(sum(error_counts.values())),
+        "reward_errors": float(sum(scored.error_counts.values())),
+        "reward_timeouts": float(sum(scored.timeout_counts.values())),
         "generation_time": generation_time,
     })
     return {

@@ -31,3 +31,16 @@ def raises_on_long(prompts, completions, **kwargs):
             raise ValueError(f"cannot score {c!r}")
         out.append(1.0)
     return out
+
+
+_hang_calls = {"n": 0}
+
+
+def digit_fraction_hangs_on_second_call(prompts, completions, **kwargs):
+    """digit_fraction, except that its 2nd call blocks for 60 s (a reward stuck on a dead service)."""
+    import threading
+
+    _hang_calls["n"] += 1
+    if _hang_calls["n"] == 2:
+        threading.Event().wait(60)
+    return digit_fraction(prompts, completions)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import threading
+import time
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -27,6 +29,7 @@ from grpo_core.rewards import (
     strict_format,
     xml_count,
 )
+from grpo_core.rewards.base import named
 
 GOOD = "<reasoning>\nadd them\n</reasoning>\n<answer>\n42\n</answer>"
 
@@ -370,3 +373,48 @@ def test_score_completions_rejects_bad_returns(returned, match):
 def test_score_completions_checks_lengths():
     with pytest.raises(ValueError, match="column 'answer'"):
         score_completions([correctness()], ["q"], ["a"], {"answer": ["1", "2"]})
+
+
+def hangs_on_slow(prompts, completions, **kwargs):
+    """Sleeps (far past any test timeout) when it sees 'slow'; 1.0 otherwise."""
+    if any(c == "slow" for c in completions):
+        threading.Event().wait(30)
+    return [1.0] * len(completions)
+
+
+def test_a_hanging_reward_times_out_scores_none_and_is_counted(caplog):
+    fast = build_reward_functions([spec("fmt", "strict_format")])[0]
+    hanging = named(hangs_on_slow, "hangs")
+    started = time.perf_counter()
+    with caplog.at_level("WARNING"):
+        scored = score_completions([hanging, fast], ["q"] * 3, ["a", "slow", "c"], {}, timeout_s=0.3)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 5  # the 30 s sleep was abandoned after 0.3 s
+    assert np.isnan(scored.rewards[:, 0]).all()  # the whole hanging batch call scores None...
+    assert scored.rewards[:, 1].tolist() == [0.0, 0.0, 0.0]  # ...and the other reward is unaffected
+    assert scored.timeout_counts == {"hangs": 1, "fmt": 0}
+    assert scored.error_counts == {"hangs": 0, "fmt": 0}
+    assert "'hangs' did not return within 0.3s" in caplog.text
+
+
+def test_timeout_in_the_per_sample_retry_hits_only_the_hanging_sample():
+    def raises_on_batches_hangs_on_slow(prompts, completions, **kwargs):
+        if len(completions) > 1:
+            raise ValueError("batch")
+        return hangs_on_slow(prompts, completions)
+
+    fn = named(raises_on_batches_hangs_on_slow, "mixed")
+    scored = score_completions([fn], ["q"] * 3, ["a", "slow", "c"], {}, timeout_s=0.3, on_error="none")
+    assert scored.rewards[[0, 2], 0].tolist() == [1.0, 1.0]
+    assert np.isnan(scored.rewards[1, 0])
+    assert scored.timeout_counts == {"mixed": 1} and scored.error_counts == {"mixed": 0}
+
+
+def test_a_reward_within_its_timeout_is_untouched_and_errors_still_propagate():
+    (fn,) = build_reward_functions([spec("fragile", f"{__name__}:raises_on_bad")])
+    rewards, errors = score_completions([fn], ["q"] * 2, ["ok", "ok"], {}, timeout_s=5)
+    assert rewards[:, 0].tolist() == [1.0, 1.0] and errors == {"fragile": 0}
+    with pytest.raises(RewardFunctionError, match="raised on sample 1"):
+        score_completions([fn], ["q"] * 2, ["ok", "bad"], {}, timeout_s=5)
+    with pytest.raises(ValueError, match="timeout_s must be >= 0"):
+        score_completions([fn], ["q"], ["ok"], {}, timeout_s=-1)

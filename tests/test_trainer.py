@@ -114,6 +114,18 @@ def test_raising_reward_stops_with_its_name_or_counts_as_none(assets, tmp_path):
     assert res.last_metrics["reward_errors"] > 0
 
 
+def test_hanging_reward_times_out_and_training_goes_on(assets, tmp_path):
+    model_dir, data = assets
+    hanging = [{"name": "stuck", "function": "tests.reward_helpers:digit_fraction_hangs_on_second_call"}]
+    cfg = tiny_config(model_dir, data, hanging + DIGITS, max_steps=3, reward_timeout_s=0.5)
+    res = train(cfg, root=tmp_path, progress=False)
+    assert res.final_step == 3
+    rows = read_log(tmp_path / "metrics/train_log.csv")
+    assert [float(r["reward_timeouts"]) for r in rows] == [0.0, 1.0, 0.0]
+    assert rows[1]["rewards/stuck/mean"] == "nan"  # its samples scored None: ignored, never 0
+    assert float(rows[1]["rewards/digits/mean"]) >= 0 and rows[2]["rewards/stuck/mean"] != "nan"
+
+
 def test_resume_refuses_changed_params(assets, tmp_path):
     model_dir, data = assets
     train(tiny_config(model_dir, data, DIGITS, max_steps=2, save_steps=1), root=tmp_path, progress=False)

@@ -166,7 +166,8 @@ def run(ctx) -> int:
             batch_size = max(1, cfg.train.generation_batch_size // G)
             res = sample_and_score(model, tokenizer, rows, encoder, build_reward_functions(cfg.rewards),
                                    num_generations=G, sampling=sampling, batch_size=batch_size,
-                                   on_error=cfg.train.reward_errors, seed=c.seed)
+                                   on_error=cfg.train.reward_errors, seed=c.seed,
+                                   reward_timeout_s=cfg.train.reward_timeout_s)
             out = calibrate_weights(res.rewards, G, names, [r.target_share for r in cfg.rewards],
                                     dead_std_threshold=c.dead_std_threshold, dominant_share=c.dominant_share,
                                     correctness_index=reward_index(cfg, CORRECTNESS_FUNCTIONS))
@@ -174,7 +175,8 @@ def run(ctx) -> int:
                 "enabled": True, "num_prompts": len(indices), "num_generations": G, "temperature": c.temperature,
                 "seed": c.seed, "prompt_indices": indices, "base_model": cfg.model.name_or_path,
                 "mean_completion_length": float(res.completion_lengths.mean()),
-                "truncated_ratio": float(res.truncated.mean()), "reward_errors": res.error_counts}
+                "truncated_ratio": float(res.truncated.mean()), "reward_errors": res.error_counts,
+                "reward_timeouts": res.timeout_counts}
             weights = jsonable(out)
             difficulty = jsonable(difficulty_doc(out, indices, num_train, cfg))
             samples = [{"prompt_index": indices[res.prompt_of(r)], "sample": r % G, "prompt": rows[res.prompt_of(r)]["prompt"],

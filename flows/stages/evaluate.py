@@ -138,7 +138,8 @@ def sample_policy(policy: str, model_cfg, cfg, ctx, rows: list[dict], indices: l
         for mode, (G, sampling, seed) in modes.items():
             res = sample_and_score(model, tokenizer, rows, encoder, fns, num_generations=G, sampling=sampling,
                                    batch_size=max(1, e.batch_size // G) if mode == "sampled" else e.batch_size,
-                                   on_error=cfg.train.reward_errors, seed=seed)
+                                   on_error=cfg.train.reward_errors, seed=seed,
+                                   reward_timeout_s=cfg.train.reward_timeout_s)
             K = len(names)
             for r, text in enumerate(res.texts):
                 p = res.prompt_of(r)

@@ -2,18 +2,44 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
+import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
 from grpo_core.rewards.base import RewardFunction
 
+log = logging.getLogger(__name__)
+
 
 class RewardFunctionError(RuntimeError):
     """A reward function raised, or returned something other than N floats/ints/Nones."""
+
+
+class RewardTimeout(RuntimeError):
+    """A reward function call did not return within the timeout."""
+
+
+@dataclass
+class Scores:
+    """What ``score_completions`` returns.
+
+    rewards:        (N, K) float64, NaN where a function returned None, failed, or timed out.
+    error_counts:   {function name: samples on which it raised (on_error="none")}, one key per function.
+    timeout_counts: {function name: calls that did not return within ``timeout_s``}, one key per function.
+    """
+
+    rewards: np.ndarray
+    error_counts: dict[str, int] = field(default_factory=dict)
+    timeout_counts: dict[str, int] = field(default_factory=dict)
+
+    def __iter__(self):  # ``rewards, errors = score_completions(...)`` keeps working
+        return iter((self.rewards, self.error_counts))
 
 
 def _name(fn: RewardFunction) -> str:
@@ -46,8 +72,34 @@ def _check_output(values: Any, n: int, name: str) -> list[float]:
     return out
 
 
-def _call(fn: RewardFunction, prompts: list, completions: list, columns: Mapping[str, Sequence[Any]]) -> Any:
-    return fn(prompts=prompts, completions=completions, **{k: list(v) for k, v in columns.items()})
+def _call(fn: RewardFunction, prompts: list, completions: list, columns: Mapping[str, Sequence[Any]],
+          timeout_s: float | None = None) -> Any:
+    """``fn(prompts, completions, **columns)``; with ``timeout_s``, in a daemon thread joined for at most that long.
+
+    Python cannot kill a thread: a call that times out is abandoned (its thread is a daemon, so it never
+    holds the process open) and RewardTimeout is raised here. A reward that calls a remote service
+    should still set its own socket timeouts; this one is the last line of defence.
+    """
+    kwargs = {k: list(v) for k, v in columns.items()}
+    if not timeout_s:
+        return fn(prompts=prompts, completions=completions, **kwargs)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["out"] = fn(prompts=prompts, completions=completions, **kwargs)
+        except BaseException as exc:  # handed to the caller's thread below
+            box["err"] = exc
+
+    worker = threading.Thread(target=target, name=f"reward-{_name(fn)}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise RewardTimeout(f"reward function {_name(fn)!r} did not return within {timeout_s:g}s "
+                            f"on a batch of {len(completions)}")
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
 
 
 def _per_sample(
@@ -56,13 +108,20 @@ def _per_sample(
     completions: list,
     columns: Mapping[str, Sequence[Any]],
     on_error: str,
-) -> tuple[list[float], int]:
-    """Fallback after a batch call raised: one call per sample, so only failing samples become None."""
-    name, values, failures = _name(fn), [], 0
+    timeout_s: float | None = None,
+) -> tuple[list[float], int, int]:
+    """Fallback after a batch call raised: one call per sample, so only failing samples become None.
+
+    Returns (values, samples that raised, calls that timed out)."""
+    name, values, failures, timeouts = _name(fn), [], 0, 0
     for i in range(len(completions)):
         row = {k: [v[i]] for k, v in columns.items()}
         try:
-            out = _call(fn, [prompts[i]], [completions[i]], row)
+            out = _call(fn, [prompts[i]], [completions[i]], row, timeout_s)
+        except RewardTimeout:
+            values.append(math.nan)  # a hang is survived in both modes: that sample is ignored
+            timeouts += 1
+            continue
         except Exception as exc:
             if on_error == "raise":
                 raise RewardFunctionError(
@@ -72,7 +131,7 @@ def _per_sample(
             failures += 1
             continue
         values.extend(_check_output(out, 1, name))
-    return values, failures
+    return values, failures, timeouts
 
 
 def score_completions(
@@ -81,7 +140,8 @@ def score_completions(
     completions: Sequence[Any],
     columns: Mapping[str, Sequence[Any]] | None = None,
     on_error: Literal["raise", "none"] = "raise",
-) -> tuple[np.ndarray, dict[str, int]]:
+    timeout_s: float | None = None,
+) -> Scores:
     """Score N completions with K reward functions.
 
     Args:
@@ -90,13 +150,19 @@ def score_completions(
         columns: extra keyword lists, each of length N (dataset columns, `completion_ids`, ...).
         on_error: "raise" → a raising function raises RewardFunctionError naming it and the first failing
             sample; "none" → its failing samples score None (NaN) and are counted.
+        timeout_s: seconds a call may take (None or 0 = no limit). A batch call that times out scores
+            None (NaN) for all N samples of that function, in both modes, is counted in
+            ``timeout_counts`` and logged as a warning; it is not retried sample by sample (that could
+            wait N times as long). Samples of a per-sample retry (after the batch call raised) time out
+            one by one.
 
     Returns:
-        rewards: (N, K) float64, NaN where a function returned None (or failed with on_error="none").
-        error_counts: {function name: number of samples on which it raised}, one key per function.
+        ``Scores``: rewards (N, K), error_counts and timeout_counts; it unpacks as ``rewards, error_counts``.
 
     A function that returns anything but N values of float/int/None raises RewardFunctionError in both modes.
     """
+    if timeout_s is not None and timeout_s < 0:
+        raise ValueError(f"timeout_s must be >= 0 (0 = no limit), got {timeout_s}")
     if on_error not in ("raise", "none"):
         raise ValueError(f"on_error must be 'raise' or 'none', got {on_error!r}")
     prompts, completions, columns = list(prompts), list(completions), dict(columns or {})
@@ -108,23 +174,28 @@ def score_completions(
             raise ValueError(f"column {key!r} has {len(col)} values for {n} completions")
     rewards = np.full((n, len(reward_fns)), np.nan, dtype=np.float64)
     error_counts: dict[str, int] = {}
+    timeout_counts: dict[str, int] = {}
     for k, fn in enumerate(reward_fns):
         name = _name(fn)
-        batch_error: Exception | None = None
+        failures = timeouts = 0
         try:
-            out = _call(fn, prompts, completions, columns)
-        except Exception as exc:
-            batch_error = exc
-        if batch_error is not None:
-            values, failures = _per_sample(fn, prompts, completions, columns, on_error)
-            if failures == 0 and on_error == "raise":
+            values = _check_output(_call(fn, prompts, completions, columns, timeout_s), n, name)
+        except RewardTimeout as exc:
+            log.warning("%s: its %d samples score None for it", exc, n)
+            values, timeouts = [math.nan] * n, 1
+        except RewardFunctionError:
+            raise  # a bad return value is the function's bug, not a sample's
+        except Exception as batch_error:
+            values, failures, timeouts = _per_sample(fn, prompts, completions, columns, on_error, timeout_s)
+            if timeouts:
+                log.warning("reward function %r timed out on %d single samples (%gs each)", name, timeouts, timeout_s)
+            if failures == 0 and timeouts == 0 and on_error == "raise":
                 # Every sample passes alone, yet the batch call failed: report the batch, not a sample.
                 raise RewardFunctionError(
                     f"reward function {name!r} raised on the batch of {n} (no single sample fails): "
                     f"{type(batch_error).__name__}: {batch_error}"
                 ) from batch_error
-        else:
-            values, failures = _check_output(out, n, name), 0
         rewards[:, k] = values
         error_counts[name] = error_counts.get(name, 0) + failures
-    return rewards, error_counts
+        timeout_counts[name] = timeout_counts.get(name, 0) + timeouts
+    return Scores(rewards, error_counts, timeout_counts)
