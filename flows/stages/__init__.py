@@ -36,6 +36,7 @@ EXIT_CODES_BY_EXCEPTION = {
     "TrainingError": EXIT_TRAINING,
     "CheckpointError": EXIT_TRAINING,
     "RewardFunctionError": EXIT_TRAINING,
+    "GuardStop": EXIT_TRAINING,  # a guard stopped a run going wrong: a retry would only repeat it
     "DataError": EXIT_DATA,
     "DataFileError": EXIT_DATA,
     "ModelLoadError": EXIT_DATA,

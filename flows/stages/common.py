@@ -55,6 +55,12 @@ def prepare_process_env() -> None:
         "TOKENIZERS_PARALLELISM": "false",
         "MPLBACKEND": "Agg",
         "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+        # MLflow's own defaults (7 retries, backoff x2, 120 s timeout) block a training step for minutes
+        # per request while a tracking server is down; MLflowTracker keeps a backlog and retries on a
+        # later step itself, so one short try per attempt is enough.
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
     }.items():
         os.environ.setdefault(key, value)
 
