@@ -4,7 +4,10 @@ Each lever is applied inside the side's own process by patching the trainer's mo
 returns the undo), so production code keeps one path and the benchmark can still turn a lever off to
 measure what it is worth. Levers (default = what the trainer does):
 
-  static_cache   true/false/null  generation with a static KV cache + compiled decode step (null = CUDA only)
+  generation     auto/hf/manual   rollout backend (``train.generation_backend``): HF ``generate``, or the
+                                  hand-written decode loop of grpo_core/decode.py (auto = manual on CPU)
+  static_cache   true/false/null  generation with a static KV cache + compiled decode step (null = CUDA only;
+                                  implies generation=hf)
   fused_head     true/false       LM head applied chunk by chunk to hidden states (no (B, K, V) logits)
   trim           true/false       drop the micro-batch's all-padding columns before the forward passes
   fused_adamw    true/false       torch's fused AdamW (one kernel) instead of the per-tensor/foreach one
@@ -51,11 +54,15 @@ def apply(variant: dict) -> Callable[[], None]:
 
 
 def backend_factory(variant: dict):
-    if "static_cache" not in variant:
-        return None
-    from grpo_core.rollout import HFGenerateBackend
+    if "static_cache" in variant:
+        from grpo_core.rollout import HFGenerateBackend
 
-    def factory(policy, tokenizer):
-        return HFGenerateBackend(policy, tokenizer, static_cache=variant["static_cache"])
+        def factory(policy, tokenizer):
+            return HFGenerateBackend(policy, tokenizer, static_cache=variant["static_cache"])
 
-    return factory
+        return factory
+    if "generation" in variant:
+        from grpo_core.rollout import default_backend
+
+        return lambda policy, tokenizer: default_backend(policy, tokenizer, variant["generation"])
+    return None

@@ -1,6 +1,6 @@
 """Where a step's time goes: process CPU seconds per phase, for one side, on the cpu-tiny work.
 
-    python -m benchmarks.phases --side ours|trl [--steps 11]
+    python -m benchmarks.phases --side ours|trl [--steps 11] [--levers generation=hf]
 
 Each phase (generation, reference log-probs, policy forward, backward, optimizer, rewards, ...) is timed by
 wrapping the function that does it with ``time.process_time``; the first step (warm-up) is included in the
@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--side", choices=["ours", "trl"], required=True)
     p.add_argument("--steps", type=int, default=11)
+    p.add_argument("--levers", default="", help="our side's levers, lever=value,... (benchmarks/levers.py), "
+                                                "e.g. generation=hf")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import side
     from benchmarks.configs import CONFIGS
     from benchmarks.prepare import prepare
+    from benchmarks.run import parse_variant
 
     acc: dict[str, float] = collections.defaultdict(float)
     cnt: collections.Counter = collections.Counter()
@@ -54,8 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.side == "ours":
         import grpo_core.rollout as rollout
         import grpo_core.trainer as trainer
+        from grpo_core.decode import ManualDecodeBackend
 
         _wrap(rollout.HFGenerateBackend, "generate", "generation", acc, cnt)
+        _wrap(ManualDecodeBackend, "generate", "generation", acc, cnt)
         _wrap(trainer, "_frozen_logprobs", "reference log-probs", acc, cnt)
         _wrap(trainer, "policy_logprobs", lambda: "policy forward" if torch.is_grad_enabled() else "(inside ref)",
               acc, cnt)
@@ -74,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="grpo-phases-") as tmp:
         assets = prepare(cfg, Path(tmp) / "assets")
         spec = {"side": a.side, "config": cfg.to_dict(), "assets": assets, "workdir": str(Path(tmp) / "w"),
-                "variant": {}}
+                "variant": parse_variant(":" + a.levers)[1]}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         side.main(["--spec", str(Path(tmp) / "spec.json"), "--out", str(Path(tmp) / "out.json")])
         result = json.loads((Path(tmp) / "out.json").read_text())

@@ -102,8 +102,8 @@ def run_ours(cfg: BenchConfig, assets: dict, workdir: Path, variant: dict) -> di
     }
     pcfg = config_from_dict(raw)
     collector = _Collector()
-    from grpo_core.rollout import HFGenerateBackend
-    make_backend = levers.backend_factory(variant) or HFGenerateBackend
+    from grpo_core.rollout import default_backend
+    make_backend = levers.backend_factory(variant) or default_backend  # the trainer's own choice
     backends: list[_TimedBackend] = []
 
     def timed_backend(policy, tokenizer):

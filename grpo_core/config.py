@@ -142,7 +142,12 @@ class TrainConfig:
     ref_model_sync_steps: int = _f(512, "steps between reference syncs", ge=1)
     mixed_precision: Literal["no", "bf16", "fp16"] = _f("no", "accelerate mixed precision")
     gradient_checkpointing: bool = _f(False, "trade compute for activation memory")
+    generation_backend: Literal["auto", "hf", "manual"] = _f(
+        "auto", "rollouts: hf = HF generate; manual = the hand-written Qwen2/Llama decode loop (grpo_core/decode.py); "
+        "auto = manual on CPU for a model it supports, else hf")
     num_processes: int = _f(1, "processes (GPUs); > 1 launches through `accelerate launch`", ge=1)
+    accelerate_config: str | None = _f(None, "accelerate config for num_processes > 1 on GPUs, e.g. "
+                                       "infra/accelerate/fsdp2.yaml (None = multi-GPU DDP)")
     reward_errors: Literal["raise", "none"] = _f("raise", "a raising reward function: stop, or count as None")
     reward_timeout_s: float = _f(60.0, "seconds one reward-function call may take; a call past it scores None "
                                  "for its samples and is counted (0 = no limit)", ge=0)
@@ -389,7 +394,7 @@ def load_config(path: str | Path = "params.yaml", overrides: typing.Mapping[str,
 
 # Keys that change bookkeeping only; they never make a checkpoint incompatible.
 _BOOKKEEPING_KEYS = {"output_dir", "save_steps", "save_total_limit", "logging_steps", "resume", "max_steps",
-                     "num_processes", "reward_timeout_s"}
+                     "num_processes", "accelerate_config", "reward_timeout_s"}
 
 
 def training_params_hash(cfg: PipelineConfig, reward_weights: typing.Sequence[float] | None = None) -> str:

@@ -161,3 +161,26 @@ def decode_completions(tokenizer, batch: RolloutBatch) -> list[str]:
     for ids, m in zip(batch.completion_ids, batch.completion_mask):
         texts.append(tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True))
     return texts
+
+
+def default_backend(model: torch.nn.Module, tokenizer, choice: str = "auto"):
+    """The rollout backend for ``model``, chosen in one place (``train.generation_backend``).
+
+    "auto": the hand-written decode loop (``grpo_core.decode.ManualDecodeBackend``) for a plain Qwen2/Llama
+    model on CPU, where HF ``generate`` costs per-op overhead; ``HFGenerateBackend`` otherwise (on CUDA it
+    has its static cache and compiled decode step; PEFT-wrapped, sliding-window or other models).
+    "hf": always ``HFGenerateBackend``. "manual": the decode loop, an error for a model it cannot run.
+    """
+    from grpo_core.decode import ManualDecodeBackend, unsupported_reason
+
+    if choice not in ("auto", "hf", "manual"):
+        raise ValueError(f"generation backend must be auto, hf or manual, got {choice!r}")
+    if choice == "manual":
+        return ManualDecodeBackend(model, tokenizer)
+    if choice == "auto":
+        device = next(model.parameters()).device
+        reason = unsupported_reason(model) if device.type == "cpu" else f"device {device.type}"
+        if reason is None:
+            return ManualDecodeBackend(model, tokenizer)
+        log.debug("generation with HF generate (%s)", reason)
+    return HFGenerateBackend(model, tokenizer)

@@ -1,7 +1,7 @@
 """Sample G completions per prompt from a policy and score them: shared by calibration and evaluation.
 
     rows (P dicts with `prompt` and reward columns)
-      -> prompt batches of ``batch_size`` -> HFGenerateBackend.generate(..., num_generations=G)
+      -> prompt batches of ``batch_size`` -> backend.generate(..., num_generations=G)  (rollout.default_backend)
       -> texts, completion lengths, truncation flags, reward matrix (P*G, K) with NaN for None
 
 Rows of every output are grouped G at a time, prompt-major (rows ``[p*G, (p+1)*G)`` belong to prompt
@@ -23,7 +23,7 @@ import torch
 
 from grpo_core.data import PromptEncoder, completion_for_reward
 from grpo_core.rewards import score_completions
-from grpo_core.rollout import HFGenerateBackend, SamplingParams, decode_completions
+from grpo_core.rollout import SamplingParams, decode_completions, default_backend
 
 
 @dataclass
@@ -81,7 +81,7 @@ def sample_and_score(model, tokenizer, rows: Sequence[dict], encoder: PromptEnco
     prompts per ``generate`` call (each call samples batch_size * G sequences). sampling: use
     ``do_sample=False`` with ``num_generations=1`` for greedy decoding. seed: ``torch.manual_seed(seed)``
     before sampling (None leaves the global RNG alone). backend: a ``RolloutBackend`` to use instead of
-    ``HFGenerateBackend(model, tokenizer)``. reward_timeout_s: per-call limit of a reward function (a call
+    ``default_backend(model, tokenizer)``. reward_timeout_s: per-call limit of a reward function (a call
     that times out scores None for its samples and is counted in ``timeout_counts``).
     """
     if num_generations < 1:
@@ -97,7 +97,7 @@ def sample_and_score(model, tokenizer, rows: Sequence[dict], encoder: PromptEnco
     for i, row in enumerate(rows):
         if "prompt" not in row:
             raise ValueError(f"sample_and_score: row {i} has no 'prompt' column (columns: {sorted(row)})")
-    backend = backend if backend is not None else HFGenerateBackend(model, tokenizer)
+    backend = backend if backend is not None else default_backend(model, tokenizer)
     if seed is not None:
         torch.manual_seed(seed)
 

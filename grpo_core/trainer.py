@@ -45,7 +45,7 @@ from grpo_core.logprobs import token_logprobs_and_entropy
 from grpo_core.loss import grpo_loss
 from grpo_core.modeling import load_policy, load_reference
 from grpo_core.rewards import build_reward_functions, score_completions
-from grpo_core.rollout import HFGenerateBackend, RolloutBackend, SamplingParams, decode_completions
+from grpo_core.rollout import RolloutBackend, SamplingParams, decode_completions, default_backend
 
 log = logging.getLogger(__name__)
 
@@ -164,12 +164,15 @@ def generate_and_score(*, backend: RolloutBackend, tokenizer, dataset, indices: 
         advantages = advantages[accelerator.process_index * n:(accelerator.process_index + 1) * n]
 
     metrics = reward_metrics(all_rewards, weights, G, reward_names)
-    lengths = batch.completion_lengths.float()
+    lengths, truncated = batch.completion_lengths.float(), batch.is_truncated.float()
+    if accelerator.num_processes > 1:  # the length metrics (and the length guard) see the global batch
+        both = accelerator.gather(torch.stack([lengths, truncated], dim=1).to(accelerator.device)).cpu()
+        lengths, truncated = both[:, 0], both[:, 1]
     metrics.update({
         "completions/mean_length": lengths.mean().item(),
         "completions/min_length": lengths.min().item(),
         "completions/max_length": lengths.max().item(),
-        "completions/clipped_ratio": batch.is_truncated.float().mean().item(),
+        "completions/clipped_ratio": truncated.mean().item(),
         "reward_errors": float(sum(scored.error_counts.values())),
         "reward_timeouts": float(sum(scored.timeout_counts.values())),
         "generation_time": generation_time,
@@ -306,7 +309,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
     if ref_model is not None and not getattr(ref_model, "_is_adapter_view", False):
         ref_model.to(accelerator.device)
     policy = accelerator.unwrap_model(model)
-    backend = (backend_factory or HFGenerateBackend)(policy, tokenizer)
+    backend = (backend_factory or (lambda m, tok: default_backend(m, tok, t.generation_backend)))(policy, tokenizer)
 
     # Resume ---------------------------------------------------------------------------------------
     G = t.num_generations
@@ -314,7 +317,10 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
     micro_per_round = spg  # a generation round = spg micro-batches of per_device_train_batch_size
     prompts_per_round = t.per_device_train_batch_size * spg // G  # per process
     need_old_logps = mu > 1 or spg > ga
-    sampler = PromptSampler(len(dataset), t.seed + accelerator.process_index, allowed_prompts)
+    # One global prompt order: each round takes the global batch and every process its own slice of it,
+    # so N processes train on exactly the prompts one process would (the 2-process test checks it).
+    sampler = PromptSampler(len(dataset), t.seed, allowed_prompts)
+    rank, world = accelerator.process_index, accelerator.num_processes
     params_hash = training_params_hash(cfg, weights.tolist())
     step, micro_step, round_ = 0, 0, None
     resumed_from = None
@@ -342,7 +348,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
     while step < t.max_steps:
         step_start = time.perf_counter()
         if micro_step % (micro_per_round * mu) == 0:  # a new generation round
-            indices = sampler.take(prompts_per_round)
+            indices = sampler.take(prompts_per_round * world)[rank * prompts_per_round:(rank + 1) * prompts_per_round]
             round_ = generate_and_score(backend=backend, tokenizer=tokenizer, dataset=dataset, indices=indices,
                                         encoder=encoder, reward_fns=reward_fns, reward_names=reward_names,
                                         weights=weights, cfg=cfg, accelerator=accelerator)
@@ -391,6 +397,8 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
             vals = [float(s[key]) for s in stats_acc if key in s]
             metrics[key] = sum(vals) / len(vals) if vals else 0.0
         metrics["entropy"] = torch.stack(entropies).mean().item()
+        if world > 1:  # every rank logs, and guards decide on, the same numbers: the mean over processes
+            metrics.update(_reduce_metrics(accelerator, metrics, float(sum(int(m.sum()) for m in loss_masks))))
         metrics["grad_norm"] = float(grad_norm)
         event = decide(monitor.check(step + 1, metrics))
         if event is not None:
@@ -442,7 +450,10 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.4f}",
                                 len=f"{metrics['completions/mean_length']:.1f}")
-        if step % t.save_steps == 0 or step == t.max_steps:
+        mid_round = micro_step % (micro_per_round * mu) != 0
+        if world > 1 and mid_round:
+            pass  # each process holds its own slice of the round: checkpoint at the round's end instead
+        elif step % t.save_steps == 0 or step == t.max_steps or (world > 1 and _passed_save_step(step, ga, t)):
             _save(ckpt_dir, step, micro_step, policy, tokenizer, optimizer, scheduler, sampler, params_hash,
                   round_ if micro_step % (micro_per_round * mu) else None, ref_model, t, metrics, accelerator,
                   rollbacks)
@@ -479,6 +490,27 @@ def _loss_mask(mb: dict, t) -> torch.Tensor:
     if t.mask_truncated_completions:
         mask = mask * (~mb["is_truncated"]).unsqueeze(1).long()
     return mask
+
+
+_TOKEN_MEAN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+def _reduce_metrics(accelerator, metrics: dict, local_tokens: float) -> dict:
+    """One all-reduce for the step's per-process metrics, so every rank logs (and its guards judge) the
+    numbers one process would: the loss is a plain mean (each process's share is already scaled to the
+    global batch), the token means are weighted by each process's loss tokens."""
+    keys = _TOKEN_MEAN_METRICS
+    local = [float(metrics["loss"]), local_tokens] + [float(metrics[k]) * local_tokens for k in keys]
+    total = accelerator.reduce(torch.tensor(local, dtype=torch.float64, device=accelerator.device), "sum").tolist()
+    out = {"loss": total[0] / accelerator.num_processes}
+    out.update({k: v / max(total[1], 1.0) for k, v in zip(keys, total[2:])})
+    return out
+
+
+def _passed_save_step(step: int, ga: int, t) -> bool:
+    """Multi-process: a save step skipped inside a generation round is caught up at the round's end."""
+    rounds_steps = t.effective_steps_per_generation // ga * t.num_iterations  # optimizer steps per round
+    return any((step - j) % t.save_steps == 0 for j in range(1, max(rounds_steps, 1)))
 
 
 def _global_sum(accelerator, value: int) -> float:

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 import grpo_core.trainer as trainer_mod
 from grpo_core.checkpoint import CheckpointError, list_checkpoints
 from grpo_core.rewards import RewardFunctionError
+from grpo_core.rollout import default_backend
 from grpo_core.trainer import PromptSampler, train
 from tests.tiny import make_prompts, make_tiny_model, tiny_config
 
@@ -56,28 +57,34 @@ def test_reward_rises_when_the_update_has_the_right_sign(assets, tmp_path):
 def test_num_iterations_halves_generation_and_activates_clipping(assets, tmp_path, monkeypatch):
     model_dir, data = assets
     calls = {"generate": 0, "frozen": 0}
-    real_generate = trainer_mod.HFGenerateBackend.generate
     real_frozen = trainer_mod._frozen_logprobs
 
-    def counting_generate(self, *a, **k):
-        calls["generate"] += 1
-        return real_generate(self, *a, **k)
+    class CountingBackend:
+        def __init__(self, model, tokenizer):
+            self.inner = default_backend(model, tokenizer)
+
+        def generate(self, *a, **k):
+            calls["generate"] += 1
+            return self.inner.generate(*a, **k)
+
+        def sync_weights(self, model):
+            self.inner.sync_weights(model)
 
     def counting_frozen(*a, **k):
         calls["frozen"] += 1
         return real_frozen(*a, **k)
 
-    monkeypatch.setattr(trainer_mod.HFGenerateBackend, "generate", counting_generate)
     monkeypatch.setattr(trainer_mod, "_frozen_logprobs", counting_frozen)
 
-    train(tiny_config(model_dir, data, DIGITS, max_steps=6), root=tmp_path / "mu1", progress=False)
+    train(tiny_config(model_dir, data, DIGITS, max_steps=6), root=tmp_path / "mu1", progress=False,
+          backend_factory=CountingBackend)
     assert calls == {"generate": 6, "frozen": 0}  # on-policy: no old log-prob pass at all
     log1 = read_log(tmp_path / "mu1/metrics/train_log.csv")
     assert all(float(r["clip_ratio/region_mean"]) == 0.0 for r in log1)  # ratio == 1: clipping is inert
 
     calls.update(generate=0, frozen=0)
     train(tiny_config(model_dir, data, DIGITS, max_steps=6, num_iterations=2, learning_rate=2e-2),
-          root=tmp_path / "mu2", progress=False)
+          root=tmp_path / "mu2", progress=False, backend_factory=CountingBackend)
     assert calls == {"generate": 3, "frozen": 3}  # one old log-prob pass per generation round
     log2 = read_log(tmp_path / "mu2/metrics/train_log.csv")
     second_passes = [float(r["clip_ratio/region_mean"]) for r in log2[1::2]]

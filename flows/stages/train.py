@@ -15,8 +15,9 @@ resumes only when the fingerprint matches (a crash, or a larger ``max_steps``); 
 new data, ``dvc exp run -S train.learning_rate=...``, ``train.resume: never`` - it empties the
 checkpoints directory first, so a DVC re-run never silently continues a different run.
 
-``train.num_processes > 1``: the stage re-launches itself with ``accelerate launch --num_processes N -m
-flows.stages train``; rank 0 logs to MLflow and writes the plot.
+``train.num_processes > 1``: the stage re-launches itself as N processes (``launch_command``: ``accelerate
+launch`` with ``train.accelerate_config`` on GPUs, ``torch.distributed.run`` with gloo on CPU); rank 0
+logs to MLflow and writes the plot.
 """
 
 from __future__ import annotations
@@ -124,9 +125,30 @@ def _launched() -> bool:
     return "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def _relaunch(ctx, n: int) -> int:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n),
-           "-m", "flows.stages", "train", "--params", str(ctx.params_path)]
+def launch_command(n: int, *, cuda: bool, accelerate_config: str | Path | None = None) -> list[str]:
+    """The launcher prefix for ``n`` processes (the module and its arguments follow).
+
+    GPUs: ``accelerate launch`` with ``train.accelerate_config`` (DDP, FSDP2, DeepSpeed ZeRO-3: see
+    infra/accelerate/), or plain multi-GPU DDP without one. CPU: ``torch.distributed.run --standalone``
+    (gloo); accelerate's own multi-CPU launch needs mpirun, and the Accelerator picks the gloo process
+    group up from torchrun's environment all the same.
+    """
+    if not cuda:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n)]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n)]
+    return cmd + (["--config_file", str(accelerate_config)] if accelerate_config else ["--multi_gpu"])
+
+
+def _relaunch(ctx, cfg, n: int) -> int:
+    import torch
+
+    config = cfg.train.accelerate_config
+    if config:
+        config = Path(config) if Path(config).is_absolute() else ctx.root / config
+        if not config.is_file():
+            raise StageConfigError(f"train.accelerate_config: {config} is not a file (see infra/accelerate/)")
+    cmd = launch_command(n, cuda=torch.cuda.is_available(), accelerate_config=config)
+    cmd += ["-m", "flows.stages", "train", "--params", str(ctx.params_path)]
     print(f"train: launching {n} processes: {' '.join(cmd)}", file=sys.stderr, flush=True)
     return subprocess.call(cmd, cwd=ctx.root)
 
@@ -141,7 +163,7 @@ def run(ctx) -> int:
     if not _launched():
         action = prepare_checkpoints(ctx, cfg, fingerprint(ctx, cfg, weights, allowed))
         if cfg.train.num_processes > 1:
-            return _relaunch(ctx, cfg.train.num_processes)
+            return _relaunch(ctx, cfg, cfg.train.num_processes)
     else:
         action = "distributed"
     if int(os.environ.get("RANK", "0")) != 0:
