@@ -62,7 +62,7 @@ pipeline: setup
 	$(PY) -m flows.pipeline $(foreach s,$(SET),--set $(s))
 
 prefect-server: setup
-	$(VENV)/bin/prefect server start
+	$(VENV)/bin/prefect server start --host 127.0.0.1
 
 deploy: setup
 	$(VENV)/bin/prefect work-pool inspect $(POOL) >/dev/null 2>&1 || $(VENV)/bin/prefect work-pool create --type process $(POOL)
