@@ -54,7 +54,7 @@ def main(out_dir: str, model_dir: str, data_file: str, per_device_batch: str, lo
     torch.set_num_threads(1)
     cfg = tiny_config(Path(model_dir), Path(data_file),
                       [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}],
-                      max_steps=3, per_device_train_batch_size=int(per_device_batch), num_generations=4,
+                      max_steps=2, per_device_train_batch_size=int(per_device_batch), num_generations=4,
                       beta=0.04, loss_type=loss_type, learning_rate=1e-2, save_steps=100)
     train(cfg, root=out_dir, progress=False, backend_factory=DeterministicBackend)
 

@@ -46,7 +46,7 @@ def test_two_gloo_processes_match_one_process_on_the_same_global_batch(assets, t
     run_worker(launch_command(2, cuda=False), two, model, data, 8, loss_type)
 
     log1, log2 = read_log(one / "metrics/train_log.csv"), read_log(two / "metrics/train_log.csv")
-    assert [r["step"] for r in log1] == [r["step"] for r in log2] == ["1", "2", "3"]
+    assert [r["step"] for r in log1] == [r["step"] for r in log2] == ["1", "2"]
     for r1, r2 in zip(log1, log2):
         for key in ("loss", "reward", "reward_std", "kl", "entropy", "grad_norm", "completions/mean_length",
                     "num_tokens"):

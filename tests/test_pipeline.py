@@ -267,3 +267,37 @@ def test_exp_run_with_a_changed_param_logs_to_the_same_store(pipeline, tmp_path)
     assert train.data.tags["train.checkpoints"] == "fresh"  # new params: no resume from the old checkpoints
     shown = json.loads(dvc(repo, "exp", "show", "--json").stdout)
     assert "0.002" in json.dumps(shown)
+
+
+def test_sigkill_during_training_then_repro_resumes_with_no_lost_steps(pipeline, tmp_path):
+    """`dvc repro` is SIGKILLed (its whole process group) once training has checkpointed; the next
+    `dvc repro` resumes from the newest checkpoint and the train log ends with every step exactly once."""
+    import signal
+    import time
+
+    repo = copy_repo(pipeline[0], tmp_path / "repo")
+    raw = yaml.safe_load((repo / "params.yaml").read_text())
+    raw["train"].update(max_steps=40, save_steps=4)  # max_steps/save_steps keep the run resumable
+    (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    ckpts = repo / "artifacts/checkpoints"
+    proc = subprocess.Popen([DVC, "repro"], cwd=repo, env=pipeline_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        steps = [int(p.name.split("-")[1]) for p in ckpts.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
+        if any(4 < s < 40 for s in steps):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "training ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = max(int(p.name.split("-")[1]) for p in ckpts.glob("checkpoint-*") if p.name.split("-")[1].isdigit())
+    assert killed_at < 40
+
+    out = dvc(repo, "repro")
+    text = out.stdout + out.stderr
+    assert "train: resuming from" in text and "checkpoint-" in text
+    with open(repo / "metrics/train_log.csv", newline="") as fh:
+        steps = [int(float(r["step"])) for r in csv.DictReader(fh)]
+    assert steps == list(range(1, 41))  # none lost, none twice
+    assert "Data and pipelines are up to date." in dvc(repo, "status").stdout
