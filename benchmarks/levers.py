@@ -6,6 +6,9 @@ measure what it is worth. Levers (default = what the trainer does):
 
   generation     auto/hf/manual   rollout backend (``train.generation_backend``): HF ``generate``, or the
                                   hand-written decode loop of grpo_core/decode.py (auto = manual on CPU)
+  forward        auto/hf/manual   forward of the reference/old/policy log-prob passes (``train.forward_backend``):
+                                  the HF model's, or the hand-written one of grpo_core/fastforward.py (a group's
+                                  shared prompt computed once; auto = manual on CPU)
   static_cache   true/false/null  generation with a static KV cache + compiled decode step (null = CUDA only;
                                   implies generation=hf)
   fused_head     true/false       LM head applied chunk by chunk to hidden states (no (B, K, V) logits)

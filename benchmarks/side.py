@@ -100,6 +100,8 @@ def run_ours(cfg: BenchConfig, assets: dict, workdir: Path, variant: dict) -> di
             "reward_weights": [1.0],
         },
     }
+    if "forward" in variant:  # lever: the log-prob passes' forward (benchmarks/levers.py)
+        raw["train"]["forward_backend"] = variant["forward"]
     pcfg = config_from_dict(raw)
     collector = _Collector()
     from grpo_core.rollout import default_backend

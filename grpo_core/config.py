@@ -145,6 +145,10 @@ class TrainConfig:
     generation_backend: Literal["auto", "hf", "manual"] = _f(
         "auto", "rollouts: hf = HF generate; manual = the hand-written Qwen2/Llama decode loop (grpo_core/decode.py); "
         "auto = manual on CPU for a model it supports, else hf")
+    forward_backend: Literal["auto", "hf", "manual"] = _f(
+        "auto", "log-prob passes (reference, old, policy forward/backward): hf = the model's forward; manual = the "
+        "hand-written Qwen2/Llama forward (grpo_core/fastforward.py, a shared prompt computed once per group); "
+        "auto = manual on CPU for a plain model it supports without gradient checkpointing, else hf")
     num_processes: int = _f(1, "processes (GPUs); > 1 launches through `accelerate launch`", ge=1)
     accelerate_config: str | None = _f(None, "accelerate config for num_processes > 1 on GPUs, e.g. "
                                        "infra/accelerate/fsdp2.yaml (None = multi-GPU DDP)")

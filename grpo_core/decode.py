@@ -1,25 +1,12 @@
 """A hand-written decode loop for Qwen2/Llama-family causal LMs: the same rollouts as ``HFGenerateBackend``.
 
 Why: on a small model on CPU, HF ``generate`` costs per-op overhead, not arithmetic (a decode step of the
-3-layer benchmark model is ~930 aten ops). Here a step is the transformer written out over a KV buffer
-preallocated once per call: ~440 aten ops, 13 matmuls (``benchmarks/README.md`` has the numbers). Weights
-are read from the HF model's modules at every call (``_prepare``: transposed views, q/k/v and gate/up
-concatenated, RMSNorm weights folded in — rebuilt per call, so ``sync_weights`` is free and training
-updates are seen by the next rollout).
-
-The forward, per layer (x: (N, D) rows, d = head_dim, g = num_heads / num_kv_heads):
-
-    h = RMSNorm(x) = w ⊙ x / sqrt(mean(x²) + eps)
-    q, k, v = h Wqᵀ + bq, h Wkᵀ + bk, h Wvᵀ + bv            (q: Hq heads, k/v: Hkv heads, of d)
-    RoPE: q' = q cos + rotate_half(q) sin,  rotate_half([a, b]) = [-b, a]
-          = q cos + roll(q, d/2) sin±  with  sin± = [-sin, +sin] (halves), cos/sin of position · inv_freq
-    K, V ← the buffer with k', v' written at the new columns
-    a = softmax(q' Kᵀ / sqrt(d) + mask) V                   (GQA: query head i reads kv head i // g)
-    x = x + a Woᵀ
-    x = x + Wdown (silu(RMSNorm(x) Wgateᵀ) ⊙ RMSNorm(x) Wupᵀ)
-
-then logits = RMSNorm(x) W_headᵀ. Positions are cumsum(attention_mask) - 1 (left padding), as HF's. The
-prompt (prefill) runs once per distinct prompt — the G rows of a group share it — with a causal+padding mask.
+3-layer benchmark model is ~930 aten ops). Here a step is the hand-written transformer of
+``grpo_core/fastforward.py`` (weights rebuilt from the HF modules at every call, so ``sync_weights`` is
+free and training updates are seen by the next rollout) over a KV buffer preallocated once per call:
+~440 aten ops, 13 matmuls (``benchmarks/README.md`` has the numbers). The prompt (prefill) runs once per
+distinct prompt — the G rows of a group share it — with a causal+padding mask; positions are
+cumsum(attention_mask) - 1 (left padding), as HF's.
 
 Sampling follows HF ``generate`` step by step: float32 logits; EOS masked while fewer than
 ``generation_config.min_new_tokens`` tokens exist (and while the row is shorter than ``min_length``);
@@ -34,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from grpo_core.fastforward import _linear, _normalize, causal_mask, embed, prepare, rope, run_layers
+from grpo_core.fastforward import unsupported_reason as forward_unsupported_reason
 from grpo_core.rollout import RolloutBatch, SamplingParams, completion_mask_from_eos, left_pad
 
-SUPPORTED = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 # generation_config fields that add a logits processor this loop does not reproduce (HF backend parity).
 _UNSUPPORTED_GENERATION = ("no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens",
                            "forced_bos_token_id", "forced_eos_token_id", "sequence_bias", "watermarking_config",
@@ -44,27 +32,11 @@ _UNSUPPORTED_GENERATION = ("no_repeat_ngram_size", "bad_words_ids", "suppress_to
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
-    """Why the manual loop cannot reproduce ``model``'s HF forward, or None when it can."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if SUPPORTED.get(model_type) != type(model).__name__:  # a PEFT wrapper, another head, another family
-        return f"{type(model).__name__} (model_type {model_type!r}) is not a plain Qwen2/Llama causal LM"
-    if getattr(config, "hidden_act", None) != "silu":
-        return f"hidden_act {config.hidden_act!r}"
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        return f"rope type {rope.get('rope_type', rope.get('type'))!r}"
-    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None) or []):
-        return "sliding-window attention"
-    if (getattr(config, "pretraining_tp", 1) or 1) > 1:
-        return "pretraining_tp > 1"
-    for layer in model.model.layers:  # LoRA-injected or quantized layers are not plain Linear modules
-        a, m = layer.self_attn, layer.mlp
-        for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
-            if type(lin) is not nn.Linear:
-                return f"{type(lin).__name__} projection (not nn.Linear)"
-    if type(model.lm_head) is not nn.Linear:
-        return f"{type(model.lm_head).__name__} LM head"
+    """Why the manual loop cannot reproduce ``model``'s HF generation, or None when it can: the forward's
+    own conditions (``fastforward.unsupported_reason``) and no logits processor it lacks."""
+    reason = forward_unsupported_reason(model)
+    if reason is not None:
+        return reason
     gen = getattr(model, "generation_config", None)
     for name in _UNSUPPORTED_GENERATION:
         if getattr(gen, name, None) not in (None, False, [], {}):
@@ -74,47 +46,6 @@ def unsupported_reason(model: nn.Module) -> str | None:
 
 def supports(model: nn.Module) -> bool:
     return unsupported_reason(model) is None
-
-
-def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x²) + eps) over the last dim, in float32 as HF's RMSNorm (its weight is folded into
-    the next matrix, see ``_prepare``)."""
-    if x.dtype != torch.float32:
-        return _normalize(x.float(), eps).to(x.dtype)
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def _linear(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None, residual: torch.Tensor | None = None):
-    """residual + x w_t + b for 2-D x (N, in) and w_t (in, out): one addmm."""
-    out = torch.addmm(residual, x, w_t) if residual is not None else (
-        torch.addmm(b, x, w_t) if b is not None else torch.mm(x, w_t))
-    return out.add_(b) if residual is not None and b is not None else out
-
-
-def _cat_bias(*mods: nn.Linear) -> torch.Tensor | None:
-    if all(m.bias is None for m in mods):
-        return None
-    return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in mods])
-
-
-def _prepare(model: nn.Module) -> tuple[list[dict], dict]:
-    """Per call, from the modules' current parameters: transposed matrices (in, out) for addmm, q/k/v and
-    gate/up concatenated into one matrix each, and each RMSNorm weight w folded into the matrix that reads
-    the norm's output: W (w ⊙ x̂) = (W diag(w)) x̂. Recomputed every call, so training updates are seen."""
-    layers = []
-    for layer in model.model.layers:
-        a, m, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
-        layers.append({
-            "qkv_t": (torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) * n1.weight).t(),
-            "qkv_b": _cat_bias(a.q_proj, a.k_proj, a.v_proj), "eps1": n1.variance_epsilon,
-            "o_t": a.o_proj.weight.t(), "o_b": a.o_proj.bias, "scale": a.scaling,
-            "gu_t": (torch.cat([m.gate_proj.weight, m.up_proj.weight]) * n2.weight).t(),
-            "gu_b": _cat_bias(m.gate_proj, m.up_proj), "eps2": n2.variance_epsilon,
-            "down_t": m.down_proj.weight.t(), "down_b": m.down_proj.bias,
-        })
-    norm, head = model.model.norm, model.lm_head
-    return layers, {"t": (head.weight * norm.weight).t(), "b": head.bias, "eps": norm.variance_epsilon,
-                    "embed": model.model.embed_tokens.weight}
 
 
 class ManualDecodeBackend:
@@ -148,34 +79,28 @@ class ManualDecodeBackend:
                  mask: torch.Tensor) -> torch.Tensor:
         """Logits (B, V) float32 of the last of S new tokens, written at buffer columns [start, start + S).
 
-        ids: (B, S); weights: ``_prepare``'s; cache: per layer (K, V), each (B·Hkv, T, d); cos/sin: (B·S, 1, d)
-        of the new tokens' positions; mask: prefill (B, 1, S, S) bool, True where a query may attend a key;
-        decode (B·Hkv, 1, start + 1) float, 0 or -inf, added to the scores. Rows are kept 2-D, (B·S, D).
+        ids: (B, S); weights: ``fastforward.prepare``'s; cache: per layer (K, V), each (B·Hkv, T, d); cos/sin:
+        (B·S, 1, d) of the new tokens' positions; mask: prefill (B, 1, S, S) bool, True where a query may attend
+        a key; decode (B·Hkv, 1, start + 1) float, 0 or -inf, added to the scores. Rows are kept 2-D, (B·S, D).
         """
         layers, final = weights
         (B, S), stop = ids.shape, start + ids.shape[1]
-        x = F.embedding(ids.reshape(-1), final["embed"])                        # (B·S, D)
-        for w, (k_buf, v_buf) in zip(layers, cache):
-            (BH, T, d), H = k_buf.shape, w["o_t"].shape[0] // k_buf.shape[-1]   # BH = B·Hkv, H = Hq
-            n_kv = BH // B
-            qkv = _linear(_normalize(x, w["eps1"]), w["qkv_t"], w["qkv_b"])    # (B·S, (Hq + 2 Hkv) d)
-            qk = qkv[:, :(H + n_kv) * d].view(-1, H + n_kv, d)
-            qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)        # RoPE on q and k at once
-            k_buf.view(B, n_kv, T, d)[:, :, start:stop] = qk[:, H:].view(B, S, n_kv, d).transpose(1, 2)
-            v_buf.view(B, n_kv, T, d)[:, :, start:stop] = qkv[:, (H + n_kv) * d:].view(B, S, n_kv, d).transpose(1, 2)
+
+        def attend(i, q, k, v):  # K/V of the new tokens into the buffer, then attention over columns [0, stop)
+            (k_buf, v_buf), (H, n_kv, d) = cache[i], layers[i]["heads"]
+            T = k_buf.shape[1]
+            k_buf.view(B, n_kv, T, d)[:, :, start:stop] = k.view(B, S, n_kv, d).transpose(1, 2)
+            v_buf.view(B, n_kv, T, d)[:, :, start:stop] = v.view(B, S, n_kv, d).transpose(1, 2)
             if S == 1:  # decode: (B·Hkv, g, d) queries against (B·Hkv, stop, d) keys (GQA without a KV repeat)
-                scores = torch.baddbmm(mask, qk[:, :H].reshape(BH, -1, d), k_buf[:, :stop].transpose(1, 2),
-                                       alpha=w["scale"])                       # (B·Hkv, g, stop)
-                att = torch.bmm(scores.softmax(dim=-1), v_buf[:, :stop]).view(B, H * d)
-            else:  # prefill
-                q = qk[:, :H].view(B, S, H, d).transpose(1, 2)
-                kv = (k_buf.view(B, n_kv, T, d)[:, :, :stop], v_buf.view(B, n_kv, T, d)[:, :, :stop])
-                att = F.scaled_dot_product_attention(q, *kv, attn_mask=mask, scale=w["scale"], enable_gqa=True)
-                att = att.transpose(1, 2).reshape(B * S, H * d)
-            x = _linear(att, w["o_t"], w["o_b"], residual=x)
-            gu = _linear(_normalize(x, w["eps2"]), w["gu_t"], w["gu_b"])      # (B·S, 2I): gate | up
-            x = _linear(F.silu(gu[:, :gu.shape[1] // 2]) * gu[:, gu.shape[1] // 2:], w["down_t"], w["down_b"],
-                        residual=x)
+                scores = torch.baddbmm(mask, q.reshape(B * n_kv, -1, d), k_buf[:, :stop].transpose(1, 2),
+                                       alpha=layers[i]["scale"])                # (B·Hkv, g, stop)
+                return torch.bmm(scores.softmax(dim=-1), v_buf[:, :stop]).view(B, H * d)
+            kv = (k_buf.view(B, n_kv, T, d)[:, :, :stop], v_buf.view(B, n_kv, T, d)[:, :, :stop])
+            att = F.scaled_dot_product_attention(q.reshape(B, S, H, d).transpose(1, 2), *kv, attn_mask=mask,
+                                                 scale=layers[i]["scale"], enable_gqa=True)
+            return att.transpose(1, 2).reshape(B * S, H * d)
+
+        x = run_layers(embed(ids.reshape(-1), final), layers, cos, sin, attend)
         x = x.view(B, S, -1)[:, -1]
         return _linear(_normalize(x, final["eps"]), final["t"], final["b"]).float()
 
@@ -212,21 +137,14 @@ class ManualDecodeBackend:
         cfg, device, dtype = model.config, ids.device, model.model.embed_tokens.weight.dtype
         T, n_kv = P + n_new, cfg.num_key_value_heads or cfg.num_attention_heads
         d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        weights = _prepare(model)
+        weights = prepare(model)
         cache = [(torch.empty(B * n_kv, T, d, device=device, dtype=dtype),
                   torch.empty(B * n_kv, T, d, device=device, dtype=dtype)) for _ in model.model.layers]
         # Keys: the prompt's real tokens and every generated column. Positions: cumsum(mask) - 1 (as HF's).
         key_ok = torch.cat([mask.bool(), mask.new_ones(B, n_new, dtype=torch.bool)], dim=1)   # (B, T)
         pos = (key_ok.long().cumsum(1) - 1).clamp(min=0)
-        rotary = model.model.rotary_emb
-        freqs = pos.t()[..., None].float() * rotary.inv_freq.float().to(device)                # (T, B, d/2)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        sign = torch.ones(d, device=device).index_fill_(0, torch.arange(d // 2, device=device), -1.0)
-        cos = (emb.cos() * rotary.attention_scaling).to(dtype)[:, :, None]                    # (T, B, 1, d)
-        sin = (emb.sin() * rotary.attention_scaling * sign).to(dtype)[:, :, None]              # sin± (T, B, 1, d)
-        # Prefill mask: causal and real keys; a pad query sees itself (rows of -inf would give NaN).
-        eye = torch.eye(P, dtype=torch.bool, device=device)
-        prefill_mask = ((torch.ones(P, P, dtype=torch.bool, device=device).tril() & key_ok[:, None, :P]) | eye)[:, None]
+        cos, sin = rope(model, pos.t(), dtype)                                                # (T, B, 1, d)
+        prefill_mask = causal_mask(key_ok[:, :P])                                            # (B, 1, P, P)
         step_mask = torch.zeros(B, n_kv, 1, T, dtype=dtype, device=device).masked_fill(
             ~key_ok[:, None, None, :], -float("inf")).flatten(0, 1)                            # (B·Hkv, 1, T)
 

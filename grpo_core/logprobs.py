@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from grpo_core.fastforward import hidden_states, use_manual_forward
+
 DEFAULT_CHUNK_SIZE = 256  # rows of V logits per chunk: 256 x 152k vocab x 4 bytes ~ 156 MB in float32
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -76,6 +78,7 @@ def token_logprobs_and_entropy(
     compute_entropy: bool = True,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     position_ids: torch.Tensor | None = None,
+    forward: str = "hf",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the last ``logits_to_keep`` tokens of input_ids under a causal LM.
 
@@ -89,6 +92,9 @@ def token_logprobs_and_entropy(
         compute_entropy: also return the entropy of each position's next-token distribution.
         chunk_size: rows of V logits processed at once.
         position_ids: optional (B, L) positions (padding-free packing); passed through to the model.
+        forward: "hf" = the model's own forward; "manual" = the hand-written Qwen2/Llama forward of
+            ``grpo_core.fastforward`` (the same numbers with fewer ops; an error for a model it cannot run);
+            "auto" = manual for a model on CPU it supports (``fastforward.use_manual_forward``), else hf.
 
     Returns:
         (logps (B, K), entropies (B, K) or None): position j scores input_ids[:, L-K+j] with the logits
@@ -117,7 +123,17 @@ def token_logprobs_and_entropy(
         model_inputs["position_ids"] = position_ids
     completion_ids = input_ids[:, -logits_to_keep:]
     parts = _backbone_and_head(model) if FUSED_LM_HEAD else None
-    if parts is not None:
+    if forward != "hf" and use_manual_forward(model, forward):
+        # The hand-written forward gives the final hidden states; the LM head is fused as below.
+        # The last token only predicts beyond the sequence: it is left out. The prompt columns are computed
+        # once per distinct prompt (the G rows of a group share them).
+        L = input_ids.shape[1]
+        hidden = hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1],
+                               None if position_ids is None else position_ids[:, :-1], prefix=L - logits_to_keep)
+        logps, entropies = _chunked_head_logps_and_entropy(
+            hidden, model.lm_head, completion_ids, temperature, compute_entropy, chunk_size
+        )
+    elif parts is not None:
         # Fused LM head: the (B, K, V) logits never exist. Each chunk of rows is projected, scored and
         # (under autograd) recomputed in backward, so only the (B, K, H) hidden states are kept.
         backbone, head = parts

@@ -216,11 +216,12 @@ def _trim(mb: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     return input_ids, attention, cm[:, :width], width
 
 
-def policy_logprobs(model, mb: dict, temperature: float, compute_entropy: bool):
+def policy_logprobs(model, mb: dict, temperature: float, compute_entropy: bool, forward: str = "hf"):
     """Per-token log-probs (and entropies) of the completion tokens: (B, C') each, C' the trimmed width.
 
     Position ids follow the attention mask (as ``generate`` does with left padding), so a padded
-    prompt sees the same positions at training time as at sampling time.
+    prompt sees the same positions at training time as at sampling time. forward: ``train.forward_backend``
+    (hf, manual or auto: the hand-written forward of ``grpo_core.fastforward`` where it applies).
     """
     input_ids, attention, mask, width = _trim(mb)  # trimmed on the host: no device sync
     device = _device_of(model)
@@ -228,7 +229,7 @@ def policy_logprobs(model, mb: dict, temperature: float, compute_entropy: bool):
     position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
     logps, entropy = token_logprobs_and_entropy(model, input_ids, attention, logits_to_keep=width,
                                                 temperature=temperature, compute_entropy=compute_entropy,
-                                                position_ids=position_ids)
+                                                position_ids=position_ids, forward=forward)
     return logps, entropy, mask
 
 
@@ -370,7 +371,8 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
             sync = j == ga - 1
             ctx = accelerator.no_sync(model) if (not sync and accelerator.num_processes > 1) else contextlib.nullcontext()
             with ctx:
-                logps, entropy, _ = policy_logprobs(model, mb, t.temperature, compute_entropy=True)
+                logps, entropy, _ = policy_logprobs(model, mb, t.temperature, compute_entropy=True,
+                                                    forward=t.forward_backend)
                 width = logps.shape[1]
                 loss, stats = grpo_loss(
                     logps, _cut(mb.get("old_logps"), width, logps.device),
@@ -527,7 +529,7 @@ def _frozen_logprobs(model, round_: dict, t) -> torch.Tensor:
     bs = t.per_device_train_batch_size
     for start in range(0, n, bs):
         mb = micro_batch(round_, start, min(start + bs, n))
-        logps, _, _ = policy_logprobs(model, mb, t.temperature, compute_entropy=False)
+        logps, _, _ = policy_logprobs(model, mb, t.temperature, compute_entropy=False, forward=t.forward_backend)
         out[start:start + logps.shape[0], :logps.shape[1]] = logps.float().cpu()
     return out
 
