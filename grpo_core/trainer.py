@@ -409,8 +409,9 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
         if event is not None and event.action == "rollback" and rollbacks >= cfg.guards.max_rollbacks:
             event = GuardEvent(event.guard, "stop", f"{event.message} (after {rollbacks} rollbacks)")
         if event is not None and event.action == "stop":
+            kept = latest_checkpoint(ckpt_dir)
             raise GuardStop(f"guard {event.guard} stopped training: {event.message}; "
-                            f"the last good checkpoint is {latest_checkpoint(ckpt_dir)}")
+                            + (f"the last good checkpoint is {kept}" if kept else "no checkpoint had been written yet"))
         if event is not None and event.action == "rollback":
             last = latest_checkpoint(ckpt_dir)
             if last is None:

@@ -44,3 +44,18 @@ def digit_fraction_hangs_on_second_call(prompts, completions, **kwargs):
     if _hang_calls["n"] == 2:
         threading.Event().wait(60)
     return digit_fraction(prompts, completions)
+
+
+_hack_calls = {"format": 0, "correctness": 0}
+
+
+def format_rising(prompts, completions, **kwargs):
+    """A format reward that climbs 0.1 per call, whatever the completions (a policy gaming the format)."""
+    _hack_calls["format"] += 1
+    return [min(1.0, 0.1 * _hack_calls["format"])] * len(completions)
+
+
+def correctness_falling(prompts, completions, **kwargs):
+    """A correctness reward that drops 0.1 per call (answers getting worse meanwhile)."""
+    _hack_calls["correctness"] += 1
+    return [max(0.0, 1.0 - 0.1 * _hack_calls["correctness"])] * len(completions)

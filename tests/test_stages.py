@@ -34,6 +34,9 @@ def test_exit_codes_follow_the_exception_class():
     assert exit_code_for(DataValidationError("x")) == EXIT_VALIDATION
     assert exit_code_for(Sub("x")) == EXIT_DATA
     assert exit_code_for(TrainingError("x")) == EXIT_TRAINING
+    from grpo_core.guards import GuardStop
+
+    assert exit_code_for(GuardStop("x")) == EXIT_TRAINING  # permanent: the Prefect task is not retried
     assert exit_code_for(RuntimeError("x")) == EXIT_ERROR
 
 

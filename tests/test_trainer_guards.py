@@ -97,3 +97,30 @@ def test_nan_loss_is_never_trained_on(assets, tmp_path, monkeypatch):
     weights = load_file(res.model_dir / "model.safetensors")
     assert all(torch.isfinite(v).all() for v in weights.values())
     assert [float(r["guard/skipped"]) for r in rows(tmp_path)] == [0, 1, 0]
+
+
+def test_length_blow_up_guard_stops_on_completions_hitting_the_limit(assets, tmp_path):
+    # a random tiny model rarely emits EOS within 8 tokens: most completions hit max_completion_length
+    guards = {"clipped_ratio_max": {"threshold": 0.5, "action": "stop"}}
+    with pytest.raises(GuardStop, match=r"guard clipped_ratio_max stopped training: step 1: "
+                                        r"clipped_ratio=.* is above the threshold 0.5; no checkpoint had been written yet"):
+        train(cfg_with(assets, guards, max_steps=3), root=tmp_path, progress=False)
+
+
+def test_reward_hacking_guard_fires_when_format_rises_while_correctness_falls(assets, tmp_path):
+    model_dir, data = assets
+    cfg = config_from_dict({
+        "data": {"train_files": [str(data)], "eval_files": [str(data)]},
+        "model": {"name_or_path": str(model_dir)},
+        "rewards": [{"name": "format", "function": "tests.reward_helpers:format_rising"},
+                    {"name": "correctness", "function": "tests.reward_helpers:correctness_falling"}],
+        "train": {"learning_rate": 3e-3, "num_generations": 4, "per_device_train_batch_size": 16,
+                  "max_completion_length": 8, "max_prompt_length": 48, "output_dir": "out", "save_steps": 100,
+                  "max_steps": 10},
+        "guards": {"reward_hacking": {"format_reward": "format", "correctness_reward": "correctness", "window": 2,
+                                      "format_rise": 0.1, "correctness_drop": 0.1, "action": "stop"}},
+    })
+    # windows of 2 steps: steps 1-2 vs 3-4 -> format +0.2, correctness -0.2: fires at step 4
+    with pytest.raises(GuardStop, match=r"guard reward_hacking stopped training: step 4: "):
+        train(cfg, root=tmp_path, progress=False)
+    assert [int(r["step"]) for r in rows(tmp_path)] == [1, 2, 3]
