@@ -23,7 +23,7 @@ from torch import nn
 
 from grpo_core.fastforward import _linear, _normalize, causal_mask, embed, prepare, rope, run_layers
 from grpo_core.fastforward import unsupported_reason as forward_unsupported_reason
-from grpo_core.rollout import RolloutBatch, SamplingParams, completion_mask_from_eos, left_pad
+from grpo_core.rollout import RolloutBatch, SamplingParams, assemble_batch, left_pad
 
 # generation_config fields that add a logits processor this loop does not reproduce (HF backend parity).
 _UNSUPPORTED_GENERATION = ("no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens",
@@ -192,12 +192,4 @@ class ManualDecodeBackend:
         step = self.max_batch_size or len(repeated)
         outputs = [self._generate_chunk(ids[s:s + step].to(device), mask[s:s + step].to(device), sampling).cpu()
                    for s in range(0, len(repeated), step)]
-        width = max(o.shape[1] for o in outputs)
-        completion_ids = torch.full((len(repeated), width), self.pad_id, dtype=torch.long)
-        row = 0
-        for o in outputs:
-            completion_ids[row:row + o.shape[0], :o.shape[1]] = o
-            row += o.shape[0]
-        completion_mask, is_truncated = completion_mask_from_eos(completion_ids, self.eos_ids)
-        completion_ids = completion_ids.masked_fill(completion_mask == 0, self.pad_id)
-        return RolloutBatch(ids, mask, completion_ids, completion_mask, is_truncated)
+        return assemble_batch(ids, mask, outputs, self.pad_id, self.eos_ids)

@@ -84,6 +84,21 @@ def completion_mask_from_eos(completion_ids: torch.Tensor, eos_ids: list[int]) -
     return mask, ~has_eos
 
 
+def assemble_batch(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, outputs: list[torch.Tensor], pad_id: int,
+                   eos_ids: list[int]) -> RolloutBatch:
+    """A RolloutBatch from per-chunk completion ids (each (n_i, C_i), rows in order): padded to the widest
+    chunk, masked up to and including the first EOS, pad after it."""
+    width = max(o.shape[1] for o in outputs)
+    completion_ids = torch.full((sum(o.shape[0] for o in outputs), width), pad_id, dtype=torch.long)
+    row = 0
+    for o in outputs:
+        completion_ids[row:row + o.shape[0], :o.shape[1]] = o
+        row += o.shape[0]
+    completion_mask, is_truncated = completion_mask_from_eos(completion_ids, eos_ids)
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_id)
+    return RolloutBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated)
+
+
 class HFGenerateBackend:
     """Sampling with ``model.generate``: KV cache, batched, left padding, stops when all rows end."""
 
@@ -144,15 +159,7 @@ class HFGenerateBackend:
                 outputs.append(out[:, chunk_ids.shape[1]:].cpu())
         finally:
             self.model.train(was_training)
-        width = max(o.shape[1] for o in outputs)
-        completion_ids = torch.full((len(repeated), width), self.pad_id, dtype=torch.long)
-        row = 0
-        for o in outputs:
-            completion_ids[row:row + o.shape[0], :o.shape[1]] = o
-            row += o.shape[0]
-        completion_mask, is_truncated = completion_mask_from_eos(completion_ids, self.eos_ids)
-        completion_ids = completion_ids.masked_fill(completion_mask == 0, self.pad_id)
-        return RolloutBatch(ids, mask, completion_ids, completion_mask, is_truncated)
+        return assemble_batch(ids, mask, outputs, self.pad_id, self.eos_ids)
 
 
 def decode_completions(tokenizer, batch: RolloutBatch) -> list[str]:
