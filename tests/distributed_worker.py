@@ -55,7 +55,10 @@ def main(out_dir: str, model_dir: str, data_file: str, per_device_batch: str, lo
     cfg = tiny_config(Path(model_dir), Path(data_file),
                       [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}],
                       max_steps=2, per_device_train_batch_size=int(per_device_batch), num_generations=4,
-                      beta=0.04, loss_type=loss_type, learning_rate=1e-2, save_steps=100)
+                      beta=0.04, loss_type=loss_type, learning_rate=1e-2, save_steps=100,
+                      # DDP-wrapped models take the HF forward; the single process must too, or Adam turns the
+                      # 1e-7 float differences of two forward implementations into visible weight differences
+                      forward_backend="hf")
     train(cfg, root=out_dir, progress=False, backend_factory=DeterministicBackend)
 
 
