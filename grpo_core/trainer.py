@@ -326,7 +326,9 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
     step, micro_step, round_ = 0, 0, None
     resumed_from = None
     rollbacks = 0
-    remove_stale_temp_dirs(ckpt_dir)
+    if accelerator.is_main_process:
+        remove_stale_temp_dirs(ckpt_dir)
+    accelerator.wait_for_everyone()
     last = latest_checkpoint(ckpt_dir) if t.resume == "auto" else None
     if last is not None:
         state, round_ = _restore_checkpoint(last, params_hash, policy, optimizer, scheduler, ref_model, sampler)
@@ -335,7 +337,8 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
         log.info("resumed from %s (step %d)", last, step)
     if step >= t.max_steps:
         log.info("already trained to step %d >= max_steps %d", step, t.max_steps)
-    step_log = StepLog(log_path, metric_columns(reward_names), step)
+    # rank 0 alone owns the log: two ranks rewriting one file race on its temp name
+    step_log = StepLog(log_path, metric_columns(reward_names), step) if accelerator.is_main_process else None
     monitor = GuardMonitor(cfg.guards)
 
     bar = None
@@ -422,7 +425,8 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
             step, micro_step = state["step"], state["micro_step"]
             rollbacks += 1
             _scale_learning_rate(optimizer, scheduler, cfg.guards.rollback_lr_factor)
-            step_log = StepLog(log_path, metric_columns(reward_names), step)
+            if accelerator.is_main_process:
+                step_log = StepLog(log_path, metric_columns(reward_names), step)
             monitor.reset_history()
             if bar is not None:
                 bar.n = step
