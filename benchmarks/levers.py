@@ -11,6 +11,8 @@ measure what it is worth. Levers (default = what the trainer does):
                                   shared prompt computed once; auto = manual on CPU)
   static_cache   true/false/null  generation with a static KV cache + compiled decode step (null = CUDA only;
                                   implies generation=hf)
+  padding_free   true/false       the hand-written forward runs only real tokens through its matmuls (attention
+                                  alone sees the padded layout) and scores only real completion positions
   fused_head     true/false       LM head applied chunk by chunk to hidden states (no (B, K, V) logits)
   trim           true/false       drop the micro-batch's all-padding columns before the forward passes
   fused_adamw    true/false       torch's fused AdamW (one kernel) instead of the per-tensor/foreach one
@@ -31,6 +33,10 @@ def apply(variant: dict) -> Callable[[], None]:
         setattr(obj, name, value)
         undo.append(lambda: setattr(obj, name, old))
 
+    if "padding_free" in variant:
+        import grpo_core.fastforward as fastforward
+
+        setattr_undo(fastforward, "PADDING_FREE", bool(variant["padding_free"]))
     if "fused_head" in variant:
         setattr_undo(logprobs, "FUSED_LM_HEAD", bool(variant["fused_head"]))
     if "fused_adamw" in variant:

@@ -33,6 +33,8 @@ from torch import nn
 
 SUPPORTED = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 FORWARD_BACKENDS = ("auto", "hf", "manual")
+# Padding tokens skip the matmuls (``hidden_states``); False runs every column (``benchmarks/levers.py``).
+PADDING_FREE = True
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -192,20 +194,31 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  position_ids: torch.Tensor | None = None, prefix: int = 1) -> torch.Tensor:
+                  position_ids: torch.Tensor | None = None, prefix: int = 1,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
     """Final hidden states (after the last RMSNorm, before the LM head) of positions [prefix - 1, L): the values
     of ``model.model(input_ids, attention_mask, position_ids=...).last_hidden_state[:, prefix - 1:]``, (B, L -
-    prefix + 1, D). Differentiable: under autograd the gradients reach the model's parameters.
+    prefix + 1, D), 0 at padding positions. Differentiable: under autograd the gradients reach the model's
+    parameters.
 
     input_ids, attention_mask: (B, L), left padding allowed; position_ids: (B, L), default cumsum(mask) - 1.
     prefix (≥ 1): the first ``prefix`` columns are a prompt that rows may share (the G completions of a GRPO
     group, adjacent rows): each run of rows with the same prompt (ids, mask, positions) computes it once, and
-    the rows' later tokens attend its keys and values. The same numbers as running every row in full; the prompt's gradient is the sum over its rows.
+    the rows' later tokens attend its keys and values. The same numbers as running every row in full; the
+    prompt's gradient is the sum over its rows.
+    rows: optional (B, L - prefix + 1) bool, the output positions wanted: then only those are returned, packed
+    as (rows.sum(), D) in row-major order (a padding position asked for is a ValueError).
+
+    Padding-free: only real tokens (mask 1) go through the embedding, the norms, the q/k/v, output and MLP
+    matmuls; the rows are scattered into the padded (sequence, column) layout for attention alone and its
+    output gathered back. A padding position costs attention work, not the matmuls'.
     """
     B, L = input_ids.shape
     P, S = prefix, L - prefix
     if not 1 <= P <= L:
         raise ValueError(f"prefix must be in [1, {L}], got {prefix}")
+    if rows is not None and tuple(rows.shape) != (B, S + 1):
+        raise ValueError(f"rows must be (B, L - prefix + 1) = {(B, S + 1)}, got {tuple(rows.shape)}")
     layers, final = prepare(model, head=False)
     if position_ids is None:
         position_ids = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
@@ -215,11 +228,16 @@ def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     new_prompt = torch.cat([key.new_ones(1, dtype=torch.bool), (key[1:] != key[:-1]).any(1)])
     first = new_prompt.nonzero().squeeze(1)                                       # (U,) a row of each prompt
     inverse = new_prompt.long().cumsum(0) - 1                                     # (B,) its prompt's index
-    U, n_p = first.shape[0], first.shape[0] * P
-    # Rows: the U distinct prompts' P tokens, then every row's S later tokens.
-    ids = torch.cat([input_ids[first, :P].reshape(-1), input_ids[:, P:].reshape(-1)])
-    cos, sin = rope(model, torch.cat([position_ids[first, :P].reshape(-1), position_ids[:, P:].reshape(-1)]),
-                    final["embed"].dtype)                                        # (U·P + B·S, 1, d)
+    U = first.shape[0]
+    # The real tokens: the U distinct prompts' (of their U·P columns), then every row's later ones (of B·S).
+    real_p, real_s = attention_mask[first, :P].reshape(-1).bool(), attention_mask[:, P:].reshape(-1).bool()
+    if not PADDING_FREE:
+        real_p, real_s = torch.ones_like(real_p), torch.ones_like(real_s)
+    idx_p, idx_s = real_p.nonzero().squeeze(1), real_s.nonzero().squeeze(1)
+    n_p, n_s = idx_p.shape[0], idx_s.shape[0]
+    ids = torch.cat([input_ids[first, :P].reshape(-1)[idx_p], input_ids[:, P:].reshape(-1)[idx_s]])
+    cos, sin = rope(model, torch.cat([position_ids[first, :P].reshape(-1)[idx_p],
+                                      position_ids[:, P:].reshape(-1)[idx_s]]), final["embed"].dtype)  # (n, 1, d)
     mask_p = causal_mask(attention_mask[first, :P])                               # (U, 1, P, P)
     # A later token sees its prompt's real tokens, then causal over the real later tokens and itself.
     later = attention_mask[:, P:].bool()
@@ -227,21 +245,56 @@ def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
         S, dtype=torch.bool, device=device)
     mask_s = torch.cat([attention_mask[:, None, None, :P].bool().expand(B, 1, S, P), own[:, None]], dim=-1)
     mask_p, mask_s = (_additive(m, final["embed"].dtype) for m in (mask_p, mask_s))  # SDPA converts bool per call
+    full_p, full_s = n_p == U * P, n_s == B * S  # no padding: nothing to scatter
+
+    def padded(t, idx, full, n_seq, width):
+        """(n, h, d) real rows -> (n_seq, h, width, d), zeros at padding (a padding key is masked out; a
+        padding query sees only itself, a zero value)."""
+        if not full:
+            t = t.new_zeros(n_seq * width, *t.shape[1:]).index_copy(0, idx, t)
+        return t.view(n_seq, width, *t.shape[1:]).transpose(1, 2)
+
+    def unpadded(t, idx, full):
+        """(n_seq, H, width, d) -> (n, H·d), the real rows."""
+        t = t.transpose(1, 2).reshape(-1, t.shape[1] * t.shape[3])
+        return t if full else t.index_select(0, idx)
+
+    counts = torch.bincount(inverse, minlength=U)
+    G = int(counts[0])
+    equal_groups = bool((counts == G).all())
+
+    def per_row(t):
+        """(U, ...) per prompt -> (B, ...) per row. Equal groups (GRPO's G rows each): an expand, whose backward
+        is a sum over G; otherwise index_select (an index_add backward; ``t[inverse]``'s is a slower index_put)."""
+        if equal_groups:
+            return t[:, None].expand(U, G, *t.shape[1:]).reshape(B, *t.shape[1:])
+        return t.index_select(0, inverse)
 
     def attend(i, q, k, v):
         (H, n_kv, d), scale = layers[i]["heads"], layers[i]["scale"]
-        (qp, qs), (kp, ks), (vp, vs) = (t.split([n_p, B * S]) for t in (q, k, v))
-        qp, kp, vp = (t.reshape(U, P, -1, d).transpose(1, 2) for t in (qp, kp, vp))
-        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask_p, scale=scale, enable_gqa=n_kv != H)
-        out = out.transpose(1, 2).reshape(n_p, H * d)
+        (qp, qs), (kp, ks), (vp, vs) = (t.split([n_p, n_s]) for t in (q, k, v))
+        qp, kp, vp = (padded(t, idx_p, full_p, U, P) for t in (qp, kp, vp))
+        out = unpadded(F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask_p, scale=scale,
+                                                      enable_gqa=n_kv != H), idx_p, full_p)
         if S == 0:
             return out
-        qs, ks, vs = (t.reshape(B, S, -1, d).transpose(1, 2) for t in (qs, ks, vs))
-        ks, vs = torch.cat([kp[inverse], ks], dim=2), torch.cat([vp[inverse], vs], dim=2)
+        qs, ks, vs = (padded(t, idx_s, full_s, B, S) for t in (qs, ks, vs))
+        ks, vs = torch.cat([per_row(kp), ks], dim=2), torch.cat([per_row(vp), vs], dim=2)
         later_out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask_s, scale=scale, enable_gqa=n_kv != H)
-        return torch.cat([out, later_out.transpose(1, 2).reshape(B * S, H * d)])
+        return torch.cat([out, unpadded(later_out, idx_s, full_s)])
 
-    x_p, x_s = run_layers(embed(ids, final), layers, cos, sin, attend).split([n_p, B * S])
-    last_prompt = x_p.view(U, P, -1)[inverse, -1:]
-    x = torch.cat([last_prompt, x_s.view(B, S, -1)], dim=1) if S else last_prompt
-    return final["norm_w"] * _normalize(x, final["eps"])
+    x = run_layers(embed(ids, final), layers, cos, sin, attend)                  # (n_p + n_s, D)
+    # Where each output position's row is in x: a row's last prompt column, then its later columns; padding
+    # points at an extra zero row.
+    where_p = torch.full((U * P,), n_p + n_s, dtype=torch.long, device=device).index_copy_(
+        0, idx_p, torch.arange(n_p, device=device))
+    where_s = torch.full((B * S,), n_p + n_s, dtype=torch.long, device=device).index_copy_(
+        0, idx_s, torch.arange(n_p, n_p + n_s, device=device))
+    where = torch.cat([where_p.view(U, P)[inverse, -1:], where_s.view(B, S)], dim=1)  # (B, S + 1)
+    if rows is not None:
+        where = where[rows.bool()]
+        if bool((where == n_p + n_s).any()):
+            raise ValueError("rows asks for the hidden state of a padding position")
+    else:
+        x = torch.cat([x, x.new_zeros(1, x.shape[1])])
+    return final["norm_w"] * _normalize(x.index_select(0, where.reshape(-1)), final["eps"]).view(*where.shape, -1)

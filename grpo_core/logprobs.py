@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from grpo_core import fastforward
 from grpo_core.fastforward import hidden_states, use_manual_forward
 
 DEFAULT_CHUNK_SIZE = 256  # rows of V logits per chunk: 256 x 152k vocab x 4 bytes ~ 156 MB in float32
@@ -127,12 +128,19 @@ def token_logprobs_and_entropy(
         # The hand-written forward gives the final hidden states; the LM head is fused as below.
         # The last token only predicts beyond the sequence: it is left out. The prompt columns are computed
         # once per distinct prompt (the G rows of a group share them).
+        # Padding-free: only the real completion positions are scored (packed rows), then put back in place.
         L = input_ids.shape[1]
+        real = attention_mask[:, -logits_to_keep:].bool() if fastforward.PADDING_FREE else None
         hidden = hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1],
-                               None if position_ids is None else position_ids[:, :-1], prefix=L - logits_to_keep)
+                               None if position_ids is None else position_ids[:, :-1], prefix=L - logits_to_keep,
+                               rows=real)
         logps, entropies = _chunked_head_logps_and_entropy(
-            hidden, model.lm_head, completion_ids, temperature, compute_entropy, chunk_size
+            hidden, model.lm_head, completion_ids if real is None else completion_ids[real], temperature,
+            compute_entropy, chunk_size
         )
+        if real is not None:
+            logps, entropies = (None if t is None else t.new_zeros(real.shape).masked_scatter(real, t)
+                                for t in (logps, entropies))
     elif parts is not None:
         # Fused LM head: the (B, K, V) logits never exist. Each chunk of rows is projected, scored and
         # (under autograd) recomputed in backward, so only the (B, K, H) hidden states are kept.

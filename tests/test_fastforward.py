@@ -128,3 +128,70 @@ def test_wrapped_module_is_not_supported():
             self.inner, self.config = inner, inner.config
 
     assert fastforward.unsupported_reason(Wrapper(qwen2())) is not None
+
+
+def test_padding_tokens_never_reach_the_dense_layers(monkeypatch):
+    """Padding-free: the rows through the matmuls are the distinct prompts' real tokens plus every row's real
+    later tokens, counted here from the batch's masks."""
+    model = qwen2()
+    mb = grpo_batch()  # prompts of 3, 9, 5, 7 tokens, G = 3 each, then the first prompt again (not adjacent)
+    seen = []
+    real_run_layers = fastforward.run_layers
+
+    def counting(x, *args, **kwargs):
+        seen.append(x.shape[0])
+        return real_run_layers(x, *args, **kwargs)
+
+    monkeypatch.setattr(fastforward, "run_layers", counting)
+    with torch.no_grad():
+        logps, _, mask = policy_logprobs(model, mb, 1.0, compute_entropy=False, forward="manual")
+    width = mask.shape[1]
+    later = int(mb["completion_mask"][:, :width - 1].sum())  # the last completion column is never an input
+    assert seen == [(3 + 9 + 5 + 7 + 3) + later]
+    assert (logps[mask == 0] == 0).all() and (logps[mask == 1] != 0).all()
+
+
+def test_packed_rows_equal_the_padded_output():
+    model = qwen2()
+    mb = grpo_batch()
+    ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], 1)
+    mask = torch.cat([mb["prompt_mask"], mb["completion_mask"]], 1)
+    P = mb["prompt_ids"].shape[1]
+    wanted = mask[:, P - 1:].bool()
+    with torch.no_grad():
+        padded = fastforward.hidden_states(model, ids, mask, prefix=P)
+        packed = fastforward.hidden_states(model, ids, mask, prefix=P, rows=wanted)
+    assert packed.shape == (int(wanted.sum()), padded.shape[-1])
+    assert torch.equal(packed, padded[wanted])
+    assert (padded[~wanted] == 0).all()  # padding positions: zeros, never NaN
+    with pytest.raises(ValueError, match="padding position"):
+        fastforward.hidden_states(model, ids, mask, prefix=P, rows=torch.ones_like(wanted))
+    with pytest.raises(ValueError, match="rows must be"):
+        fastforward.hidden_states(model, ids, mask, prefix=P, rows=wanted[:, 1:])
+
+
+def test_equal_groups_match_hf_gradients():
+    """G rows per prompt, every group complete (the trainer's case): the prompt's keys and values are expanded
+    to the group's rows, their gradient summed back."""
+    model = qwen2().train()
+    mb = {k: v[:-1] for k, v in grpo_batch(G=4).items()}  # drop the lone non-adjacent row
+    hf_logps, hf_entropy, hf_grads = scored(model, mb, "hf")
+    logps, entropy, grads = scored(model, mb, "manual")
+    assert (logps - hf_logps).abs().max() < 1e-5 and (entropy - hf_entropy).abs().max() < 1e-5
+    for name, g in grads.items():
+        assert (g - hf_grads[name]).abs().max() <= 1e-5 * hf_grads[name].abs().max() + 1e-9, name
+
+
+def test_padding_free_off_runs_every_column_with_the_same_numbers(monkeypatch):
+    """The benchmark's ``padding_free=false`` lever: every column through the matmuls, the same log-probs."""
+    model = qwen2()
+    mb = grpo_batch()
+    on, _, _ = scored(model, mb, "manual", grad=False)
+    seen = []
+    real_run_layers = fastforward.run_layers
+    monkeypatch.setattr(fastforward, "run_layers", lambda x, *a, **k: seen.append(x.shape[0]) or real_run_layers(x, *a, **k))
+    monkeypatch.setattr(fastforward, "PADDING_FREE", False)
+    off, _, _ = scored(model, mb, "manual", grad=False)
+    U, P, B, K = 5, mb["prompt_ids"].shape[1], mb["prompt_ids"].shape[0], off.shape[1]
+    assert seen == [U * P + B * (K - 1)]
+    assert (on - off).abs().max() < 1e-5
