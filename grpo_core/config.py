@@ -126,6 +126,8 @@ class TrainConfig:
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = _f(
         "sum_then_normalize", "combine rewards before (GRPO) or after (GDPO) per-function normalisation")
     mask_truncated_completions: bool = _f(False, "exclude completions that hit max_completion_length from the loss")
+    group_by_length: bool = _f(True, "sort a step's rows by length so each micro-batch pads to its own longest "
+                               "row (grpo_core/microbatch.py; no effect with one micro-batch per step)")
     max_steps: int = _f(100, "optimizer steps to train", ge=1)
     save_steps: int = _f(50, "checkpoint every N optimizer steps (and at the end)", ge=1)
     save_total_limit: int = _f(2, "checkpoints kept (oldest deleted first)", ge=1)

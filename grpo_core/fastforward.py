@@ -271,7 +271,7 @@ def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
         return t.index_select(0, inverse)
 
     def attend(i, q, k, v):
-        (H, n_kv, d), scale = layers[i]["heads"], layers[i]["scale"]
+        (H, n_kv, _), scale = layers[i]["heads"], layers[i]["scale"]
         (qp, qs), (kp, ks), (vp, vs) = (t.split([n_p, n_s]) for t in (q, k, v))
         qp, kp, vp = (padded(t, idx_p, full_p, U, P) for t in (qp, kp, vp))
         out = unpadded(F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask_p, scale=scale,

@@ -40,9 +40,11 @@ from grpo_core.checkpoint import (
 )
 from grpo_core.config import PipelineConfig, training_params_hash
 from grpo_core.data import PromptEncoder, completion_for_reward, load_split
+from grpo_core.fastforward import use_manual_forward
 from grpo_core.guards import GuardEvent, GuardMonitor, GuardStop, decide
 from grpo_core.logprobs import token_logprobs_and_entropy
 from grpo_core.loss import grpo_loss
+from grpo_core.microbatch import length_grouped_order
 from grpo_core.modeling import load_policy, load_reference
 from grpo_core.rewards import build_reward_functions, score_completions
 from grpo_core.rollout import RolloutBackend, SamplingParams, decode_completions, default_backend
@@ -357,6 +359,11 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
                                         encoder=encoder, reward_fns=reward_fns, reward_names=reward_names,
                                         weights=weights, cfg=cfg, accelerator=accelerator)
             round_.pop("texts")
+            if t.group_by_length and ga > 1:  # one micro-batch per step: nothing to regroup
+                order = length_grouped_order(round_["prompt_mask"].sum(1), round_["completion_mask"].sum(1), G,
+                                             span=ga * t.per_device_train_batch_size,
+                                             keep_groups=use_manual_forward(model, t.forward_backend))
+                round_.update({k: round_[k][order] for k in _ROW_KEYS if round_.get(k) is not None})
             if need_old_logps:
                 round_["old_logps"] = _frozen_logprobs(model, round_, t)
             if ref_model is not None:
