@@ -144,9 +144,14 @@ class TrainConfig:
     ref_model_sync_steps: int = _f(512, "steps between reference syncs", ge=1)
     mixed_precision: Literal["no", "bf16", "fp16"] = _f("no", "accelerate mixed precision")
     gradient_checkpointing: bool = _f(False, "trade compute for activation memory")
-    generation_backend: Literal["auto", "hf", "manual"] = _f(
+    generation_backend: Literal["auto", "hf", "manual", "vllm"] = _f(
         "auto", "rollouts: hf = HF generate; manual = the hand-written Qwen2/Llama decode loop (grpo_core/decode.py); "
+        "vllm = a vLLM engine colocated on each process's GPU (grpo_core/vllm_backend.py; the gpu extra); "
         "auto = manual on CPU for a model it supports, else hf")
+    vllm_gpu_memory_utilization: float = _f(0.3, "generation_backend vllm: share of the GPU the engine's weights "
+                                            "and KV cache may take (the rest is training's)", gt=0, le=1)
+    vllm_enable_sleep_mode: bool = _f(True, "generation_backend vllm: release the engine's weights and KV cache "
+                                      "between generation rounds (reloaded from the policy each round)")
     forward_backend: Literal["auto", "hf", "manual"] = _f(
         "auto", "log-prob passes (reference, old, policy forward/backward): hf = the model's forward; manual = the "
         "hand-written Qwen2/Llama forward (grpo_core/fastforward.py, a shared prompt computed once per group); "

@@ -1,7 +1,7 @@
 """Rollouts: G sampled completions per prompt, behind a small backend interface.
 
-The trainer only sees ``RolloutBackend.generate`` and ``RolloutBatch``; the HF ``generate`` backend
-here is the default, and a vLLM backend can be added beside it without touching the trainer.
+The trainer only sees ``RolloutBackend.generate`` and ``RolloutBatch``: HF ``generate`` here, the hand-written
+decode loop (``decode.py``) and a colocated vLLM engine (``vllm_backend.py``) behind the same interface.
 
 Layout: rows are grouped G at a time — rows ``[g*G, (g+1)*G)`` are prompt g's samples — which is the
 layout ``compute_advantages`` expects.
@@ -170,18 +170,24 @@ def decode_completions(tokenizer, batch: RolloutBatch) -> list[str]:
     return texts
 
 
-def default_backend(model: torch.nn.Module, tokenizer, choice: str = "auto"):
+def default_backend(model: torch.nn.Module, tokenizer, choice: str = "auto", **vllm_options):
     """The rollout backend for ``model``, chosen in one place (``train.generation_backend``).
 
     "auto": the hand-written decode loop (``grpo_core.decode.ManualDecodeBackend``) for a plain Qwen2/Llama
     model on CPU, where HF ``generate`` costs per-op overhead; ``HFGenerateBackend`` otherwise (on CUDA it
     has its static cache and compiled decode step; PEFT-wrapped, sliding-window or other models).
     "hf": always ``HFGenerateBackend``. "manual": the decode loop, an error for a model it cannot run.
+    "vllm": a colocated vLLM engine (``grpo_core.vllm_backend.VLLMBackend(model, tokenizer, **vllm_options)``;
+    CUDA and the ``gpu`` extra; never picked by "auto").
     """
     from grpo_core.decode import ManualDecodeBackend, unsupported_reason
 
-    if choice not in ("auto", "hf", "manual"):
-        raise ValueError(f"generation backend must be auto, hf or manual, got {choice!r}")
+    if choice not in ("auto", "hf", "manual", "vllm"):
+        raise ValueError(f"generation backend must be auto, hf, manual or vllm, got {choice!r}")
+    if choice == "vllm":
+        from grpo_core.vllm_backend import VLLMBackend
+
+        return VLLMBackend(model, tokenizer, **vllm_options)
     if choice == "manual":
         return ManualDecodeBackend(model, tokenizer)
     if choice == "auto":

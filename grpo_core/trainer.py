@@ -312,7 +312,13 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
     if ref_model is not None and not getattr(ref_model, "_is_adapter_view", False):
         ref_model.to(accelerator.device)
     policy = accelerator.unwrap_model(model)
-    backend = (backend_factory or (lambda m, tok: default_backend(m, tok, t.generation_backend)))(policy, tokenizer)
+    vllm_options = {} if t.generation_backend != "vllm" else dict(
+        gpu_memory_utilization=t.vllm_gpu_memory_utilization, enable_sleep_mode=t.vllm_enable_sleep_mode,
+        max_model_length=t.max_prompt_length and t.max_prompt_length + t.max_completion_length, seed=t.seed,
+        rank=accelerator.process_index, local_rank=accelerator.local_process_index,
+        world_size=accelerator.num_processes)
+    backend = (backend_factory or (lambda m, tok: default_backend(m, tok, t.generation_backend, **vllm_options)))(
+        policy, tokenizer)
 
     # Resume ---------------------------------------------------------------------------------------
     G = t.num_generations
@@ -336,6 +342,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
         state, round_ = _restore_checkpoint(last, params_hash, policy, optimizer, scheduler, ref_model, sampler)
         step, micro_step, rollbacks = state["step"], state["micro_step"], state.get("rollbacks", 0)
         resumed_from = last
+        backend.sync_weights(policy)
         log.info("resumed from %s (step %d)", last, step)
     if step >= t.max_steps:
         log.info("already trained to step %d >= max_steps %d", step, t.max_steps)
@@ -430,6 +437,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
             optimizer.zero_grad(set_to_none=True)
             state, round_ = _restore_checkpoint(last, params_hash, policy, optimizer, scheduler, ref_model, sampler)
             step, micro_step = state["step"], state["micro_step"]
+            backend.sync_weights(policy)  # an external engine must not sample with the abandoned weights
             rollbacks += 1
             _scale_learning_rate(optimizer, scheduler, cfg.guards.rollback_lr_factor)
             if accelerator.is_main_process:

@@ -192,5 +192,5 @@ def test_default_backend_choice():
     assert isinstance(default_backend(model, TOK, "hf"), HFGenerateBackend)
     model.generation_config.no_repeat_ngram_size = 3                          # a processor we do not reproduce
     assert isinstance(default_backend(model, TOK), HFGenerateBackend)
-    with pytest.raises(ValueError):
-        default_backend(model, TOK, "vllm")
+    with pytest.raises(ValueError, match="auto, hf, manual or vllm"):
+        default_backend(model, TOK, "sglang")

@@ -1,0 +1,280 @@
+"""The vLLM rollout backend's side of the engine interface, against a stand-in engine.
+
+The stand-in (``StandInLLM``) has vllm.LLM's colocate interface and its behaviour where it matters here: it
+loads its own copy of the model from the policy's files, level-2 sleep destroys that copy's weights (NaN)
+and releases the KV cache, ``generate`` refuses to run asleep, and ``load_weights`` takes HF names. It samples
+with ``HFGenerateBackend`` on its copy, so with synced weights a run through it must equal a run through HF
+``generate`` exactly — the trainer-level check below, with a never-syncing backend as the negative control.
+vLLM's own side (that the real engine does what the stand-in does) needs a GPU run.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpo_core.config import ConfigError, load_config
+from grpo_core.rollout import HFGenerateBackend, SamplingParams, default_backend
+from grpo_core.trainer import train
+from grpo_core.vllm_backend import (
+    VLLMBackend,
+    VLLMUnavailable,
+    build_engine,
+    check_can_run,
+    completion_tensor,
+    vllm_sampling_kwargs,
+)
+from tests.tiny import make_prompts, make_tiny_model, tiny_config
+
+PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
+DIGITS = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}]
+# The keyword arguments of vllm.SamplingParams this backend may use (all exist in vLLM 0.22-0.31).
+VLLM_SAMPLING_FIELDS = {"n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
+                        "presence_penalty", "frequency_penalty", "min_p", "stop_token_ids", "detokenize"}
+
+
+class StandInSamplingParams(SimpleNamespace):
+    def __init__(self, **kwargs):
+        unknown = set(kwargs) - VLLM_SAMPLING_FIELDS
+        assert not unknown, f"not a vllm.SamplingParams field: {unknown}"
+        super().__init__(**kwargs)
+
+
+class StandInLLM:
+    def __init__(self, model=None, include_stop_token: bool = True, **engine_kwargs):
+        self.engine_kwargs = {"model": model, **engine_kwargs}
+        self.include_stop_token = include_stop_token
+        self.calls: list[str] = []
+        self.weights_awake = self.kv_awake = True
+        if model is None:
+            return  # build_engine's check only looks at the arguments
+        self.model = AutoModelForCausalLM.from_pretrained(model).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        loader = SimpleNamespace(load_weights=self._load_weights)
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(
+            driver_worker=SimpleNamespace(model_runner=SimpleNamespace(model=loader))))
+
+    def _load_weights(self, weights):
+        assert self.weights_awake, "load_weights into released memory"
+        params = dict(self.model.named_parameters())
+        names = set()
+        for name, tensor in weights:
+            params[name].data.copy_(tensor)
+            names.add(name)
+        assert names == set(params), f"weights not loaded: {set(params) - names}"
+        self.calls.append("load_weights")
+
+    def sleep(self, level):
+        assert level == 2
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.fill_(float("nan"))  # level 2 discards the weights' contents
+        self.weights_awake = self.kv_awake = False
+        self.calls.append("sleep")
+
+    def wake_up(self, tags):
+        self.weights_awake |= "weights" in tags
+        self.kv_awake |= "kv_cache" in tags
+        self.calls.append(f"wake_up:{','.join(tags)}")
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        assert self.weights_awake and self.kv_awake, "generate while asleep"
+        assert all(torch.isfinite(p).all() for p in self.model.parameters()), "generate with discarded weights"
+        self.calls.append("generate")
+        sp = sampling_params
+        ours = SamplingParams(max_new_tokens=sp.max_tokens, temperature=sp.temperature or 1.0, top_p=sp.top_p,
+                              top_k=max(sp.top_k, 0), do_sample=sp.temperature > 0)
+        eos = sp.stop_token_ids
+        tok = SimpleNamespace(pad_token_id=self.tokenizer.pad_token_id, eos_token_id=eos)
+        batch = HFGenerateBackend(self.model, tok).generate([p["prompt_token_ids"] for p in prompts], sp.n, ours)
+        outputs = []
+        for ids, mask, truncated in zip(batch.completion_ids, batch.completion_mask, batch.is_truncated):
+            tokens = ids[mask.bool()].tolist()
+            if not truncated and not self.include_stop_token:
+                tokens = tokens[:-1]
+            outputs.append(SimpleNamespace(token_ids=tokens, finish_reason="length" if truncated else "stop",
+                                           stop_reason=None))
+        return [SimpleNamespace(outputs=outputs[i * sp.n:(i + 1) * sp.n]) for i in range(len(prompts))]
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    module = ModuleType("vllm")
+    module.LLM, module.SamplingParams = StandInLLM, StandInSamplingParams
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    d = tmp_path_factory.mktemp("vllm")
+    return make_tiny_model(d / "model"), make_prompts(d / "train.jsonl")
+
+
+def policy_and_tokenizer(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+
+
+PROMPTS = [[5, 9, 11, 14], [7, 3, 22, 8, 30, 2, 14], [12, 4, 25]]
+GREEDY = SamplingParams(max_new_tokens=10, do_sample=False)
+
+
+def ending_tokenizer(policy, tok):
+    """The random model rarely samples its EOS: call EOS a token greedy decoding produces in some rows only."""
+    free = HFGenerateBackend(policy, tok).generate(PROMPTS, 1, GREEDY).completion_ids
+    per_row = [set(row.tolist()) for row in free]
+    eos = next(t for t in sorted(set().union(*per_row)) if 0 < sum(t in r for r in per_row) < len(per_row))
+    return SimpleNamespace(pad_token_id=tok.pad_token_id, eos_token_id=eos)
+
+
+@pytest.mark.parametrize("include_stop_token", [True, False])
+def test_greedy_rollout_equals_hf_generate(assets, fake_vllm, include_stop_token):
+    policy, tok = policy_and_tokenizer(assets[0])
+    tok = ending_tokenizer(policy, tok)
+    expected = HFGenerateBackend(policy, tok).generate(PROMPTS, 2, GREEDY)
+    assert expected.is_truncated.any() and not expected.is_truncated.all()  # both endings are exercised
+    engine = StandInLLM(str(assets[0]), include_stop_token=include_stop_token)
+    got = VLLMBackend(policy, tok, engine=engine).generate(PROMPTS, 2, GREEDY)
+    for field in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "is_truncated"):
+        assert torch.equal(getattr(got, field), getattr(expected, field)), field
+
+
+def test_sleep_mode_phases_and_weight_reload(assets, fake_vllm):
+    policy, tok = policy_and_tokenizer(assets[0])
+    engine = StandInLLM(str(assets[0]))
+    backend = VLLMBackend(policy, tok, engine=engine, enable_sleep_mode=True)
+    assert engine.calls == ["sleep"]
+    round_ = ["wake_up:weights", "load_weights", "reset_prefix_cache", "wake_up:kv_cache", "generate", "sleep"]
+    backend.generate(PROMPTS, 2, GREEDY)
+    assert engine.calls[1:] == round_
+    backend.generate(PROMPTS, 2, GREEDY)  # level 2 discarded the weights: reloaded although unchanged
+    assert engine.calls[7:] == round_ and backend.weights_loaded == 2
+
+
+def test_without_sleep_mode_weights_load_only_after_a_sync(assets, fake_vllm):
+    policy, tok = policy_and_tokenizer(assets[0])
+    engine = StandInLLM(str(assets[0]))
+    backend = VLLMBackend(policy, tok, engine=engine, enable_sleep_mode=False)
+    before = backend.generate(PROMPTS, 1, GREEDY)
+    backend.generate(PROMPTS, 1, GREEDY)
+    assert engine.calls == ["load_weights", "reset_prefix_cache", "generate", "generate"]
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in policy.parameters():  # a different policy: greedy completions change
+            p.add_(torch.randn(p.shape, generator=g), alpha=0.5)
+    backend.sync_weights(policy)
+    backend.sync_weights(policy)  # several optimizer steps per round: one copy
+    after = backend.generate(PROMPTS, 1, GREEDY)
+    assert engine.calls[4:] == ["load_weights", "reset_prefix_cache", "generate"]
+    assert torch.equal(after.completion_ids, HFGenerateBackend(policy, tok).generate(PROMPTS, 1, GREEDY).completion_ids)
+    assert not torch.equal(after.completion_ids, before.completion_ids)
+
+
+def read_log(path: Path) -> list[dict]:
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+class NeverSyncing(VLLMBackend):
+    def sync_weights(self, model):  # the bug this test must catch: the engine keeps the first weights
+        pass
+
+
+def test_training_through_the_engine_equals_training_through_hf_generate(assets, fake_vllm, tmp_path):
+    """Sampling with temperature 1: the stand-in draws exactly what HF generate draws from the same weights, so
+    the runs agree step for step only if the engine gets the policy's weights after every optimizer step."""
+    model_dir, data = assets
+    cfg = tiny_config(model_dir, data, DIGITS, max_steps=3, learning_rate=2e-2)
+    runs = {
+        "hf": lambda m, tok: HFGenerateBackend(m, tok),
+        "vllm": lambda m, tok: VLLMBackend(m, tok, engine=StandInLLM(str(model_dir))),
+        "stale": lambda m, tok: NeverSyncing(m, tok, engine=StandInLLM(str(model_dir)), enable_sleep_mode=False),
+    }
+    logs = {}
+    for name, factory in runs.items():
+        train(cfg, root=tmp_path / name, progress=False, backend_factory=factory)
+        logs[name] = read_log(tmp_path / name / "metrics/train_log.csv")
+    keys = ["reward", "entropy", "completions/mean_length", "grad_norm", "num_tokens"]
+
+    def series(name, steps):
+        return [float(logs[name][s][k]) for s in steps for k in keys]
+
+    assert len(logs["hf"]) == len(logs["vllm"]) == 3
+    assert series("vllm", [0, 1, 2]) == pytest.approx(series("hf", [0, 1, 2]), rel=1e-5)
+    assert series("stale", [0]) == pytest.approx(series("hf", [0]), rel=1e-5)  # the same first round ...
+    assert series("stale", [1, 2]) != pytest.approx(series("hf", [1, 2]), rel=1e-5)  # ... then stale samples
+
+
+def test_sampling_arguments_are_ours_and_nothing_else():
+    sampled = vllm_sampling_kwargs(SamplingParams(max_new_tokens=32, temperature=0.7, top_p=0.9, top_k=0), 8, [1, 2], 0)
+    assert sampled == dict(n=8, max_tokens=32, min_tokens=0, temperature=0.7, top_p=0.9, top_k=-1,
+                           repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_p=0.0,
+                           stop_token_ids=[1, 2], detokenize=False)
+    assert vllm_sampling_kwargs(SamplingParams(max_new_tokens=4, top_k=5), 2, [1], 3)["top_k"] == 5
+    greedy = vllm_sampling_kwargs(SamplingParams(max_new_tokens=4, temperature=0.7, top_k=5, do_sample=False), 1, [1], 0)
+    assert (greedy["temperature"], greedy["top_p"], greedy["top_k"]) == (0.0, 1.0, -1)
+
+
+def test_completion_tensor_restores_a_missing_stop_token():
+    out = SimpleNamespace(token_ids=[4, 5], finish_reason="stop", stop_reason=None)
+    assert completion_tensor(out, [1, 2]).tolist() == [[4, 5, 1]]
+    out = SimpleNamespace(token_ids=[4, 5], finish_reason="stop", stop_reason=2)
+    assert completion_tensor(out, [1, 2]).tolist() == [[4, 5, 2]]
+    out = SimpleNamespace(token_ids=[4, 5, 2], finish_reason="stop", stop_reason=2)
+    assert completion_tensor(out, [1, 2]).tolist() == [[4, 5, 2]]
+    out = SimpleNamespace(token_ids=[4, 5, 6], finish_reason="length", stop_reason=None)
+    assert completion_tensor(out, [1, 2]).tolist() == [[4, 5, 6]]
+
+
+def test_engine_arguments(assets, fake_vllm, monkeypatch):
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "unset")  # recorded, so the test leaves the environment as it found it
+        monkeypatch.delenv(key)
+    monkeypatch.setattr(StandInLLM, "__init__", lambda self, **kw: setattr(self, "engine_kwargs", kw))
+    policy, _ = policy_and_tokenizer(assets[0])
+    engine = build_engine(policy, gpu_memory_utilization=0.4, enable_sleep_mode=True, max_model_length=300, seed=3,
+                          rank=1, local_rank=1, world_size=2)
+    assert engine.engine_kwargs == dict(
+        model=str(assets[0]), dtype="float32", gpu_memory_utilization=0.4, enable_sleep_mode=True, max_model_len=300,
+        seed=4, tensor_parallel_size=1, distributed_executor_backend="external_launcher", enable_prefix_caching=True)
+    assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("1", "1", "2")
+    assert int(os.environ["MASTER_PORT"]) > 0
+
+
+def test_clear_errors_where_vllm_cannot_run(assets, monkeypatch, tmp_path):
+    policy, tok = policy_and_tokenizer(assets[0])
+    with pytest.raises(VLLMUnavailable, match="CUDA GPU .*it is on cpu"):
+        default_backend(policy, tok, "vllm")
+    monkeypatch.setitem(sys.modules, "vllm", None)  # not installed
+    with pytest.raises(VLLMUnavailable, match=r"pip install 'grpo-pipeline\[gpu\]'"):
+        build_engine(policy, gpu_memory_utilization=0.3, enable_sleep_mode=True, max_model_length=None, seed=0)
+    policy.peft_config = {"default": None}
+    with pytest.raises(VLLMUnavailable, match="LoRA"):
+        check_can_run(policy)
+    model_dir, data = assets
+    with pytest.raises(VLLMUnavailable, match="CUDA GPU"):  # the trainer stops before sampling anything
+        train(tiny_config(model_dir, data, DIGITS, generation_backend="vllm"), root=tmp_path, progress=False)
+    assert not (tmp_path / "metrics").exists()
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("vllm_gpu_memory_utilization", 0.0, "vllm_gpu_memory_utilization"),
+    ("vllm_gpu_memory_utilization", 1.5, "vllm_gpu_memory_utilization"),
+    ("generation_backend", "sglang", "generation_backend"),
+])
+def test_config_validates_the_vllm_keys(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(PARAMS, {f"train.{key}": value})
+    cfg = load_config(PARAMS, {"train.generation_backend": "vllm", "train.vllm_gpu_memory_utilization": 0.5})
+    assert (cfg.train.generation_backend, cfg.train.vllm_gpu_memory_utilization, cfg.train.vllm_enable_sleep_mode) == (
+        "vllm", 0.5, True)
