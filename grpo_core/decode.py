@@ -23,7 +23,7 @@ from torch import nn
 
 from grpo_core.fastforward import _linear, _normalize, causal_mask, embed, prepare, rope, run_layers
 from grpo_core.fastforward import unsupported_reason as forward_unsupported_reason
-from grpo_core.rollout import RolloutBatch, SamplingParams, assemble_batch, left_pad
+from grpo_core.rollout import RolloutBatch, SamplingParams, assemble_batch, left_pad, pad_and_eos_ids
 
 # generation_config fields that add a logits processor this loop does not reproduce (HF backend parity).
 _UNSUPPORTED_GENERATION = ("no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens",
@@ -61,11 +61,7 @@ class ManualDecodeBackend:
         if reason is not None:
             raise ValueError(f"ManualDecodeBackend cannot run this model: {reason}")
         self.model = model
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        eos = eos_token_ids if eos_token_ids is not None else tokenizer.eos_token_id
-        self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        if not self.eos_ids or self.pad_id is None:
-            raise ValueError("the tokenizer has neither an EOS nor a pad token: generation cannot stop")
+        self.pad_id, self.eos_ids = pad_and_eos_ids(tokenizer, eos_token_ids)
         self.max_batch_size = max_batch_size
         self.record_logits: list[torch.Tensor] | None = None  # a list: each step's (B, V) logits (tests)
 

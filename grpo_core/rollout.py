@@ -55,6 +55,17 @@ class RolloutBackend(Protocol):
         """Called after each optimizer step (an external engine reloads weights here)."""
 
 
+def pad_and_eos_ids(tokenizer, eos_token_ids: int | list[int] | None = None) -> tuple[int, list[int]]:
+    """The pad id (the EOS when the tokenizer has no pad token) and the ids that end a completion
+    (``eos_token_ids``, else the tokenizer's EOS). Every rollout backend pads and stops with these."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = eos_token_ids if eos_token_ids is not None else tokenizer.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if not eos_ids or pad_id is None:
+        raise ValueError("the tokenizer has neither an EOS nor a pad token: generation cannot stop")
+    return pad_id, eos_ids
+
+
 def left_pad(sequences: list[list[int]], pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, max_len) ids and mask, padded on the left so every prompt ends at the same column.
 
@@ -110,11 +121,7 @@ class HFGenerateBackend:
         self.model = model
         self.static_cache = static_cache
         self.prompt_multiple = prompt_multiple
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        eos = eos_token_ids if eos_token_ids is not None else tokenizer.eos_token_id
-        self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
-        if not self.eos_ids or self.pad_id is None:
-            raise ValueError("the tokenizer has neither an EOS nor a pad token: generation cannot stop")
+        self.pad_id, self.eos_ids = pad_and_eos_ids(tokenizer, eos_token_ids)
         self.max_batch_size = max_batch_size
 
     def sync_weights(self, model: torch.nn.Module) -> None:

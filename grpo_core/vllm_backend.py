@@ -31,7 +31,7 @@ from collections.abc import Iterable
 
 import torch
 
-from grpo_core.rollout import RolloutBatch, SamplingParams, assemble_batch, left_pad
+from grpo_core.rollout import RolloutBatch, SamplingParams, assemble_batch, left_pad, pad_and_eos_ids
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +125,7 @@ class VLLMBackend:
                  local_rank: int = 0, world_size: int = 1, engine=None):
         """engine: an already-built ``vllm.LLM`` (or a stand-in with its interface); None builds one."""
         self.model = model
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        eos = tokenizer.eos_token_id
-        self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        if not self.eos_ids or self.pad_id is None:
-            raise ValueError("the tokenizer has neither an EOS nor a pad token: generation cannot stop")
+        self.pad_id, self.eos_ids = pad_and_eos_ids(tokenizer)
         self.enable_sleep_mode = enable_sleep_mode
         if engine is None:
             check_can_run(model)

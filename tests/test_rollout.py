@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from grpo_core.rollout import (
     completion_mask_from_eos,
     decode_completions,
     left_pad,
+    pad_and_eos_ids,
 )
 from grpo_core.trainer import policy_logprobs
 from tests.tiny import make_tiny_model
@@ -102,3 +105,20 @@ def test_training_logprobs_equal_sampling_logprobs_with_left_padding(policy):
                                               position_ids=naive_positions, compute_entropy=False)
     assert (naive[1] - sampler_logps[1]).abs().max() > 1e-3  # the padded row is off
     torch.testing.assert_close(naive[0], sampler_logps[0], atol=1e-4, rtol=0)  # the unpadded row is not
+
+
+def test_pad_and_eos_ids_for_every_backend():
+    assert pad_and_eos_ids(SimpleNamespace(pad_token_id=0, eos_token_id=9)) == (0, [9])
+    assert pad_and_eos_ids(SimpleNamespace(pad_token_id=None, eos_token_id=9)) == (9, [9])  # pad with the EOS
+    assert pad_and_eos_ids(SimpleNamespace(pad_token_id=0, eos_token_id=[9, 7])) == (0, [9, 7])
+    assert pad_and_eos_ids(SimpleNamespace(pad_token_id=0, eos_token_id=9), [4, 5]) == (0, [4, 5])
+    from grpo_core.decode import ManualDecodeBackend
+    from grpo_core.vllm_backend import VLLMBackend
+    from tests.tiny import random_qwen2
+
+    model = random_qwen2()
+    for tok in (SimpleNamespace(pad_token_id=None, eos_token_id=None), SimpleNamespace(pad_token_id=0, eos_token_id=None)):
+        for backend in (HFGenerateBackend, ManualDecodeBackend, lambda m, t: VLLMBackend(m, t, engine=object())):
+            with pytest.raises(ValueError, match="neither an EOS nor a pad token"):
+                backend(model, tok)
+
