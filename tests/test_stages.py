@@ -204,3 +204,64 @@ def test_calibrate_stage_writes_weights_difficulty_report_and_logs_a_child_run(t
     assert weights["rule"] == "disabled" and weights["weights_list"] == [1.0, 1.0]
     runs = client.search_runs([exp.experiment_id], filter_string="tags.stage = 'calibrate'")
     assert len(runs) == 2 and len({r.data.tags["mlflow.parentRunId"] for r in runs}) == 1
+
+
+# Imported by a stage but deliberately not its dvc.yaml dep (dvc.yaml's header says why): plumbing that
+# changes nothing a stage computes, config code whose values reach stages as params, and the vLLM backend,
+# which only `train.generation_backend: vllm` reaches (calibrate and evaluate always sample with auto).
+NOT_DEPS = {
+    "*": {"flows/stages/runs.py", "grpo_core/tracking.py", "grpo_core/embedded/config.py"},
+    "prepare": {"grpo_core/config.py", "grpo_core/guards.py"},
+    "validate": {"grpo_core/config.py", "grpo_core/guards.py"},
+    "calibrate": {"grpo_core/config.py", "grpo_core/guards.py", "grpo_core/vllm_backend.py"},
+    "evaluate": {"grpo_core/config.py", "grpo_core/guards.py", "grpo_core/vllm_backend.py"},
+}
+
+
+def project_imports(path: Path) -> set[Path]:
+    """The grpo_core / flows files ``path`` imports anywhere in it (function-level imports included)."""
+    import ast
+
+    def module_file(name: str) -> Path | None:
+        for candidate in (REPO / (name.replace(".", "/") + ".py"), REPO / name.replace(".", "/") / "__init__.py"):
+            if candidate.exists():
+                return candidate
+        return None
+
+    found = set()
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in ("grpo_core", "flows") and (file := module_file(name)):
+                found.add(file)
+    return found
+
+
+@pytest.mark.parametrize("stage", ["prepare", "validate", "calibrate", "train", "evaluate"])
+def test_every_module_a_stage_runs_is_its_dvc_dep(stage):
+    """An edit to code a stage runs must re-run the stage: follow the stage module's imports through the project
+    and check each file is under one of the stage's deps (microbatch.py was once missing from train's)."""
+    import yaml
+
+    deps = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"][stage]["deps"]
+    seen, todo = set(), [REPO / "flows/stages" / f"{stage}.py"]
+    while todo:
+        path = todo.pop()
+        if path not in seen:
+            seen.add(path)
+            todo.extend(project_imports(path))
+    allowed = NOT_DEPS["*"] | NOT_DEPS.get(stage, set())
+    files = {str(p.relative_to(REPO)) for p in seen} - {"flows/__init__.py", "flows/stages/__init__.py",
+                                                        "grpo_core/__init__.py"}
+    missing = sorted(f for f in files - allowed if not any(f == d or f.startswith(d.rstrip("/") + "/") for d in deps))
+    assert missing == [], f"dvc.yaml stage {stage} runs these files without listing them as deps"
+    assert allowed - NOT_DEPS["*"] <= files, "an exception for a file the stage no longer imports"
