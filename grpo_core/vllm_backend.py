@@ -137,7 +137,7 @@ class VLLMBackend:
         self.asleep = False
         if enable_sleep_mode:
             self._sleep()
-        self.weights_loaded = 0  # rounds that copied weights (a test and a log line read it)
+        self.weights_loaded = 0  # rounds that copied the policy's weights into the engine
 
     # -- phases -------------------------------------------------------------------------------------
     def _sleep(self) -> None:
@@ -157,6 +157,7 @@ class VLLMBackend:
         self.llm.reset_prefix_cache()  # cached prompt K/V were computed with the old weights
         self.weights_stale = False
         self.weights_loaded += 1
+        log.debug("vLLM engine: policy weights copied (%d times so far)", self.weights_loaded)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model
