@@ -239,9 +239,14 @@ _ROW_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "
              "old_logps", "ref_logps")
 
 
+def select_rows(round_: dict, rows: slice | torch.Tensor) -> dict:
+    """Those rows of a generation round (a slice, or an index tensor): every per-row tensor the round holds."""
+    return {k: round_[k][rows] for k in _ROW_KEYS if round_.get(k) is not None}
+
+
 def micro_batch(round_: dict, start: int, stop: int) -> dict:
-    """Rows [start, stop) of a generation round: every per-row tensor the round holds."""
-    return {k: round_[k][start:stop] for k in _ROW_KEYS if round_.get(k) is not None}
+    """Rows [start, stop) of a generation round."""
+    return select_rows(round_, slice(start, stop))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -370,7 +375,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
                 order = length_grouped_order(round_["prompt_mask"].sum(1), round_["completion_mask"].sum(1), G,
                                              span=ga * t.per_device_train_batch_size,
                                              keep_groups=use_manual_forward(model, t.forward_backend))
-                round_.update({k: round_[k][order] for k in _ROW_KEYS if round_.get(k) is not None})
+                round_.update(select_rows(round_, order))
             if need_old_logps:
                 round_["old_logps"] = _frozen_logprobs(model, round_, t)
             if ref_model is not None:

@@ -3,7 +3,6 @@ the same global batch — the same loss, metrics and weights after each update."
 
 from __future__ import annotations
 
-import csv
 import os
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 from flows.stages.train import launch_command
-from tests.tiny import make_prompts, make_tiny_model
+from tests.tiny import make_prompts, make_tiny_model, read_log
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,10 +23,6 @@ def run_worker(launcher: list[str], out: Path, model: Path, data: Path, batch: i
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
-
-def read_log(path: Path) -> list[dict]:
-    with open(path, newline="") as fh:
-        return list(csv.DictReader(fh))
 
 
 @pytest.fixture(scope="module")

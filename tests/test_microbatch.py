@@ -3,8 +3,6 @@ unchanged, less padding in the forward passes."""
 
 from __future__ import annotations
 
-import csv
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -13,7 +11,7 @@ import grpo_core.trainer as trainer_mod
 from grpo_core.microbatch import length_grouped_order
 from grpo_core.trainer import train
 from tests.distributed_worker import DeterministicBackend
-from tests.tiny import make_prompts, make_tiny_model, tiny_config
+from tests.tiny import make_prompts, make_tiny_model, read_log, tiny_config
 
 
 def order(prompt, completion, G, span, keep):
@@ -73,8 +71,7 @@ def test_grouping_changes_padding_not_the_update(assets, tmp_path, monkeypatch, 
                           group_by_length=grouped, forward_backend=forward)
         res = train(cfg, root=tmp_path / str(grouped), progress=False, backend_factory=DeterministicBackend)
         weights[grouped] = load_file(res.model_dir / "model.safetensors")
-        with open(tmp_path / str(grouped) / "metrics/train_log.csv", newline="") as fh:
-            logs[grouped] = list(csv.DictReader(fh))
+        logs[grouped] = read_log(tmp_path / str(grouped) / "metrics/train_log.csv")
     assert sum(widths[1]) < sum(widths[0]), widths
     for plain, sorted_ in zip(logs[False], logs[True]):
         for key in ("loss", "grad_norm", "reward"):

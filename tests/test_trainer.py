@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from grpo_core.checkpoint import CheckpointError, list_checkpoints
 from grpo_core.rewards import RewardFunctionError
 from grpo_core.rollout import default_backend
 from grpo_core.trainer import PromptSampler, train
-from tests.tiny import make_prompts, make_tiny_model, tiny_config
+from tests.tiny import make_prompts, make_tiny_model, read_log, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 DIGITS = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}]
@@ -28,10 +27,6 @@ def assets(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
     return make_tiny_model(d / "model"), make_prompts(d / "train.jsonl")
 
-
-def read_log(path: Path) -> list[dict]:
-    with open(path, newline="") as fh:
-        return list(csv.DictReader(fh))
 
 
 def test_every_trainable_parameter_changes_after_one_step(assets, tmp_path):

@@ -10,7 +10,6 @@ vLLM's own side (that the real engine does what the stand-in does) needs a GPU r
 
 from __future__ import annotations
 
-import csv
 import os
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ from grpo_core.vllm_backend import (
     completion_tensor,
     vllm_sampling_kwargs,
 )
-from tests.tiny import make_prompts, make_tiny_model, tiny_config
+from tests.tiny import make_prompts, make_tiny_model, read_log, tiny_config
 
 PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
 DIGITS = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}]
@@ -179,10 +178,6 @@ def test_without_sleep_mode_weights_load_only_after_a_sync(assets, fake_vllm):
     assert torch.equal(after.completion_ids, HFGenerateBackend(policy, tok).generate(PROMPTS, 1, GREEDY).completion_ids)
     assert not torch.equal(after.completion_ids, before.completion_ids)
 
-
-def read_log(path: Path) -> list[dict]:
-    with open(path, newline="") as fh:
-        return list(csv.DictReader(fh))
 
 
 class NeverSyncing(VLLMBackend):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import random
 from pathlib import Path
@@ -10,6 +11,12 @@ from grpo_core.config import config_from_dict
 from grpo_core.embedded.model import build_model
 from grpo_core.embedded.tasks import vocabulary_words
 from grpo_core.embedded.tokenizer import build_tokenizer
+
+
+def read_log(path: Path) -> list[dict]:
+    """The rows of a train_log.csv (strings, as written)."""
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
 
 
 def make_tiny_model(path: Path, hidden_size: int = 32, layers: int = 2, seed: int = 0) -> Path:
