@@ -38,3 +38,18 @@ def test_one_step_of_each_side_on_the_tiny_model(tmp_path):
         [sys.executable, "-c", f"import json; from benchmarks.run import format_table; "
                                f"print(format_table(json.load(open({str(out)!r}))))"],
         cwd=REPO, env=env, capture_output=True, text=True).stdout
+
+
+def test_padding_benchmark_runs_and_counts_the_rows_it_skips(tmp_path, capsys):
+    """benchmarks/padding.py on a tiny model: it checks the two settings' log-probs agree and reports rows."""
+    from benchmarks import padding
+    from tests.tiny import make_prompts, make_tiny_model
+
+    model, data = make_tiny_model(tmp_path / "model"), make_prompts(tmp_path / "train.jsonl")
+    assert padding.main(["--model", str(model), "--data", str(data), "--batches", "2", "--prompts", "2",
+                         "--group", "4", "--completion", "3:6"]) == 0
+    out = capsys.readouterr().out
+    padded, free = (int(line.rsplit(" ", 1)[1]) for line in out.splitlines()[1:3])
+    assert free < padded  # ragged completions: padding rows are skipped
+    with pytest.raises(SystemExit):
+        padding.main(["--model", str(model), "--data", str(data), "--completion", "5:2"])
