@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml requirements/overrides.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q "uv>=0.5"
-	$(VENV)/bin/uv pip install -q --python $(PY) --override requirements/overrides.txt -e ".[dev]"
+	$(VENV)/bin/uv pip install -q --python $(PY) --override requirements/overrides.txt -e ".[dev,lora]"
 	$(PY) -c "import torch; assert '+cpu' in torch.__version__ or torch.cuda.is_available(), torch.__version__"
 	touch $(STAMP)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from grpo_core.embedded.config import EmbeddedConfig
+from grpo_core.embedded.config import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, EmbeddedConfig
 from grpo_core.guards import GuardsConfig
 
 
@@ -40,8 +40,10 @@ def _f(default: Any, help: str, *, ge: float | None = None, gt: float | None = N
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = _f([], "local train files (jsonl, parquet or csv); ignored when hub_dataset is set")
-    eval_files: list[str] = _f([], "local held-out files (jsonl, parquet or csv)")
+    train_files: str | list[str] = _f(
+        [], "local train data: a jsonl / parquet / csv file, a folder of them, or a list; under `dvc repro` one "
+        "path (DVC hashes it as validate's dependency and cannot take a list); ignored when hub_dataset is set")
+    eval_files: str | list[str] = _f([], "local held-out data, as train_files")
     hub_dataset: str | None = _f(None, "a dataset id for datasets.load_dataset (e.g. openai/gsm8k)")
     hub_config: str | None = _f(None, "the dataset's configuration name (e.g. main)")
     train_split: str = _f("train", "split of hub_dataset used for training")
@@ -49,10 +51,17 @@ class DataConfig:
     prompt_column: str = _f("prompt", "column holding the prompt (a string or chat messages)")
     answer_column: str = _f("answer", "column holding the gold answer, passed to rewards as `answer`")
     system_prompt: str | None = _f(None, "system message prepended to every prompt (chat template)")
+    chat_template_kwargs: dict = _f({}, "extra keyword arguments for the tokenizer's chat template (TRL's name), "
+                                    "e.g. {enable_thinking: false}")
     prompt_format: Literal["auto", "chat"] = _f(
         "auto", "auto: chat messages use the chat template, strings stay plain text; chat: wrap strings as a user message")
     overlong_prompt: Literal["truncate", "error"] = _f(
         "truncate", "a prompt over max_prompt_length: left-truncate with a counted warning, or error")
+
+    def paths(self, split: Literal["train", "eval"]) -> list[str]:
+        """The configured paths of one split as a list (a single path is a one-element list)."""
+        spec = self.train_files if split == "train" else self.eval_files
+        return [spec] if isinstance(spec, str) else list(spec)
 
 
 @dataclass
@@ -66,7 +75,10 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     name_or_path: str = _f("artifacts/base_model", "a local directory or a hub model id")
-    dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "weights' dtype when loading")
+    dtype: Literal["float32", "bfloat16", "float16"] = _f(
+        "float32", "dtype of the exported model, of the frozen reference and of sampling in calibrate/evaluate; "
+        "trained weights are float32 master weights whatever this says (train.mixed_precision sets the compute "
+        "dtype), and LoRA keeps the frozen base in this dtype")
     trust_remote_code: bool = _f(False, "run code shipped with the model (only for models you trust)")
     attn_implementation: str | None = _f(None, "transformers attn_implementation (sdpa, flash_attention_2, ...)")
     lora: LoraConfig | None = _f(None, "train LoRA adapters instead of all weights (needs the `lora` extra)")
@@ -197,7 +209,8 @@ class TrackingConfig:
 
 @dataclass
 class PipelineConfig:
-    embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
+    embedded: EmbeddedConfig | None = _f(None, "the embedded default's synthetic task and tiny model (`prepare`); "
+                                         "null when params.yaml names your own data and model")
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     rewards: list[RewardSpec] = field(default_factory=list)
@@ -344,8 +357,18 @@ def _check_consistency(cfg: PipelineConfig) -> None:
         if not 1 <= k <= cfg.evaluate.num_generations:
             raise ConfigError(f"evaluate.pass_k: k={k} must be between 1 and evaluate.num_generations "
                               f"({cfg.evaluate.num_generations})")
-    if cfg.data.hub_dataset is None and not cfg.data.train_files:
+    if cfg.data.hub_dataset is None and not cfg.data.paths("train"):
         raise ConfigError("data.train_files: empty; name local files or set data.hub_dataset")
+    if cfg.embedded is not None:
+        for key, fixed in (("data_dir", EMBEDDED_DATA_DIR), ("model_dir", EMBEDDED_MODEL_DIR)):
+            if getattr(cfg.embedded, key) != fixed:
+                raise ConfigError(f"embedded.{key}: {getattr(cfg.embedded, key)!r}; dvc.yaml names {fixed!r} as "
+                                  f"prepare's output, so leave the key out (point data.* / model.name_or_path at "
+                                  f"your own files instead)")
+    if t.sync_ref_model and cfg.model.lora is not None:
+        raise ConfigError("train.sync_ref_model: not with model.lora; under LoRA the reference is the base model with "
+                          "the adapters switched off, so there is no separate reference to mix the policy into "
+                          "(TRL raises the same)")
 
 
 def _apply_overrides(raw: dict, overrides: typing.Mapping[str, Any]) -> dict:

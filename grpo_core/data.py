@@ -23,6 +23,24 @@ class DataError(ValueError):
     """A dataset problem; the message names the file, split or column."""
 
 
+def resolve_data_paths(spec: list[str], key: str, root: str | Path = ".") -> list[str]:
+    """The files one split names: each entry a file, or a folder whose jsonl / parquet / csv files are taken in
+    name order (recursively). Relative entries resolve against ``root``. Errors name ``key`` and the path."""
+    out: list[str] = []
+    for entry in spec:
+        path = Path(entry) if Path(entry).is_absolute() else Path(root, entry)
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _BUILDERS)
+            if not found:
+                raise DataError(f"{key}: {path} is a folder with no {', '.join(_BUILDERS)} files")
+            out += [str(p) for p in found]
+        elif not path.is_file():
+            raise DataError(f"{key}: {path}: no such data file or folder")
+        else:
+            out.append(str(path))
+    return out
+
+
 def _builder_for(paths: list[str]) -> str:
     kinds = set()
     for p in paths:
@@ -55,11 +73,10 @@ def load_split(cfg: DataConfig, split: Literal["train", "eval"], root: str | Pat
                             f"(config {cfg.hub_config!r}, split {hub_split!r}): {err}") from err
         where = f"{cfg.hub_dataset}[{hub_split}]"
     else:
-        files = cfg.train_files if split == "train" else cfg.eval_files
         key = "data.train_files" if split == "train" else "data.eval_files"
-        if not files:
+        if not cfg.paths(split):
             raise DataError(f"{key}: no files configured")
-        paths = [str(Path(root, f)) if not Path(f).is_absolute() else f for f in files]
+        paths = resolve_data_paths(cfg.paths(split), key, root)
         builder = _builder_for(paths)
         try:
             ds = datasets.load_dataset(builder, data_files=paths, split="train")
@@ -103,7 +120,17 @@ class PromptEncoder:
     system_prompt: str | None = None
     overlong: Literal["truncate", "error"] = "truncate"
     prompt_format: Literal["auto", "chat"] = "auto"
+    chat_template_kwargs: dict = field(default_factory=dict)
     truncated_count: int = field(default=0, init=False)
+
+    @classmethod
+    def from_config(cls, tokenizer, data: DataConfig, max_prompt_length: int | None) -> PromptEncoder:
+        """The one way every stage builds its encoder: ``data.*`` says how a row becomes a prompt.
+
+        max_prompt_length: ``train.max_prompt_length`` (validate passes None: it counts whole prompts and
+        judges the lengths itself)."""
+        return cls(tokenizer, max_prompt_length, data.system_prompt, data.overlong_prompt, data.prompt_format,
+                   dict(data.chat_template_kwargs))
 
     def render(self, prompt: Any) -> str:
         if self.prompt_format == "chat" and isinstance(prompt, str):
@@ -115,7 +142,8 @@ class PromptEncoder:
             if getattr(self.tokenizer, "chat_template", None) is None:
                 raise DataError("a chat-format prompt needs a tokenizer with a chat template "
                                 f"({type(self.tokenizer).__name__} has none)")
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                      **self.chat_template_kwargs)
         if not isinstance(prompt, str):
             raise DataError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
         if self.system_prompt:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -63,12 +64,22 @@ def apply_cpu_threads(cfg: ModelConfig) -> None:
         torch.set_num_threads(cfg.cpu_threads)
 
 
-def load_model(cfg: ModelConfig, root: str | Path = "."):
+def compute_device() -> torch.device:
+    """Where every stage runs the model: this process's GPU when there is one (LOCAL_RANK under a launcher),
+    else the CPU - the choice the trainer's Accelerator makes, shared by calibrate and evaluate."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def load_model(cfg: ModelConfig, root: str | Path = ".", dtype: torch.dtype | None = None):
+    """A causal LM from ``model.name_or_path`` in ``dtype`` (default: ``model.dtype``)."""
     from transformers import AutoModelForCausalLM
 
     apply_cpu_threads(cfg)
     path = resolve_model_path(cfg.name_or_path, root)
-    kwargs = {"dtype": DTYPES[cfg.dtype], "trust_remote_code": cfg.trust_remote_code, "use_safetensors": True}
+    kwargs = {"dtype": dtype or DTYPES[cfg.dtype], "trust_remote_code": cfg.trust_remote_code,
+              "use_safetensors": True}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     try:
@@ -78,15 +89,73 @@ def load_model(cfg: ModelConfig, root: str | Path = "."):
                              f"(safetensors weights required): {err}") from err
 
 
-def load_policy(cfg: ModelConfig, root: str | Path = ".", gradient_checkpointing: bool = False):
-    """(model, tokenizer): trainable policy, with LoRA adapters when ``cfg.lora`` is set."""
+def check_model_folder(cfg: ModelConfig, root: str | Path = ".") -> str:
+    """Fail fast (in validate) on a model that would not load in calibrate or train; returns what was checked.
+
+    Reads the config and the safetensors headers (no weights) and compares the tensor names with the ones the
+    architecture expects; only when they differ (a checkpoint whose names transformers converts on load) does
+    it load the model for real, so a mismatch is judged by ``from_pretrained`` itself."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = resolve_model_path(cfg.name_or_path, root)
+    if not Path(path).is_dir():
+        return f"{path}: a hub id, not checked offline"
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"model.name_or_path: '{path}' has no readable config.json: {err}") from err
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"model.name_or_path: '{path}' holds no *.safetensors weights (safetensors weights "
+                             "required; pickled .bin files are refused)")
+    from safetensors import safe_open
+
+    found: set[str] = set()
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                found.update(fh.keys())
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+            raise ModelLoadError(f"model.name_or_path: {f} is not a readable safetensors file: {err}") from err
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        expected = set(AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+                       .state_dict())
+    missing = {k for k in expected - found if not (k.startswith("lm_head") and config.tie_word_embeddings)}
+    if missing:
+        load_model(cfg, root)  # names transformers may convert: the real load decides (and raises ModelLoadError)
+    return f"{path}: {config.model_type}, {len(found)} tensors in {len(files)} safetensors file(s)"
+
+
+def load_for_inference(cfg: ModelConfig, root: str | Path = "."):
+    """(model, tokenizer) for sampling (calibrate, evaluate): ``model.dtype`` weights, eval mode, on
+    ``compute_device()`` - the device the trainer samples on."""
     tokenizer = load_tokenizer(cfg, root)
-    model = load_model(cfg, root)
+    model = load_model(cfg, root).to(compute_device())
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    return model.eval(), tokenizer
+
+
+def load_policy(cfg: ModelConfig, root: str | Path = ".", gradient_checkpointing: bool = False):
+    """(model, tokenizer): trainable policy, with LoRA adapters when ``cfg.lora`` is set.
+
+    Trainable weights are float32 master weights whatever ``model.dtype`` says: AdamW on bf16 weights
+    rounds an update smaller than half a bf16 step (~0.4 % of the weight) away, so a run at lr 1e-6 barely
+    moves. ``train.mixed_precision`` runs the forward and backward in bf16/fp16 under autocast (TRL's
+    convention) and the export casts back to ``model.dtype``. Under LoRA the frozen base stays in
+    ``model.dtype`` and only the adapters are float32 (peft's ``autocast_adapter_dtype``).
+    """
+    tokenizer = load_tokenizer(cfg, root)
+    model = load_model(cfg, root, dtype=None if cfg.lora is not None else torch.float32)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    if gradient_checkpointing:  # newer transformers call it activation checkpointing
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
         model.config.use_cache = False
+        if cfg.lora is not None:  # frozen embeddings: the checkpointed blocks need an input that requires grad
+            model.enable_input_require_grads()
     if cfg.lora is not None:
         try:
             from peft import LoraConfig, get_peft_model
@@ -94,8 +163,17 @@ def load_policy(cfg: ModelConfig, root: str | Path = ".", gradient_checkpointing
             raise ModelLoadError("model.lora: LoRA needs peft; install the extra: pip install -e '.[lora]'") from err
         lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.lora_alpha, lora_dropout=cfg.lora.lora_dropout,
                           target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM")
-        model = get_peft_model(model, lora)
+        model = get_peft_model(model, lora, autocast_adapter_dtype=True)
     return model, tokenizer
+
+
+def is_peft_model(model) -> bool:
+    """True for a peft-wrapped model (LoRA); peft is optional, so a missing peft means no."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
 
 
 class AdapterDisabledReference(torch.nn.Module):

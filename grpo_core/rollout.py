@@ -177,6 +177,18 @@ def decode_completions(tokenizer, batch: RolloutBatch) -> list[str]:
     return texts
 
 
+def backend_for(model: torch.nn.Module, tokenizer, t, *, rank: int = 0, local_rank: int = 0, world_size: int = 1):
+    """The rollout backend ``train.generation_backend`` names, with its options from ``t`` (a TrainConfig):
+    the trainer, calibrate and evaluate all sample through this, so they sample the same way."""
+    if t.generation_backend != "vllm":
+        return default_backend(model, tokenizer, t.generation_backend)
+    return default_backend(
+        model, tokenizer, "vllm", gpu_memory_utilization=t.vllm_gpu_memory_utilization,
+        enable_sleep_mode=t.vllm_enable_sleep_mode, seed=t.seed, rank=rank, local_rank=local_rank,
+        world_size=world_size,
+        max_model_length=t.max_prompt_length and t.max_prompt_length + t.max_completion_length)
+
+
 def default_backend(model: torch.nn.Module, tokenizer, choice: str = "auto", **vllm_options):
     """The rollout backend for ``model``, chosen in one place (``train.generation_backend``).
 

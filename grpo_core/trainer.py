@@ -45,9 +45,9 @@ from grpo_core.guards import GuardEvent, GuardMonitor, GuardStop, decide
 from grpo_core.logprobs import token_logprobs_and_entropy
 from grpo_core.loss import grpo_loss
 from grpo_core.microbatch import length_grouped_order
-from grpo_core.modeling import load_policy, load_reference
+from grpo_core.modeling import DTYPES, is_peft_model, load_policy, load_reference
 from grpo_core.rewards import build_reward_functions, score_completions
-from grpo_core.rollout import RolloutBackend, SamplingParams, decode_completions, default_backend
+from grpo_core.rollout import RolloutBackend, SamplingParams, backend_for, decode_completions
 
 log = logging.getLogger(__name__)
 
@@ -305,8 +305,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
     model, tokenizer = load_policy(cfg.model, root, gradient_checkpointing=t.gradient_checkpointing)
     ref_model = load_reference(cfg.model, root, model) if t.beta > 0 else None
     dataset = load_split(cfg.data, "train", root)
-    encoder = PromptEncoder(tokenizer, t.max_prompt_length, cfg.data.system_prompt, cfg.data.overlong_prompt,
-                            cfg.data.prompt_format)
+    encoder = PromptEncoder.from_config(tokenizer, cfg.data, t.max_prompt_length)
     reward_fns = build_reward_functions(cfg.rewards)
     reward_names = [r.name for r in cfg.rewards]
     weights = torch.tensor(reward_weights if reward_weights is not None else [1.0] * len(reward_fns))
@@ -317,13 +316,9 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
     if ref_model is not None and not getattr(ref_model, "_is_adapter_view", False):
         ref_model.to(accelerator.device)
     policy = accelerator.unwrap_model(model)
-    vllm_options = {} if t.generation_backend != "vllm" else dict(
-        gpu_memory_utilization=t.vllm_gpu_memory_utilization, enable_sleep_mode=t.vllm_enable_sleep_mode,
-        max_model_length=t.max_prompt_length and t.max_prompt_length + t.max_completion_length, seed=t.seed,
-        rank=accelerator.process_index, local_rank=accelerator.local_process_index,
-        world_size=accelerator.num_processes)
-    backend = (backend_factory or (lambda m, tok: default_backend(m, tok, t.generation_backend, **vllm_options)))(
-        policy, tokenizer)
+    backend = (backend_factory or (lambda m, tok: backend_for(
+        m, tok, t, rank=accelerator.process_index, local_rank=accelerator.local_process_index,
+        world_size=accelerator.num_processes)))(policy, tokenizer)
 
     # Resume ---------------------------------------------------------------------------------------
     G = t.num_generations
@@ -489,7 +484,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
 
     # Final model: the newest checkpoint's weights, in HF format, written atomically -----------------
     if accelerator.is_main_process:
-        _export_model(policy, tokenizer, model_dir)
+        _export_model(policy, tokenizer, model_dir, DTYPES[cfg.model.dtype])
     accelerator.wait_for_everyone()
     return TrainResult(step, model_dir, log_path, ckpt_dir, resumed_from, metrics)
 
@@ -598,8 +593,26 @@ def _tag(tracker, tags: dict) -> None:
 
 
 def _load_weights(model, path: Path) -> None:
+    """A checkpoint's trained weights into ``model``: every weight, or under LoRA the adapters alone (what
+    peft's ``save_pretrained`` wrote, in its own key names)."""
     from safetensors.torch import load_file
 
+    if is_peft_model(model):
+        from peft import set_peft_model_state_dict
+
+        adapter = path / "adapter_model.safetensors"
+        if not adapter.is_file():
+            raise TrainingError(f"{path}: no adapter_model.safetensors; the checkpoint was not written by a LoRA "
+                                "run (model.lora is set now)")
+        state = load_file(adapter)
+        result = set_peft_model_state_dict(model, state)
+        lora_keys = [k for k, _ in model.named_parameters() if "lora_" in k]
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if result.unexpected_keys or missing or len(state) != len(lora_keys):
+            raise TrainingError(f"{path}: checkpoint adapters do not match the model (missing {missing[:5]}, "
+                                f"unexpected {list(result.unexpected_keys)[:5]}; {len(state)} tensors saved, "
+                                f"{len(lora_keys)} adapter weights in the model)")
+        return
     files = sorted(path.glob("*.safetensors"))
     files = [f for f in files if f.name != "reference.safetensors"]
     state = {}
@@ -634,16 +647,20 @@ def _json_bytes(obj) -> bytes:
     return json.dumps(obj).encode()
 
 
-def _export_model(policy, tokenizer, model_dir: Path) -> None:
-    """Save the final policy (merging LoRA adapters) with save_pretrained, via a temp dir + rename."""
+def _export_model(policy, tokenizer, model_dir: Path, dtype: torch.dtype) -> None:
+    """The final policy in ``model.dtype``, HF format, via a temp dir + rename. Under LoRA: the merged model
+    (base + adapters, loadable with ``from_pretrained``) with the adapters themselves in ``adapter/``."""
     import shutil
 
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = model_dir.with_name(model_dir.name + f".tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
-    to_save = policy.merge_and_unload() if hasattr(policy, "merge_and_unload") else policy
-    to_save.save_pretrained(tmp, safe_serialization=True)
+    if is_peft_model(policy):
+        policy.save_pretrained(tmp / "adapter", safe_serialization=True)
+        tokenizer.save_pretrained(tmp / "adapter")
+        policy = policy.merge_and_unload()
+    policy.to(dtype).save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     if model_dir.exists():
         shutil.rmtree(model_dir)

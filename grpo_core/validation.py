@@ -310,6 +310,38 @@ def _gold_reward_checks(df: pd.DataFrame, split: str, rows: list[Any], parsed: d
     return failures, not_applicable
 
 
+def reward_smoke_failures(df: pd.DataFrame, reward_fns: Sequence[Callable[..., list]], num_rows: int = 4,
+                          prompt_column: str = "prompt", answer_column: str = "answer") -> list[dict]:
+    """Call every reward function once on the first ``num_rows`` rows, the way training will (the TRL
+    signature, every other column as a keyword list), with a gold-style completion; a reward that raises,
+    or returns the wrong number of values or something other than numbers and None, is a failure here
+    rather than a crash at calibrate or in the middle of training."""
+    sub = df.head(num_rows)
+    if sub.empty:
+        return []
+    prompts = sub[prompt_column].tolist()
+    answers = sub[answer_column].tolist() if answer_column in sub.columns else [""] * len(sub)
+    texts = [gold_completion_text(a, None) for a in answers]
+    completions = [[{"role": "assistant", "content": t}] if _as_messages(p) is not None else t
+                   for p, t in zip(prompts, texts)]
+    columns = {c: sub[c].tolist() for c in sub.columns if c != prompt_column}
+    columns["completion_ids"] = [[] for _ in texts]
+    failures = []
+    for fn in reward_fns:
+        name = getattr(fn, "__name__", repr(fn))
+        try:
+            values = list(fn(prompts, completions, **columns))
+            if len(values) != len(texts):
+                raise ValueError(f"returned {len(values)} values for {len(texts)} completions")
+            bad = [v for v in values if v is not None and not isinstance(v, (int, float))]
+            if bad:
+                raise TypeError(f"returned {type(bad[0]).__name__} {bad[0]!r}; expected float or None")
+        except Exception as exc:  # noqa: BLE001 - any error of the reward is the finding
+            failures.append(_row("train", None, "rewards", f"reward_smoke:{name}",
+                                 f"reward {name!r} failed on the first {len(texts)} rows: {type(exc).__name__}: {exc}"))
+    return failures
+
+
 def _split_checks(df: pd.DataFrame, split: str, *, require_answer: bool, parse_gold: Callable[[Any], Any],
                   reward_fns: Sequence[Callable[..., list]] | None,
                   count_tokens: Callable[[Any], int] | None, max_prompt_length: int | None,
@@ -390,13 +422,15 @@ def validate_frames(train_df: pd.DataFrame, eval_df: pd.DataFrame | None, *, req
                     reward_fns_for_gold: list | None = None, count_tokens: Callable[[Any], int] | None = None,
                     max_prompt_length: int | None = None, overlong_policy: str = "truncate",
                     max_report_rows: int = 1000, prompt_column: str = "prompt", answer_column: str = "answer",
-                    parse_gold: Callable[[Any], Any] | None = None) -> ValidationReport:
+                    parse_gold: Callable[[Any], Any] | None = None,
+                    reward_fns_for_smoke: list | None = None) -> ValidationReport:
     """Validate both splits, collecting every failure (see the module docstring for the checks).
 
     ``reward_fns_for_gold``: the correctness rewards (TRL signature) the gold completion must max out;
     None/[] skips the smoke test. ``count_tokens`` is called with the raw prompt - a string, or the list
     of messages for chat prompts (so the caller can apply the chat template). ``eval_df`` may be None.
-    ``parse_gold`` defaults to ``grpo_core.rewards.parse_gold``.
+    ``parse_gold`` defaults to ``grpo_core.rewards.parse_gold``. ``reward_fns_for_smoke``: every configured
+    reward, called once on a few train rows (``reward_smoke_failures``).
     """
     if overlong_policy not in OVERLONG_POLICIES:
         raise ValueError(f"overlong_policy must be one of {OVERLONG_POLICIES}, got {overlong_policy!r}")
@@ -428,6 +462,8 @@ def validate_frames(train_df: pd.DataFrame, eval_df: pd.DataFrame | None, *, req
                          "completion(s); those rows were not smoke-tested")
     if eval_df is not None:
         failures += _overlap_failures(train_df, eval_df, "prompt")
+    if reward_fns_for_smoke:
+        failures += reward_smoke_failures(train_df, reward_fns_for_smoke)
 
     summary: dict[str, Any] = {
         "total_failures": len(failures),

@@ -53,7 +53,9 @@ def test_example_configs_validate(path):
         (lambda d: d["evaluate"].update(pass_k=[16]), "evaluate.pass_k: k=16 must be between 1 and"),
         (lambda d: d["embedded"].update(label_noise=1.5), "embedded.label_noise: 1.5 is out of range"),
         (lambda d: d.update(rewards=[]), "rewards: at least one reward function is required"),
-        (lambda d: d["data"].update(train_files="x.jsonl"), "data.train_files: expected a list"),
+        (lambda d: d["data"].update(train_files=5), "data.train_files: 5 is not str | list[str]"),
+            (lambda d: d["embedded"].update(model_dir="elsewhere"), "embedded.model_dir: 'elsewhere'; dvc.yaml names"),
+            (lambda d: d["model"].update(lora={"r": 4}) or d["train"].update(sync_ref_model=True), "train.sync_ref_model: not with model.lora"),
     ],
 )
 def test_bad_params_name_the_key(mutate, message):

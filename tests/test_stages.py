@@ -207,14 +207,13 @@ def test_calibrate_stage_writes_weights_difficulty_report_and_logs_a_child_run(t
 
 
 # Imported by a stage but deliberately not its dvc.yaml dep (dvc.yaml's header says why): plumbing that
-# changes nothing a stage computes, config code whose values reach stages as params, and the vLLM backend,
-# which only `train.generation_backend: vllm` reaches (calibrate and evaluate always sample with auto).
+# changes nothing a stage computes, and config code whose values reach stages as params.
 NOT_DEPS = {
     "*": {"flows/stages/runs.py", "grpo_core/tracking.py", "grpo_core/embedded/config.py"},
     "prepare": {"grpo_core/config.py", "grpo_core/guards.py"},
     "validate": {"grpo_core/config.py", "grpo_core/guards.py"},
-    "calibrate": {"grpo_core/config.py", "grpo_core/guards.py", "grpo_core/vllm_backend.py"},
-    "evaluate": {"grpo_core/config.py", "grpo_core/guards.py", "grpo_core/vllm_backend.py"},
+    "calibrate": {"grpo_core/config.py", "grpo_core/guards.py"},
+    "evaluate": {"grpo_core/config.py", "grpo_core/guards.py"},
 }
 
 

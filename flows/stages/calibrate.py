@@ -126,14 +126,12 @@ def report_markdown(out: dict, difficulty: dict, cfg, samples: list[dict]) -> st
 
 
 def run(ctx) -> int:
-    import torch
-
     from flows.stages.common import quiet_libraries
     from grpo_core.calibration import calibrate_weights
     from grpo_core.data import PromptEncoder, load_split
-    from grpo_core.modeling import load_policy
+    from grpo_core.modeling import load_for_inference
     from grpo_core.rewards import build_reward_functions
-    from grpo_core.rollout import SamplingParams
+    from grpo_core.rollout import SamplingParams, backend_for
     from grpo_core.sampling import sample_and_score
 
     quiet_libraries()
@@ -153,12 +151,8 @@ def run(ctx) -> int:
             indices = sorted(int(i) for i in rng.choice(num_train, size=min(c.num_prompts, num_train), replace=False))
             rows = [dataset[i] for i in indices]
             # the base policy as loaded: LoRA adapters (model.lora) would only add zero-initialised weights
-            model, tokenizer = load_policy(dataclasses.replace(cfg.model, lora=None), ctx.root)
-            if torch.cuda.is_available():
-                model.to("cuda")
-            model.eval()
-            encoder = PromptEncoder(tokenizer, cfg.train.max_prompt_length, cfg.data.system_prompt,
-                                    cfg.data.overlong_prompt)
+            model, tokenizer = load_for_inference(dataclasses.replace(cfg.model, lora=None), ctx.root)
+            encoder = PromptEncoder.from_config(tokenizer, cfg.data, cfg.train.max_prompt_length)
             G = c.num_generations
             sampling = SamplingParams(max_new_tokens=cfg.train.max_completion_length, temperature=c.temperature,
                                       top_p=cfg.train.top_p, top_k=cfg.train.top_k)
@@ -167,7 +161,8 @@ def run(ctx) -> int:
             res = sample_and_score(model, tokenizer, rows, encoder, build_reward_functions(cfg.rewards),
                                    num_generations=G, sampling=sampling, batch_size=batch_size,
                                    on_error=cfg.train.reward_errors, seed=c.seed,
-                                   reward_timeout_s=cfg.train.reward_timeout_s)
+                                   reward_timeout_s=cfg.train.reward_timeout_s,
+                                   backend=backend_for(model, tokenizer, cfg.train))
             out = calibrate_weights(res.rewards, G, names, [r.target_share for r in cfg.rewards],
                                     dead_std_threshold=c.dead_std_threshold, dominant_share=c.dominant_share,
                                     correctness_index=reward_index(cfg, CORRECTNESS_FUNCTIONS))

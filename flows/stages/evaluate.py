@@ -114,20 +114,21 @@ def sample_policy(policy: str, model_cfg, cfg, ctx, rows: list[dict], indices: l
     import torch
 
     from grpo_core.data import PromptEncoder
-    from grpo_core.modeling import load_policy
+    from grpo_core.modeling import load_for_inference
     from grpo_core.rewards import build_reward_functions
-    from grpo_core.rollout import SamplingParams
+    from grpo_core.rollout import SamplingParams, backend_for
     from grpo_core.sampling import sample_and_score
 
     e = cfg.evaluate
     names = [r.name for r in cfg.rewards]
     correct_fn, correct_value, format_fn = _judges(cfg)
     fns = [*build_reward_functions(cfg.rewards), correct_fn, format_fn]
-    model, tokenizer = load_policy(model_cfg, ctx.root)
-    if torch.cuda.is_available():
-        model.to("cuda")
-    model.eval()
-    encoder = PromptEncoder(tokenizer, cfg.train.max_prompt_length, cfg.data.system_prompt, cfg.data.overlong_prompt)
+    model, tokenizer = load_for_inference(model_cfg, ctx.root)
+    encoder = PromptEncoder.from_config(tokenizer, cfg.data, cfg.train.max_prompt_length)
+    # sampled as train samples (train.generation_backend, on the trainer's device); a vLLM engine sized for
+    # the longer of the two completion lengths
+    backend = backend_for(model, tokenizer, dataclasses.replace(
+        cfg.train, max_completion_length=max(cfg.train.max_completion_length, e.max_completion_length)))
     modes = {
         "greedy": (1, SamplingParams(max_new_tokens=e.max_completion_length, do_sample=False), None),
         "sampled": (e.num_generations, SamplingParams(max_new_tokens=e.max_completion_length,
@@ -139,7 +140,7 @@ def sample_policy(policy: str, model_cfg, cfg, ctx, rows: list[dict], indices: l
             res = sample_and_score(model, tokenizer, rows, encoder, fns, num_generations=G, sampling=sampling,
                                    batch_size=max(1, e.batch_size // G) if mode == "sampled" else e.batch_size,
                                    on_error=cfg.train.reward_errors, seed=seed,
-                                   reward_timeout_s=cfg.train.reward_timeout_s)
+                                   reward_timeout_s=cfg.train.reward_timeout_s, backend=backend)
             K = len(names)
             for r, text in enumerate(res.texts):
                 p = res.prompt_of(r)

@@ -1,22 +1,31 @@
 """`prepare` (embedded default only): synthetic train/eval prompts and the tiny warm-started base model.
 
-Outputs: ``<embedded.data_dir>/{train,eval}.jsonl`` and ``<embedded.model_dir>/`` (written atomically by
-``grpo_core.embedded.build.prepare``). With your own data and model the stage still runs (it is cheap); point
-``data.*`` / ``model.name_or_path`` elsewhere and downstream stages ignore what it wrote.
+Outputs (dvc.yaml): ``data/prepared/{train,eval}.jsonl`` and ``artifacts/base_model/`` (written atomically by
+``grpo_core.embedded.build.prepare``). With your own data and model, params.yaml says ``embedded: null`` and
+the stage does no work: it leaves both folders empty (DVC still wants its outputs to exist) and says so.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import sys
+
+from grpo_core.embedded.config import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR
 
 
 def run(ctx) -> int:
     from flows.stages.common import quiet_libraries
     from grpo_core.embedded.build import prepare
 
-    quiet_libraries()
     emb = ctx.cfg.embedded
+    if emb is None:
+        for folder in (EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR):
+            shutil.rmtree(ctx.path(folder), ignore_errors=True)
+            ctx.path(folder).mkdir(parents=True)
+        print("prepare: embedded: null - the embedded default is not used; nothing to prepare", file=sys.stderr)
+        return 0
+    quiet_libraries()
     cfg = dataclasses.replace(emb, data_dir=str(ctx.path(emb.data_dir)), model_dir=str(ctx.path(emb.model_dir)))
     with ctx.stage_run() as run:
         summary = prepare(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))

@@ -42,20 +42,27 @@ class ValidationFailed(RuntimeError):
 def _local_frame(ctx, files: list[str], key: str):
     import pandas as pd
 
+    from grpo_core.data import resolve_data_paths
     from grpo_core.validation import load_frame
 
     if not files:
         raise StageConfigError(f"{key}: no files configured (or set data.hub_dataset)")
+    paths = resolve_data_paths(files, key, ctx.root)
     frames = []
-    for f in files:
-        path = ctx.path(f)
-        if not path.is_file():
-            raise StageInputError(f"{key}: {path} does not exist")
+    for path in paths:
         frame = load_frame(path)
-        if len(files) > 1:  # rows are named <file>:<record> so the report says where they are
-            frame.index = [f"{f}:{i}" for i in range(len(frame))]
+        if len(paths) > 1:  # rows are named <file>:<record> so the report says where they are
+            frame.index = [f"{_shown(ctx, path)}:{i}" for i in range(len(frame))]
         frames.append(frame)
     return pd.concat(frames) if len(frames) > 1 else frames[0]
+
+
+def _shown(ctx, path: str) -> str:
+    """A data file's path as the report shows it: relative to the repo when inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(ctx.root.resolve()))
+    except ValueError:
+        return str(path)
 
 
 def load_frames(ctx):
@@ -68,8 +75,8 @@ def load_frames(ctx):
         eval_df = load_split(d, "eval", ctx.root).to_pandas()
         sources = [f"{d.hub_dataset}[{d.train_split}]", f"{d.hub_dataset}[{d.eval_split}]"]
         return train_df, eval_df, sources  # load_split already renamed the columns
-    train_df = _local_frame(ctx, d.train_files, "data.train_files")
-    eval_df = _local_frame(ctx, d.eval_files, "data.eval_files")
+    train_df = _local_frame(ctx, d.paths("train"), "data.train_files")
+    eval_df = _local_frame(ctx, d.paths("eval"), "data.eval_files")
     rename = {}
     if d.prompt_column != "prompt":
         rename[d.prompt_column] = "prompt"
@@ -78,7 +85,7 @@ def load_frames(ctx):
     if rename:
         train_df = train_df.drop(columns=[c for c in rename.values() if c in train_df.columns]).rename(columns=rename)
         eval_df = eval_df.drop(columns=[c for c in rename.values() if c in eval_df.columns]).rename(columns=rename)
-    return train_df, eval_df, [*d.train_files, *d.eval_files]
+    return train_df, eval_df, [*d.paths("train"), *d.paths("eval")]
 
 
 def _to_parquet(df, path: Path) -> None:
@@ -90,29 +97,49 @@ def _to_parquet(df, path: Path) -> None:
         df.to_parquet(tmp, index=False)
 
 
+def check_prompts_render(encoder, train_df, cfg) -> None:
+    """The first train prompt through the encoder every stage uses: a chat-format prompt with a tokenizer that
+    has no chat template fails here, naming the keys, instead of at calibrate."""
+    from grpo_core.data import DataError
+
+    if train_df.empty or "prompt" not in train_df.columns:
+        return  # the schema checks report it
+    try:
+        encoder.render(train_df["prompt"].iloc[0])
+    except DataError as err:
+        raise DataError(f"model.name_or_path '{cfg.model.name_or_path}' with data.prompt_format "
+                        f"'{cfg.data.prompt_format}': the train prompts cannot be rendered: {err}") from err
+
+
 def run(ctx) -> int:
     from flows.stages.common import quiet_libraries
     from grpo_core.data import PromptEncoder
-    from grpo_core.modeling import load_tokenizer
+    from grpo_core.modeling import check_model_folder, load_tokenizer
     from grpo_core.rewards import build_reward_functions
     from grpo_core.validation import validate_frames
 
     quiet_libraries()
     cfg = ctx.cfg
+    # fail fast on what would fail later: every reward must import (exit 2), the model folder must load (5)
+    reward_fns = build_reward_functions(cfg.rewards)
     with ctx.stage_run() as run:
+        model_checked = check_model_folder(cfg.model, ctx.root)
         train_df, eval_df, sources = load_frames(ctx)
         tokenizer = load_tokenizer(cfg.model, ctx.root)
-        encoder = PromptEncoder(tokenizer, None, cfg.data.system_prompt)
+        encoder = PromptEncoder.from_config(tokenizer, cfg.data, None)
+        check_prompts_render(encoder, train_df, cfg)
         correctness = [spec for spec in cfg.rewards if spec.function in CORRECTNESS_FUNCTIONS]
         gold_fns = build_reward_functions(correctness) if cfg.validate.check_gold_reward and correctness else None
         report = validate_frames(
             train_df, eval_df, require_answer=bool(correctness), reward_fns_for_gold=gold_fns,
             count_tokens=lambda prompt: len(encoder.encode(prompt)),
             max_prompt_length=cfg.train.max_prompt_length, overlong_policy=cfg.data.overlong_prompt,
-            max_report_rows=cfg.validate.max_report_rows)
+            max_report_rows=cfg.validate.max_report_rows, reward_fns_for_smoke=reward_fns)
 
-        header = (f"sources: train = {', '.join(sources[:len(cfg.data.train_files) or 1])}; "
-                  f"eval = {', '.join(sources[len(cfg.data.train_files) or 1:])} "
+        n_train = len(cfg.data.paths("train")) or 1
+        header = (f"model: {model_checked}\n"
+                  f"sources: train = {', '.join(sources[:n_train])}; "
+                  f"eval = {', '.join(sources[n_train:])} "
                   "(row = 0-based record number in the file; <file>:<record> when a split has several files)")
         text = report.to_text() + "\n" + header + "\n"
         write_json_atomic(ctx.path(REPORT_JSON), {**report.to_dict(), "sources": sources})
@@ -123,7 +150,7 @@ def run(ctx) -> int:
                          "validation/train_rows": len(train_df), "validation/eval_rows": len(eval_df)})
         run.set_tags({"validation": "passed" if report.ok else "failed"})
         if not cfg.data.hub_dataset:
-            run.log_data_hashes([*cfg.data.train_files, *cfg.data.eval_files])
+            run.log_data_hashes([*cfg.data.paths("train"), *cfg.data.paths("eval")])
         run.log_artifact(ctx.path(REPORT_JSON), "reports")
         run.log_artifact(ctx.path(REPORT_TXT), "reports")
 

@@ -11,6 +11,10 @@ from typing import Any, Literal
 
 TaskName = Literal["arithmetic", "multiple_choice"]
 
+#: prepare's outputs in dvc.yaml: the embedded default's data and base model.
+EMBEDDED_DATA_DIR = "data/prepared"
+EMBEDDED_MODEL_DIR = "artifacts/base_model"
+
 
 def _f(default: Any, help: str, **bounds: float) -> Any:
     meta = {"help": help, **bounds}
@@ -29,8 +33,10 @@ class EmbeddedConfig:
     shuffle_options: bool = _f(
         False, "shuffle multiple-choice options (else A = sum, B = difference, C/D near misses)"
     )
-    model_dir: str = _f("artifacts/base_model", "where the base model and tokenizer are written")
-    data_dir: str = _f("data/prepared", "where train.jsonl and eval.jsonl are written")
+    # dvc.yaml names these two folders as prepare's outputs, so under `dvc repro` they stay at their defaults
+    # (grpo_core.config refuses other values in params.yaml); other callers of the builder may point them anywhere.
+    model_dir: str = _f(EMBEDDED_MODEL_DIR, "where the base model and tokenizer are written (fixed under DVC)")
+    data_dir: str = _f(EMBEDDED_DATA_DIR, "where train.jsonl and eval.jsonl are written (fixed under DVC)")
     hidden_size: int = _f(96, "model width", ge=8)
     num_hidden_layers: int = _f(3, "transformer blocks", ge=1)
     num_attention_heads: int = _f(4, "attention heads (hidden_size must divide by it)", ge=1)
