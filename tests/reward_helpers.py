@@ -59,3 +59,8 @@ def correctness_falling(prompts, completions, **kwargs):
     """A correctness reward that drops 0.1 per call (answers getting worse meanwhile)."""
     _hack_calls["correctness"] += 1
     return [max(0.0, 1.0 - 0.1 * _hack_calls["correctness"])] * len(completions)
+
+
+def always_raises(prompts, completions, **kwargs):
+    """A reward with a bug every call hits (e.g. a typo in a column name)."""
+    return [float(kwargs["solution"]) for _ in completions]
