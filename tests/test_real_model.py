@@ -5,7 +5,6 @@ as README's "Switching to a real model" section says (sizes scaled by a params o
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -238,7 +237,7 @@ def test_recipe_runs_end_to_end_under_dvc_repro(name, hub_assets, tmp_path):
     """README's "Switching to a real model": the download steps (here: the hub-shaped stand-ins at the same
     paths), `cp configs/<name> params.yaml`, `dvc repro`; sizes scaled by OVERLAY. Then an edit of the data
     file re-runs validate and everything after it."""
-    from tests.test_pipeline import GIT, dvc, make_clone, run
+    from tests.test_pipeline import dvc, make_clone, run
 
     repo = make_clone(tmp_path / "repo")
     model, gsm8k = hub_assets
@@ -263,6 +262,8 @@ def test_recipe_runs_end_to_end_under_dvc_repro(name, hub_assets, tmp_path):
     lora = recipe(name)["model"]["lora"] is not None
     assert (repo / "artifacts/model/adapter/adapter_model.safetensors").is_file() == lora
     assert dvc(repo, "status").stdout.strip().endswith("Data and pipelines are up to date.")
+    if lora:
+        return  # the DAG check below is the same for both recipes
 
     # the DAG follows the file params.yaml names: edit it, and validate and everything after it re-run
     import pandas as pd
@@ -271,4 +272,5 @@ def test_recipe_runs_end_to_end_under_dvc_repro(name, hub_assets, tmp_path):
     pd.read_parquet(path).iloc[:-1].to_parquet(path, index=False)
     status = dvc(repo, "status").stdout
     assert "validate" in status and "modified:" in status and "train-00000-of-00001.parquet" in status
-    run(repo, *GIT, "status", "--short")  # the clone stays a working git repo
+    out = dvc(repo, "repro", "--dry", timeout=300).stdout  # (a dry run cannot know validate's outputs change,
+    assert "Running stage 'validate'" in out and "Running stage 'prepare'" not in out  # so it stops there)

@@ -25,7 +25,6 @@ from flows.stages.common import (
     VALIDATED_EVAL,
     VALIDATED_TRAIN,
     StageConfigError,
-    StageInputError,
     atomic_output,
     write_json_atomic,
     write_text_atomic,
