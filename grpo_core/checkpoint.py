@@ -2,7 +2,9 @@
 
 ``<dir>/checkpoint-<step>/`` holds everything a bit-exact resume needs:
 
-- ``model.safetensors`` + config + tokenizer (HF format, ``save_pretrained``) — loadable on its own;
+- ``model.safetensors`` + config + tokenizer (HF format, ``save_pretrained``) — loadable on its own; under
+  LoRA ``adapter_model.safetensors`` + ``adapter_config.json`` instead (peft's format: the adapters alone,
+  the frozen base is not copied into every checkpoint);
 - ``optimizer.pt``, ``scheduler.pt`` — loaded with ``torch.load(weights_only=True)``;
 - ``rollout_buffer.pt`` — the generation batch in use when a step boundary falls inside it
   (``num_iterations`` > 1 or ``steps_per_generation`` > 1), else absent;

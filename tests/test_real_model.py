@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from tests.hub_fixture import CHATML_TEMPLATE, IM_END, gsm8k_rows, make_chat_model, make_gsm8k
+from tests.tiny import in_stage_repo
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
@@ -106,14 +107,7 @@ def chat_repo(tmp_path, monkeypatch, hub_assets):
     raw = scaled(recipe("gsm8k-qwen2.5-0.5b.yaml"))
     raw["train"].update(mixed_precision="no", gradient_checkpointing=False, max_steps=1)
     raw["data"]["chat_template_kwargs"] = {"enable_thinking": False}
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    monkeypatch.setenv("GRPO_RUN_GROUP", "test-real-model")
-    for var in ("GRPO_PARENT_RUN_ID", "GRPO_FLOW_RUN_ID", "DVC_ROOT", "GRPO_EXPERIMENT_NAME"):
-        monkeypatch.delenv(var, raising=False)
-    return tmp_path
+    return in_stage_repo(tmp_path, raw, monkeypatch, "test-real-model")
 
 
 def edit_params(root: Path, edit) -> None:

@@ -151,7 +151,7 @@ def test_difficulty_kept_indices_drop_only_sampled_extremes():
 def tiny_repo(tmp_path, monkeypatch):
     import yaml
 
-    from tests.tiny import make_prompts, make_tiny_model
+    from tests.tiny import in_stage_repo, make_prompts, make_tiny_model
 
     make_tiny_model(tmp_path / "artifacts" / "base_model")
     rows = [json.loads(line) for line in make_prompts(tmp_path / "p.jsonl", n=12).read_text().splitlines()]
@@ -162,14 +162,7 @@ def tiny_repo(tmp_path, monkeypatch):
     raw["train"].update(max_completion_length=6, num_generations=4, per_device_train_batch_size=8)
     raw["rewards"] = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction", "target_share": 0.5},
                       {"name": "correctness", "function": "correctness", "target_share": 0.5}]
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
-    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    monkeypatch.setenv("GRPO_RUN_GROUP", "test-calibrate")
-    for var in ("GRPO_PARENT_RUN_ID", "GRPO_FLOW_RUN_ID", "DVC_ROOT", "GRPO_EXPERIMENT_NAME"):
-        monkeypatch.delenv(var, raising=False)
-    return tmp_path
+    return in_stage_repo(tmp_path, raw, monkeypatch, "test-calibrate")
 
 
 def test_calibrate_stage_writes_weights_difficulty_report_and_logs_a_child_run(tiny_repo):

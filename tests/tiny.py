@@ -60,3 +60,18 @@ def random_qwen2(vocab_size: int = 37, seed: int = 0):
     config = Qwen2Config(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     return Qwen2ForCausalLM(config).eval()
+
+
+def in_stage_repo(root: Path, raw: dict, monkeypatch, run_group: str) -> Path:
+    """Make ``root`` a repo root a stage can run in, in-process: ``raw`` as params.yaml, a stub dvc.yaml, the
+    cwd there, and a private MLflow store and run group (no run ids inherited from the caller)."""
+    import yaml
+
+    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    (root / "dvc.yaml").write_text("stages: {}\n")
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    monkeypatch.setenv("GRPO_RUN_GROUP", run_group)
+    for var in ("GRPO_PARENT_RUN_ID", "GRPO_FLOW_RUN_ID", "DVC_ROOT", "GRPO_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    return root
