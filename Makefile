@@ -16,7 +16,7 @@ export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 # (torch>=2.13,<2.15) is then already satisfied, so pip never fetches a CUDA build.
 # The project itself goes in through uv for one reason: requirements/overrides.txt (prefect 3.9.x names
 # a certifi release the index does not serve; pip has no way to override a dependency's pin).
-$(STAMP): pyproject.toml requirements/overrides.txt
+$(STAMP): pyproject.toml requirements/overrides.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q "uv>=0.5"

@@ -257,3 +257,25 @@ def test_every_module_a_stage_runs_is_its_dvc_dep(stage):
     missing = sorted(f for f in files - allowed if not any(f == d or f.startswith(d.rstrip("/") + "/") for d in deps))
     assert missing == [], f"dvc.yaml stage {stage} runs these files without listing them as deps"
     assert allowed - NOT_DEPS["*"] <= files, "an exception for a file the stage no longer imports"
+
+
+def test_calibrate_samples_through_the_backend_train_names(tiny_repo, monkeypatch):
+    """train.generation_backend reaches calibrate (as it reaches train and evaluate through rollout.backend_for)."""
+    import yaml
+
+    import grpo_core.rollout as rollout
+    from flows.stages.__main__ import main
+
+    chosen = []
+    real = rollout.default_backend
+
+    def spy(model, tokenizer, choice="auto", **options):
+        chosen.append(choice)
+        return real(model, tokenizer, choice, **options)
+
+    monkeypatch.setattr(rollout, "default_backend", spy)
+    raw = yaml.safe_load((tiny_repo / "params.yaml").read_text())
+    raw["train"]["generation_backend"] = "hf"
+    (tiny_repo / "params.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["calibrate"]) == 0
+    assert chosen == ["hf"]
