@@ -31,11 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from grpo_core.errors import TrainingFailure
+
 STATE_FILE = "trainer_state.json"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(TrainingFailure, RuntimeError):
     """A checkpoint cannot be used (incompatible params, unreadable files); the message says which."""
 
 

@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from grpo_core.embedded.config import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, EmbeddedConfig
+from grpo_core.errors import ConfigurationError
 from grpo_core.guards import GuardsConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(ConfigurationError, ValueError):
     """A params.yaml problem; the message names the key (``section.key``) and what is allowed."""
 
 

@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from grpo_core.config import DataConfig
+from grpo_core.errors import InputUnreadable
 
 log = logging.getLogger(__name__)
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-class DataError(ValueError):
+class DataError(InputUnreadable, ValueError):
     """A dataset problem; the message names the file, split or column."""
 
 

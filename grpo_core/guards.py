@@ -23,6 +23,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+from grpo_core.errors import TrainingFailure
+
 Action = Literal["warn", "skip_step", "stop", "rollback"]
 SEVERITY = {"warn": 0, "skip_step": 1, "rollback": 2, "stop": 3}
 
@@ -73,7 +75,7 @@ class GuardEvent:
     message: str
 
 
-class GuardStop(RuntimeError):
+class GuardStop(TrainingFailure, RuntimeError):
     """Training stopped by a guard; the message names the guard, the step and the value."""
 
 

@@ -9,13 +9,14 @@ from pathlib import Path
 import torch
 
 from grpo_core.config import ModelConfig
+from grpo_core.errors import InputUnreadable
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(InputUnreadable, ValueError):
     """The model or tokenizer cannot be loaded; the message names model.name_or_path."""
 
 

@@ -40,6 +40,7 @@ from grpo_core.checkpoint import (
 )
 from grpo_core.config import PipelineConfig, training_params_hash
 from grpo_core.data import PromptEncoder, completion_for_reward, load_split
+from grpo_core.errors import TrainingFailure
 from grpo_core.fastforward import use_manual_forward
 from grpo_core.guards import GuardEvent, GuardMonitor, GuardStop, decide
 from grpo_core.logprobs import token_logprobs_and_entropy
@@ -52,7 +53,7 @@ from grpo_core.rollout import RolloutBackend, SamplingParams, backend_for, decod
 log = logging.getLogger(__name__)
 
 
-class TrainingError(RuntimeError):
+class TrainingError(TrainingFailure, RuntimeError):
     """Training cannot go on; the message says why."""
 
 

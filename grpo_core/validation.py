@@ -38,6 +38,8 @@ import numpy as np
 import pandas as pd
 from pandera.typing import Series
 
+from grpo_core.errors import InputUnreadable, ValidationFailure
+
 try:
     import pandera.pandas as pa
 except ImportError:  # pandera < 0.24 has no pandera.pandas
@@ -49,11 +51,11 @@ VALUE_CHARS = 200  # report values are truncated to this many characters
 GOLD_REASONING = "Reasoning omitted: validating the gold answer."
 
 
-class DataValidationError(ValueError):
+class DataValidationError(ValidationFailure, ValueError):
     """Raised by ``ValidationReport.raise_for_failures``; the message is the text report."""
 
 
-class DataFileError(ValueError):
+class DataFileError(InputUnreadable, ValueError):
     """A data file that cannot be read; the message names the file (and line for jsonl)."""
 
 

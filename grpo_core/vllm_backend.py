@@ -31,12 +31,13 @@ from collections.abc import Iterable
 
 import torch
 
+from grpo_core.errors import ConfigurationError
 from grpo_core.rollout import RolloutBatch, SamplingParams, assemble_batch, left_pad, pad_and_eos_ids
 
 log = logging.getLogger(__name__)
 
 
-class VLLMUnavailable(RuntimeError):
+class VLLMUnavailable(ConfigurationError, RuntimeError):
     """The vLLM backend cannot run here (no CUDA policy, vLLM missing, a model layout it cannot take)."""
 
 

@@ -22,22 +22,52 @@ REPO = Path(__file__).resolve().parents[1]
 def test_exit_codes_follow_the_exception_class():
     from grpo_core.config import ConfigError
     from grpo_core.data import DataError
+    from grpo_core.guards import GuardStop
+    from grpo_core.trainer import TrainingError
     from grpo_core.validation import DataValidationError
-
-    class TrainingError(RuntimeError):  # matched by name along the MRO, like grpo_core.trainer's
-        pass
+    from grpo_core.vllm_backend import VLLMUnavailable
 
     class Sub(DataError):
+        pass
+
+    class TrainingErrorLookalike(RuntimeError):  # a name is not a category: only the class hierarchy counts
         pass
 
     assert exit_code_for(ConfigError("x")) == EXIT_CONFIG
     assert exit_code_for(DataValidationError("x")) == EXIT_VALIDATION
     assert exit_code_for(Sub("x")) == EXIT_DATA
     assert exit_code_for(TrainingError("x")) == EXIT_TRAINING
-    from grpo_core.guards import GuardStop
-
     assert exit_code_for(GuardStop("x")) == EXIT_TRAINING  # permanent: the Prefect task is not retried
+    assert exit_code_for(VLLMUnavailable("x")) == EXIT_CONFIG  # was 1, so Prefect retried a setup error
+    assert exit_code_for(TrainingErrorLookalike("x")) == EXIT_ERROR
     assert exit_code_for(RuntimeError("x")) == EXIT_ERROR
+    assert isinstance(ConfigError("x"), ValueError) and isinstance(GuardStop("x"), RuntimeError)  # callers' catches
+
+
+# Raised inside one module and handled there, never a stage's failure.
+INTERNAL_ERRORS = {"RewardTimeout", "StageFailed", "PermanentStageFailure", "StageTimeout"}
+
+
+def test_every_error_class_of_the_project_carries_an_exit_code():
+    """A new error class must choose its category (grpo_core.errors): one that does not falls through to exit 1
+    and Prefect retries a failure that cannot heal."""
+    import ast
+
+    from grpo_core.errors import PipelineError
+
+    found = []
+    for path in [*REPO.glob("grpo_core/**/*.py"), *REPO.glob("flows/**/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name.endswith(("Error", "Stop", "Failed", "Unavailable")):
+                found.append((path, node.name))
+    assert len(found) >= 12
+    import importlib
+
+    for path, name in found:
+        if name in INTERNAL_ERRORS or path.name == "errors.py":
+            continue
+        module = importlib.import_module(".".join(path.relative_to(REPO).with_suffix("").parts))
+        assert issubclass(getattr(module, name), PipelineError), f"{path.relative_to(REPO)}: {name}"
 
 
 def test_safe_key_makes_mlflow_accept_eval_metric_names():
@@ -200,9 +230,9 @@ def test_calibrate_stage_writes_weights_difficulty_report_and_logs_a_child_run(t
 
 
 # Imported by a stage but deliberately not its dvc.yaml dep (dvc.yaml's header says why): plumbing that
-# changes nothing a stage computes, and config code whose values reach stages as params.
+# changes nothing a stage computes (MLflow runs, exit codes), and config code whose values reach stages as params.
 NOT_DEPS = {
-    "*": {"flows/stages/runs.py", "grpo_core/tracking.py", "grpo_core/embedded/config.py"},
+    "*": {"flows/stages/runs.py", "grpo_core/tracking.py", "grpo_core/embedded/config.py", "grpo_core/errors.py"},
     "prepare": {"grpo_core/config.py", "grpo_core/guards.py"},
     "validate": {"grpo_core/config.py", "grpo_core/guards.py"},
     "calibrate": {"grpo_core/config.py", "grpo_core/guards.py"},

@@ -10,42 +10,22 @@ Each stage reads params.yaml (``--params`` to override the path), writes only it
 atomically: temp path, then ``os.replace``) and logs an MLflow child run under the pipeline's parent run
 (see ``flows/stages/runs.py``). Stages are thin: the algorithms live in ``grpo_core``.
 
-Exit codes (the Prefect flow reads them to decide what to retry):
+Exit codes (the Prefect flow reads them to decide what to retry) come from the exception itself: every project
+error derives from ``grpo_core.errors.PipelineError`` and carries its ``exit_code``:
     0 ok; 1 unexpected error (retried); 2 bad configuration; 3 data validation failed;
-    4 training failed deterministically (non-finite loss, incompatible checkpoint); 5 data or model
-    cannot be read. 2-5 are permanent: retrying cannot help.
+    4 training failed deterministically (non-finite loss, incompatible checkpoint, a guard stop); 5 data or
+    model cannot be read. 2-5 are permanent: retrying cannot help.
 """
 
+from grpo_core.errors import (  # noqa: F401 - re-exported: the stage CLI and the Prefect flow read them here
+    EXIT_CONFIG,
+    EXIT_DATA,
+    EXIT_ERROR,
+    EXIT_OK,
+    EXIT_TRAINING,
+    EXIT_VALIDATION,
+    PERMANENT_EXIT_CODES,
+    exit_code_for,
+)
+
 STAGES = ("prepare", "validate", "calibrate", "train", "evaluate")
-
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_CONFIG = 2
-EXIT_VALIDATION = 3
-EXIT_TRAINING = 4
-EXIT_DATA = 5
-PERMANENT_EXIT_CODES = frozenset({EXIT_CONFIG, EXIT_VALIDATION, EXIT_TRAINING, EXIT_DATA})
-
-# Exception class names (matched along the MRO, so grpo_core need not be imported to classify) -> exit code.
-EXIT_CODES_BY_EXCEPTION = {
-    "ConfigError": EXIT_CONFIG,
-    "RewardConfigError": EXIT_CONFIG,
-    "StageConfigError": EXIT_CONFIG,
-    "DataValidationError": EXIT_VALIDATION,
-    "ValidationFailed": EXIT_VALIDATION,
-    "TrainingError": EXIT_TRAINING,
-    "CheckpointError": EXIT_TRAINING,
-    "RewardFunctionError": EXIT_TRAINING,
-    "GuardStop": EXIT_TRAINING,  # a guard stopped a run going wrong: a retry would only repeat it
-    "DataError": EXIT_DATA,
-    "DataFileError": EXIT_DATA,
-    "ModelLoadError": EXIT_DATA,
-    "StageInputError": EXIT_DATA,
-}
-
-
-def exit_code_for(exc: BaseException) -> int:
-    for cls in type(exc).__mro__:
-        if cls.__name__ in EXIT_CODES_BY_EXCEPTION:
-            return EXIT_CODES_BY_EXCEPTION[cls.__name__]
-    return EXIT_ERROR

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grpo_core.errors import ConfigurationError, InputUnreadable
+
 #: validate's outputs, the only data the downstream stages read (canonical `prompt` / `answer` columns).
 VALIDATED_TRAIN = "data/validated/train.parquet"
 VALIDATED_EVAL = "data/validated/eval.parquet"
@@ -31,11 +33,11 @@ CORRECTNESS_FUNCTIONS = frozenset({"correctness", "multiple_choice", "numeric"})
 FORMAT_FUNCTIONS = frozenset({"soft_format", "strict_format"})
 
 
-class StageInputError(RuntimeError):
+class StageInputError(InputUnreadable, RuntimeError):
     """An input a stage needs is missing or malformed; the message names the file and the stage that makes it."""
 
 
-class StageConfigError(ValueError):
+class StageConfigError(ConfigurationError, ValueError):
     """A stage cannot run with these parameters; the message names the key."""
 
 

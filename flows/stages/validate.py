@@ -29,12 +29,13 @@ from flows.stages.common import (
     write_json_atomic,
     write_text_atomic,
 )
+from grpo_core.errors import ValidationFailure
 
 REPORT_JSON = "reports/validation.json"
 REPORT_TXT = "reports/validation.txt"
 
 
-class ValidationFailed(RuntimeError):
+class ValidationFailed(ValidationFailure, RuntimeError):
     """The data failed validation (exit code 3); the message says where the report is."""
 
 

@@ -13,6 +13,7 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from grpo_core.errors import ConfigurationError
 from grpo_core.rewards.base import RewardFunction, RewardSpec, named
 from grpo_core.rewards.correctness import correctness, multiple_choice, numeric
 from grpo_core.rewards.format import soft_format, strict_format, xml_count
@@ -33,7 +34,7 @@ BUILTINS: dict[str, Callable[..., RewardFunction]] = {
 }
 
 
-class RewardConfigError(ValueError):
+class RewardConfigError(ConfigurationError, ValueError):
     """A `rewards:` entry that cannot be turned into a reward function; the message names the entry."""
 
 

@@ -12,12 +12,13 @@ from typing import Any, Literal
 
 import numpy as np
 
+from grpo_core.errors import TrainingFailure
 from grpo_core.rewards.base import RewardFunction
 
 log = logging.getLogger(__name__)
 
 
-class RewardFunctionError(RuntimeError):
+class RewardFunctionError(TrainingFailure, RuntimeError):
     """A reward function raised, or returned something other than N floats/ints/Nones."""
 
 
