@@ -5,8 +5,8 @@ returns the undo), so production code keeps one path and the benchmark can still
 measure what it is worth. Levers (default = what the trainer does):
 
   generation     auto/hf/manual/vllm  rollout backend (``train.generation_backend``): HF ``generate``, the
-                                  hand-written decode loop of grpo_core/decode.py (auto = manual on CPU), or a
-                                  colocated vLLM engine (grpo_core/vllm_backend.py; CUDA and the gpu extra)
+                                  hand-written decode loop of grpo_core/rollout/manual.py (auto = manual on CPU), or a
+                                  colocated vLLM engine (grpo_core/rollout/vllm.py; CUDA and the gpu extra)
   forward        auto/hf/manual   forward of the reference/old/policy log-prob passes (``train.forward_backend``):
                                   the HF model's, or the hand-written one of grpo_core/fastforward.py (a group's
                                   shared prompt computed once; auto = manual on CPU)

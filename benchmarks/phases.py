@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.side == "ours":
         import grpo_core.rollout as rollout
         import grpo_core.trainer as trainer
-        from grpo_core.decode import ManualDecodeBackend
+        from grpo_core.rollout.manual import ManualDecodeBackend
 
         _wrap(rollout.HFGenerateBackend, "generate", "generation", acc, cnt)
         _wrap(ManualDecodeBackend, "generate", "generation", acc, cnt)

@@ -23,7 +23,6 @@ from typing import Any, Literal
 
 from grpo_core.embedded.config import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, EmbeddedConfig
 from grpo_core.errors import ConfigurationError
-from grpo_core.guards import GuardsConfig
 
 
 class ConfigError(ConfigurationError, ValueError):
@@ -158,8 +157,8 @@ class TrainConfig:
     mixed_precision: Literal["no", "bf16", "fp16"] = _f("no", "accelerate mixed precision")
     gradient_checkpointing: bool = _f(False, "trade compute for activation memory")
     generation_backend: Literal["auto", "hf", "manual", "vllm"] = _f(
-        "auto", "rollouts: hf = HF generate; manual = the hand-written Qwen2/Llama decode loop (grpo_core/decode.py); "
-        "vllm = a vLLM engine colocated on each process's GPU (grpo_core/vllm_backend.py; the gpu extra); "
+        "auto", "rollouts: hf = HF generate; manual = the hand-written Qwen2/Llama decode loop (grpo_core/rollout/manual.py); "
+        "vllm = a vLLM engine colocated on each process's GPU (grpo_core/rollout/vllm.py; the gpu extra); "
         "auto = manual on CPU for a model it supports, else hf")
     vllm_gpu_memory_utilization: float = _f(0.3, "generation_backend vllm: share of the GPU the engine's weights "
                                             "and KV cache may take (the rest is training's)", gt=0, le=1)
@@ -206,6 +205,49 @@ class TrackingConfig:
     registered_model_name: str = _f("grpo-policy", "registered model name")
     promotion_metric: str = _f("accuracy", "eval metric the promotion gate compares")
     promotion_margin: float = _f(0.0, "alias `champion` only when the metric beats the champion's by this", ge=0)
+
+
+# params.yaml `guards:` - what grpo_core/guards.py watches and how it acts (its docstring has the semantics)
+Action = Literal["warn", "skip_step", "stop", "rollback"]
+
+
+@dataclass
+class ThresholdGuard:
+    threshold: float | None = field(default=None, metadata={"help": "trigger level (null = guard off)"})
+    action: Action = field(default="warn", metadata={"help": "warn | skip_step | stop | rollback"})
+
+
+@dataclass
+class NonFiniteGuard:
+    action: Literal["skip_step", "stop", "rollback"] = field(
+        default="stop", metadata={"help": "NaN/inf loss or gradient norm: skip_step | stop | rollback"})
+
+
+@dataclass
+class RewardHackingGuard:
+    format_reward: str | None = field(default=None, metadata={"help": "name of the format reward watched (null = off)"})
+    correctness_reward: str | None = field(default=None, metadata={"help": "name of the correctness reward watched"})
+    window: int = field(default=10, metadata={"help": "steps per window: the last window is compared with the one before",
+                                              "ge": 1})
+    format_rise: float = field(default=0.1, metadata={"help": "format mean rose by at least this", "ge": 0})
+    correctness_drop: float = field(default=0.05, metadata={"help": "while correctness fell by at least this", "ge": 0})
+    action: Action = field(default="warn", metadata={"help": "warn | skip_step | stop | rollback"})
+
+
+@dataclass
+class GuardsConfig:
+    kl_max: ThresholdGuard = field(default_factory=ThresholdGuard, metadata={"help": "kl above threshold"})
+    entropy_min: ThresholdGuard = field(default_factory=ThresholdGuard, metadata={"help": "entropy below threshold"})
+    clipped_ratio_max: ThresholdGuard = field(
+        default_factory=ThresholdGuard,
+        metadata={"help": "share of completions hitting max_completion_length above threshold (length blow-up)"})
+    nonfinite: NonFiniteGuard = field(default_factory=NonFiniteGuard, metadata={"help": "NaN/inf loss or gradients"})
+    reward_hacking: RewardHackingGuard = field(default_factory=RewardHackingGuard,
+                                               metadata={"help": "format saturating while correctness falls"})
+    rollback_lr_factor: float = field(default=0.5, metadata={"help": "learning rate x this after a rollback",
+                                                             "gt": 0, "le": 1})
+    max_rollbacks: int = field(default=2, metadata={"help": "rollbacks allowed before a rollback becomes a stop",
+                                                    "ge": 0})
 
 
 @dataclass

@@ -18,7 +18,7 @@ The forward, per layer (x: (N, D) rows, d = head_dim, g = num_heads / num_kv_hea
     x = x + Wdown (silu(RMSNorm(x) Wgateᵀ) ⊙ RMSNorm(x) Wupᵀ)
 
 then the final RMSNorm (and the LM head). Positions are cumsum(attention_mask) - 1 (left padding), as HF's.
-``run_layers`` is the stack; the caller supplies the attention over its keys (``decode.py``: a KV buffer;
+``run_layers`` is the stack; the caller supplies the attention over its keys (``rollout/manual.py``: a KV buffer;
 ``hidden_states`` here: whole sequences at once with a causal + padding mask, a prompt shared by several rows
 computed once).
 """

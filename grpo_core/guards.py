@@ -20,52 +20,18 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
+from grpo_core.config import (  # noqa: F401 - the guards' config sections, re-exported
+    Action,
+    GuardsConfig,
+    NonFiniteGuard,
+    RewardHackingGuard,
+    ThresholdGuard,
+)
 from grpo_core.errors import TrainingFailure
 
-Action = Literal["warn", "skip_step", "stop", "rollback"]
 SEVERITY = {"warn": 0, "skip_step": 1, "rollback": 2, "stop": 3}
-
-
-@dataclass
-class ThresholdGuard:
-    threshold: float | None = field(default=None, metadata={"help": "trigger level (null = guard off)"})
-    action: Action = field(default="warn", metadata={"help": "warn | skip_step | stop | rollback"})
-
-
-@dataclass
-class NonFiniteGuard:
-    action: Literal["skip_step", "stop", "rollback"] = field(
-        default="stop", metadata={"help": "NaN/inf loss or gradient norm: skip_step | stop | rollback"})
-
-
-@dataclass
-class RewardHackingGuard:
-    format_reward: str | None = field(default=None, metadata={"help": "name of the format reward watched (null = off)"})
-    correctness_reward: str | None = field(default=None, metadata={"help": "name of the correctness reward watched"})
-    window: int = field(default=10, metadata={"help": "steps per window: the last window is compared with the one before",
-                                              "ge": 1})
-    format_rise: float = field(default=0.1, metadata={"help": "format mean rose by at least this", "ge": 0})
-    correctness_drop: float = field(default=0.05, metadata={"help": "while correctness fell by at least this", "ge": 0})
-    action: Action = field(default="warn", metadata={"help": "warn | skip_step | stop | rollback"})
-
-
-@dataclass
-class GuardsConfig:
-    kl_max: ThresholdGuard = field(default_factory=ThresholdGuard, metadata={"help": "kl above threshold"})
-    entropy_min: ThresholdGuard = field(default_factory=ThresholdGuard, metadata={"help": "entropy below threshold"})
-    clipped_ratio_max: ThresholdGuard = field(
-        default_factory=ThresholdGuard,
-        metadata={"help": "share of completions hitting max_completion_length above threshold (length blow-up)"})
-    nonfinite: NonFiniteGuard = field(default_factory=NonFiniteGuard, metadata={"help": "NaN/inf loss or gradients"})
-    reward_hacking: RewardHackingGuard = field(default_factory=RewardHackingGuard,
-                                               metadata={"help": "format saturating while correctness falls"})
-    rollback_lr_factor: float = field(default=0.5, metadata={"help": "learning rate x this after a rollback",
-                                                             "gt": 0, "le": 1})
-    max_rollbacks: int = field(default=2, metadata={"help": "rollbacks allowed before a rollback becomes a stop",
-                                                    "ge": 0})
 
 
 @dataclass(frozen=True)

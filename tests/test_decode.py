@@ -1,4 +1,4 @@
-"""The hand-written decode loop (grpo_core/decode.py) against HF: same tokens, same logits, same conventions."""
+"""The hand-written decode loop (grpo_core/rollout/manual.py) against HF: same tokens, same logits, same conventions."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from grpo_core.decode import ManualDecodeBackend, supports, unsupported_reason
 from grpo_core.rollout import HFGenerateBackend, SamplingParams, default_backend
+from grpo_core.rollout.manual import ManualDecodeBackend, supports, unsupported_reason
 from tests.tiny import random_qwen2
 
 PAD, EOS = 0, 1

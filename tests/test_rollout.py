@@ -112,8 +112,8 @@ def test_pad_and_eos_ids_for_every_backend():
     assert pad_and_eos_ids(SimpleNamespace(pad_token_id=None, eos_token_id=9)) == (9, [9])  # pad with the EOS
     assert pad_and_eos_ids(SimpleNamespace(pad_token_id=0, eos_token_id=[9, 7])) == (0, [9, 7])
     assert pad_and_eos_ids(SimpleNamespace(pad_token_id=0, eos_token_id=9), [4, 5]) == (0, [4, 5])
-    from grpo_core.decode import ManualDecodeBackend
-    from grpo_core.vllm_backend import VLLMBackend
+    from grpo_core.rollout.manual import ManualDecodeBackend
+    from grpo_core.rollout.vllm import VLLMBackend
     from tests.tiny import random_qwen2
 
     model = random_qwen2()

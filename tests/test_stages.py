@@ -23,9 +23,9 @@ def test_exit_codes_follow_the_exception_class():
     from grpo_core.config import ConfigError
     from grpo_core.data import DataError
     from grpo_core.guards import GuardStop
+    from grpo_core.rollout.vllm import VLLMUnavailable
     from grpo_core.trainer import TrainingError
     from grpo_core.validation import DataValidationError
-    from grpo_core.vllm_backend import VLLMUnavailable
 
     class Sub(DataError):
         pass
@@ -233,10 +233,10 @@ def test_calibrate_stage_writes_weights_difficulty_report_and_logs_a_child_run(t
 # changes nothing a stage computes (MLflow runs, exit codes), and config code whose values reach stages as params.
 NOT_DEPS = {
     "*": {"flows/stages/runs.py", "grpo_core/tracking.py", "grpo_core/embedded/config.py", "grpo_core/errors.py"},
-    "prepare": {"grpo_core/config.py", "grpo_core/guards.py"},
-    "validate": {"grpo_core/config.py", "grpo_core/guards.py"},
-    "calibrate": {"grpo_core/config.py", "grpo_core/guards.py"},
-    "evaluate": {"grpo_core/config.py", "grpo_core/guards.py"},
+    "prepare": {"grpo_core/config.py"},
+    "validate": {"grpo_core/config.py"},
+    "calibrate": {"grpo_core/config.py"},
+    "evaluate": {"grpo_core/config.py"},
 }
 
 

@@ -21,8 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_core.config import ConfigError, load_config
 from grpo_core.rollout import HFGenerateBackend, SamplingParams, default_backend
-from grpo_core.trainer import train
-from grpo_core.vllm_backend import (
+from grpo_core.rollout.vllm import (
     VLLMBackend,
     VLLMUnavailable,
     build_engine,
@@ -30,6 +29,7 @@ from grpo_core.vllm_backend import (
     completion_tensor,
     vllm_sampling_kwargs,
 )
+from grpo_core.trainer import train
 from tests.tiny import make_prompts, make_tiny_model, read_log, tiny_config
 
 PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"

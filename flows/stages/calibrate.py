@@ -37,6 +37,7 @@ from flows.stages.common import (
     write_json_atomic,
     write_text_atomic,
 )
+from flows.stages.runs import StageRun
 
 REPORT = "reports/calibration.md"
 
@@ -139,7 +140,7 @@ def run(ctx) -> int:
     c = cfg.calibrate
     names = [r.name for r in cfg.rewards]
     require_file(ctx.path(VALIDATED_TRAIN), "validate")
-    with ctx.stage_run() as run:
+    with StageRun(ctx) as run:
         dataset = load_split(cfg.data, "train", ctx.root)
         num_train = len(dataset)
         run.log_data_hashes([VALIDATED_TRAIN])

@@ -129,11 +129,6 @@ class StageContext:
         p = Path(relative)
         return p if p.is_absolute() else self.root / p
 
-    def stage_run(self):
-        from flows.stages.runs import StageRun
-
-        return StageRun(self)
-
 
 def load_params(path: Path):
     """params.yaml -> PipelineConfig (YAML 1.2, as DVC writes it: see grpo_core.config.load_config)."""

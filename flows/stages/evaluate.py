@@ -47,6 +47,7 @@ from flows.stages.common import (
     write_json_atomic,
     write_text_atomic,
 )
+from flows.stages.runs import StageRun
 
 METRICS = "metrics/eval.json"
 COMPLETIONS = "artifacts/eval/completions.parquet"
@@ -273,7 +274,7 @@ def run(ctx) -> int:
     require_file(ctx.path(VALIDATED_EVAL), "validate")
     model_dir = require_file(ctx.path(cfg.train.output_dir) / "model", "train")
     names = [r.name for r in cfg.rewards]
-    with ctx.stage_run() as run:
+    with StageRun(ctx) as run:
         dataset = load_split(cfg.data, "eval", ctx.root)
         n = len(dataset) if e.max_samples is None else min(e.max_samples, len(dataset))
         indices = list(range(n))

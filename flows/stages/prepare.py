@@ -11,6 +11,7 @@ import dataclasses
 import shutil
 import sys
 
+from flows.stages.runs import StageRun
 from grpo_core.embedded.config import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR
 
 
@@ -27,7 +28,7 @@ def run(ctx) -> int:
         return 0
     quiet_libraries()
     cfg = dataclasses.replace(emb, data_dir=str(ctx.path(emb.data_dir)), model_dir=str(ctx.path(emb.model_dir)))
-    with ctx.stage_run() as run:
+    with StageRun(ctx) as run:
         summary = prepare(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))
         run.log_metrics({k: v for k, v in summary.items() if isinstance(v, int | float) and not isinstance(v, bool)})
         run.log_data_hashes([emb.data_dir])

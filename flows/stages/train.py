@@ -41,6 +41,7 @@ from flows.stages.common import (
     with_validated_data,
     write_json_atomic,
 )
+from flows.stages.runs import StageRun
 
 FINGERPRINT = "stage_fingerprint.json"
 PLOT = "plots/training.png"
@@ -172,7 +173,7 @@ def run(ctx) -> int:
     quiet_libraries()
     from flows.stages.plots import read_train_log, training_figure
 
-    with ctx.stage_run() as run:
+    with StageRun(ctx) as run:
         run.set_tags({"train.reward_weights_source": weights_source, "train.checkpoints": action,
                       "train.num_allowed_prompts": "all" if allowed is None else str(len(allowed))})
         run.log_params({f"reward_weight.{r.name}": w for r, w in zip(cfg.rewards, weights)})

@@ -29,6 +29,7 @@ from flows.stages.common import (
     write_json_atomic,
     write_text_atomic,
 )
+from flows.stages.runs import StageRun
 from grpo_core.errors import ValidationFailure
 
 REPORT_JSON = "reports/validation.json"
@@ -122,7 +123,7 @@ def run(ctx) -> int:
     cfg = ctx.cfg
     # fail fast on what would fail later: every reward must import (exit 2), the model folder must load (5)
     reward_fns = build_reward_functions(cfg.rewards)
-    with ctx.stage_run() as run:
+    with StageRun(ctx) as run:
         model_checked = check_model_folder(cfg.model, ctx.root)
         train_df, eval_df, sources = load_frames(ctx)
         tokenizer = load_tokenizer(cfg.model, ctx.root)

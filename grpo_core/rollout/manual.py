@@ -23,7 +23,7 @@ from torch import nn
 
 from grpo_core.fastforward import _linear, _normalize, causal_mask, embed, prepare, rope, run_layers
 from grpo_core.fastforward import unsupported_reason as forward_unsupported_reason
-from grpo_core.rollout import RolloutBatch, SamplingParams, assemble_batch, left_pad, pad_and_eos_ids
+from grpo_core.rollout.types import RolloutBatch, SamplingParams, assemble_batch, left_pad, pad_and_eos_ids
 
 # generation_config fields that add a logits processor this loop does not reproduce (HF backend parity).
 _UNSUPPORTED_GENERATION = ("no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens",

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 import torch
 
 from grpo_core.errors import ConfigurationError
-from grpo_core.rollout import RolloutBatch, SamplingParams, assemble_batch, left_pad, pad_and_eos_ids
+from grpo_core.rollout.types import RolloutBatch, SamplingParams, assemble_batch, left_pad, pad_and_eos_ids
 
 log = logging.getLogger(__name__)
 
