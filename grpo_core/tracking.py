@@ -1,11 +1,10 @@
-"""Metric sinks: the per-step jsonl train log (always) and MLflow (optional), behind one protocol.
+"""The MLflow tracker the stages log through (the per-step train log is the trainer's own CSV).
 
 Run layout: one MLflow *parent* run per pipeline run and one *child* run per stage. The parent's id
 travels between stages (separate processes started by DVC) in the environment variable
-``GRPO_PARENT_RUN_ID`` (``PARENT_RUN_ENV``): the orchestrator calls ``find_or_create_parent_run`` and
-``export_parent_run_id``; each stage calls ``stage_tracker`` (or passes ``parent_run_id_from_env()`` to
-``MLflowTracker``), which nests its run under the parent via the ``mlflow.parentRunId`` tag. Without the
-variable a stage run is top-level.
+``GRPO_PARENT_RUN_ID`` (``PARENT_RUN_ENV``); ``flows/stages/runs.py`` finds or creates the parent and opens
+each stage's ``MLflowTracker`` under it (the ``mlflow.parentRunId`` tag). Without the variable a stage run
+is top-level.
 
 Store: ``default_tracking_uri(repo_root)`` = ``sqlite:////<repo_root>/mlflow.db`` (absolute; MLflow 3 refuses
 a ``./mlruns`` file store) with artifacts in ``<repo_root>/mlruns`` (``file://`` experiment
@@ -26,12 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import threading
 import time
 import warnings
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import unquote
@@ -110,21 +108,6 @@ def _truncate(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _jsonable(value: Any) -> Any:
-    number = _to_number(value)
-    if number is not None:
-        if not math.isfinite(number):
-            return None  # strict JSON has no NaN/inf
-        return int(number) if isinstance(value, int) and not isinstance(value, bool) else number
-    if value is None or isinstance(value, str):
-        return value
-    return str(value)
-
-
-# --------------------------------------------------------------------------------------------------
-# URIs
-
-
 def default_tracking_uri(repo_root: str | os.PathLike) -> str:
     """``sqlite:////<abs repo_root>/mlflow.db`` - absolute, so the store does not depend on the cwd."""
     return f"sqlite:///{Path(repo_root).resolve() / 'mlflow.db'}"
@@ -162,87 +145,6 @@ def resolve_tracking_uri(configured: str | None, repo_root: str | os.PathLike,
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////") and uri != "sqlite:///:memory:":
         return f"sqlite:///{(root / uri[len('sqlite:///'):]).resolve()}"
     return uri
-
-
-# --------------------------------------------------------------------------------------------------
-# the jsonl train log
-
-
-class JsonlTracker:
-    """The per-step train log: one JSON object per line, ``{"step": s, <metric>: value, ...}``.
-
-    Each line is flushed as written, so a crashed run keeps every finished step. NaN/inf become null.
-    ``truncate_from_step``: drop existing lines with step >= this (a resumed run rewrites what it redoes;
-    0 starts the file afresh); None appends. Params, tags and artifacts are not part of this log (no-ops).
-    """
-
-    def __init__(self, path: str | os.PathLike, *, truncate_from_step: int | None = None) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if truncate_from_step is not None and self.path.exists():
-            self._truncate(truncate_from_step)
-        self._lock = threading.Lock()
-        self._fh = self.path.open("a", encoding="utf-8")
-
-    def _truncate(self, from_step: int) -> None:
-        kept = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            if not line.strip():
-                continue
-            try:
-                step = json.loads(line).get("step")
-            except (json.JSONDecodeError, AttributeError):
-                continue  # a torn last line from a crash: drop it
-            if step is None or step < from_step:
-                kept.append(line)
-        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, self.path)  # atomic: a crash here leaves the old or the new file, never half
-
-    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
-        record = {"step": int(step), **{str(k): _jsonable(v) for k, v in metrics.items() if k != "step"}}
-        line = json.dumps(record, allow_nan=False)
-        with self._lock:
-            if self._fh.closed:
-                raise ValueError(f"JsonlTracker({self.path}) is closed")
-            self._fh.write(line + "\n")
-            self._fh.flush()
-
-    def log_params(self, params: Mapping[str, Any]) -> None:
-        return None
-
-    def set_tags(self, tags: Mapping[str, Any]) -> None:
-        return None
-
-    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
-        return None
-
-    def close(self, status: str = "FINISHED") -> int:
-        with self._lock:
-            if not self._fh.closed:
-                self._fh.close()
-        return 0
-
-    def __enter__(self) -> JsonlTracker:
-        return self
-
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        self.close("FAILED" if exc_type else "FINISHED")
-
-
-def read_jsonl_log(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a jsonl train log (skips blank and torn lines)."""
-    out = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# MLflow
 
 
 def _client(tracking_uri: str) -> Any:
@@ -451,95 +353,8 @@ class MLflowTracker:
             self._artifacts.pop(0)
 
 
-class MultiTracker:
-    """Fans every call out to several trackers; one failing sink does not starve the others (the first
-    error is re-raised after all have been called)."""
-
-    def __init__(self, trackers: Sequence[Tracker]) -> None:
-        self.trackers = list(trackers)
-
-    def _each(self, method: str, *args: Any) -> list[Any]:
-        results, error = [], None
-        for tracker in self.trackers:
-            try:
-                results.append(getattr(tracker, method)(*args))
-            except Exception as exc:  # noqa: BLE001 - re-raised below
-                error = error or exc
-        if error is not None:
-            raise error
-        return results
-
-    def log_params(self, params: Mapping[str, Any]) -> None:
-        self._each("log_params", params)
-
-    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
-        self._each("log_metrics", metrics, step)
-
-    def set_tags(self, tags: Mapping[str, Any]) -> None:
-        self._each("set_tags", tags)
-
-    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
-        self._each("log_artifact", path, artifact_path)
-
-    def close(self, status: str = "FINISHED") -> int:
-        return sum(r for r in self._each("close", status) if isinstance(r, int))
-
-    def __enter__(self) -> MultiTracker:
-        return self
-
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        self.close("FAILED" if exc_type else "FINISHED")
-
-
 # --------------------------------------------------------------------------------------------------
 # parent / child runs
-
-
-def parent_run_id_from_env(environ: Mapping[str, str] | None = None) -> str | None:
-    """The pipeline's parent run id from ``GRPO_PARENT_RUN_ID``, or None."""
-    env = os.environ if environ is None else environ
-    return (env.get(PARENT_RUN_ENV) or "").strip() or None
-
-
-def export_parent_run_id(run_id: str, environ: MutableMapping[str, str] | None = None) -> None:
-    """Put the parent run id where child stage processes find it (inherited environment)."""
-    (os.environ if environ is None else environ)[PARENT_RUN_ENV] = run_id
-
-
-def start_parent_run(tracking_uri: str, experiment_name: str, run_name: str | None = None,
-                     tags: Mapping[str, Any] | None = None, artifact_location: str | None = None) -> str:
-    """Create a top-level run for one pipeline run; returns its id (raises if the store fails)."""
-    client = _client(tracking_uri)
-    exp_id = get_or_create_experiment(client, experiment_name,
-                                      artifact_location or default_artifact_location(tracking_uri))
-    run = client.create_run(exp_id, tags={str(k): str(v) for k, v in (tags or {}).items()}, run_name=run_name)
-    return run.info.run_id
-
-
-def find_or_create_parent_run(tracking_uri: str, experiment_name: str, run_name: str | None = None,
-                              tags: Mapping[str, Any] | None = None,
-                              environ: Mapping[str, str] | None = None) -> str | None:
-    """The parent run named by ``GRPO_PARENT_RUN_ID`` if it exists and is active, else a new one.
-
-    Returns None (with a warning) when the store is unreachable: stages then log top-level runs.
-    """
-    existing = parent_run_id_from_env(environ)
-    try:
-        if existing:
-            try:
-                run = _client(tracking_uri).get_run(existing)
-                if run.info.lifecycle_stage == "active":
-                    return existing
-            except Exception as exc:  # noqa: BLE001 - unknown id: start a new parent
-                if not _is_permanent(exc):
-                    raise
-            warnings.warn(f"{PARENT_RUN_ENV}={existing} is not an active run in {tracking_uri}; "
-                          "starting a new parent run", RuntimeWarning, stacklevel=2)
-        return start_parent_run(tracking_uri, experiment_name, run_name, tags)
-    except Exception as exc:  # noqa: BLE001 - tracking must not stop the pipeline
-        warnings.warn(f"could not reach tracking store {tracking_uri} for the parent run: {exc}",
-                      RuntimeWarning, stacklevel=2)
-        return None
 
 
 def end_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> bool:
@@ -552,12 +367,3 @@ def end_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> bool:
     except Exception as exc:  # noqa: BLE001
         warnings.warn(f"could not end run {run_id} at {tracking_uri}: {exc}", RuntimeWarning, stacklevel=2)
         return False
-
-
-def stage_tracker(stage: str, tracking_uri: str, experiment_name: str, *,
-                  tags: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
-                  **kwargs: Any) -> MLflowTracker:
-    """The child run of one stage, nested under ``GRPO_PARENT_RUN_ID`` when set; tagged ``stage``."""
-    return MLflowTracker(tracking_uri, experiment_name, run_name=stage,
-                         parent_run_id=parent_run_id_from_env(environ),
-                         tags={"stage": stage, **(tags or {})}, **kwargs)

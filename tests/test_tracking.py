@@ -1,9 +1,7 @@
-"""Metric sinks: the jsonl log, MLflow against a real SQLite store, and an unreachable server."""
+"""The MLflow tracker against a real SQLite store, a flaky store and an unreachable server."""
 
 from __future__ import annotations
 
-import json
-import math
 import socket
 import warnings
 from pathlib import Path
@@ -11,20 +9,14 @@ from pathlib import Path
 import pytest
 
 from grpo_core.tracking import (
-    PARENT_RUN_ENV,
     PARENT_RUN_TAG,
-    JsonlTracker,
     MLflowTracker,
-    MultiTracker,
     Tracker,
     default_artifact_location,
     default_tracking_uri,
-    export_parent_run_id,
-    find_or_create_parent_run,
     flatten_params,
-    read_jsonl_log,
+    get_or_create_experiment,
     resolve_tracking_uri,
-    stage_tracker,
 )
 
 mlflow = pytest.importorskip("mlflow")
@@ -67,38 +59,16 @@ def test_uris(tmp_path):
     assert resolve_tracking_uri("m.db", tmp_path, environ={}) == f"sqlite:///{tmp_path.resolve()}/m.db"
 
 
-def test_jsonl_tracker(tmp_path):
-    path = tmp_path / "metrics" / "train_log.jsonl"
-    tracker = JsonlTracker(path)
-    assert isinstance(tracker, Tracker)
-    tracker.log_params({"a": 1})  # not part of the per-step log
-    tracker.log_metrics({"reward": 0.5, "kl": float("nan"), "rewards/format/mean": 1}, step=1)
-    # flushed per line: readable while the tracker is still open
-    assert read_jsonl_log(path) == [{"step": 1, "reward": 0.5, "kl": None, "rewards/format/mean": 1}]
-    tracker.log_metrics({"reward": 0.75}, step=2)
-    tracker.log_metrics({"reward": 0.8}, step=3)
-    tracker.close()
-    with pytest.raises(ValueError, match="closed"):
-        tracker.log_metrics({"reward": 1.0}, step=4)
-    # a resume from step 2 drops what steps >= 2 wrote, then appends
-    with JsonlTracker(path, truncate_from_step=2) as resumed:
-        resumed.log_metrics({"reward": 0.9}, step=2)
-    assert [(r["step"], r["reward"]) for r in read_jsonl_log(path)] == [(1, 0.5), (2, 0.9)]
-    assert all(json.loads(line) for line in path.read_text().splitlines())  # strict JSON lines
-
-
 def test_parent_and_child_runs(store, tmp_path):
     uri, root = store
-    env: dict[str, str] = {}
-    parent = find_or_create_parent_run(uri, "exp-a", "pipeline", tags={"git": "abc"}, environ=env)
-    assert parent
-    export_parent_run_id(parent, env)
-    assert env[PARENT_RUN_ENV] == parent
-    assert find_or_create_parent_run(uri, "exp-a", environ=env) == parent  # reused, not duplicated
+    client = mlflow.MlflowClient(uri)
+    exp_id = get_or_create_experiment(client, "exp-a", default_artifact_location(uri))
+    parent = client.create_run(exp_id, run_name="pipeline").info.run_id
 
     artifact = tmp_path / "reward_weights.json"
     artifact.write_text("{}")
-    with stage_tracker("train", uri, "exp-a", environ=env, tags={"k": "v"}) as child:
+    with MLflowTracker(uri, "exp-a", run_name="train", parent_run_id=parent, tags={"stage": "train", "k": "v"}) as child:
+        assert isinstance(child, Tracker)
         child.log_params({"train": {"learning_rate": 5e-4, "beta": 0.04}})
         for step in range(1, 4):
             child.log_metrics({"reward": step / 10, "rewards/correctness/mean": step / 5}, step=step)
@@ -173,20 +143,3 @@ def test_unreachable_server_does_not_raise(monkeypatch):
     messages = [str(w.message) for w in caught]
     assert sum("failed, values kept" in m for m in messages) == 1  # one warning per outage
     assert any(f"10 value(s) were not sent to {uri}" in m for m in messages)
-
-
-def test_multi_tracker_fans_out(tmp_path):
-    class Broken:
-        def log_metrics(self, metrics, step):
-            raise OSError("disk full")
-
-        def close(self, status="FINISHED"):
-            return 2
-
-    a, b = JsonlTracker(tmp_path / "a.jsonl"), JsonlTracker(tmp_path / "b.jsonl")
-    multi = MultiTracker([a, Broken(), b])
-    with pytest.raises(OSError, match="disk full"):
-        multi.log_metrics({"reward": 1.0}, step=5)
-    assert read_jsonl_log(tmp_path / "b.jsonl") == [{"step": 5, "reward": 1.0}]  # after the broken sink
-    assert multi.close() == 2
-    assert not math.isnan(read_jsonl_log(tmp_path / "a.jsonl")[0]["reward"])
