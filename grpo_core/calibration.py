@@ -48,6 +48,8 @@ from typing import Any
 
 import numpy as np
 
+from grpo_core.files import finite_or_none
+
 #: A completion "passes" when its correctness reward is at least this (binary 0/1 correctness).
 DEFAULT_PASS_THRESHOLD = 1.0 - 1e-9
 #: Group std at or below this counts as zero variance (exact ties in float arithmetic are not exact).
@@ -93,10 +95,6 @@ def _groups(arr: np.ndarray, group_size: int) -> np.ndarray:
     return arr.reshape(-1, group_size, arr.shape[1])
 
 
-def _finite_or_none(x: float) -> float | None:
-    """JSON has no NaN: undefined statistics become null."""
-    x = float(x)
-    return x if math.isfinite(x) else None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -164,8 +162,8 @@ def difficulty_profile(rates: np.ndarray, group_size: int) -> dict[str, Any]:
                             [1.0 + 0.5 / group_size]])
     counts, _ = np.histogram(known, bins=edges)
     return {
-        "pass_rate_per_prompt": [_finite_or_none(r) for r in rates],
-        "mean_pass_rate": _finite_or_none(known.mean()) if known.size else None,
+        "pass_rate_per_prompt": [finite_or_none(r) for r in rates],
+        "mean_pass_rate": finite_or_none(known.mean()) if known.size else None,
         "always_solved": int((known >= 1.0 - 1e-12).sum()),
         "never_solved": int((known <= 1e-12).sum()),
         "unknown": int(np.isnan(rates).sum()),
@@ -197,13 +195,13 @@ def reward_statistics(rewards: Any, group_size: int, names: Sequence[str],
         valid = col[~np.isnan(col)]
         defined = std_g[:, k][~np.isnan(std_g[:, k])]
         per_function[name] = {
-            "mean": _finite_or_none(valid.mean()) if valid.size else None,
-            "std": _finite_or_none(valid.std(ddof=1)) if valid.size > 1 else None,
-            "mean_within_group_std": _finite_or_none(defined.mean()) if defined.size else None,
-            "mean_within_group_var": _finite_or_none(var_g[:, k][~np.isnan(var_g[:, k])].mean())
+            "mean": finite_or_none(valid.mean()) if valid.size else None,
+            "std": finite_or_none(valid.std(ddof=1)) if valid.size > 1 else None,
+            "mean_within_group_std": finite_or_none(defined.mean()) if defined.size else None,
+            "mean_within_group_var": finite_or_none(var_g[:, k][~np.isnan(var_g[:, k])].mean())
             if defined.size else None,
             "none_fraction": float(np.isnan(col).mean()),
-            "zero_variance_group_fraction": _finite_or_none((defined <= ZERO_STD_ATOL).mean())
+            "zero_variance_group_fraction": finite_or_none((defined <= ZERO_STD_ATOL).mean())
             if defined.size else None,
             "num_groups_with_variance": int(defined.size),
         }
@@ -214,14 +212,14 @@ def reward_statistics(rewards: Any, group_size: int, names: Sequence[str],
         "group_size": int(group_size),
         "names": list(names),
         "per_function": per_function,
-        "correlation": {a: {b: _finite_or_none(corr[i, j]) for j, b in enumerate(names)}
+        "correlation": {a: {b: finite_or_none(corr[i, j]) for j, b in enumerate(names)}
                         for i, a in enumerate(names)},
         "correlation_with_correctness": None,
         "difficulty": None,
     }
     if correctness_index is not None:
         out["correlation_with_correctness"] = {
-            b: _finite_or_none(corr[correctness_index, j]) for j, b in enumerate(names)}
+            b: finite_or_none(corr[correctness_index, j]) for j, b in enumerate(names)}
         rates = pass_rates(arr[:, correctness_index], group_size, pass_threshold)
         out["difficulty"] = {"correctness_function": names[correctness_index],
                              "pass_threshold": pass_threshold, **difficulty_profile(rates, group_size)}
@@ -332,7 +330,7 @@ def calibrate_weights(rewards: Any, group_size: int, names: Sequence[str],
                             f"weights (> dominant_share={dominant_share})")
 
     realised = realised_shares(arr, group_size, weights)
-    as_dict = lambda a: {n: _finite_or_none(x) for n, x in zip(names, a)}  # noqa: E731
+    as_dict = lambda a: {n: finite_or_none(x) for n, x in zip(names, a)}  # noqa: E731
     return {
         "names": list(names),
         "weights": {n: float(w) for n, w in zip(names, weights)},

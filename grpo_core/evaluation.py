@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from grpo_core.files import finite_or_none
+
 GREEDY = "greedy"
 SAMPLED = "sampled"
 REQUIRED_COLUMNS = ("prompt_index", "sample_index", "mode", "correct", "format_ok", "completion_length")
@@ -43,8 +45,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
 
 
-def _nan_to_none(x: float) -> float | None:
-    return float(x) if math.isfinite(float(x)) else None
 
 
 def _check_frame(df: pd.DataFrame, reward_names: Sequence[str]) -> None:
@@ -73,7 +73,7 @@ def _sample_metrics(rows: pd.DataFrame, reward_names: Sequence[str], prefix: str
     out: dict[str, Any] = {}
     for name in reward_names:
         col = rows[f"reward/{name}"].astype(np.float64)
-        out[f"{prefix}rewards/{name}/mean"] = _nan_to_none(col.mean()) if col.notna().any() else None
+        out[f"{prefix}rewards/{name}/mean"] = finite_or_none(col.mean()) if col.notna().any() else None
     out[f"{prefix}format_compliance"] = float(rows["format_ok"].astype(bool).mean())
     out[f"{prefix}mean_completion_length"] = float(rows["completion_length"].astype(np.float64).mean())
     return out

@@ -42,6 +42,7 @@ from grpo_core.config import PipelineConfig, training_params_hash
 from grpo_core.data import PromptEncoder, completion_for_reward, load_split
 from grpo_core.errors import TrainingFailure
 from grpo_core.fastforward import use_manual_forward
+from grpo_core.files import atomic_path
 from grpo_core.guards import GuardEvent, GuardMonitor, GuardStop, decide
 from grpo_core.logprobs import token_logprobs_and_entropy
 from grpo_core.loss import grpo_loss
@@ -115,12 +116,10 @@ class StepLog:
         if resume_step > 0 and path.exists():  # drop steps after the checkpoint: they are redone
             with open(path, newline="") as fh:
                 kept = [r for r in csv.DictReader(fh) if r.get("step") and int(float(r["step"])) <= resume_step]
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        with open(tmp, "w", newline="") as fh:
+        with atomic_path(path) as tmp, open(tmp, "w", newline="") as fh:
             writer = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(kept)
-        os.replace(tmp, path)
 
     def append(self, metrics: dict) -> None:
         with open(self.path, "a", newline="") as fh:

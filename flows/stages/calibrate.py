@@ -30,14 +30,12 @@ from flows.stages.common import (
     CALIBRATION_WEIGHTS,
     CORRECTNESS_FUNCTIONS,
     VALIDATED_TRAIN,
-    jsonable,
     require_file,
     reward_index,
     with_validated_data,
-    write_json_atomic,
-    write_text_atomic,
 )
 from flows.stages.runs import StageRun
+from grpo_core.files import jsonable, write_json_atomic, write_text_atomic
 
 REPORT = "reports/calibration.md"
 

@@ -13,8 +13,6 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,49 +163,6 @@ def reward_index(cfg, functions: frozenset[str]) -> int | None:
         if spec.function in functions:
             return i
     return None
-
-
-# --------------------------------------------------------------------------------------------------
-# atomic writes
-
-
-@contextmanager
-def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp path beside ``path``; on success it replaces ``path`` atomically, on error it is removed."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    with atomic_output(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
-    return Path(path)
-
-
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
-    return write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, allow_nan=False, default=str) + "\n")
-
-
-def jsonable(obj: Any) -> Any:
-    """NaN/inf -> None recursively, numpy scalars -> Python (strict JSON)."""
-    import math
-
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [jsonable(v) for v in obj]
-    if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 0) == 0:
-        obj = obj.item()
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
 
 
 # --------------------------------------------------------------------------------------------------

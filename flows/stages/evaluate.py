@@ -39,15 +39,12 @@ from flows.stages.common import (
     TRAIN_LOG,
     VALIDATED_EVAL,
     StageConfigError,
-    atomic_output,
-    jsonable,
     require_file,
     reward_index,
     with_validated_data,
-    write_json_atomic,
-    write_text_atomic,
 )
 from flows.stages.runs import StageRun
+from grpo_core.files import atomic_path, jsonable, write_json_atomic, write_text_atomic
 
 METRICS = "metrics/eval.json"
 COMPLETIONS = "artifacts/eval/completions.parquet"
@@ -293,7 +290,7 @@ def run(ctx) -> int:
             metrics["delta"].pop(k, None)
 
         write_json_atomic(ctx.path(METRICS), metrics)
-        with atomic_output(ctx.path(COMPLETIONS)) as tmp:
+        with atomic_path(ctx.path(COMPLETIONS)) as tmp:
             frame.to_parquet(tmp, index=False)
         evaluation_figure(read_train_log(ctx.path(TRAIN_LOG)), metrics, list(e.pass_k), ctx.path(PLOT))
 

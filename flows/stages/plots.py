@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from flows.stages.common import atomic_output
+from grpo_core.files import atomic_path
 
 
 def read_train_log(path: Path):
@@ -52,7 +52,7 @@ def _curve(ax, log, column: str, title: str, color: str, band: str | None = None
 
 
 def _save(fig, path: Path) -> Path:
-    with atomic_output(path) as tmp:
+    with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
     return Path(path)
 

@@ -39,9 +39,9 @@ from flows.stages.common import (
     read_json,
     require_file,
     with_validated_data,
-    write_json_atomic,
 )
 from flows.stages.runs import StageRun
+from grpo_core.files import write_json_atomic
 
 FINGERPRINT = "stage_fingerprint.json"
 PLOT = "plots/training.png"

@@ -25,12 +25,10 @@ from flows.stages.common import (
     VALIDATED_EVAL,
     VALIDATED_TRAIN,
     StageConfigError,
-    atomic_output,
-    write_json_atomic,
-    write_text_atomic,
 )
 from flows.stages.runs import StageRun
 from grpo_core.errors import ValidationFailure
+from grpo_core.files import atomic_path, write_json_atomic, write_text_atomic
 
 REPORT_JSON = "reports/validation.json"
 REPORT_TXT = "reports/validation.txt"
@@ -94,7 +92,7 @@ def _to_parquet(df, path: Path) -> None:
     df = df.reset_index(drop=True).copy()
     if "answer" in df.columns:
         df["answer"] = [None if a is None else str(a) for a in df["answer"]]
-    with atomic_output(path) as tmp:
+    with atomic_path(path) as tmp:
         df.to_parquet(tmp, index=False)
 
 

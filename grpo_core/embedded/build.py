@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from grpo_core.embedded.atomic import write_dir_atomic, write_jsonl_atomic
 from grpo_core.embedded.config import EmbeddedConfig
 from grpo_core.embedded.model import build_model
 from grpo_core.embedded.tasks import generate_splits, template_noise, vocabulary_words
 from grpo_core.embedded.tokenizer import build_tokenizer
 from grpo_core.embedded.warm_start import build_demonstrations, warm_start
+from grpo_core.files import write_dir_atomic, write_jsonl_atomic
 
 METADATA_FILE = "embedded.json"
 
