@@ -95,8 +95,6 @@ def _groups(arr: np.ndarray, group_size: int) -> np.ndarray:
     return arr.reshape(-1, group_size, arr.shape[1])
 
 
-
-
 # --------------------------------------------------------------------------------------------------
 # statistics
 

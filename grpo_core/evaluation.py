@@ -45,8 +45,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
 
 
-
-
 def _check_frame(df: pd.DataFrame, reward_names: Sequence[str]) -> None:
     missing = [c for c in (*REQUIRED_COLUMNS, *(f"reward/{n}" for n in reward_names)) if c not in df.columns]
     if missing:

@@ -129,14 +129,20 @@ def check_model_folder(cfg: ModelConfig, root: str | Path = ".") -> str:
     return f"{path}: {config.model_type}, {len(found)} tensors in {len(files)} safetensors file(s)"
 
 
+def _load_with_tokenizer(cfg: ModelConfig, root: str | Path, dtype: torch.dtype | None):
+    """(model, tokenizer), the model's pad id taken from the tokenizer when its config has none."""
+    tokenizer = load_tokenizer(cfg, root)
+    model = load_model(cfg, root, dtype=dtype)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
 def load_for_inference(cfg: ModelConfig, root: str | Path = "."):
     """(model, tokenizer) for sampling (calibrate, evaluate): ``model.dtype`` weights, eval mode, on
     ``compute_device()`` - the device the trainer samples on."""
-    tokenizer = load_tokenizer(cfg, root)
-    model = load_model(cfg, root).to(compute_device())
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = tokenizer.pad_token_id
-    return model.eval(), tokenizer
+    model, tokenizer = _load_with_tokenizer(cfg, root, dtype=None)
+    return model.to(compute_device()).eval(), tokenizer
 
 
 def load_policy(cfg: ModelConfig, root: str | Path = ".", gradient_checkpointing: bool = False):
@@ -148,10 +154,7 @@ def load_policy(cfg: ModelConfig, root: str | Path = ".", gradient_checkpointing
     convention) and the export casts back to ``model.dtype``. Under LoRA the frozen base stays in
     ``model.dtype`` and only the adapters are float32 (peft's ``autocast_adapter_dtype``).
     """
-    tokenizer = load_tokenizer(cfg, root)
-    model = load_model(cfg, root, dtype=None if cfg.lora is not None else torch.float32)
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = tokenizer.pad_token_id
+    model, tokenizer = _load_with_tokenizer(cfg, root, dtype=None if cfg.lora is not None else torch.float32)
     if gradient_checkpointing:  # newer transformers call it activation checkpointing
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
         model.config.use_cache = False

@@ -55,10 +55,11 @@ def hub_assets(tmp_path_factory):
 
 
 def interpolations(node) -> list[str]:
+    """Every ``${key}`` in a dvc.yaml fragment; dict keys count too (an out with options is ``{path: {...}}``)."""
     if isinstance(node, dict):
-        return [k for v in node.values() for k in interpolations(v)] + [k for k in node for k in interpolations(k)]
+        return [key for k, v in node.items() for key in (*interpolations(k), *interpolations(v))]
     if isinstance(node, list):
-        return [k for v in node for k in interpolations(v)]
+        return [key for v in node for key in interpolations(v)]
     return re.findall(r"\$\{([^}]+)\}", node) if isinstance(node, str) else []
 
 

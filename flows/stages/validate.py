@@ -127,8 +127,8 @@ def run(ctx) -> int:
         tokenizer = load_tokenizer(cfg.model, ctx.root)
         encoder = PromptEncoder.from_config(tokenizer, cfg.data, None)
         check_prompts_render(encoder, train_df, cfg)
-        correctness = [spec for spec in cfg.rewards if spec.function in CORRECTNESS_FUNCTIONS]
-        gold_fns = build_reward_functions(correctness) if cfg.validate.check_gold_reward and correctness else None
+        correctness = [fn for fn, spec in zip(reward_fns, cfg.rewards) if spec.function in CORRECTNESS_FUNCTIONS]
+        gold_fns = correctness if cfg.validate.check_gold_reward and correctness else None
         report = validate_frames(
             train_df, eval_df, require_answer=bool(correctness), reward_fns_for_gold=gold_fns,
             count_tokens=lambda prompt: len(encoder.encode(prompt)),

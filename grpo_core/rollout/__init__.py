@@ -29,8 +29,9 @@ from grpo_core.rollout.types import (
     left_pad,
     pad_and_eos_ids,
 )
+from grpo_core.rollout.vllm import VLLMBackend  # light: vllm itself is imported when an engine is built
 
-__all__ = ["HFGenerateBackend", "ManualDecodeBackend", "RolloutBackend", "RolloutBatch", "SamplingParams",
+__all__ = ["HFGenerateBackend", "ManualDecodeBackend", "VLLMBackend", "RolloutBackend", "RolloutBatch", "SamplingParams",
            "assemble_batch", "backend_for", "completion_mask_from_eos", "decode_completions", "default_backend",
            "left_pad", "pad_and_eos_ids"]
 
@@ -62,8 +63,6 @@ def default_backend(model: torch.nn.Module, tokenizer, choice: str = "auto", **v
     if choice not in ("auto", "hf", "manual", "vllm"):
         raise ValueError(f"generation backend must be auto, hf, manual or vllm, got {choice!r}")
     if choice == "vllm":
-        from grpo_core.rollout.vllm import VLLMBackend  # imports vllm lazily itself; kept lazy anyway
-
         return VLLMBackend(model, tokenizer, **vllm_options)
     if choice == "manual":
         return ManualDecodeBackend(model, tokenizer)
