@@ -37,9 +37,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_core import fastforward
-    from grpo_core.logprobs import token_logprobs_and_entropy
-    from grpo_core.trainer import _trim
+    from grpo_core.microbatch import trim_padding
+    from grpo_core.model.logprobs import token_logprobs_and_entropy
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(args.model).train()
@@ -60,39 +59,36 @@ def main(argv: list[str] | None = None) -> int:
             "completion_mask": torch.tensor([[1] * c + [0] * (hi - c) for _, c in rows]),
         }
 
-    def logps(ids, att, K, pos, grad):
+    def logps(ids, att, K, pos, grad, padding_free):
         return token_logprobs_and_entropy(model, ids, att, K, position_ids=pos, forward="manual",
-                                          compute_entropy=grad)[0]
+                                          compute_entropy=grad, padding_free=padding_free)[0]
 
     times = {flag: {"no-grad": [], "fwd+bwd": []} for flag in (True, False)}
     rows_through = {}
-    try:
-        for i in range(args.batches):
-            ids, att, mask, K = _trim(batch())
-            pos = (att.cumsum(1) - 1).clamp(min=0)
-            results = {}
-            for flag in (True, False) if i % 2 else (False, True):
-                fastforward.PADDING_FREE = flag
-                t0 = time.process_time()
-                with torch.no_grad():
-                    results[flag] = logps(ids, att, K, pos, False)
-                t1 = time.process_time()
-                (logps(ids, att, K, pos, True) * mask).sum().backward()
-                model.zero_grad(set_to_none=True)
-                t2 = time.process_time()
-                if i:  # the first batch warms up
-                    times[flag]["no-grad"].append(t1 - t0)
-                    times[flag]["fwd+bwd"].append(t2 - t1)
-            diff = float(((results[True] - results[False]) * mask).abs().max())
-            if diff > 1e-5:
-                raise SystemExit(f"padding-free log-probs differ from the padded ones by {diff:.2e}")
-            P = ids.shape[1] - K  # rows through the dense layers: per distinct prompt, then per row
-            U = args.prompts
-            rows_through.setdefault(False, []).append(U * P + ids.shape[0] * (K - 1))
-            first = torch.arange(0, ids.shape[0], args.group)
-            rows_through.setdefault(True, []).append(int(att[first, :P].sum() + att[:, P:-1].sum()))
-    finally:
-        fastforward.PADDING_FREE = True
+    for i in range(args.batches):
+        ids, att, mask = trim_padding(**batch())
+        K = mask.shape[1]
+        pos = (att.cumsum(1) - 1).clamp(min=0)
+        results = {}
+        for flag in (True, False) if i % 2 else (False, True):
+            t0 = time.process_time()
+            with torch.no_grad():
+                results[flag] = logps(ids, att, K, pos, False, flag)
+            t1 = time.process_time()
+            (logps(ids, att, K, pos, True, flag) * mask).sum().backward()
+            model.zero_grad(set_to_none=True)
+            t2 = time.process_time()
+            if i:  # the first batch warms up
+                times[flag]["no-grad"].append(t1 - t0)
+                times[flag]["fwd+bwd"].append(t2 - t1)
+        diff = float(((results[True] - results[False]) * mask).abs().max())
+        if diff > 1e-5:
+            raise SystemExit(f"padding-free log-probs differ from the padded ones by {diff:.2e}")
+        P = ids.shape[1] - K  # rows through the dense layers: per distinct prompt, then per row
+        U = args.prompts
+        rows_through.setdefault(False, []).append(U * P + ids.shape[0] * (K - 1))
+        first = torch.arange(0, ids.shape[0], args.group)
+        rows_through.setdefault(True, []).append(int(att[first, :P].sum() + att[:, P:-1].sum()))
 
     print(f"{args.batches - 1} batches of {args.prompts} prompts x {args.group}, completions {lo}-{hi} tokens; "
           f"CPU s, median (best); 1 thread")

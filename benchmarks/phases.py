@@ -2,9 +2,11 @@
 
     python -m benchmarks.phases --side ours|trl [--steps 11] [--levers generation=hf]
 
-Each phase (generation, reference log-probs, policy forward, backward, optimizer, rewards, ...) is timed by
-wrapping the function that does it with ``time.process_time``; the first step (warm-up) is included in the
-totals, so compare per-step numbers over many steps. One torch thread, as the cpu-tiny benchmark.
+Our side: the trainer names its phases with ``torch.profiler.record_function`` (``grpo/generate_round``,
+``grpo/ref_logprobs``, ``grpo/policy_forward``, ``grpo/backward``, ``grpo/optimizer_step``, ...); a CPU profile
+of the run sums each label's time. TRL's side: its methods wrapped with ``time.process_time``. The first step
+(warm-up) is included in the totals, so compare per-step numbers over many steps. One torch thread, as the
+cpu-tiny benchmark; the profiler slows our side down, so read its shares, not its absolute times.
 """
 
 from __future__ import annotations
@@ -52,24 +54,11 @@ def main(argv: list[str] | None = None) -> int:
 
     acc: dict[str, float] = collections.defaultdict(float)
     cnt: collections.Counter = collections.Counter()
-    _wrap(accelerate.Accelerator, "backward", "backward", acc, cnt)
-    _wrap(torch.optim.AdamW, "step", "optimizer", acc, cnt)
-    if a.side == "ours":
-        import grpo_core.rollout as rollout
-        import grpo_core.trainer as trainer
-        from grpo_core.rollout.manual import ManualDecodeBackend
-
-        _wrap(rollout.HFGenerateBackend, "generate", "generation", acc, cnt)
-        _wrap(ManualDecodeBackend, "generate", "generation", acc, cnt)
-        _wrap(trainer, "_frozen_logprobs", "reference log-probs", acc, cnt)
-        _wrap(trainer, "policy_logprobs", lambda: "policy forward" if torch.is_grad_enabled() else "(inside ref)",
-              acc, cnt)
-        _wrap(trainer, "score_completions", "rewards", acc, cnt)
-        _wrap(trainer, "decode_completions", "decoding", acc, cnt)
-        _wrap(trainer, "grpo_loss", "loss", acc, cnt)
-    else:
+    if a.side == "trl":
         from trl import GRPOTrainer
 
+        _wrap(accelerate.Accelerator, "backward", "backward", acc, cnt)
+        _wrap(torch.optim.AdamW, "step", "optimizer", acc, cnt)
         _wrap(GRPOTrainer, "_generate_single_turn", "generation", acc, cnt)
         _wrap(GRPOTrainer, "_get_per_token_logps_and_entropies",
               lambda: "policy forward" if torch.is_grad_enabled() else "reference log-probs", acc, cnt)
@@ -81,13 +70,21 @@ def main(argv: list[str] | None = None) -> int:
         spec = {"side": a.side, "config": cfg.to_dict(), "assets": assets, "workdir": str(Path(tmp) / "w"),
                 "variant": parse_variant(":" + a.levers)[1]}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
-        side.main(["--spec", str(Path(tmp) / "spec.json"), "--out", str(Path(tmp) / "out.json")])
+        run_side = ["--spec", str(Path(tmp) / "spec.json"), "--out", str(Path(tmp) / "out.json")]
+        if a.side == "ours":
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                side.main(run_side)
+            for event in prof.key_averages():
+                if event.key.startswith("grpo/"):
+                    acc[event.key] += event.cpu_time_total / 1e6
+                    cnt[event.key] += event.count
+        else:
+            side.main(run_side)
         result = json.loads((Path(tmp) / "out.json").read_text())
     cpu = [s["cpu_step_time"] for s in result["steps"]]
     print(f"{a.side}: CPU s per step {[round(x, 3) for x in cpu]}")
     for key, value in sorted(acc.items(), key=lambda kv: -kv[1]):
-        if key != "(inside ref)":
-            print(f"  {key:22s} {value / a.steps:7.4f} s/step  ({cnt[key]} calls)")
+        print(f"  {key:22s} {value / a.steps:7.4f} s/step  ({cnt[key]} calls)")
     return 0
 
 

@@ -50,7 +50,7 @@ def _cuda_peak_mib() -> float | None:
 
 
 class _Collector:
-    """A tracker for grpo_core.trainer.train: keeps every step's metrics, and the process CPU time at each
+    """A tracker for grpo_core.train.loop.train: keeps every step's metrics, and the process CPU time at each
     step's end (the difference between two is one step's CPU seconds: robust on a shared, busy machine)."""
 
     def __init__(self):
@@ -82,7 +82,7 @@ class _TimedBackend:
 def run_ours(cfg: BenchConfig, assets: dict, workdir: Path, variant: dict) -> dict:
     from benchmarks import levers
     from grpo_core.config import config_from_dict
-    from grpo_core.trainer import train
+    from grpo_core.train.loop import train
 
     raw = {
         "data": {"train_files": [assets["data"]], "eval_files": [assets["data"]]},
@@ -94,14 +94,15 @@ def run_ours(cfg: BenchConfig, assets: dict, workdir: Path, variant: dict) -> di
             "per_device_train_batch_size": cfg.batch_size, "gradient_accumulation_steps": 1,
             "max_prompt_length": cfg.max_prompt_length, "max_completion_length": cfg.max_completion_length,
             "temperature": cfg.temperature, "beta": cfg.beta, "loss_type": cfg.loss_type,
-            "num_iterations": cfg.num_iterations, "max_steps": cfg.steps, "save_steps": 10**6,
-            "save_total_limit": 1, "logging_steps": 1, "seed": cfg.seed, "lr_scheduler_type": "constant",
+            "num_iterations": cfg.num_iterations, "max_steps": cfg.steps, "save_total_limit": 1,
+            "logging_steps": 1, "seed": cfg.seed, "lr_scheduler_type": "constant",
             "mixed_precision": cfg.mixed_precision, "gradient_checkpointing": False, "resume": "never",
             "reward_weights": [1.0],
         },
     }
-    if "forward" in variant:  # lever: the log-prob passes' forward (benchmarks/levers.py)
-        raw["train"]["forward_backend"] = variant["forward"]
+    raw["train"].update(levers.train_overrides(variant))  # lever settings (benchmarks/levers.py)
+    # Checkpoints and the final export are not part of the work compared (TRL saves nothing here either).
+    raw["train"]["save_strategy"] = "no"
     pcfg = config_from_dict(raw)
     collector = _Collector()
     from grpo_core.rollout import default_backend
@@ -111,25 +112,12 @@ def run_ours(cfg: BenchConfig, assets: dict, workdir: Path, variant: dict) -> di
     def timed_backend(policy, tokenizer):
         backends.append(_TimedBackend(make_backend(policy, tokenizer)))
         return backends[-1]
-    undo = levers.apply(variant)
-    # The last step's checkpoint and the final export are not part of the work compared (TRL saves
-    # nothing here either); skipping them keeps a run short.
-    import grpo_core.trainer as trainer_mod
-    saved = trainer_mod._save, trainer_mod._export_model
-    trainer_mod._save = trainer_mod._export_model = lambda *a, **k: None
-    undo_levers = undo
 
-    def undo():
-        trainer_mod._save, trainer_mod._export_model = saved
-        undo_levers()
-    try:
-        t0 = time.perf_counter()
-        collector.cpu_mark = time.process_time()
-        train(pcfg, reward_weights=[1.0], tracker=collector, root=workdir, progress=False,
-              log_path="train_log.csv", backend_factory=timed_backend)
-        wall = time.perf_counter() - t0
-    finally:
-        undo()
+    t0 = time.perf_counter()
+    collector.cpu_mark = time.process_time()
+    train(pcfg, reward_weights=[1.0], tracker=collector, root=workdir, progress=False,
+          log_path="train_log.csv", backend_factory=timed_backend, export=False)
+    wall = time.perf_counter() - t0
     gen_cpu = backends[0].cpu_times if backends else []
     steps = [{
         "step_time": m["step_time"],

@@ -297,7 +297,7 @@ def grpo_pipeline(experiment_name: str | None = None, params_overrides: dict[str
     from prefect.artifacts import create_markdown_artifact
     from prefect.runtime import flow_run
 
-    from grpo_core.tracking import end_run, flatten_params
+    from flows.tracking import end_run, flatten_params
 
     logger = get_run_logger()
     root = find_repo_root(repo)

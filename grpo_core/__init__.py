@@ -1,0 +1,13 @@
+"""grpo_core: GRPO, framework-free. Layers, bottom to top; a module imports only its own layer and those below.
+
+    errors.py, files.py                          the error base (exit codes), the atomic writer, the NaN helper
+    config.py, embedded/                         typed params.yaml; the embedded default's builders
+    advantages.py, loss.py, microbatch.py,       the math: group-relative advantages, the loss family, micro-batch
+    calibration.py, evaluation.py                shapes; reward statistics and weights; pass@k
+    model/                                       loading, the hand-written forward, log-probs
+    rollout/                                     sampling backends behind one interface (HF, hand-written, vLLM)
+    data.py, rewards/, sampling.py, validation.py  prompts, reward functions, the one sample-and-score, data checks
+    train/                                       the training loop as named phases, its state, checkpoints
+
+``flows/`` (the stage commands, Prefect, MLflow) sits on top and is never imported from here.
+"""

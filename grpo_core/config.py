@@ -142,6 +142,8 @@ class TrainConfig:
                                "row (grpo_core/microbatch.py; no effect with one micro-batch per step)")
     max_steps: int = _f(100, "optimizer steps to train", ge=1)
     save_steps: int = _f(50, "checkpoint every N optimizer steps (and at the end)", ge=1)
+    save_strategy: Literal["steps", "no"] = _f("steps", "steps = a checkpoint every save_steps and at the end; "
+                                                "no = none (nothing to resume or roll back to)")
     save_total_limit: int = _f(2, "checkpoints kept (oldest deleted first)", ge=1)
     logging_steps: int = _f(1, "log metrics every N steps", ge=1)
     seed: int = _f(0, "seed for sampling, data order and initialisation")
@@ -166,8 +168,14 @@ class TrainConfig:
                                       "between generation rounds (reloaded from the policy each round)")
     forward_backend: Literal["auto", "hf", "manual"] = _f(
         "auto", "log-prob passes (reference, old, policy forward/backward): hf = the model's forward; manual = the "
-        "hand-written Qwen2/Llama forward (grpo_core/fastforward.py, a shared prompt computed once per group); "
+        "hand-written Qwen2/Llama forward (grpo_core/model/fastforward.py, a shared prompt computed once per group); "
         "auto = manual on CPU for a plain model it supports without gradient checkpointing, else hf")
+    padding_free: bool = _f(True, "forward_backend manual: only real tokens go through the dense layers and the "
+                            "LM head (attention alone sees the padded layout); false runs every column")
+    fused_lm_head: bool = _f(True, "apply the LM head chunk by chunk to the hidden states, so a micro-batch's "
+                             "(rows, tokens, vocab) logits never exist (plain Qwen2/Qwen3/Llama/Mistral heads)")
+    fused_adamw: bool = _f(True, "torch's fused AdamW (one kernel per step) instead of the per-tensor one")
+    trim_padding: bool = _f(True, "drop a micro-batch's all-padding columns before its forward passes")
     num_processes: int = _f(1, "processes (GPUs); > 1 launches through `accelerate launch`", ge=1)
     accelerate_config: str | None = _f(None, "accelerate config for num_processes > 1 on GPUs, e.g. "
                                        "infra/accelerate/fsdp2.yaml (None = multi-GPU DDP)")
@@ -207,7 +215,7 @@ class TrackingConfig:
     promotion_margin: float = _f(0.0, "alias `champion` only when the metric beats the champion's by this", ge=0)
 
 
-# params.yaml `guards:` - what grpo_core/guards.py watches and how it acts (its docstring has the semantics)
+# params.yaml `guards:` - what grpo_core/train/guards.py watches and how it acts (its docstring has the semantics)
 Action = Literal["warn", "skip_step", "stop", "rollback"]
 
 
@@ -470,7 +478,7 @@ def load_config(path: str | Path = "params.yaml", overrides: typing.Mapping[str,
 
 
 # Keys that change bookkeeping only; they never make a checkpoint incompatible.
-_BOOKKEEPING_KEYS = {"output_dir", "save_steps", "save_total_limit", "logging_steps", "resume", "max_steps",
+_BOOKKEEPING_KEYS = {"output_dir", "save_steps", "save_strategy", "save_total_limit", "logging_steps", "resume", "max_steps",
                      "num_processes", "accelerate_config", "reward_timeout_s"}
 
 

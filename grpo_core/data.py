@@ -1,4 +1,5 @@
-"""Prompts: loading (local jsonl / parquet / csv, or a hub dataset) and encoding (chat templates, truncation).
+"""Prompts: reading (the one reader of local jsonl / json / parquet / csv files, or a hub dataset) and encoding
+(chat templates, truncation).
 
 Rows keep every column: the ones other than ``prompt`` reach reward functions as keyword arguments.
 The configured ``prompt_column`` / ``answer_column`` are renamed to ``prompt`` / ``answer`` so rewards
@@ -7,10 +8,13 @@ see one convention whatever the source.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+import pandas as pd
 
 from grpo_core.config import DataConfig
 from grpo_core.errors import InputUnreadable
@@ -22,6 +26,10 @@ _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "
 
 class DataError(InputUnreadable, ValueError):
     """A dataset problem; the message names the file, split or column."""
+
+
+class DataFileError(DataError):
+    """A data file that cannot be read; the message names the file (and line for jsonl)."""
 
 
 def resolve_data_paths(spec: list[str], key: str, root: str | Path = ".") -> list[str]:
@@ -56,11 +64,62 @@ def _builder_for(paths: list[str]) -> str:
     return kinds.pop()
 
 
+def _read_jsonl(path: Path) -> pd.DataFrame:
+    records = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataFileError(f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
+            if not isinstance(obj, dict):
+                raise DataFileError(f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
+            records.append(obj)
+    # object dtype keeps strings, lists and numbers as written (no dtype inference on answers)
+    return pd.DataFrame.from_records(records).astype(object) if records else pd.DataFrame()
+
+
+def read_table(path: str | Path) -> pd.DataFrame:
+    """Read a jsonl / json / parquet / csv data file into a DataFrame (RangeIndex = record number).
+
+    Raises FileNotFoundError for a missing file and DataFileError naming the file (and the line, for
+    jsonl) when it cannot be parsed. CSV reads ``prompt`` and ``answer`` as text.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"data file not found: {p}")
+    suffix = p.suffix.lower()
+    try:
+        if suffix == ".jsonl":
+            return _read_jsonl(p)
+        if suffix == ".json":
+            text = p.read_text(encoding="utf-8")
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError:
+                return _read_jsonl(p)  # .json files are often JSON lines
+            if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+                raise DataFileError(f"{p}: expected a JSON array of objects (or JSON lines)")
+            return pd.DataFrame.from_records(data).astype(object) if data else pd.DataFrame()
+        if suffix == ".parquet":
+            return pd.read_parquet(p)
+        if suffix == ".csv":
+            return pd.read_csv(p, dtype={"prompt": str, "answer": str})
+    except DataFileError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised with the file named
+        raise DataFileError(f"{p}: cannot read as {suffix.lstrip('.')}: {type(exc).__name__}: {exc}") from exc
+    raise DataFileError(f"{p}: unsupported file type {suffix!r} (expected .jsonl, .json, .parquet or .csv)")
+
+
 def load_split(cfg: DataConfig, split: Literal["train", "eval"], root: str | Path = "."):
     """Load one split as a ``datasets.Dataset`` with ``prompt`` (and ``answer`` if present) columns.
 
-    Local files are read through ``datasets.load_dataset`` with the file's builder (json/parquet/csv),
-    the same code path a hub dataset takes. Relative paths resolve against ``root`` (the repo root), so
+    Local files are read by ``read_table`` (the reader validate uses too, so both see the same rows and
+    types) into a ``datasets.Dataset``; a hub dataset through ``datasets.load_dataset``. Relative paths resolve
+    against ``root`` (the repo root), so
     the stage works from any working directory (``dvc exp run --temp`` runs elsewhere).
     """
     import datasets
@@ -78,12 +137,14 @@ def load_split(cfg: DataConfig, split: Literal["train", "eval"], root: str | Pat
         if not cfg.paths(split):
             raise DataError(f"{key}: no files configured")
         paths = resolve_data_paths(cfg.paths(split), key, root)
-        builder = _builder_for(paths)
+        _builder_for(paths)  # one format per split
+        frames = [read_table(path) for path in paths]
+        if all(len(f) == 0 for f in frames):
+            raise DataError(f"{key}: {paths}: the {split} split is empty")
+        frame = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
         try:
-            ds = datasets.load_dataset(builder, data_files=paths, split="train")
-        except Exception as err:
-            if "corresponds to no data" in str(err):  # datasets' way of saying the files hold no rows
-                raise DataError(f"{key}: {paths}: the {split} split is empty") from err
+            ds = datasets.Dataset.from_pandas(frame, preserve_index=False)
+        except Exception as err:  # pyarrow cannot type a column (e.g. numbers and strings mixed)
             raise DataError(f"{key}: could not read {paths}: {err}") from err
         where = ", ".join(paths)
 

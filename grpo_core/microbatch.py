@@ -1,4 +1,6 @@
-"""Length-grouped micro-batches: order a generation round's rows so each micro-batch pads to its own longest row.
+"""Micro-batch shapes: the length-grouped order of a round's rows, and the padding trim of one micro-batch.
+
+Length-grouped micro-batches: order a generation round's rows so each micro-batch pads to its own longest row.
 
 A micro-batch's forward runs at width max(prompt length) + max(completion length) over its rows (left-padded
 prompts, right-padded completions, all-padding columns trimmed). With rows in sampling order every micro-batch
@@ -53,3 +55,18 @@ def length_grouped_order(prompt_lengths: torch.Tensor, completion_lengths: torch
         else:
             order.append(rows[torch.sort(key, descending=True, stable=True).indices])
     return torch.cat(order) if order else torch.zeros(0, dtype=torch.long)
+
+
+def trim_padding(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                 completion_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompt and completion side by side, without the columns that are padding in every row.
+
+    prompt_ids, prompt_mask: (B, P), left-padded; completion_ids, completion_mask: (B, C), right-padded.
+    Returns input_ids (B, P' + C'), attention_mask (B, P' + C') and completion_mask (B, C'), where P' drops the
+    leading all-padding prompt columns and C' = the longest completion (at least 1 column).
+    """
+    first = int((prompt_mask.sum(0) > 0).int().argmax()) if prompt_mask.any() else prompt_mask.shape[1]
+    width = int(completion_mask.sum(1).max()) if completion_mask.any() else 1
+    input_ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :width]], dim=1)
+    attention_mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :width]], dim=1)
+    return input_ids, attention_mask, completion_mask[:, :width]

@@ -1,4 +1,5 @@
-"""Sample G completions per prompt from a policy and score them: shared by calibration and evaluation.
+"""Sample G completions per prompt from a policy and score them: the one "sample and score" of calibration,
+evaluation and the trainer's generation round.
 
     rows (P dicts with `prompt` and reward columns)
       -> prompt batches of ``batch_size`` -> backend.generate(..., num_generations=G)  (rollout.default_backend)
@@ -6,7 +7,7 @@
 
 Rows of every output are grouped G at a time, prompt-major (rows ``[p*G, (p+1)*G)`` belong to prompt
 ``p``), the layout ``compute_advantages`` and ``grpo_core.calibration`` expect. The trainer's generation
-round does the same for one batch; this is the offline, many-batch version with no gradients.
+round is one batch of it, with the token tensors kept (``keep_batches``).
 
 Deterministic under a seed: ``seed`` (when given) seeds torch right before the first batch, so the same
 model, rows, batch_size and seed give the same completions (on the same device and thread count).
@@ -14,6 +15,7 @@ model, rows, batch_size and seed give the same completions (on the same device a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -23,7 +25,7 @@ import torch
 
 from grpo_core.data import PromptEncoder, completion_for_reward
 from grpo_core.rewards import score_completions
-from grpo_core.rollout import SamplingParams, decode_completions, default_backend
+from grpo_core.rollout import RolloutBatch, SamplingParams, decode_completions, default_backend
 
 
 @dataclass
@@ -36,6 +38,9 @@ class SampleResult:
     rewards: (N, K) float64, NaN where reward function k returned None (or failed with on_error="none").
     reward_names: the K function names (``__name__``), in column order.
     error_counts: {function name: samples on which it raised} (on_error="none").
+    timeout_counts: {function name: samples whose call ran past ``reward_timeout_s``}.
+    generation_time: seconds spent in ``backend.generate`` (decoding and scoring excluded).
+    batches: the backends' ``RolloutBatch`` of each prompt batch (token ids and masks), when asked for.
     """
 
     num_generations: int
@@ -46,6 +51,8 @@ class SampleResult:
     reward_names: list[str]
     error_counts: dict[str, int] = field(default_factory=dict)
     timeout_counts: dict[str, int] = field(default_factory=dict)
+    generation_time: float = 0.0
+    batches: list[RolloutBatch] = field(default_factory=list)
 
     @property
     def num_prompts(self) -> int:
@@ -73,7 +80,8 @@ def _reward_columns(rows: Sequence[dict], repeat: int) -> dict[str, list[Any]]:
 def sample_and_score(model, tokenizer, rows: Sequence[dict], encoder: PromptEncoder, reward_fns: Sequence,
                      *, num_generations: int, sampling: SamplingParams, batch_size: int,
                      on_error: Literal["raise", "none"] = "raise", seed: int | None = None,
-                     backend: Any = None, reward_timeout_s: float | None = None) -> SampleResult:
+                     backend: Any = None, reward_timeout_s: float | None = None,
+                     row_ids: Sequence[int] | None = None, keep_batches: bool = False) -> SampleResult:
     """Sample ``num_generations`` completions for each row's prompt and score them with ``reward_fns``.
 
     rows: dicts with ``prompt`` (string or chat messages) and the columns reward functions read
@@ -82,7 +90,9 @@ def sample_and_score(model, tokenizer, rows: Sequence[dict], encoder: PromptEnco
     ``do_sample=False`` with ``num_generations=1`` for greedy decoding. seed: ``torch.manual_seed(seed)``
     before sampling (None leaves the global RNG alone). backend: a ``RolloutBackend`` to use instead of
     ``default_backend(model, tokenizer)``. reward_timeout_s: per-call limit of a reward function (a call
-    that times out scores None for its samples and is counted in ``timeout_counts``).
+    that times out scores None for its samples and is counted in ``timeout_counts``). row_ids: each row's
+    index in its dataset, named in prompt errors (default: its position in ``rows``). keep_batches: keep each
+    batch's token tensors in ``SampleResult.batches`` (the trainer trains on them).
     """
     if num_generations < 1:
         raise ValueError(f"sample_and_score: num_generations must be >= 1, got {num_generations}")
@@ -107,10 +117,16 @@ def sample_and_score(model, tokenizer, rows: Sequence[dict], encoder: PromptEnco
     rewards: list[np.ndarray] = []
     errors: dict[str, int] = {n: 0 for n in names}
     timeouts: dict[str, int] = {n: 0 for n in names}
+    row_ids = list(row_ids) if row_ids is not None else list(range(len(rows)))
+    generation_time, batches = 0.0, []
     for start in range(0, len(rows), batch_size):
         batch_rows = rows[start:start + batch_size]
-        prompt_ids = [encoder.encode(r["prompt"], row=start + j) for j, r in enumerate(batch_rows)]
+        prompt_ids = [encoder.encode(r["prompt"], row=row_ids[start + j]) for j, r in enumerate(batch_rows)]
+        t0 = time.perf_counter()
         batch = backend.generate(prompt_ids, G, sampling)
+        generation_time += time.perf_counter() - t0
+        if keep_batches:
+            batches.append(batch)
         batch_texts = decode_completions(tokenizer, batch)
         prompts = [r["prompt"] for r in batch_rows for _ in range(G)]
         completions = [completion_for_reward(t, p) for t, p in zip(batch_texts, prompts)]
@@ -140,4 +156,6 @@ def sample_and_score(model, tokenizer, rows: Sequence[dict], encoder: PromptEnco
         reward_names=names,
         error_counts=errors,
         timeout_counts=timeouts,
+        generation_time=generation_time,
+        batches=batches,
     )

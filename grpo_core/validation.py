@@ -31,14 +31,13 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 from pandera.typing import Series
 
-from grpo_core.errors import InputUnreadable, ValidationFailure
+from grpo_core.errors import ValidationFailure
 
 try:
     import pandera.pandas as pa
@@ -53,10 +52,6 @@ GOLD_REASONING = "Reasoning omitted: validating the gold answer."
 
 class DataValidationError(ValidationFailure, ValueError):
     """Raised by ``ValidationReport.raise_for_failures``; the message is the text report."""
-
-
-class DataFileError(InputUnreadable, ValueError):
-    """A data file that cannot be read; the message names the file (and line for jsonl)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -486,57 +481,3 @@ def validate_frames(train_df: pd.DataFrame, eval_df: pd.DataFrame | None, *, req
     }
     return ValidationReport(ok=not failures, failures=failures[:max_report_rows],
                             warnings=warnings[:max_report_rows], summary=summary)
-
-
-# --------------------------------------------------------------------------------------------------
-# loading
-
-
-def _read_jsonl(path: Path) -> pd.DataFrame:
-    records = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataFileError(f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
-            if not isinstance(obj, dict):
-                raise DataFileError(f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
-            records.append(obj)
-    # object dtype keeps strings, lists and numbers as written (no dtype inference on answers)
-    return pd.DataFrame.from_records(records).astype(object) if records else pd.DataFrame()
-
-
-def load_frame(path: str | Path) -> pd.DataFrame:
-    """Read a jsonl / json / parquet / csv data file into a DataFrame (RangeIndex = record number).
-
-    Raises FileNotFoundError for a missing file and DataFileError naming the file (and the line, for
-    jsonl) when it cannot be parsed. CSV reads ``prompt`` and ``answer`` as text.
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"data file not found: {p}")
-    suffix = p.suffix.lower()
-    try:
-        if suffix == ".jsonl":
-            return _read_jsonl(p)
-        if suffix == ".json":
-            text = p.read_text(encoding="utf-8")
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError:
-                return _read_jsonl(p)  # .json files are often JSON lines
-            if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-                raise DataFileError(f"{p}: expected a JSON array of objects (or JSON lines)")
-            return pd.DataFrame.from_records(data).astype(object) if data else pd.DataFrame()
-        if suffix == ".parquet":
-            return pd.read_parquet(p)
-        if suffix == ".csv":
-            return pd.read_csv(p, dtype={"prompt": str, "answer": str})
-    except DataFileError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - re-raised with the file named
-        raise DataFileError(f"{p}: cannot read as {suffix.lstrip('.')}: {type(exc).__name__}: {exc}") from exc
-    raise DataFileError(f"{p}: unsupported file type {suffix!r} (expected .jsonl, .json, .parquet or .csv)")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from grpo_core.rollout import RolloutBatch, completion_mask_from_eos, left_pad
-from grpo_core.trainer import train
+from grpo_core.train.loop import train
 from tests.tiny import tiny_config
 
 

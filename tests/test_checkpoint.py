@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_core.checkpoint import (
+from grpo_core.train.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,

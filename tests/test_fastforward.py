@@ -1,4 +1,4 @@
-"""The hand-written Qwen2/Llama forward (grpo_core/fastforward.py) against the HF forward: the same per-token
+"""The hand-written Qwen2/Llama forward (grpo_core/model/fastforward.py) against the HF forward: the same per-token
 log-probs, entropies and parameter gradients; models it cannot reproduce fall back to HF."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from grpo_core import fastforward
-from grpo_core.logprobs import token_logprobs_and_entropy
-from grpo_core.trainer import policy_logprobs
+from grpo_core.model import fastforward
+from grpo_core.model.logprobs import token_logprobs_and_entropy
+from grpo_core.train.forward import policy_logprobs
 from tests.test_decode import llama, qwen2
-from tests.tiny import random_qwen2
+from tests.tiny import as_round, random_qwen2, train_options
 
 PAD = 0
 
@@ -35,10 +35,11 @@ def grpo_batch(G: int = 3, completion: int = 7, seed: int = 0):
             "completion_mask": completion_mask}
 
 
-def scored(model, mb, forward, grad=True, temperature=0.7):
+def scored(model, mb, forward, grad=True, temperature=0.7, padding_free=True):
     model.zero_grad(set_to_none=True)
     with torch.set_grad_enabled(grad):
-        logps, entropy, mask = policy_logprobs(model, mb, temperature, compute_entropy=True, forward=forward)
+        logps, entropy, mask = policy_logprobs(model, as_round(mb), train_options(
+            temperature=temperature, forward_backend=forward, padding_free=padding_free), compute_entropy=True)
         if grad:
             weights = torch.linspace(-1.0, 1.0, logps.numel()).view_as(logps)
             ((logps * weights).sum() + 0.3 * entropy.sum()).backward()
@@ -98,7 +99,7 @@ def test_unsupported_models_fall_back_to_hf(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the hand-written forward ran")
 
-    monkeypatch.setattr("grpo_core.logprobs.hidden_states", refuse)
+    monkeypatch.setattr("grpo_core.model.logprobs.hidden_states", refuse)
     mb = grpo_batch()
     checkpointed = qwen2().train()
     checkpointed.gradient_checkpointing_enable()
@@ -144,7 +145,8 @@ def test_padding_tokens_never_reach_the_dense_layers(monkeypatch):
 
     monkeypatch.setattr(fastforward, "run_layers", counting)
     with torch.no_grad():
-        logps, _, mask = policy_logprobs(model, mb, 1.0, compute_entropy=False, forward="manual")
+        logps, _, mask = policy_logprobs(model, as_round(mb), train_options(temperature=1.0, forward_backend="manual"),
+                                         compute_entropy=False)
     width = mask.shape[1]
     later = int(mb["completion_mask"][:, :width - 1].sum())  # the last completion column is never an input
     assert seen == [(3 + 9 + 5 + 7 + 3) + later]
@@ -183,15 +185,14 @@ def test_equal_groups_match_hf_gradients():
 
 
 def test_padding_free_off_runs_every_column_with_the_same_numbers(monkeypatch):
-    """The benchmark's ``padding_free=false`` lever: every column through the matmuls, the same log-probs."""
+    """``train.padding_free: false``: every column through the matmuls, the same log-probs."""
     model = qwen2()
     mb = grpo_batch()
     on, _, _ = scored(model, mb, "manual", grad=False)
     seen = []
     real_run_layers = fastforward.run_layers
     monkeypatch.setattr(fastforward, "run_layers", lambda x, *a, **k: seen.append(x.shape[0]) or real_run_layers(x, *a, **k))
-    monkeypatch.setattr(fastforward, "PADDING_FREE", False)
-    off, _, _ = scored(model, mb, "manual", grad=False)
+    off, _, _ = scored(model, mb, "manual", grad=False, padding_free=False)
     U, P, B, K = 5, mb["prompt_ids"].shape[1], mb["prompt_ids"].shape[0], off.shape[1]
     assert seen == [U * P + B * (K - 1)]
     assert (on - off).abs().max() < 1e-5

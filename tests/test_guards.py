@@ -5,7 +5,7 @@ import math
 import pytest
 
 from grpo_core.config import ConfigError, config_from_dict
-from grpo_core.guards import (
+from grpo_core.train.guards import (
     GuardMonitor,
     GuardsConfig,
     NonFiniteGuard,

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo_core.logprobs import entropy_from_logits, selective_log_softmax, token_logprobs_and_entropy
+from grpo_core.model.logprobs import entropy_from_logits, selective_log_softmax, token_logprobs_and_entropy
 
 F64 = torch.float64
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import grpo_core.trainer as trainer_mod
-from grpo_core.checkpoint import list_checkpoints
-from grpo_core.trainer import train
+import grpo_core.train.loop as trainer_mod
+from grpo_core.train.checkpoint import list_checkpoints
+from grpo_core.train.loop import train
 from tests.tiny import make_prompts, make_tiny_model, read_log, tiny_config
 
 pytest.importorskip("peft")
@@ -133,7 +133,7 @@ RUN = """
 import sys
 from grpo_core.config import config_from_dict
 from tests.tiny import tiny_config
-from grpo_core.trainer import train
+from grpo_core.train.loop import train
 cfg = tiny_config(sys.argv[1], sys.argv[2], [{"name": "digits", "function": "tests.reward_helpers:digit_fraction_then_die"}],
                   max_steps=12, save_steps=5, num_iterations=2, learning_rate=2e-2, beta=0.04)
 raw = cfg.to_dict(); raw.pop("embedded")

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import grpo_core.trainer as trainer_mod
+import grpo_core.train.loop as trainer_mod
 from grpo_core.microbatch import length_grouped_order
-from grpo_core.trainer import train
+from grpo_core.train.loop import train
 from tests.distributed_worker import DeterministicBackend
 from tests.tiny import make_prompts, make_tiny_model, read_log, tiny_config
 
@@ -58,7 +58,7 @@ def test_grouping_changes_padding_not_the_update(assets, tmp_path, monkeypatch, 
     def recording(model, mb, *args, **kwargs):
         out = real_policy_logprobs(model, mb, *args, **kwargs)
         if torch.is_grad_enabled():  # the policy forward (the frozen passes run under no_grad)
-            widths[-1].append(int(mb["prompt_mask"].sum(0).gt(0).sum()) + out[0].shape[1])
+            widths[-1].append(int(mb.prompt_mask.sum(0).gt(0).sum()) + out[0].shape[1])
         return out
 
     monkeypatch.setattr(trainer_mod, "policy_logprobs", recording)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from grpo_core.config import ModelConfig
-from grpo_core.modeling import load_policy
+from grpo_core.model.loading import load_policy
 from tests.tiny import make_prompts, make_tiny_model, read_log
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def test_lora_keeps_the_frozen_base_in_model_dtype_and_the_adapters_in_float32(a
 # One training run per process: accelerate's state is process-wide, and a stage is a process too.
 RUN = """
 import json, sys, torch
-import grpo_core.trainer as trainer
+import grpo_core.train.loop as trainer
 from grpo_core.config import config_from_dict
 from tests.tiny import tiny_config
 model_dir, data, root, dtype, mixed, plain = sys.argv[1:7]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from grpo_core.config import ModelConfig
-from grpo_core.logprobs import token_logprobs_and_entropy
-from grpo_core.modeling import load_policy
+from grpo_core.model.loading import load_policy
+from grpo_core.model.logprobs import token_logprobs_and_entropy
 from grpo_core.rollout import (
     HFGenerateBackend,
     SamplingParams,
@@ -18,8 +18,8 @@ from grpo_core.rollout import (
     left_pad,
     pad_and_eos_ids,
 )
-from grpo_core.trainer import policy_logprobs
-from tests.tiny import make_tiny_model
+from grpo_core.train.forward import policy_logprobs
+from tests.tiny import as_round, make_tiny_model, train_options
 
 EOS = 9
 
@@ -95,7 +95,8 @@ def test_training_logprobs_equal_sampling_logprobs_with_left_padding(policy):
     mb = {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion,
           "completion_mask": torch.ones_like(completion)}
     with torch.no_grad():
-        train_logps, _, _ = policy_logprobs(model, mb, temperature=1.0, compute_entropy=False)
+        train_logps, _, _ = policy_logprobs(model, as_round(mb), train_options(temperature=1.0),
+                                            compute_entropy=False)
     torch.testing.assert_close(train_logps, sampler_logps, atol=1e-4, rtol=0)
 
     input_ids = torch.cat([ids, completion], 1)

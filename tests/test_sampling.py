@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from grpo_core.data import PromptEncoder
-from grpo_core.modeling import load_policy
+from grpo_core.model.loading import load_policy
 from grpo_core.rewards import build_reward_functions
 from grpo_core.rollout import SamplingParams
 from grpo_core.sampling import sample_and_score

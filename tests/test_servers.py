@@ -219,8 +219,8 @@ class OutageTracker:
 def test_mlflow_outage_mid_training_is_replayed_when_the_server_is_back(mlflow_server, tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
-    from grpo_core.tracking import MLflowTracker
-    from grpo_core.trainer import train
+    from flows.tracking import MLflowTracker
+    from grpo_core.train.loop import train
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")

@@ -22,9 +22,9 @@ REPO = Path(__file__).resolve().parents[1]
 def test_exit_codes_follow_the_exception_class():
     from grpo_core.config import ConfigError
     from grpo_core.data import DataError
-    from grpo_core.guards import GuardStop
     from grpo_core.rollout.vllm import VLLMUnavailable
-    from grpo_core.trainer import TrainingError
+    from grpo_core.train.guards import GuardStop
+    from grpo_core.train.state import TrainingError
     from grpo_core.validation import DataValidationError
 
     class Sub(DataError):
@@ -232,7 +232,7 @@ def test_calibrate_stage_writes_weights_difficulty_report_and_logs_a_child_run(t
 # Imported by a stage but deliberately not its dvc.yaml dep (dvc.yaml's header says why): plumbing that
 # changes nothing a stage computes (MLflow runs, exit codes), and config code whose values reach stages as params.
 NOT_DEPS = {
-    "*": {"flows/stages/runs.py", "grpo_core/tracking.py", "grpo_core/embedded/config.py", "grpo_core/errors.py"},
+    "*": {"flows/stages/runs.py", "flows/tracking.py", "grpo_core/embedded/config.py", "grpo_core/errors.py"},
     "prepare": {"grpo_core/config.py"},
     "validate": {"grpo_core/config.py"},
     "calibrate": {"grpo_core/config.py"},

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_core.tracking import (
+from flows.tracking import (
     PARENT_RUN_TAG,
     MLflowTracker,
     Tracker,

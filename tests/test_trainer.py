@@ -11,11 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import grpo_core.trainer as trainer_mod
-from grpo_core.checkpoint import CheckpointError, list_checkpoints
+import grpo_core.train.loop as trainer_mod
 from grpo_core.rewards import RewardFunctionError
 from grpo_core.rollout import default_backend
-from grpo_core.trainer import PromptSampler, train
+from grpo_core.train.checkpoint import CheckpointError, list_checkpoints
+from grpo_core.train.loop import train
+from grpo_core.train.state import PromptSampler
 from tests.tiny import make_prompts, make_tiny_model, read_log, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +53,7 @@ def test_reward_rises_when_the_update_has_the_right_sign(assets, tmp_path):
 def test_num_iterations_halves_generation_and_activates_clipping(assets, tmp_path, monkeypatch):
     model_dir, data = assets
     calls = {"generate": 0, "frozen": 0}
-    real_frozen = trainer_mod._frozen_logprobs
+    real_frozen = trainer_mod.frozen_logprobs
 
     class CountingBackend:
         def __init__(self, model, tokenizer):
@@ -69,7 +70,7 @@ def test_num_iterations_halves_generation_and_activates_clipping(assets, tmp_pat
         calls["frozen"] += 1
         return real_frozen(*a, **k)
 
-    monkeypatch.setattr(trainer_mod, "_frozen_logprobs", counting_frozen)
+    monkeypatch.setattr(trainer_mod, "frozen_logprobs", counting_frozen)
 
     train(tiny_config(model_dir, data, DIGITS, max_steps=6), root=tmp_path / "mu1", progress=False,
           backend_factory=CountingBackend)
@@ -160,7 +161,7 @@ def test_prompt_sampler_covers_each_epoch_once_and_restores():
 
 RUN = """
 import sys
-from grpo_core.trainer import train
+from grpo_core.train.loop import train
 from tests.tiny import tiny_config
 cfg = tiny_config(sys.argv[1], sys.argv[2], [{"name": "digits", "function": "tests.reward_helpers:digit_fraction_then_die"}],
                   max_steps=12, save_steps=5, num_iterations=2)

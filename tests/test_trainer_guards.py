@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import grpo_core.trainer as trainer_mod
+import grpo_core.train.loop as trainer_mod
 from grpo_core.config import config_from_dict
-from grpo_core.guards import GuardStop
-from grpo_core.trainer import train
+from grpo_core.train.guards import GuardStop
+from grpo_core.train.loop import train
 from tests.tiny import make_prompts, make_tiny_model
 
 DIGITS = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}]

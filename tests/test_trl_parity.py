@@ -26,8 +26,8 @@ from trl.trainer import utils as trl_utils  # noqa: E402
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
 
 from grpo_core.advantages import compute_advantages  # noqa: E402
-from grpo_core.logprobs import entropy_from_logits, selective_log_softmax, token_logprobs_and_entropy  # noqa: E402
 from grpo_core.loss import grpo_loss  # noqa: E402
+from grpo_core.model.logprobs import entropy_from_logits, selective_log_softmax, token_logprobs_and_entropy  # noqa: E402
 
 F64 = torch.float64
 TOL = 1e-6

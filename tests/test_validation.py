@@ -9,11 +9,10 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
+from grpo_core.data import DataFileError, read_table
 from grpo_core.validation import (
-    DataFileError,
     DataValidationError,
     gold_completion_text,
-    load_frame,
     validate_frames,
 )
 
@@ -186,29 +185,29 @@ def test_load_frame_formats_and_errors(tmp_path):
             {"prompt": "What is 2+2?", "answer": 4}]
     jl = tmp_path / "d.jsonl"
     jl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    df = load_frame(jl)
+    df = read_table(jl)
     assert df["prompt"][1] == "What is 2+2?" and df["answer"][1] == 4
     assert run(df, None, reward_fns_for_gold=None).ok
 
     pq = tmp_path / "d.parquet"
     pd.DataFrame({"prompt": [rows[0]["prompt"]], "answer": ["2"]}).to_parquet(pq)
-    assert run(load_frame(pq), None).ok  # chat lists come back as numpy arrays of dicts
+    assert run(read_table(pq), None).ok  # chat lists come back as numpy arrays of dicts
 
     csv = tmp_path / "d.csv"
     csv.write_text("prompt,answer\nWhat is 3+3?,6\n")
-    assert load_frame(csv)["answer"][0] == "6"
+    assert read_table(csv)["answer"][0] == "6"
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"prompt": \n')
     with pytest.raises(DataFileError, match=r"bad\.jsonl:2: invalid JSON"):
-        load_frame(bad)
+        read_table(bad)
     broken = tmp_path / "broken.parquet"
     broken.write_text("not parquet")
     with pytest.raises(DataFileError, match=r"broken\.parquet: cannot read as parquet"):
-        load_frame(broken)
+        read_table(broken)
     txt = tmp_path / "d.txt"
     txt.write_text("x")
     with pytest.raises(DataFileError, match="unsupported file type '.txt'"):
-        load_frame(txt)
+        read_table(txt)
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
-        load_frame(tmp_path / "nope.jsonl")
+        read_table(tmp_path / "nope.jsonl")

@@ -29,7 +29,7 @@ from grpo_core.rollout.vllm import (
     completion_tensor,
     vllm_sampling_kwargs,
 )
-from grpo_core.trainer import train
+from grpo_core.train.loop import train
 from tests.tiny import make_prompts, make_tiny_model, read_log, tiny_config
 
 PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"

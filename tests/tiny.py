@@ -75,3 +75,23 @@ def in_stage_repo(root: Path, raw: dict, monkeypatch, run_group: str) -> Path:
     for var in ("GRPO_PARENT_RUN_ID", "GRPO_FLOW_RUN_ID", "DVC_ROOT", "GRPO_EXPERIMENT_NAME"):
         monkeypatch.delenv(var, raising=False)
     return root
+
+
+def as_round(mb: dict):
+    """A micro-batch given as prompt/completion ids and masks, as the trainer's ``Round`` (no truncation,
+    zero advantages)."""
+    import torch
+
+    from grpo_core.train.round import Round
+
+    n = mb["prompt_ids"].shape[0]
+    return Round(is_truncated=torch.zeros(n, dtype=torch.bool), advantages=torch.zeros(n), **mb)
+
+
+def train_options(**overrides):
+    """``train.*`` defaults with ``overrides``: the options the trainer's log-prob passes read."""
+    import dataclasses
+
+    from grpo_core.config import TrainConfig
+
+    return dataclasses.replace(TrainConfig(), **overrides)

@@ -3,7 +3,7 @@
     prepare   embedded default only: synthetic data + tiny warm-started base model
     validate  schema / gold-answer / overlap checks -> data/validated/*.parquet + reports/validation.*
     calibrate sample the base policy, score, derive reward weights -> artifacts/calibration/*
-    train     GRPO (grpo_core.trainer.train) -> checkpoints, final model, metrics/train_log.csv
+    train     GRPO (grpo_core.train.loop.train) -> checkpoints, final model, metrics/train_log.csv
     evaluate  base vs trained policy on held-out prompts -> metrics/eval.json, registry
 
 Each stage reads params.yaml (``--params`` to override the path), writes only its declared outputs (each

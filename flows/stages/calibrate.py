@@ -128,7 +128,7 @@ def run(ctx) -> int:
     from flows.stages.common import quiet_libraries
     from grpo_core.calibration import calibrate_weights
     from grpo_core.data import PromptEncoder, load_split
-    from grpo_core.modeling import load_for_inference
+    from grpo_core.model.loading import load_for_inference
     from grpo_core.rewards import build_reward_functions
     from grpo_core.rollout import SamplingParams, backend_for
     from grpo_core.sampling import sample_and_score

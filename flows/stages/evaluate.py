@@ -112,7 +112,7 @@ def sample_policy(policy: str, model_cfg, cfg, ctx, rows: list[dict], indices: l
     import torch
 
     from grpo_core.data import PromptEncoder
-    from grpo_core.modeling import load_for_inference
+    from grpo_core.model.loading import load_for_inference
     from grpo_core.rewards import build_reward_functions
     from grpo_core.rollout import SamplingParams, backend_for
     from grpo_core.sampling import sample_and_score

@@ -12,7 +12,7 @@ Which parent a stage's child run goes under, first match wins:
 3. Neither (a stage run by hand outside DVC, or no ``/proc``): a parent of its own for this one stage.
 
 Store: ``tracking.tracking_uri`` > env ``MLFLOW_TRACKING_URI`` > ``sqlite:///<store root>/mlflow.db``
-(``grpo_core.tracking.resolve_tracking_uri``), where the store root is the *original* repo (``DVC_ROOT``),
+(``flows.tracking.resolve_tracking_uri``), where the store root is the *original* repo (``DVC_ROOT``),
 also for ``dvc exp run --temp/--queue``. Experiment: env ``GRPO_EXPERIMENT_NAME`` (the flow's
 ``experiment_name``) > ``tracking.experiment_name``.
 
@@ -59,7 +59,7 @@ def safe_key(key: str) -> str:
 
 
 def tracking_uri_for(cfg, store_root: Path) -> str:
-    from grpo_core.tracking import resolve_tracking_uri
+    from flows.tracking import resolve_tracking_uri
 
     return resolve_tracking_uri(cfg.tracking.tracking_uri, store_root)
 
@@ -151,7 +151,7 @@ def create_parent_run(uri: str, experiment: str, *, run_name: str, tags: Mapping
     """A top-level pipeline run (tag ``grpo.role=pipeline``) with the flattened config as params."""
     from mlflow.entities import Param
 
-    from grpo_core.tracking import default_artifact_location, get_or_create_experiment
+    from flows.tracking import default_artifact_location, get_or_create_experiment
 
     client = _client(uri)
     exp_id = get_or_create_experiment(client, experiment, default_artifact_location(uri))
@@ -212,7 +212,7 @@ class StageRun:
         return self
 
     def _open(self) -> None:
-        from grpo_core.tracking import MLflowTracker, default_artifact_location, flatten_params
+        from flows.tracking import MLflowTracker, default_artifact_location, flatten_params
 
         ctx = self.ctx
         self.uri = tracking_uri_for(ctx.cfg, ctx.store_root)

@@ -1,4 +1,4 @@
-"""`train`: GRPO on the validated training prompts (``grpo_core.trainer.train``).
+"""`train`: GRPO on the validated training prompts (``grpo_core.train.loop.train``).
 
 Reward weights: ``train.reward_weights`` when pinned, else calibration's ``weights_list``
 (artifacts/calibration/reward_weights.json). Prompts: all, or calibration's ``kept_indices`` when
@@ -69,7 +69,7 @@ def allowed_prompts(ctx, cfg) -> list[int] | None:
 
 def fingerprint(ctx, cfg, weights: list[float], allowed: list[int] | None) -> dict:
     from grpo_core.config import training_params_hash
-    from grpo_core.modeling import resolve_model_path
+    from grpo_core.model.loading import resolve_model_path
 
     try:
         model_path = Path(resolve_model_path(cfg.model.name_or_path, ctx.root))
@@ -93,7 +93,7 @@ def md5_bytes(data: bytes) -> str:
 
 def prepare_checkpoints(ctx, cfg, fp: dict) -> str:
     """Keep the checkpoints (resume) when they belong to this exact run, else empty the directory."""
-    from grpo_core.checkpoint import latest_checkpoint
+    from grpo_core.train.checkpoint import latest_checkpoint
 
     ckpt_dir = ctx.path(cfg.train.output_dir) / "checkpoints"
     fp_file = ckpt_dir / FINGERPRINT
@@ -194,7 +194,7 @@ def run(ctx) -> int:
 
 
 def _train(ctx, cfg, weights, allowed, tracker):
-    from grpo_core.trainer import train
+    from grpo_core.train.loop import train
 
     quiet = not sys.stderr.isatty()
     return train(cfg, reward_weights=weights, tracker=tracker, root=ctx.root, allowed_prompts=allowed,

@@ -41,15 +41,14 @@ class ValidationFailed(ValidationFailure, RuntimeError):
 def _local_frame(ctx, files: list[str], key: str):
     import pandas as pd
 
-    from grpo_core.data import resolve_data_paths
-    from grpo_core.validation import load_frame
+    from grpo_core.data import read_table, resolve_data_paths
 
     if not files:
         raise StageConfigError(f"{key}: no files configured (or set data.hub_dataset)")
     paths = resolve_data_paths(files, key, ctx.root)
     frames = []
     for path in paths:
-        frame = load_frame(path)
+        frame = read_table(path)
         if len(paths) > 1:  # rows are named <file>:<record> so the report says where they are
             frame.index = [f"{_shown(ctx, path)}:{i}" for i in range(len(frame))]
         frames.append(frame)
@@ -113,7 +112,7 @@ def check_prompts_render(encoder, train_df, cfg) -> None:
 def run(ctx) -> int:
     from flows.stages.common import quiet_libraries
     from grpo_core.data import PromptEncoder
-    from grpo_core.modeling import check_model_folder, load_tokenizer
+    from grpo_core.model.loading import check_model_folder, load_tokenizer
     from grpo_core.rewards import build_reward_functions
     from grpo_core.validation import validate_frames
 

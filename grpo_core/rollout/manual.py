@@ -2,7 +2,7 @@
 
 Why: on a small model on CPU, HF ``generate`` costs per-op overhead, not arithmetic (a decode step of the
 3-layer benchmark model is ~930 aten ops). Here a step is the hand-written transformer of
-``grpo_core/fastforward.py`` (weights rebuilt from the HF modules at every call, so ``sync_weights`` is
+``grpo_core/model/fastforward.py`` (weights rebuilt from the HF modules at every call, so ``sync_weights`` is
 free and training updates are seen by the next rollout) over a KV buffer preallocated once per call:
 ~440 aten ops, 13 matmuls (``benchmarks/README.md`` has the numbers). The prompt (prefill) runs once per
 distinct prompt — the G rows of a group share it — with a causal+padding mask; positions are
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grpo_core.fastforward import _linear, _normalize, causal_mask, embed, prepare, rope, run_layers
-from grpo_core.fastforward import unsupported_reason as forward_unsupported_reason
+from grpo_core.model.fastforward import _linear, _normalize, causal_mask, embed, prepare, rope, run_layers
+from grpo_core.model.fastforward import unsupported_reason as forward_unsupported_reason
 from grpo_core.rollout.types import RolloutBatch, SamplingParams, assemble_batch, left_pad, pad_and_eos_ids
 
 # generation_config fields that add a logits processor this loop does not reproduce (HF backend parity).

@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from grpo_core import fastforward
-from grpo_core.fastforward import hidden_states, use_manual_forward
+from grpo_core.model.fastforward import hidden_states, use_manual_forward
 
 DEFAULT_CHUNK_SIZE = 256  # rows of V logits per chunk: 256 x 152k vocab x 4 bytes ~ 156 MB in float32
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -80,6 +79,8 @@ def token_logprobs_and_entropy(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     position_ids: torch.Tensor | None = None,
     forward: str = "hf",
+    fused_head: bool = True,
+    padding_free: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the last ``logits_to_keep`` tokens of input_ids under a causal LM.
 
@@ -94,8 +95,11 @@ def token_logprobs_and_entropy(
         chunk_size: rows of V logits processed at once.
         position_ids: optional (B, L) positions (padding-free packing); passed through to the model.
         forward: "hf" = the model's own forward; "manual" = the hand-written Qwen2/Llama forward of
-            ``grpo_core.fastforward`` (the same numbers with fewer ops; an error for a model it cannot run);
+            ``grpo_core.model.fastforward`` (the same numbers with fewer ops; an error for a model it cannot run);
             "auto" = manual for a model on CPU it supports (``fastforward.use_manual_forward``), else hf.
+        fused_head: apply the LM head chunk by chunk to the hidden states, so the (B, K, V) logits never
+            exist (plain Qwen2/Qwen3/Llama/Mistral heads; others take the logits path); ``train.fused_lm_head``.
+        padding_free: the manual forward runs and scores only real tokens (``train.padding_free``).
 
     Returns:
         (logps (B, K), entropies (B, K) or None): position j scores input_ids[:, L-K+j] with the logits
@@ -123,17 +127,17 @@ def token_logprobs_and_entropy(
     if position_ids is not None:
         model_inputs["position_ids"] = position_ids
     completion_ids = input_ids[:, -logits_to_keep:]
-    parts = _backbone_and_head(model) if FUSED_LM_HEAD else None
+    parts = _backbone_and_head(model) if fused_head else None
     if forward != "hf" and use_manual_forward(model, forward):
         # The hand-written forward gives the final hidden states; the LM head is fused as below.
         # The last token only predicts beyond the sequence: it is left out. The prompt columns are computed
         # once per distinct prompt (the G rows of a group share them).
         # Padding-free: only the real completion positions are scored (packed rows), then put back in place.
         L = input_ids.shape[1]
-        real = attention_mask[:, -logits_to_keep:].bool() if fastforward.PADDING_FREE else None
+        real = attention_mask[:, -logits_to_keep:].bool() if padding_free else None
         hidden = hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1],
                                None if position_ids is None else position_ids[:, :-1], prefix=L - logits_to_keep,
-                               rows=real)
+                               rows=real, padding_free=padding_free)
         logps, entropies = _chunked_head_logps_and_entropy(
             hidden, model.lm_head, completion_ids if real is None else completion_ids[real], temperature,
             compute_entropy, chunk_size
@@ -221,7 +225,6 @@ def _head_logps_and_entropy(hidden, index, weight, bias, temperature):
 
 
 # Causal LMs whose forward is exactly lm_head(backbone(...).last_hidden_state): no logit scaling or soft-capping.
-FUSED_LM_HEAD = True
 _PLAIN_HEAD_MODEL_TYPES = {"qwen2", "qwen3", "llama", "mistral"}
 
 

@@ -33,8 +33,6 @@ from torch import nn
 
 SUPPORTED = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 FORWARD_BACKENDS = ("auto", "hf", "manual")
-# Padding tokens skip the matmuls (``hidden_states``); False runs every column (``benchmarks/levers.py``).
-PADDING_FREE = True
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -195,7 +193,7 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                   position_ids: torch.Tensor | None = None, prefix: int = 1,
-                  rows: torch.Tensor | None = None) -> torch.Tensor:
+                  rows: torch.Tensor | None = None, padding_free: bool = True) -> torch.Tensor:
     """Final hidden states (after the last RMSNorm, before the LM head) of positions [prefix - 1, L): the values
     of ``model.model(input_ids, attention_mask, position_ids=...).last_hidden_state[:, prefix - 1:]``, (B, L -
     prefix + 1, D), 0 at padding positions. Differentiable: under autograd the gradients reach the model's
@@ -211,7 +209,8 @@ def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
 
     Padding-free: only real tokens (mask 1) go through the embedding, the norms, the q/k/v, output and MLP
     matmuls; the rows are scattered into the padded (sequence, column) layout for attention alone and its
-    output gathered back. A padding position costs attention work, not the matmuls'.
+    output gathered back. A padding position costs attention work, not the matmuls'. ``padding_free=False``
+    runs every column through them (the same numbers, slower; kept to measure what the saving is worth).
     """
     B, L = input_ids.shape
     P, S = prefix, L - prefix
@@ -231,7 +230,7 @@ def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     U = first.shape[0]
     # The real tokens: the U distinct prompts' (of their U·P columns), then every row's later ones (of B·S).
     real_p, real_s = attention_mask[first, :P].reshape(-1).bool(), attention_mask[:, P:].reshape(-1).bool()
-    if not PADDING_FREE:
+    if not padding_free:
         real_p, real_s = torch.ones_like(real_p), torch.ones_like(real_s)
     idx_p, idx_s = real_p.nonzero().squeeze(1), real_s.nonzero().squeeze(1)
     n_p, n_s = idx_p.shape[0], idx_s.shape[0]

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from grpo_core.errors import TrainingFailure
+from grpo_core.model.loading import is_peft_model
 
 STATE_FILE = "trainer_state.json"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -103,7 +104,7 @@ def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optim
     if rollout_buffer is not None:
         torch.save(rollout_buffer, tmp / "rollout_buffer.pt")
     if reference_state is not None:
-        save_file({k: v.contiguous() for k, v in reference_state.items()}, tmp / "reference.safetensors")
+        save_file(_without_shared(reference_state), tmp / "reference.safetensors")
     full_state = {**state, "step": step, "rng": rng_state()}
     (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=1))
     _fsync_tree(tmp)
@@ -114,6 +115,18 @@ def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optim
         for old in list_checkpoints(directory)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _without_shared(state: dict) -> dict:
+    """A state dict with each storage saved once (tied embeddings: ``lm_head.weight`` is ``embed_tokens.weight``;
+    safetensors refuses shared tensors). Loading it back into the model re-ties them."""
+    seen, out = set(), {}
+    for k, v in state.items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+        if key not in seen:
+            seen.add(key)
+            out[k] = v.contiguous()
+    return out
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
@@ -182,3 +195,37 @@ def load_checkpoint(path: str | Path, expected_hash: str | None = None) -> Loade
         rollout_buffer=torch.load(buffer_file, weights_only=True) if buffer_file.exists() else None,
         reference_state=load_file(ref_file) if ref_file.exists() else None,
     )
+
+
+def load_weights(model, path: Path) -> None:
+    """A checkpoint's trained weights into ``model``: every weight, or under LoRA the adapters alone (what
+    peft's ``save_pretrained`` wrote, in its own key names)."""
+    from safetensors.torch import load_file
+
+    if is_peft_model(model):
+        from peft import set_peft_model_state_dict
+
+        adapter = path / "adapter_model.safetensors"
+        if not adapter.is_file():
+            raise CheckpointError(f"{path}: no adapter_model.safetensors; the checkpoint was not written by a LoRA "
+                                "run (model.lora is set now)")
+        state = load_file(adapter)
+        result = set_peft_model_state_dict(model, state)
+        lora_keys = [k for k, _ in model.named_parameters() if "lora_" in k]
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if result.unexpected_keys or missing or len(state) != len(lora_keys):
+            raise CheckpointError(f"{path}: checkpoint adapters do not match the model (missing {missing[:5]}, "
+                                f"unexpected {list(result.unexpected_keys)[:5]}; {len(state)} tensors saved, "
+                                f"{len(lora_keys)} adapter weights in the model)")
+        return
+    files = sorted(path.glob("*.safetensors"))
+    files = [f for f in files if f.name != "reference.safetensors"]
+    state = {}
+    for f in files:
+        state.update(load_file(f))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # Tied embeddings are saved once; anything else missing means a different architecture.
+    missing = [k for k in missing if "lm_head" not in k]
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: checkpoint weights do not match the model (missing {missing[:5]}, "
+                            f"unexpected {unexpected[:5]})")

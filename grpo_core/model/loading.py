@@ -181,17 +181,35 @@ def is_peft_model(model) -> bool:
 
 
 class AdapterDisabledReference(torch.nn.Module):
-    """The reference under LoRA: the same base weights with adapters switched off (no second copy)."""
+    """The reference under LoRA: the same base weights with adapters switched off (no second copy).
 
-    _is_adapter_view = True
+    It owns no weights (the policy is held outside its module tree), so it is never moved, saved or synced.
+    """
 
     def __init__(self, peft_model):
         super().__init__()
         self._peft = [peft_model]  # a list, so the policy is not registered as a submodule
 
+    @property
+    def device(self) -> torch.device:
+        return model_device(self._peft[0])
+
     def forward(self, *args, **kwargs):
         with self._peft[0].disable_adapter():
             return self._peft[0](*args, **kwargs)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where a model's weights are: its first parameter's device, else its ``device`` attribute (the LoRA
+    reference view, which owns no parameters), else the CPU."""
+    for p in model.parameters():
+        return p.device
+    return getattr(model, "device", torch.device("cpu"))
+
+
+def owns_weights(reference: torch.nn.Module) -> bool:
+    """False for the LoRA reference view: it shares the policy's weights (nothing to move, save or sync)."""
+    return not isinstance(reference, AdapterDisabledReference)
 
 
 def load_reference(cfg: ModelConfig, root: str | Path, policy) -> torch.nn.Module:

@@ -1,0 +1,437 @@
+"""The GRPO training loop, read top to bottom in ``train()``; each phase below it is a function.
+
+    set up      policy, reference, optimizer, rollout backend, data, rewards     -> TrainingRun
+    resume      the newest complete checkpoint, or step 0                        -> TrainState
+    per step:
+      round     at a round's start: G completions per prompt, rewards (N, K), advantages (N,),
+                old log-probs (only when a round feeds > 1 step), reference log-probs (beta > 0)   -> Round
+      gradients ga micro-batches: grpo_loss(logps, old_logps, ref_logps, A, mask); backward; clip
+      guards    the step's metrics decide: apply, skip the update, roll back, or stop
+      update    optimizer and schedule step; the rollout engine gets the new weights
+      log       the step log (CSV) and the tracker
+      save      every save_steps and at the end (with the round when the step ends inside it)
+    export      the final policy, HF format
+
+The math is in ``grpo_core/advantages.py``, ``loss.py`` and ``model/logprobs.py``; this file only wires it.
+Shapes: N rows of a round on this process (prompts × G), P/C prompt/completion widths, B = per_device_train_batch_size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from grpo_core.config import GuardsConfig, PipelineConfig, TrainConfig, training_params_hash
+from grpo_core.data import PromptEncoder, load_split
+from grpo_core.loss import grpo_loss
+from grpo_core.microbatch import length_grouped_order
+from grpo_core.model.fastforward import use_manual_forward
+from grpo_core.model.loading import DTYPES, load_policy, load_reference, owns_weights
+from grpo_core.rewards import build_reward_functions
+from grpo_core.rollout import backend_for
+from grpo_core.train.checkpoint import latest_checkpoint, remove_stale_temp_dirs
+from grpo_core.train.export import export_model
+from grpo_core.train.forward import frozen_logprobs, policy_logprobs
+from grpo_core.train.guards import GuardEvent, GuardMonitor, GuardStop, decide
+from grpo_core.train.optim import build_optimizer_and_scheduler, scale_learning_rate
+from grpo_core.train.rollouts import generate_round
+from grpo_core.train.round import Round
+from grpo_core.train.state import (
+    PromptSampler,
+    TrainingError,
+    TrainingRun,
+    TrainState,
+    restore_state,
+    save_state,
+)
+from grpo_core.train.step_log import StepLog, metric_columns
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TrainResult", "TrainingError", "PromptSampler", "train"]
+
+
+@dataclass
+class TrainResult:
+    final_step: int
+    model_dir: Path
+    log_path: Path
+    checkpoint_dir: Path
+    resumed_from: Path | None
+    last_metrics: dict
+
+
+@dataclass
+class Prompts:
+    """What a round is sampled from and scored with."""
+
+    dataset: Any                # datasets.Dataset of the train split
+    encoder: PromptEncoder
+    reward_fns: list
+    reward_names: list[str]     # K names, the columns of the reward matrix
+    weights: torch.Tensor       # (K,)
+
+
+@dataclass
+class StepGradients:
+    """What one step's gradient accumulation leaves besides the gradients themselves (all detached)."""
+
+    losses: list[torch.Tensor]      # one () per micro-batch, already scaled to the step
+    stats: list[dict]               # grpo_loss diagnostics per micro-batch
+    entropies: list[torch.Tensor]   # one () per micro-batch: mean entropy over its loss tokens
+    grad_norm: torch.Tensor         # () before clipping
+    num_items: float                # loss tokens per process (the global count / processes)
+    local_tokens: int               # this process's loss tokens
+
+
+def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tracker=None,
+          root: str | Path = ".", allowed_prompts: list[int] | None = None, progress: bool = True,
+          log_path: str | Path = "metrics/train_log.csv", backend_factory=None, export: bool = True) -> TrainResult:
+    """Run GRPO per ``cfg.train``; write checkpoints, the final model and the per-step log.
+
+    reward_weights: one per reward function (None = all 1). tracker: an object with ``log_metrics(dict,
+    step)`` and optionally ``set_tags(dict)`` (e.g. MLflow). allowed_prompts: dataset indices to train on
+    (calibration may drop always/never-solved prompts). backend_factory: ``(policy, tokenizer) -> backend``
+    instead of ``train.generation_backend``'s. export: write the final model (benchmarks leave it out).
+    Resumes from the newest complete checkpoint unless train.resume=never.
+    """
+    t, root = cfg.train, Path(root)
+    log_path, model_dir = root / log_path, root / t.output_dir / "model"
+    run, prompts = set_up(cfg, root, reward_weights, backend_factory)
+    state, resumed_from = resume_or_start(run, PromptSampler(len(prompts.dataset), t.seed, allowed_prompts))
+    step_log = open_step_log(run, log_path, prompts.reward_names, state.step)
+    monitor = GuardMonitor(cfg.guards)
+    bar = _progress_bar(run, state.step) if progress else None
+
+    metrics: dict[str, Any] = {}
+    run.model.train()
+    while state.step < t.max_steps:
+        step_start = time.perf_counter()
+        if state.micro_step % (t.effective_steps_per_generation * t.num_iterations) == 0:
+            state.round = new_round(run, prompts, state.sampler)
+        grads = accumulate_gradients(run, step_micro_batches(state, t))
+        metrics = step_metrics(run, state, grads)
+        event = guard_decision(run, cfg.guards, monitor, state, metrics, tracker)
+        if event is not None and event.action == "rollback":
+            state = roll_back(run, state, cfg.guards.rollback_lr_factor)
+            step_log = open_step_log(run, log_path, prompts.reward_names, state.step)
+            monitor.reset_history()
+            _progress_to(bar, state.step)
+            continue
+        apply_update(run, state, skipped=event is not None and event.action == "skip_step")
+        metrics.update({"guard/skipped": float(event is not None and event.action == "skip_step"),
+                        "learning_rate": run.scheduler.get_last_lr()[0],
+                        "num_tokens": grads.num_items * run.accelerator.num_processes,
+                        "step_time": time.perf_counter() - step_start})  # generation included when it sampled
+        log_step(run, state, metrics, step_log, tracker, bar)
+        save_if_due(run, state, metrics)
+    if bar is not None:
+        bar.close()
+
+    if export and run.accelerator.is_main_process:
+        with record_function("grpo/export"):
+            export_model(run.policy, run.tokenizer, model_dir, DTYPES[cfg.model.dtype])
+    run.accelerator.wait_for_everyone()
+    return TrainResult(state.step, model_dir, log_path, run.checkpoint_dir, resumed_from, metrics)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Set-up and resume
+
+
+def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> tuple[TrainingRun, Prompts]:
+    """Accelerator, seed, policy (fp32 masters), reference, data, rewards, optimizer, rollout backend."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    t = cfg.train
+    accelerator = Accelerator(mixed_precision=t.mixed_precision, cpu=not torch.cuda.is_available())
+    set_seed(t.seed)
+    model, tokenizer = load_policy(cfg.model, root, gradient_checkpointing=t.gradient_checkpointing)
+    ref_model = load_reference(cfg.model, root, model) if t.beta > 0 else None
+    dataset = load_split(cfg.data, "train", root)
+    encoder = PromptEncoder.from_config(tokenizer, cfg.data, t.max_prompt_length)
+    reward_fns = build_reward_functions(cfg.rewards)
+    reward_names = [r.name for r in cfg.rewards]
+    weights = torch.tensor(reward_weights if reward_weights is not None else [1.0] * len(reward_fns))
+    if len(weights) != len(reward_fns):
+        raise TrainingError(f"{len(weights)} reward weights for {len(reward_fns)} reward functions {reward_names}")
+    optimizer, scheduler = build_optimizer_and_scheduler(model, t)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if ref_model is not None and owns_weights(ref_model):
+        ref_model.to(accelerator.device)
+    policy = accelerator.unwrap_model(model)
+    make_backend = backend_factory or (lambda m, tok: backend_for(
+        m, tok, t, rank=accelerator.process_index, local_rank=accelerator.local_process_index,
+        world_size=accelerator.num_processes))
+    run = TrainingRun(t=t, accelerator=accelerator, model=model, policy=policy, ref_model=ref_model,
+                      tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
+                      backend=make_backend(policy, tokenizer), params_hash=training_params_hash(cfg, weights.tolist()),
+                      checkpoint_dir=root / t.output_dir / "checkpoints")
+    return run, Prompts(dataset, encoder, reward_fns, reward_names, weights)
+
+
+def resume_or_start(run: TrainingRun, sampler: PromptSampler) -> tuple[TrainState, Path | None]:
+    """The newest complete checkpoint's state (train.resume=auto), else step 0; and where it came from."""
+    if run.accelerator.is_main_process:
+        remove_stale_temp_dirs(run.checkpoint_dir)
+    run.accelerator.wait_for_everyone()
+    last = latest_checkpoint(run.checkpoint_dir) if run.t.resume == "auto" else None
+    if last is None:
+        return TrainState(sampler=sampler), None
+    state = restore_state(run, last, sampler)
+    run.backend.sync_weights(run.policy)
+    log.info("resumed from %s (step %d)", last, state.step)
+    if state.step >= run.t.max_steps:
+        log.info("already trained to step %d >= max_steps %d", state.step, run.t.max_steps)
+    return state, last
+
+
+def open_step_log(run: TrainingRun, path: Path, reward_names: list[str], step: int) -> StepLog | None:
+    """Rank 0 alone owns the log (two ranks rewriting one file race on its temp name)."""
+    return StepLog(path, metric_columns(reward_names), step) if run.accelerator.is_main_process else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Round
+
+
+def new_round(run: TrainingRun, prompts: Prompts, sampler: PromptSampler) -> Round:
+    """This process's share of the next global batch of prompts, sampled and scored; rows length-grouped
+    within each step's span; the frozen log-probs the round's steps need.
+
+    One global prompt order: each round takes the global batch and every process its own slice of it, so N
+    processes train on exactly the prompts one process would.
+    """
+    t, acc = run.t, run.accelerator
+    per_process = t.per_device_train_batch_size * t.effective_steps_per_generation // t.num_generations
+    rank = acc.process_index
+    indices = sampler.take(per_process * acc.num_processes)[rank * per_process:(rank + 1) * per_process]
+    with record_function("grpo/generate_round"):
+        round_ = generate_round(backend=run.backend, tokenizer=run.tokenizer, dataset=prompts.dataset,
+                                indices=indices, encoder=prompts.encoder, reward_fns=prompts.reward_fns,
+                                reward_names=prompts.reward_names, weights=prompts.weights, t=t, accelerator=acc)
+    ga = t.gradient_accumulation_steps
+    if t.group_by_length and ga > 1:  # one micro-batch per step: nothing to regroup
+        order = length_grouped_order(round_.prompt_mask.sum(1), round_.completion_mask.sum(1), t.num_generations,
+                                     span=ga * t.per_device_train_batch_size,
+                                     keep_groups=use_manual_forward(run.model, t.forward_backend))
+        round_ = round_.rows(order)
+    if t.num_iterations > 1 or t.effective_steps_per_generation > ga:  # the round outlives this policy
+        with record_function("grpo/old_logprobs"):
+            round_.old_logps = frozen_logprobs(run.model, round_, t)
+    if run.ref_model is not None:
+        with record_function("grpo/ref_logprobs"):
+            round_.ref_logps = frozen_logprobs(run.ref_model, round_, t)
+    return round_
+
+
+def step_micro_batches(state: TrainState, t: TrainConfig) -> list[Round]:
+    """The ga micro-batches (B rows each) of this optimizer step: slices (micro_step + j) % spg of the round."""
+    spg, bs = t.effective_steps_per_generation, t.per_device_train_batch_size
+    slices = [(state.micro_step + j) % spg for j in range(t.gradient_accumulation_steps)]
+    return [state.round.rows(slice(s * bs, (s + 1) * bs)) for s in slices]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Gradients and metrics
+
+
+def accumulate_gradients(run: TrainingRun, micro_batches: list[Round]) -> StepGradients:
+    """Forward, loss and backward of each micro-batch (gradients summed over them), then clip.
+
+    Per micro-batch: logps (B, C') with grad, old/ref logps cut to C', advantages (B,), loss mask (B, C').
+    A non-finite loss never reaches the gradients; the nonfinite guard acts on it.
+    """
+    t, acc = run.t, run.accelerator
+    ga = len(micro_batches)
+    loss_masks = [mb.loss_mask(t.mask_truncated_completions) for mb in micro_batches]
+    local_tokens = sum(int(m.sum()) for m in loss_masks)
+    num_items = _global_sum(acc, local_tokens) / acc.num_processes
+    losses, stats, entropies = [], [], []
+    for j, (mb, loss_mask) in enumerate(zip(micro_batches, loss_masks)):
+        defer_sync = j < ga - 1 and acc.num_processes > 1  # all-reduce once, after the last micro-batch
+        with acc.no_sync(run.model) if defer_sync else contextlib.nullcontext():
+            with record_function("grpo/policy_forward"):
+                logps, entropy, _ = policy_logprobs(run.model, mb, t, compute_entropy=True)
+                width, device = logps.shape[1], logps.device
+                loss, loss_stats = grpo_loss(
+                    logps, _cut(mb.old_logps, width, device), _cut(mb.ref_logps, width, device),
+                    mb.advantages.to(device), loss_mask[:, :width].to(device),
+                    loss_type=t.loss_type, beta=t.beta, epsilon_low=t.epsilon, epsilon_high=t.epsilon_high,
+                    delta=t.delta, importance_sampling_level=t.importance_sampling_level,
+                    max_completion_length=t.max_completion_length, num_items=max(num_items, 1.0))
+                if t.loss_type != "dapo":  # dapo already divides by the step's token count
+                    loss = loss / ga
+            if torch.isfinite(loss):
+                with record_function("grpo/backward"):
+                    acc.backward(loss)
+        losses.append(loss.detach())
+        stats.append(loss_stats)
+        m = loss_mask[:, :width].to(entropy.device).float()
+        entropies.append(((entropy * m).sum() / m.sum().clamp(min=1)).detach())
+    grad_norm = acc.clip_grad_norm_(run.model.parameters(), t.max_grad_norm if t.max_grad_norm > 0 else float("inf"))
+    return StepGradients(losses, stats, entropies, grad_norm, num_items, local_tokens)
+
+
+_TOKEN_MEAN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+def step_metrics(run: TrainingRun, state: TrainState, grads: StepGradients) -> dict[str, Any]:
+    """TRL's metric names for the step about to be taken: the round's reward metrics, loss, KL, clipping,
+    entropy, grad norm. On N processes every rank gets the numbers one process would (one all-reduce)."""
+    metrics = {"step": state.step + 1, **state.round.metrics}
+    metrics["loss"] = torch.stack(grads.losses).sum().item()
+    for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+        vals = [float(s[key]) for s in grads.stats if key in s]
+        metrics[key] = sum(vals) / len(vals) if vals else 0.0
+    metrics["entropy"] = torch.stack(grads.entropies).mean().item()
+    if run.accelerator.num_processes > 1:
+        metrics.update(_reduce_metrics(run.accelerator, metrics, float(grads.local_tokens)))
+    metrics["grad_norm"] = float(grads.grad_norm)
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------------
+# Guards, update, log, save
+
+
+def guard_decision(run: TrainingRun, guards: GuardsConfig, monitor: GuardMonitor, state: TrainState,
+                   metrics: dict, tracker) -> GuardEvent | None:
+    """The most severe guard event of the step (None: all is well). Raises GuardStop for ``stop``, for a
+    rollback past ``max_rollbacks`` and for a rollback with no checkpoint to go back to."""
+    event = decide(monitor.check(state.step + 1, metrics))
+    if event is None:
+        return None
+    log.warning("guard %s (%s): %s", event.guard, event.action, event.message)
+    if tracker is not None and hasattr(tracker, "set_tags"):
+        tracker.set_tags({f"guard.{event.guard}": f"{event.action}: {event.message}"})
+    if event.action == "rollback" and state.rollbacks >= guards.max_rollbacks:
+        event = GuardEvent(event.guard, "stop", f"{event.message} (after {state.rollbacks} rollbacks)")
+    kept = latest_checkpoint(run.checkpoint_dir)
+    if event.action == "stop":
+        raise GuardStop(f"guard {event.guard} stopped training: {event.message}; "
+                        + (f"the last good checkpoint is {kept}" if kept else "no checkpoint had been written yet"))
+    if event.action == "rollback" and kept is None:
+        raise GuardStop(f"guard {event.guard} asked for a rollback but there is no checkpoint yet: {event.message}")
+    return event
+
+
+def roll_back(run: TrainingRun, state: TrainState, lr_factor: float) -> TrainState:
+    """Back to the newest checkpoint, with the learning rate multiplied by ``lr_factor``."""
+    last = latest_checkpoint(run.checkpoint_dir)
+    run.optimizer.zero_grad(set_to_none=True)
+    restored = restore_state(run, last, state.sampler)
+    restored.rollbacks = state.rollbacks + 1
+    run.backend.sync_weights(run.policy)  # an external engine must not sample with the abandoned weights
+    scale_learning_rate(run.optimizer, run.scheduler, lr_factor)
+    log.warning("rolled back to %s; learning rate x%g", last, lr_factor)
+    return restored
+
+
+def apply_update(run: TrainingRun, state: TrainState, skipped: bool) -> None:
+    """Step the optimizer and schedule (unless a guard skips the update), advance the state, and hand the new
+    weights to the rollout engine and, every ref_model_sync_steps, to the reference (TR-DPO)."""
+    t = run.t
+    if not skipped:
+        with record_function("grpo/optimizer_step"):
+            run.optimizer.step()
+            run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    state.micro_step += t.gradient_accumulation_steps
+    state.step += 1
+    run.backend.sync_weights(run.policy)
+    if run.ref_model is not None and t.sync_ref_model and state.step % t.ref_model_sync_steps == 0:
+        _mix_reference(run.ref_model, run.policy, t.ref_model_mixup_alpha)
+        state.reference_synced = True
+
+
+def log_step(run: TrainingRun, state: TrainState, metrics: dict, step_log: StepLog | None, tracker, bar) -> None:
+    """Every logging_steps (and the last step): a line of the step log and the tracker's metrics; the bar."""
+    if not run.accelerator.is_main_process:
+        return
+    if state.step % run.t.logging_steps == 0 or state.step == run.t.max_steps:
+        step_log.append(metrics)
+        if tracker is not None:
+            tracker.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=state.step)
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.4f}",
+                        len=f"{metrics['completions/mean_length']:.1f}")
+
+
+def save_if_due(run: TrainingRun, state: TrainState, metrics: dict) -> None:
+    """A checkpoint every save_steps and at max_steps (save_strategy "no": never). Mid-round steps keep the
+    round in the checkpoint; on N processes, where each holds its own slice of it, a save falling inside a round
+    waits for the round's end."""
+    t = run.t
+    if t.save_strategy == "no":
+        return
+    mid_round = state.micro_step % (t.effective_steps_per_generation * t.num_iterations) != 0
+    multi = run.accelerator.num_processes > 1
+    if multi and mid_round:
+        return
+    if state.step % t.save_steps == 0 or state.step == t.max_steps or (multi and _passed_save_step(state.step, t)):
+        with record_function("grpo/save"):
+            save_state(run, state, metrics, keep_round=mid_round)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Helpers of the phases
+
+
+def _cut(x: torch.Tensor | None, width: int, device) -> torch.Tensor | None:
+    """(N, C) -> (N, width) on ``device``; None stays None."""
+    return None if x is None else x[:, :width].to(device, non_blocking=True)
+
+
+def _global_sum(accelerator, value: int) -> float:
+    if accelerator.num_processes == 1:
+        return float(value)
+    return float(accelerator.reduce(torch.tensor(float(value), device=accelerator.device), "sum").item())
+
+
+def _reduce_metrics(accelerator, metrics: dict, local_tokens: float) -> dict:
+    """One all-reduce for the step's per-process metrics, so every rank logs (and its guards judge) the
+    numbers one process would: the loss is a plain mean (each process's share is already scaled to the
+    global batch), the token means are weighted by each process's loss tokens."""
+    keys = _TOKEN_MEAN_METRICS
+    local = [float(metrics["loss"]), local_tokens] + [float(metrics[k]) * local_tokens for k in keys]
+    total = accelerator.reduce(torch.tensor(local, dtype=torch.float64, device=accelerator.device), "sum").tolist()
+    out = {"loss": total[0] / accelerator.num_processes}
+    out.update({k: v / max(total[1], 1.0) for k, v in zip(keys, total[2:])})
+    return out
+
+
+def _passed_save_step(step: int, t: TrainConfig) -> bool:
+    """Multi-process: a save step skipped inside a generation round is caught up at the round's end."""
+    steps_per_round = t.effective_steps_per_generation // t.gradient_accumulation_steps * t.num_iterations
+    return any((step - j) % t.save_steps == 0 for j in range(1, max(steps_per_round, 1)))
+
+
+@torch.no_grad()
+def _mix_reference(ref_model, policy, alpha: float) -> None:
+    """TR-DPO: ref <- alpha * policy + (1 - alpha) * ref."""
+    for ref_p, p in zip(ref_model.parameters(), policy.parameters()):
+        ref_p.mul_(1 - alpha).add_(p.detach().to(ref_p.dtype), alpha=alpha)
+
+
+def _progress_bar(run: TrainingRun, step: int):
+    if not run.accelerator.is_main_process:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=run.t.max_steps, initial=step, desc="grpo", unit="step", dynamic_ncols=True)
+
+
+def _progress_to(bar, step: int) -> None:
+    if bar is not None:
+        bar.n = step
+        bar.refresh()

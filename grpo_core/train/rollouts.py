@@ -1,0 +1,83 @@
+"""A new generation round: sample G completions per prompt, score them, compute the group-relative advantages.
+
+    rows (this process's prompts) -> sample_and_score (the one sample-and-score, grpo_core/sampling.py)
+      -> rewards (N, K), gathered over processes -> compute_advantages -> this process's (N,) slice -> Round
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_core.advantages import compute_advantages
+from grpo_core.config import TrainConfig
+from grpo_core.data import PromptEncoder
+from grpo_core.rollout import RolloutBackend, SamplingParams
+from grpo_core.sampling import sample_and_score
+from grpo_core.train.round import Round
+
+
+def generate_round(*, backend: RolloutBackend, tokenizer, dataset, indices: list[int], encoder: PromptEncoder,
+                   reward_fns, reward_names: list[str], weights: torch.Tensor, t: TrainConfig, accelerator) -> Round:
+    """Sample ``t.num_generations`` completions for each prompt in ``indices`` (dataset rows) and score them.
+
+    weights: (K,) one per reward function. Whole groups live on one process; the advantages and the metrics
+    still see the global batch (``scale_rewards="batch"``, the length guard), gathered over processes.
+    """
+    G = t.num_generations
+    sampling = SamplingParams(max_new_tokens=t.max_completion_length, temperature=t.temperature,
+                              top_p=t.top_p, top_k=t.top_k)
+    sampled = sample_and_score(None, tokenizer, [dataset[i] for i in indices], encoder, reward_fns,
+                               num_generations=G, sampling=sampling, batch_size=len(indices),
+                               on_error=t.reward_errors, backend=backend, reward_timeout_s=t.reward_timeout_s,
+                               row_ids=indices, keep_batches=True)
+    (batch,) = sampled.batches
+    rewards = torch.as_tensor(sampled.rewards, dtype=torch.float32)                     # (N, K)
+
+    all_rewards = _gather(accelerator, rewards)                                        # (world * N, K)
+    advantages = compute_advantages(all_rewards, weights, G, scale=t.scale_rewards,
+                                    aggregation=t.multi_objective_aggregation)
+    if accelerator.num_processes > 1:
+        n = rewards.shape[0]
+        advantages = advantages[accelerator.process_index * n:(accelerator.process_index + 1) * n]
+
+    metrics = reward_metrics(all_rewards, weights, G, reward_names)
+    lengths_and_truncated = _gather(accelerator, torch.stack([batch.completion_lengths.float(),
+                                                              batch.is_truncated.float()], dim=1))
+    lengths, truncated = lengths_and_truncated[:, 0], lengths_and_truncated[:, 1]
+    metrics.update({
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": truncated.mean().item(),
+        "reward_errors": float(sum(sampled.error_counts.values())),
+        "reward_timeouts": float(sum(sampled.timeout_counts.values())),
+        "generation_time": sampled.generation_time,
+    })
+    return Round(prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask, completion_ids=batch.completion_ids,
+                 completion_mask=batch.completion_mask, is_truncated=batch.is_truncated,
+                 advantages=advantages.float(), metrics=metrics)
+
+
+def reward_metrics(rewards: torch.Tensor, weights: torch.Tensor, group_size: int, names: list[str]) -> dict:
+    """TRL's reward metrics of (N, K) rewards: mean weighted reward, mean group std, share of zero-std groups,
+    and each function's mean and std over the samples it applies to."""
+    total = torch.nansum(rewards * weights.to(rewards.dtype), dim=1)  # all-None rows count 0, as in TRL
+    group_std = total.view(-1, group_size).std(dim=1)
+    out = {
+        "reward": total.mean().item(),
+        "reward_std": group_std.mean().item(),
+        "frac_reward_zero_std": torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item(),
+    }
+    for k, name in enumerate(names):
+        col = rewards[:, k]
+        valid = col[~torch.isnan(col)]
+        out[f"rewards/{name}/mean"] = valid.mean().item() if len(valid) else float("nan")
+        out[f"rewards/{name}/std"] = valid.std().item() if len(valid) > 1 else float("nan")
+    return out
+
+
+def _gather(accelerator, rows: torch.Tensor) -> torch.Tensor:
+    """Every process's rows, in process order, on the CPU (the tensor itself on one process)."""
+    if accelerator.num_processes == 1:
+        return rows
+    return accelerator.gather(rows.to(accelerator.device)).cpu()

@@ -1,0 +1,56 @@
+"""A generation round: the rows one process trains on until the next round is sampled.
+
+N rows, grouped G at a time (rows ``[g*G, (g+1)*G)`` are one prompt's samples); P = prompt width (left-padded),
+C = completion width (right-padded). A round feeds ``steps_per_generation / gradient_accumulation_steps`` optimizer
+steps, ``num_iterations`` times over; each micro-batch is ``round.rows(slice(...))``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+
+@dataclass
+class Round:
+    prompt_ids: torch.Tensor       # (N, P) long
+    prompt_mask: torch.Tensor      # (N, P) long, 1 = real token
+    completion_ids: torch.Tensor   # (N, C) long
+    completion_mask: torch.Tensor  # (N, C) long, 1 up to and including the EOS
+    is_truncated: torch.Tensor     # (N,) bool: no EOS within max_completion_length
+    advantages: torch.Tensor       # (N,) float32, group-relative
+    metrics: dict[str, float] = field(default_factory=dict)  # reward/length metrics, over all processes
+    old_logps: torch.Tensor | None = None  # (N, C) float32: the sampling policy's, when the round feeds > 1 step
+    ref_logps: torch.Tensor | None = None  # (N, C) float32: the reference's, when beta > 0
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def row_fields(self) -> list[str]:
+        """The per-row tensors the round holds (log-probs only once computed)."""
+        return [f.name for f in fields(self) if f.name != "metrics" and getattr(self, f.name) is not None]
+
+    def rows(self, index: slice | torch.Tensor) -> Round:
+        """Those rows (a slice, or an index tensor) of every per-row tensor; the metrics are the round's."""
+        return replace(self, **{name: getattr(self, name)[index] for name in self.row_fields()})
+
+    def loss_mask(self, mask_truncated_completions: bool) -> torch.Tensor:
+        """(N, C) long: the completion tokens the loss counts (a truncated row's none, when asked)."""
+        mask = self.completion_mask.clone()
+        if mask_truncated_completions:
+            mask = mask * (~self.is_truncated).unsqueeze(1).long()
+        return mask
+
+    def to_buffer(self) -> dict[str, torch.Tensor]:
+        """Tensors only (``torch.load(weights_only=True)`` reads it back): the metrics as JSON bytes."""
+        buffer = {name: getattr(self, name) for name in self.row_fields()}
+        buffer["metrics_json"] = torch.tensor(list(json.dumps(self.metrics).encode()), dtype=torch.uint8)
+        return buffer
+
+    @classmethod
+    def from_buffer(cls, buffer: dict[str, torch.Tensor]) -> Round:
+        buffer = dict(buffer)
+        metrics = json.loads(bytes(buffer.pop("metrics_json").tolist()))
+        return cls(metrics=metrics, **buffer)

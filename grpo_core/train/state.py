@@ -1,0 +1,120 @@
+"""What a training run holds: the long-lived objects (``TrainingRun``) and the state a checkpoint saves
+(``TrainState``), with the two functions that write and read the latter.
+
+A checkpoint (grpo_core/train/checkpoint.py) = weights + optimizer + scheduler + ``TrainState`` (step, micro-step,
+rollbacks, the data order, the in-flight round, whether the reference was synced) + every RNG. Restoring it and
+running on gives the run that was never interrupted, bit for bit on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from grpo_core.config import TrainConfig
+from grpo_core.errors import TrainingFailure
+from grpo_core.train.checkpoint import load_checkpoint, load_weights, save_checkpoint, set_rng_state
+from grpo_core.train.round import Round
+
+
+class TrainingError(TrainingFailure, RuntimeError):
+    """Training cannot go on; the message says why."""
+
+
+class PromptSampler:
+    """Prompt indices in seeded epoch permutations; its state is two integers, so resume is exact."""
+
+    def __init__(self, num_prompts: int, seed: int, allowed: list[int] | None = None):
+        self.pool = np.asarray(allowed if allowed is not None else range(num_prompts), dtype=np.int64)
+        if len(self.pool) == 0:
+            raise TrainingError("no training prompts to sample from (after calibration's filtering)")
+        self.seed, self.epoch, self.position = seed, 0, 0
+
+    def _order(self) -> np.ndarray:
+        return self.pool[np.random.default_rng([self.seed, self.epoch]).permutation(len(self.pool))]
+
+    def take(self, n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            order = self._order()
+            chunk = order[self.position:self.position + n - len(out)]
+            out.extend(int(i) for i in chunk)
+            self.position += len(chunk)
+            if self.position >= len(order):
+                self.epoch, self.position = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+@dataclass
+class TrainState:
+    """Everything that changes from step to step besides weights, optimizer and scheduler."""
+
+    sampler: PromptSampler       # the data order: (epoch, position)
+    step: int = 0                # optimizer steps taken
+    micro_step: int = 0          # micro-batches consumed: step * gradient_accumulation_steps
+    rollbacks: int = 0           # guard rollbacks so far (bounded by guards.max_rollbacks)
+    round: Round | None = None   # the generation round in use (saved when a checkpoint falls inside it)
+    reference_synced: bool = False  # the reference has moved off the base weights (TR-DPO): it is saved too
+
+
+@dataclass
+class TrainingRun:
+    """The long-lived objects of one ``train()`` call, built once by its set-up phase."""
+
+    t: TrainConfig
+    accelerator: Any
+    model: Any               # what the optimizer steps, as accelerate prepared it (DDP-wrapped on N processes)
+    policy: Any              # the same model unwrapped: save, sync and export this one
+    ref_model: Any           # frozen reference (beta > 0), the LoRA adapter-off view, or None
+    tokenizer: Any
+    optimizer: Any
+    scheduler: Any
+    backend: Any             # the rollout backend (grpo_core/rollout)
+    params_hash: str         # training_params_hash: a checkpoint from other params is refused
+    checkpoint_dir: Path
+
+
+def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round: bool) -> None:
+    """checkpoint-<step> from the main process (the others wait for it). keep_round: the step ends inside its
+    generation round, so the round is saved and a resume trains on it instead of sampling a new one."""
+    run.accelerator.wait_for_everyone()
+    if not run.accelerator.is_main_process:
+        return
+    meta = {"micro_step": state.micro_step, "sampler": state.sampler.state_dict(), "params_hash": run.params_hash,
+            "rollbacks": state.rollbacks,
+            "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
+    reference = run.ref_model.state_dict() if state.reference_synced else None
+    save_checkpoint(run.checkpoint_dir, state.step, model=run.policy, tokenizer=run.tokenizer,
+                    optimizer=run.optimizer, scheduler=run.scheduler, state=meta,
+                    rollout_buffer=state.round.to_buffer() if keep_round and state.round is not None else None,
+                    reference_state=reference, keep_last=run.t.save_total_limit)
+
+
+def restore_state(run: TrainingRun, path: Path, sampler: PromptSampler) -> TrainState:
+    """Load checkpoint ``path`` into the run's weights, optimizer, scheduler and reference, ``sampler`` and the
+    RNGs; return its ``TrainState`` (whose ``sampler`` is the one passed)."""
+    ck = load_checkpoint(path, expected_hash=run.params_hash)
+    load_weights(run.policy, path)
+    run.optimizer.load_state_dict(ck.optimizer)
+    run.scheduler.load_state_dict(ck.scheduler)
+    if ck.reference_state is not None and run.ref_model is not None:
+        missing, unexpected = run.ref_model.load_state_dict(ck.reference_state, strict=False)
+        missing = [k for k in missing if "lm_head" not in k]  # a tied head is saved once, as the embedding
+        if unexpected or missing:
+            raise TrainingError(f"{path}: reference weights do not match the model (missing {missing[:5]}, "
+                                f"unexpected {unexpected[:5]})")
+    sampler.load_state_dict(ck.state["sampler"])
+    set_rng_state(ck.state["rng"])
+    return TrainState(sampler=sampler, step=ck.state["step"], micro_step=ck.state["micro_step"],
+                      rollbacks=ck.state.get("rollbacks", 0),
+                      round=Round.from_buffer(ck.rollout_buffer) if ck.rollout_buffer is not None else None,
+                      reference_synced=ck.reference_state is not None)

@@ -1,0 +1,41 @@
+"""The per-step log: a CSV with fixed columns (TRL's metric names), append-only, so a crash loses at most the
+line being written and DVC can plot it directly."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from grpo_core.files import atomic_path
+
+
+def metric_columns(reward_names: list[str]) -> list[str]:
+    cols = ["step", "loss", "reward", "reward_std", "frac_reward_zero_std"]
+    for name in reward_names:
+        cols += [f"rewards/{name}/mean", f"rewards/{name}/std"]
+    cols += ["kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+             "completions/mean_length", "completions/min_length", "completions/max_length",
+             "completions/clipped_ratio", "grad_norm", "learning_rate", "reward_errors", "reward_timeouts",
+             "num_tokens", "guard/skipped", "step_time", "generation_time"]
+    return cols
+
+
+class StepLog:
+    """Opened at ``resume_step``: the lines of later steps are dropped (they are about to be redone)."""
+
+    def __init__(self, path: Path, columns: list[str], resume_step: int):
+        self.path, self.columns = path, columns
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept: list[dict] = []
+        if resume_step > 0 and path.exists():
+            with open(path, newline="") as fh:
+                kept = [r for r in csv.DictReader(fh) if r.get("step") and int(float(r["step"])) <= resume_step]
+        with atomic_path(path) as tmp, open(tmp, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(kept)
+
+    def append(self, metrics: dict) -> None:
+        with open(self.path, "a", newline="") as fh:
+            csv.DictWriter(fh, fieldnames=self.columns, extrasaction="ignore").writerow(
+                {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in metrics.items()})
