@@ -35,6 +35,7 @@ from grpo_core.errors import TrainingFailure
 from grpo_core.model.loading import is_peft_model
 
 STATE_FILE = "trainer_state.json"
+REFERENCE_FILE = "reference.safetensors"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -86,9 +87,9 @@ def _fsync_tree(path: Path) -> None:
 
 def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optimizer, scheduler,
                     state: dict, rollout_buffer: dict | None = None,
-                    reference_state: dict | None = None, keep_last: int | None = None) -> Path:
+                    reference: torch.nn.Module | None = None, keep_last: int | None = None) -> Path:
     """Write checkpoint-<step> atomically; prune to the newest ``keep_last``. Returns the final path."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_model
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -103,8 +104,8 @@ def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optim
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     if rollout_buffer is not None:
         torch.save(rollout_buffer, tmp / "rollout_buffer.pt")
-    if reference_state is not None:
-        save_file(_without_shared(reference_state), tmp / "reference.safetensors")
+    if reference is not None:  # safetensors' save_model writes a tied tensor once; load_model re-ties it
+        save_model(reference, tmp / REFERENCE_FILE)
     full_state = {**state, "step": step, "rng": rng_state()}
     (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=1))
     _fsync_tree(tmp)
@@ -115,18 +116,6 @@ def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optim
         for old in list_checkpoints(directory)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def _without_shared(state: dict) -> dict:
-    """A state dict with each storage saved once (tied embeddings: ``lm_head.weight`` is ``embed_tokens.weight``;
-    safetensors refuses shared tensors). Loading it back into the model re-ties them."""
-    seen, out = set(), {}
-    for k, v in state.items():
-        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
-        if key not in seen:
-            seen.add(key)
-            out[k] = v.contiguous()
-    return out
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
@@ -165,7 +154,7 @@ class LoadedCheckpoint:
     optimizer: dict
     scheduler: dict
     rollout_buffer: dict | None
-    reference_state: dict | None
+    reference_file: Path | None  # the synced reference's weights (load with ``load_reference``)
 
 
 def load_checkpoint(path: str | Path, expected_hash: str | None = None) -> LoadedCheckpoint:
@@ -173,7 +162,6 @@ def load_checkpoint(path: str | Path, expected_hash: str | None = None) -> Loade
 
     Refuses, with a clear error, a checkpoint written under different training params.
     """
-    from safetensors.torch import load_file
 
     path = Path(path)
     try:
@@ -186,14 +174,14 @@ def load_checkpoint(path: str | Path, expected_hash: str | None = None) -> Loade
             f"now {expected_hash[:12]}). Resuming would mix two runs. Start fresh with train.resume: never "
             f"(or delete {path.parent}), or restore the params it was written with.")
     buffer_file = path / "rollout_buffer.pt"
-    ref_file = path / "reference.safetensors"
+    ref_file = path / REFERENCE_FILE
     return LoadedCheckpoint(
         path=path,
         state=state,
         optimizer=torch.load(path / "optimizer.pt", weights_only=True),
         scheduler=torch.load(path / "scheduler.pt", weights_only=True),
         rollout_buffer=torch.load(buffer_file, weights_only=True) if buffer_file.exists() else None,
-        reference_state=load_file(ref_file) if ref_file.exists() else None,
+        reference_file=ref_file if ref_file.exists() else None,
     )
 
 
@@ -219,7 +207,7 @@ def load_weights(model, path: Path) -> None:
                                 f"{len(lora_keys)} adapter weights in the model)")
         return
     files = sorted(path.glob("*.safetensors"))
-    files = [f for f in files if f.name != "reference.safetensors"]
+    files = [f for f in files if f.name != REFERENCE_FILE]
     state = {}
     for f in files:
         state.update(load_file(f))
@@ -229,3 +217,13 @@ def load_weights(model, path: Path) -> None:
     if missing or unexpected:
         raise CheckpointError(f"{path}: checkpoint weights do not match the model (missing {missing[:5]}, "
                             f"unexpected {unexpected[:5]})")
+
+
+def load_reference(model: torch.nn.Module, path: Path) -> None:
+    """A checkpoint's synced reference weights (``save_checkpoint(reference=...)``) into ``model``."""
+    from safetensors.torch import load_model
+
+    missing, unexpected = load_model(model, path, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: reference weights do not match the model (missing {sorted(missing)[:5]}, "
+                              f"unexpected {sorted(unexpected)[:5]})")

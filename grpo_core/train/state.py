@@ -16,7 +16,13 @@ import numpy as np
 
 from grpo_core.config import TrainConfig
 from grpo_core.errors import TrainingFailure
-from grpo_core.train.checkpoint import load_checkpoint, load_weights, save_checkpoint, set_rng_state
+from grpo_core.train.checkpoint import (
+    load_checkpoint,
+    load_reference,
+    load_weights,
+    save_checkpoint,
+    set_rng_state,
+)
 from grpo_core.train.round import Round
 
 
@@ -92,11 +98,10 @@ def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round
     meta = {"micro_step": state.micro_step, "sampler": state.sampler.state_dict(), "params_hash": run.params_hash,
             "rollbacks": state.rollbacks,
             "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
-    reference = run.ref_model.state_dict() if state.reference_synced else None
     save_checkpoint(run.checkpoint_dir, state.step, model=run.policy, tokenizer=run.tokenizer,
                     optimizer=run.optimizer, scheduler=run.scheduler, state=meta,
                     rollout_buffer=state.round.to_buffer() if keep_round and state.round is not None else None,
-                    reference_state=reference, keep_last=run.t.save_total_limit)
+                    reference=run.ref_model if state.reference_synced else None, keep_last=run.t.save_total_limit)
 
 
 def restore_state(run: TrainingRun, path: Path, sampler: PromptSampler) -> TrainState:
@@ -106,15 +111,11 @@ def restore_state(run: TrainingRun, path: Path, sampler: PromptSampler) -> Train
     load_weights(run.policy, path)
     run.optimizer.load_state_dict(ck.optimizer)
     run.scheduler.load_state_dict(ck.scheduler)
-    if ck.reference_state is not None and run.ref_model is not None:
-        missing, unexpected = run.ref_model.load_state_dict(ck.reference_state, strict=False)
-        missing = [k for k in missing if "lm_head" not in k]  # a tied head is saved once, as the embedding
-        if unexpected or missing:
-            raise TrainingError(f"{path}: reference weights do not match the model (missing {missing[:5]}, "
-                                f"unexpected {unexpected[:5]})")
+    if ck.reference_file is not None and run.ref_model is not None:
+        load_reference(run.ref_model, ck.reference_file)
     sampler.load_state_dict(ck.state["sampler"])
     set_rng_state(ck.state["rng"])
     return TrainState(sampler=sampler, step=ck.state["step"], micro_step=ck.state["micro_step"],
                       rollbacks=ck.state.get("rollbacks", 0),
                       round=Round.from_buffer(ck.rollout_buffer) if ck.rollout_buffer is not None else None,
-                      reference_synced=ck.reference_state is not None)
+                      reference_synced=ck.reference_file is not None)
