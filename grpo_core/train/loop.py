@@ -114,7 +114,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
     run.model.train()
     while state.step < t.max_steps:
         step_start = time.perf_counter()
-        if state.micro_step % (t.effective_steps_per_generation * t.num_iterations) == 0:
+        if not _inside_round(state, t):
             state.round = new_round(run, prompts, state.sampler)
         grads = accumulate_gradients(run, step_micro_batches(state, t))
         metrics = step_metrics(run, state, grads)
@@ -125,8 +125,9 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
             monitor.reset_history()
             _progress_to(bar, state.step)
             continue
-        apply_update(run, state, skipped=event is not None and event.action == "skip_step")
-        metrics.update({"guard/skipped": float(event is not None and event.action == "skip_step"),
+        skipped = event is not None and event.action == "skip_step"
+        apply_update(run, state, skipped=skipped)
+        metrics.update({"guard/skipped": float(skipped),
                         "learning_rate": run.scheduler.get_last_lr()[0],
                         "num_tokens": grads.num_items * run.accelerator.num_processes,
                         "step_time": time.perf_counter() - step_start})  # generation included when it sampled
@@ -315,6 +316,8 @@ def guard_decision(run: TrainingRun, guards: GuardsConfig, monitor: GuardMonitor
         tracker.set_tags({f"guard.{event.guard}": f"{event.action}: {event.message}"})
     if event.action == "rollback" and state.rollbacks >= guards.max_rollbacks:
         event = GuardEvent(event.guard, "stop", f"{event.message} (after {state.rollbacks} rollbacks)")
+    if event.action not in ("stop", "rollback"):
+        return event
     kept = latest_checkpoint(run.checkpoint_dir)
     if event.action == "stop":
         raise GuardStop(f"guard {event.guard} stopped training: {event.message}; "
@@ -374,7 +377,7 @@ def save_if_due(run: TrainingRun, state: TrainState, metrics: dict) -> None:
     t = run.t
     if t.save_strategy == "no":
         return
-    mid_round = state.micro_step % (t.effective_steps_per_generation * t.num_iterations) != 0
+    mid_round = _inside_round(state, t)
     multi = run.accelerator.num_processes > 1
     if multi and mid_round:
         return
@@ -385,6 +388,12 @@ def save_if_due(run: TrainingRun, state: TrainState, metrics: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------------
 # Helpers of the phases
+
+
+def _inside_round(state: TrainState, t: TrainConfig) -> bool:
+    """Whether the micro-steps taken so far end inside a generation round (spg micro-batches, num_iterations
+    times over): a new step trains on the round in hand, and a checkpoint must keep it."""
+    return state.micro_step % (t.effective_steps_per_generation * t.num_iterations) != 0
 
 
 def _cut(x: torch.Tensor | None, width: int, device) -> torch.Tensor | None:
