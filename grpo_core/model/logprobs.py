@@ -176,22 +176,8 @@ def _chunked_logps_and_entropy(
     logits: torch.Tensor, index: torch.Tensor, temperature: float, compute_entropy: bool, chunk_size: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, K, V), (B, K) -> log-probs (B, K) and entropies (B, K) or None, fp32 for half logits."""
-    _check_chunk_size(chunk_size)
-    flat_logits, flat_index = logits.reshape(-1, logits.shape[-1]), index.reshape(-1)
     kernel = _logps_and_entropy_upcast if compute_entropy else _logps_upcast
-    logps_chunks, entropy_chunks = [], []
-    for logits_chunk, index_chunk in zip(flat_logits.split(chunk_size), flat_index.split(chunk_size)):
-        result = _maybe_checkpoint(kernel, logits_chunk, index_chunk, temperature)
-        if compute_entropy:
-            logps_chunks.append(result[0])
-            entropy_chunks.append(result[1])
-        else:
-            logps_chunks.append(result)
-    logps = _concat_rows(logps_chunks, logits, upcast=True).reshape(index.shape)
-    entropies = (
-        _concat_rows(entropy_chunks, logits, upcast=True).reshape(index.shape) if compute_entropy else None
-    )
-    return logps, entropies
+    return _by_chunks(kernel, logits, index, (temperature,), compute_entropy, chunk_size, empty_like=logits)
 
 
 def _chunked_head_logps_and_entropy(
@@ -199,20 +185,28 @@ def _chunked_head_logps_and_entropy(
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, K, H) hidden states through the LM head chunk by chunk -> log-probs (B, K), entropies (B, K) or None."""
-    _check_chunk_size(chunk_size)
-    flat_hidden, flat_index = hidden.reshape(-1, hidden.shape[-1]), index.reshape(-1)
     kernel = _head_logps_and_entropy if compute_entropy else _head_logps
+    return _by_chunks(kernel, hidden, index, (head.weight, head.bias, temperature), compute_entropy, chunk_size,
+                      empty_like=hidden.new_zeros(0, 1))
+
+
+def _by_chunks(kernel: Callable, rows: torch.Tensor, index: torch.Tensor, args: tuple, compute_entropy: bool,
+               chunk_size: int, empty_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``kernel(rows_chunk, index_chunk, *args)`` over (B, K, D) rows ``chunk_size`` at a time (checkpointed under
+    autograd) -> log-probs (B, K) and, with ``compute_entropy``, entropies (B, K); ``empty_like`` sets the dtype
+    of an empty result."""
+    _check_chunk_size(chunk_size)
+    flat_rows, flat_index = rows.reshape(-1, rows.shape[-1]), index.reshape(-1)
     logps_chunks, entropy_chunks = [], []
-    for hidden_chunk, index_chunk in zip(flat_hidden.split(chunk_size), flat_index.split(chunk_size)):
-        result = _maybe_checkpoint(kernel, hidden_chunk, index_chunk, head.weight, head.bias, temperature)
+    for rows_chunk, index_chunk in zip(flat_rows.split(chunk_size), flat_index.split(chunk_size)):
+        result = _maybe_checkpoint(kernel, rows_chunk, index_chunk, *args)
         if compute_entropy:
             logps_chunks.append(result[0])
             entropy_chunks.append(result[1])
         else:
             logps_chunks.append(result)
-    empty = hidden.new_zeros(0, 1)
-    logps = _concat_rows(logps_chunks, empty, upcast=True).reshape(index.shape)
-    entropies = _concat_rows(entropy_chunks, empty, upcast=True).reshape(index.shape) if compute_entropy else None
+    logps = _concat_rows(logps_chunks, empty_like, upcast=True).reshape(index.shape)
+    entropies = _concat_rows(entropy_chunks, empty_like, upcast=True).reshape(index.shape) if compute_entropy else None
     return logps, entropies
 
 
