@@ -21,7 +21,7 @@ from grpo_core.errors import InputUnreadable
 
 log = logging.getLogger(__name__)
 
-_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 class DataError(InputUnreadable, ValueError):
@@ -39,9 +39,9 @@ def resolve_data_paths(spec: list[str], key: str, root: str | Path = ".") -> lis
     for entry in spec:
         path = Path(entry) if Path(entry).is_absolute() else Path(root, entry)
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _BUILDERS)
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _FORMATS)
             if not found:
-                raise DataError(f"{key}: {path} is a folder with no {', '.join(_BUILDERS)} files")
+                raise DataError(f"{key}: {path} is a folder with no {', '.join(_FORMATS)} files")
             out += [str(p) for p in found]
         elif not path.is_file():
             raise DataError(f"{key}: {path}: no such data file or folder")
@@ -50,18 +50,16 @@ def resolve_data_paths(spec: list[str], key: str, root: str | Path = ".") -> lis
     return out
 
 
-def _builder_for(paths: list[str]) -> str:
+def _check_one_format(paths: list[str]) -> None:
+    """Every file of a split is a known type, and all of one format (jsonl and json count as one)."""
     kinds = set()
     for p in paths:
         suffix = Path(p).suffix.lower()
-        if suffix not in _BUILDERS:
-            raise DataError(f"{p}: unsupported file type '{suffix}'; use one of {', '.join(_BUILDERS)}")
-        if not Path(p).is_file():
-            raise DataError(f"{p}: no such data file")
-        kinds.add(_BUILDERS[suffix])
+        if suffix not in _FORMATS:
+            raise DataError(f"{p}: unsupported file type '{suffix}'; use one of {', '.join(_FORMATS)}")
+        kinds.add(_FORMATS[suffix])
     if len(kinds) != 1:
         raise DataError(f"data files of mixed formats in one split: {paths}")
-    return kinds.pop()
 
 
 def _read_jsonl(path: Path) -> pd.DataFrame:
@@ -137,7 +135,7 @@ def load_split(cfg: DataConfig, split: Literal["train", "eval"], root: str | Pat
         if not cfg.paths(split):
             raise DataError(f"{key}: no files configured")
         paths = resolve_data_paths(cfg.paths(split), key, root)
-        _builder_for(paths)  # one format per split
+        _check_one_format(paths)
         frames = [read_table(path) for path in paths]
         if all(len(f) == 0 for f in frames):
             raise DataError(f"{key}: {paths}: the {split} split is empty")
