@@ -486,9 +486,12 @@ def training_params_hash(cfg: PipelineConfig, reward_weights: typing.Sequence[fl
     """sha256 over everything that changes what training computes (model, data, rewards, train.*).
 
     A checkpoint stores it; resuming under a different hash is refused. ``max_steps`` is excluded so a
-    run can be extended, as are the other bookkeeping keys in ``_BOOKKEEPING_KEYS``.
+    run can be extended, as are the other bookkeeping keys in ``_BOOKKEEPING_KEYS``. The batch counts as
+    per_device_train_batch_size x num_processes: how the global batch is split over processes is layout, so
+    a run resumes on another world size that keeps it (2 x 8 -> 1 x 16).
     """
     train = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in _BOOKKEEPING_KEYS}
+    train["per_device_train_batch_size"] = cfg.train.per_device_train_batch_size * cfg.train.num_processes
     payload = {
         "model": dataclasses.asdict(cfg.model),
         "data": dataclasses.asdict(cfg.data),

@@ -1,23 +1,26 @@
-"""Run by tests/test_distributed.py: ``train()`` with a deterministic rollout backend, as one process or
-under ``accelerate launch --multi_cpu --num_processes 2`` (gloo).
+"""Run by tests/test_distributed.py and tests/test_fsdp.py: ``train()`` with a deterministic rollout backend, as one
+process or as N processes under the train stage's CPU launcher (``torch.distributed.run``, gloo).
 
-    python -m tests.distributed_worker OUT_DIR MODEL_DIR DATA_FILE PER_DEVICE_BATCH LOSS_TYPE
+    python -m tests.distributed_worker OUT_DIR MODEL_DIR DATA_FILE SPEC_JSON
 
-Sampling is the only random part of a GRPO step; with completions that depend only on the prompt and
-the sample index, one process with batch 2B and two processes with B each see the same global batch,
-so their losses and updates must agree.
+SPEC_JSON: {"train": {train.* overrides}, "guards": {...}, "nan_loss_at": [grpo_loss calls on rank 0 whose loss
+becomes NaN]}. Sampling is the only random part of a GRPO step; with completions that depend only on the prompt and
+the sample index, one process with batch 2B and two processes with B each see the same global batch, so their
+losses and updates must agree.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import sys
-from pathlib import Path
 
 import torch
 
+import grpo_core.train.loop as loop
+from grpo_core.config import config_from_dict
 from grpo_core.rollout import RolloutBatch, completion_mask_from_eos, left_pad
-from grpo_core.train.loop import train
-from tests.tiny import tiny_config
 
 
 class DeterministicBackend:
@@ -50,16 +53,35 @@ class DeterministicBackend:
         return RolloutBatch(ids, mask, completion, completion_mask, truncated)
 
 
-def main(out_dir: str, model_dir: str, data_file: str, per_device_batch: str, loss_type: str) -> None:
+def poison_losses(calls: set[int]) -> None:
+    """Rank 0's grpo_loss calls numbered in ``calls`` return NaN (a guard's trigger on one process only)."""
+    real, count = loop.grpo_loss, {"n": 0}
+
+    def poisoned(*a, **k):
+        count["n"] += 1
+        loss, stats = real(*a, **k)
+        return (loss * math.nan if count["n"] in calls else loss), stats
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        loop.grpo_loss = poisoned
+
+
+def main(out_dir: str, model_dir: str, data_file: str, spec_json: str) -> None:
     torch.set_num_threads(1)
-    cfg = tiny_config(Path(model_dir), Path(data_file),
-                      [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}],
-                      max_steps=2, per_device_train_batch_size=int(per_device_batch), num_generations=4,
-                      beta=0.04, loss_type=loss_type, learning_rate=1e-2, save_steps=100,
-                      # DDP-wrapped models take the HF forward; the single process must too, or Adam turns the
-                      # 1e-7 float differences of two forward implementations into visible weight differences
-                      forward_backend="hf")
-    train(cfg, root=out_dir, progress=False, backend_factory=DeterministicBackend)
+    spec = json.loads(spec_json)
+    train = {"learning_rate": 1e-2, "num_generations": 4, "per_device_train_batch_size": 16,
+             "max_completion_length": 8, "max_prompt_length": 48, "max_steps": 2, "save_steps": 100,
+             "output_dir": "out", "beta": 0.04, "seed": 0,
+             # DDP-wrapped and sharded models take the HF forward; the single process must too, or Adam turns the
+             # 1e-7 float differences of two forward implementations into visible weight differences
+             "forward_backend": "hf", **spec.get("train", {})}
+    cfg = config_from_dict({
+        "data": {"train_files": [data_file], "eval_files": [data_file]},
+        "model": {"name_or_path": model_dir},
+        "rewards": [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}],
+        "train": train, "guards": spec.get("guards", {})})
+    poison_losses(set(spec.get("nan_loss_at", [])))
+    loop.train(cfg, root=out_dir, progress=False, backend_factory=DeterministicBackend)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def _save(directory: Path, step: int, **kw) -> Path:
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return save_checkpoint(directory, step, model=model, tokenizer=_Tok(), optimizer=opt, scheduler=sched,
+    return save_checkpoint(directory, step, model=model, tokenizer=_Tok(), optimizer_state=opt.state_dict(), scheduler=sched,
                            state={"params_hash": "abc", "sampler": {"epoch": 0, "position": 3}}, **kw)
 
 

@@ -98,6 +98,15 @@ def test_params_hash_ignores_bookkeeping_but_not_training_keys():
     assert training_params_hash(a, [1.0, 0.5]) != training_params_hash(a, [1.0, 1.0])
 
 
+def test_params_hash_sees_the_global_batch_not_its_split_over_processes():
+    one = config_from_dict(base(), {"train.per_device_train_batch_size": 16, "train.num_generations": 4})
+    two = config_from_dict(base(), {"train.per_device_train_batch_size": 8, "train.num_processes": 2,
+                                    "train.num_generations": 4})
+    half = config_from_dict(base(), {"train.per_device_train_batch_size": 8, "train.num_generations": 4})
+    assert training_params_hash(one) == training_params_hash(two)  # a resume on another world size
+    assert training_params_hash(one) != training_params_hash(half)  # half the global batch: another run
+
+
 def test_every_train_field_is_documented():
     rows = describe(TrainConfig)
     assert all(meaning for _, _, _, meaning in rows)

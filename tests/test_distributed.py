@@ -1,8 +1,9 @@
-"""Scale-out: two CPU processes (gloo, through ``accelerate launch``) train exactly as one process does on
-the same global batch — the same loss, metrics and weights after each update."""
+"""Scale-out: two CPU processes (gloo, the train stage's CPU launcher) train with DDP exactly as one process does on
+the same global batch — the same loss, metrics and weights after each update. FSDP2: tests/test_fsdp.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,10 +20,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_worker(launcher: list[str], out: Path, model: Path, data: Path, batch: int, loss_type: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    cmd = [*launcher, "-m", "tests.distributed_worker", str(out), str(model), str(data), str(batch), loss_type]
+    spec = {"train": {"per_device_train_batch_size": batch, "loss_type": loss_type}}
+    cmd = [*launcher, "-m", "tests.distributed_worker", str(out), str(model), str(data), json.dumps(spec)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-
 
 
 @pytest.fixture(scope="module")

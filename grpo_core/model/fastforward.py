@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from grpo_core.model.sharding import is_sharded
+
 SUPPORTED = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 FORWARD_BACKENDS = ("auto", "hf", "manual")
 
@@ -74,6 +76,8 @@ def use_manual_forward(model: nn.Module, choice: str = "auto") -> bool:
     if choice == "hf":
         return False
     reason = unsupported_reason(model)
+    if reason is None and is_sharded(model):
+        reason = "an FSDP2-sharded model (its forward hooks gather each layer's weights)"
     if reason is None and ("forward" in vars(model) or getattr(model, "_original_forward", None) is not None):
         reason = "a wrapped or patched forward (accelerate autocast?)"
     if reason is None and getattr(model.model, "gradient_checkpointing", False):

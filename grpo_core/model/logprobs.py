@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from grpo_core.model.fastforward import hidden_states, use_manual_forward
+from grpo_core.model.sharding import is_sharded
 
 DEFAULT_CHUNK_SIZE = 256  # rows of V logits per chunk: 256 x 152k vocab x 4 bytes ~ 156 MB in float32
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -229,6 +230,8 @@ def _backbone_and_head(model: torch.nn.Module):
     or DistributedDataParallel, whose forward must run), with a plain ``nn.Linear`` head (no adapter on it).
     """
     if getattr(model, "_original_forward", None) is not None:  # accelerate wrapped forward (mixed precision)
+        return None
+    if is_sharded(model):  # the root's forward gathers the embeddings, final norm and head: it must run
         return None
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)

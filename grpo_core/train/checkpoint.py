@@ -33,6 +33,7 @@ import torch
 
 from grpo_core.errors import TrainingFailure
 from grpo_core.model.loading import is_peft_model
+from grpo_core.model.sharding import is_sharded, load_full_weights
 
 STATE_FILE = "trainer_state.json"
 REFERENCE_FILE = "reference.safetensors"
@@ -85,11 +86,17 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optimizer, scheduler,
-                    state: dict, rollout_buffer: dict | None = None,
-                    reference: torch.nn.Module | None = None, keep_last: int | None = None) -> Path:
-    """Write checkpoint-<step> atomically; prune to the newest ``keep_last``. Returns the final path."""
-    from safetensors.torch import save_model
+def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optimizer_state: dict, scheduler,
+                    state: dict, rollout_buffer: dict | None = None, weights: dict[str, torch.Tensor] | None = None,
+                    reference: dict[str, torch.Tensor] | None = None,
+                    keep_last: int | None = None) -> Path:
+    """Write checkpoint-<step> atomically; prune to the newest ``keep_last``. Returns the final path.
+
+    optimizer_state: ``optimizer.state_dict()`` (plain format). weights: the model's whole weights when the
+    model itself holds only a shard (FSDP2, gathered by ``model.sharding.gather_weights``); else the model's
+    own are saved. reference: the synced reference's whole weights (its state dict, or gathered).
+    """
+    from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -98,14 +105,17 @@ def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optim
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    model.save_pretrained(tmp, safe_serialization=True)
+    if weights is None:
+        model.save_pretrained(tmp, safe_serialization=True)
+    else:  # transformers writes config.json (architecture without the FSDP prefix) and the tensors given
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=untie(weights, model))
     tokenizer.save_pretrained(tmp)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(optimizer_state, tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     if rollout_buffer is not None:
         torch.save(rollout_buffer, tmp / "rollout_buffer.pt")
-    if reference is not None:  # safetensors' save_model writes a tied tensor once; load_model re-ties it
-        save_model(reference, tmp / REFERENCE_FILE)
+    if reference is not None:  # a tied tensor once (safetensors refuses shared storage); loading re-ties it
+        save_file(untie(reference, model), tmp / REFERENCE_FILE)
     full_state = {**state, "step": step, "rng": rng_state()}
     (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=1))
     _fsync_tree(tmp)
@@ -116,6 +126,13 @@ def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optim
         for old in list_checkpoints(directory)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def untie(weights: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """Whole weights without the tied copies (``lm_head.weight`` when it is the embedding): gathered weights come
+    once per name, and the file must hold what an unsharded save holds (loading re-ties)."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    return {k: v for k, v in weights.items() if not (k in tied and tied[k] in weights)}
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
@@ -211,7 +228,7 @@ def load_weights(model, path: Path) -> None:
     state = {}
     for f in files:
         state.update(load_file(f))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = _load_whole(model, state)
     # Tied embeddings are saved once; anything else missing means a different architecture.
     missing = [k for k in missing if "lm_head" not in k]
     if missing or unexpected:
@@ -221,9 +238,21 @@ def load_weights(model, path: Path) -> None:
 
 def load_reference(model: torch.nn.Module, path: Path) -> None:
     """A checkpoint's synced reference weights (``save_checkpoint(reference=...)``) into ``model``."""
-    from safetensors.torch import load_model
+    from safetensors.torch import load_file, load_model
 
-    missing, unexpected = load_model(model, path, strict=False)
+    if is_sharded(model):
+        missing, unexpected = _load_whole(model, load_file(path))
+        missing = [k for k in missing if "lm_head" not in k]  # a tied head is saved once, as the embedding
+    else:
+        missing, unexpected = load_model(model, path, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"{path}: reference weights do not match the model (missing {sorted(missing)[:5]}, "
                               f"unexpected {sorted(unexpected)[:5]})")
+
+
+def _load_whole(model, weights: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """Whole weights into ``model`` (into its shards when it is sharded: collective); (missing, unexpected)."""
+    if is_sharded(model):
+        return load_full_weights(model, weights)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    return list(missing), list(unexpected)

@@ -19,6 +19,7 @@ Shapes: N rows of a round on this process (prompts × G), P/C prompt/completion 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from grpo_core.loss import grpo_loss
 from grpo_core.microbatch import length_grouped_order
 from grpo_core.model.fastforward import use_manual_forward
 from grpo_core.model.loading import DTYPES, load_policy, load_reference, owns_weights
+from grpo_core.model.sharding import clip_gradients, is_sharded, shard_model
 from grpo_core.rewards import build_reward_functions
 from grpo_core.rollout import backend_for
 from grpo_core.train.checkpoint import latest_checkpoint, remove_stale_temp_dirs
@@ -41,6 +43,8 @@ from grpo_core.train.export import export_model
 from grpo_core.train.forward import frozen_logprobs, policy_logprobs
 from grpo_core.train.guards import GuardEvent, GuardMonitor, GuardStop, decide
 from grpo_core.train.optim import build_optimizer_and_scheduler, scale_learning_rate
+from grpo_core.train.parallel import ParallelConfigError, check_parallelism, read_parallelism
+from grpo_core.train.replica import ReplicaRollouts
 from grpo_core.train.rollouts import generate_round
 from grpo_core.train.round import Round
 from grpo_core.train.state import (
@@ -138,7 +142,9 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
 
     if export and run.accelerator.is_main_process:
         with record_function("grpo/export"):
-            export_model(run.policy, run.tokenizer, model_dir, DTYPES[cfg.model.dtype])
+            # sharded: the whole copy holds the final weights (synced after the last step) in model.dtype
+            export_model(run.replica if run.replica is not None else run.policy, run.tokenizer, model_dir,
+                         DTYPES[cfg.model.dtype])
     run.accelerator.wait_for_everyone()
     return TrainResult(state.step, model_dir, log_path, run.checkpoint_dir, resumed_from, metrics)
 
@@ -148,12 +154,22 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
 
 
 def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> tuple[TrainingRun, Prompts]:
-    """Accelerator, seed, policy (fp32 masters), reference, data, rewards, optimizer, rollout backend."""
+    """Accelerator, seed, policy (fp32 masters), reference, data, rewards, optimizer, rollout backend.
+
+    On N processes the policy is DDP-wrapped, or under FSDP2 (``train.accelerate_config`` with fsdp_config)
+    sharded, as is the reference; a sharded run samples from a whole copy of the policy (``ReplicaRollouts``).
+    """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     t = cfg.train
+    parallelism = read_parallelism(_resolve(root, t.accelerate_config))
+    check_parallelism(parallelism, lora=cfg.model.lora is not None, mixed_precision=t.mixed_precision)
     accelerator = Accelerator(mixed_precision=t.mixed_precision, cpu=not torch.cuda.is_available())
+    if accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
+        raise ParallelConfigError(f"accelerate was launched with distributed_type {accelerator.distributed_type.value}"
+                                  "; this trainer shards by itself: launch with infra/accelerate/fsdp2.yaml "
+                                  "(train.accelerate_config)")
     set_seed(t.seed)
     model, tokenizer = load_policy(cfg.model, root, gradient_checkpointing=t.gradient_checkpointing)
     ref_model = load_reference(cfg.model, root, model) if t.beta > 0 else None
@@ -164,19 +180,34 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
     weights = torch.tensor(reward_weights if reward_weights is not None else [1.0] * len(reward_fns))
     if len(weights) != len(reward_fns):
         raise TrainingError(f"{len(weights)} reward weights for {len(reward_fns)} reward functions {reward_names}")
-    optimizer, scheduler = build_optimizer_and_scheduler(model, t)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    if ref_model is not None and owns_weights(ref_model):
-        ref_model.to(accelerator.device)
-    policy = accelerator.unwrap_model(model)
     make_backend = backend_factory or (lambda m, tok: backend_for(
         m, tok, t, rank=accelerator.process_index, local_rank=accelerator.local_process_index,
         world_size=accelerator.num_processes))
+    replica = None
+    if parallelism.fsdp is not None and accelerator.num_processes > 1:
+        replica = copy.deepcopy(model).to(accelerator.device, DTYPES[cfg.model.dtype])  # whole, before sharding
+        shard_model(model.to(accelerator.device), parallelism.fsdp, t.mixed_precision)
+        if ref_model is not None:
+            shard_model(ref_model.to(accelerator.device), parallelism.fsdp)
+        optimizer, scheduler = build_optimizer_and_scheduler(model, t)  # over the shards
+        policy = model
+        backend = ReplicaRollouts(replica, lambda m: make_backend(m, tokenizer))
+    else:
+        optimizer, scheduler = build_optimizer_and_scheduler(model, t)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        if ref_model is not None and owns_weights(ref_model):
+            ref_model.to(accelerator.device)
+        policy = accelerator.unwrap_model(model)
+        backend = make_backend(policy, tokenizer)
     run = TrainingRun(t=t, accelerator=accelerator, model=model, policy=policy, ref_model=ref_model,
-                      tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
-                      backend=make_backend(policy, tokenizer), params_hash=training_params_hash(cfg, weights.tolist()),
-                      checkpoint_dir=root / t.output_dir / "checkpoints")
+                      tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, backend=backend,
+                      params_hash=training_params_hash(cfg, weights.tolist()),
+                      checkpoint_dir=root / t.output_dir / "checkpoints", replica=replica)
     return run, Prompts(dataset, encoder, reward_fns, reward_names, weights)
+
+
+def _resolve(root: Path, path: str | None) -> Path | None:
+    return None if path is None else (Path(path) if Path(path).is_absolute() else root / path)
 
 
 def resume_or_start(run: TrainingRun, sampler: PromptSampler) -> tuple[TrainState, Path | None]:
@@ -258,7 +289,9 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[Round]) -> StepGr
     num_items = _global_sum(acc, local_tokens) / acc.num_processes
     losses, stats, entropies = [], [], []
     for j, (mb, loss_mask) in enumerate(zip(micro_batches, loss_masks)):
-        defer_sync = j < ga - 1 and acc.num_processes > 1  # all-reduce once, after the last micro-batch
+        # DDP: all-reduce once, after the last micro-batch. FSDP2 reduce-scatters every micro-batch: deferring
+        # would keep whole, unsharded gradients on every process - the memory sharding exists to save.
+        defer_sync = j < ga - 1 and acc.num_processes > 1 and not is_sharded(run.model)
         with acc.no_sync(run.model) if defer_sync else contextlib.nullcontext():
             with record_function("grpo/policy_forward"):
                 logps, entropy, _ = policy_logprobs(run.model, mb, t, compute_entropy=True)
@@ -271,14 +304,16 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[Round]) -> StepGr
                     max_completion_length=t.max_completion_length, num_items=max(num_items, 1.0))
                 if t.loss_type != "dapo":  # dapo already divides by the step's token count
                     loss = loss / ga
-            if torch.isfinite(loss):
+            if _finite_everywhere(acc, loss):  # one answer on every process, or their backward passes part ways
                 with record_function("grpo/backward"):
                     acc.backward(loss)
         losses.append(loss.detach())
         stats.append(loss_stats)
         m = loss_mask[:, :width].to(entropy.device).float()
         entropies.append(((entropy * m).sum() / m.sum().clamp(min=1)).detach())
-    grad_norm = acc.clip_grad_norm_(run.model.parameters(), t.max_grad_norm if t.max_grad_norm > 0 else float("inf"))
+    max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
+    grad_norm = (clip_gradients(run.model.parameters(), max_norm) if is_sharded(run.model)
+                 else acc.clip_grad_norm_(run.model.parameters(), max_norm))
     return StepGradients(losses, stats, entropies, grad_norm, num_items, local_tokens)
 
 
@@ -405,6 +440,15 @@ def _global_sum(accelerator, value: int) -> float:
     if accelerator.num_processes == 1:
         return float(value)
     return float(accelerator.reduce(torch.tensor(float(value), device=accelerator.device), "sum").item())
+
+
+def _finite_everywhere(accelerator, loss: torch.Tensor) -> bool:
+    """Whether the micro-batch's loss is finite on every process: a NaN on one process skips the micro-batch on all
+    (as one process on the global batch would), and keeps the gradient collectives of backward in step."""
+    finite = bool(torch.isfinite(loss))
+    if accelerator.num_processes == 1:
+        return finite
+    return _global_sum(accelerator, int(not finite)) == 0
 
 
 def _reduce_metrics(accelerator, metrics: dict, local_tokens: float) -> dict:

@@ -16,6 +16,7 @@ import numpy as np
 
 from grpo_core.config import TrainConfig
 from grpo_core.errors import TrainingFailure
+from grpo_core.model.sharding import gather_optimizer_state, gather_weights, is_sharded, load_optimizer_state
 from grpo_core.train.checkpoint import (
     load_checkpoint,
     load_reference,
@@ -78,30 +79,43 @@ class TrainingRun:
 
     t: TrainConfig
     accelerator: Any
-    model: Any               # what the optimizer steps, as accelerate prepared it (DDP-wrapped on N processes)
-    policy: Any              # the same model unwrapped: save, sync and export this one
-    ref_model: Any           # frozen reference (beta > 0), the LoRA adapter-off view, or None
+    model: Any               # what the optimizer steps: DDP-wrapped on N processes, fully_shard-ed under FSDP2
+    policy: Any              # the same model unwrapped (under FSDP2 the sharded model itself): save and sync this
+    ref_model: Any           # frozen reference (beta > 0), the LoRA adapter-off view, or None (sharded as the policy)
     tokenizer: Any
     optimizer: Any
     scheduler: Any
     backend: Any             # the rollout backend (grpo_core/rollout)
     params_hash: str         # training_params_hash: a checkpoint from other params is refused
     checkpoint_dir: Path
+    replica: Any = None      # sharded runs: the whole copy of the policy that samples and is exported
 
 
 def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round: bool) -> None:
-    """checkpoint-<step> from the main process (the others wait for it). keep_round: the step ends inside its
-    generation round, so the round is saved and a resume trains on it instead of sampling a new one."""
-    run.accelerator.wait_for_everyone()
-    if not run.accelerator.is_main_process:
-        return
-    meta = {"micro_step": state.micro_step, "sampler": state.sampler.state_dict(), "params_hash": run.params_hash,
-            "rollbacks": state.rollbacks,
-            "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
-    save_checkpoint(run.checkpoint_dir, state.step, model=run.policy, tokenizer=run.tokenizer,
-                    optimizer=run.optimizer, scheduler=run.scheduler, state=meta,
-                    rollout_buffer=state.round.to_buffer() if keep_round and state.round is not None else None,
-                    reference=run.ref_model if state.reference_synced else None, keep_last=run.t.save_total_limit)
+    """checkpoint-<step> from the main process; the others wait until it is in place (so a rollback on any
+    process finds it). keep_round: the step ends inside its generation round, so the round is saved and a resume
+    trains on it instead of sampling a new one. Sharded (FSDP2): every process first takes part in gathering the
+    whole weights and optimizer state, which rank 0 writes in the one-process format."""
+    acc = run.accelerator
+    acc.wait_for_everyone()
+    synced = run.ref_model if state.reference_synced else None
+    if is_sharded(run.policy):
+        weights = gather_weights(run.policy)
+        optimizer_state = gather_optimizer_state(run.policy, run.optimizer)
+        reference = gather_weights(synced) if synced is not None else None
+    else:
+        weights, optimizer_state = None, run.optimizer.state_dict()
+        reference = synced.state_dict() if synced is not None else None
+    if acc.is_main_process:
+        meta = {"micro_step": state.micro_step, "sampler": state.sampler.state_dict(),
+                "params_hash": run.params_hash, "rollbacks": state.rollbacks,
+                "world_size": acc.num_processes,
+                "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
+        save_checkpoint(run.checkpoint_dir, state.step, model=run.policy, tokenizer=run.tokenizer,
+                        optimizer_state=optimizer_state, scheduler=run.scheduler, state=meta, weights=weights,
+                        rollout_buffer=state.round.to_buffer() if keep_round and state.round is not None else None,
+                        reference=reference, keep_last=run.t.save_total_limit)
+    acc.wait_for_everyone()
 
 
 def restore_state(run: TrainingRun, path: Path, sampler: PromptSampler) -> TrainState:
@@ -109,7 +123,10 @@ def restore_state(run: TrainingRun, path: Path, sampler: PromptSampler) -> Train
     RNGs; return its ``TrainState`` (whose ``sampler`` is the one passed)."""
     ck = load_checkpoint(path, expected_hash=run.params_hash)
     load_weights(run.policy, path)
-    run.optimizer.load_state_dict(ck.optimizer)
+    if is_sharded(run.policy):
+        load_optimizer_state(run.policy, run.optimizer, ck.optimizer)
+    else:
+        run.optimizer.load_state_dict(ck.optimizer)
     run.scheduler.load_state_dict(ck.scheduler)
     if ck.reference_file is not None and run.ref_model is not None:
         load_reference(run.ref_model, ck.reference_file)

@@ -1,0 +1,115 @@
+"""How training spreads over ``train.num_processes`` processes, read from ``train.accelerate_config``.
+
+    no file, or distributed_type MULTI_GPU        DDP: every process holds the whole policy; gradients all-reduced
+    MULTI_GPU with fsdp_config (fsdp_version: 2)  FSDP2: the trainer shards policy and reference itself with
+                                                  torch's ``fully_shard`` (grpo_core/model/sharding.py)
+
+The file stays an accelerate config: ``accelerate launch --config_file`` starts the processes on GPUs
+(``torch.distributed.run`` does on CPU, gloo), and the trainer reads ``fsdp_config`` from it. Sharding is the
+trainer's own, not accelerate's ``distributed_type: FSDP``: one code path on GPUs and on CPU, the one the tests
+run (accelerate's FSDP does not run on CPU processes). DeepSpeed is refused: see ``DEEPSPEED_WITHDRAWN``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpo_core.errors import ConfigurationError
+from grpo_core.model.sharding import FSDPSettings
+
+DEEPSPEED_WITHDRAWN = (
+    "DeepSpeed is not supported: no ZeRO-3 path has been run here (it needs a GPU or DeepSpeed's CPU accelerator; "
+    "see docs/scaling.md), so none ships. Shard with FSDP2 instead: train.accelerate_config: "
+    "infra/accelerate/fsdp2.yaml")
+
+
+class ParallelConfigError(ConfigurationError, ValueError):
+    """train.accelerate_config asks for something this trainer does not run; the message says what to use."""
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    fsdp: FSDPSettings | None = None  # None: DDP (each process holds the whole policy)
+
+    @property
+    def name(self) -> str:
+        return "fsdp2" if self.fsdp is not None else "ddp"
+
+
+_FSDP_KEYS = {"fsdp_version", "fsdp_reshard_after_forward", "fsdp_offload_params", "fsdp_auto_wrap_policy",
+              "fsdp_state_dict_type", "fsdp_activation_checkpointing", "fsdp_cpu_ram_efficient_loading"}
+
+
+def read_parallelism(path: str | Path | None) -> Parallelism:
+    """The parallelism an accelerate config file asks for (None: DDP). Raises ParallelConfigError naming the file
+    and key for what this trainer refuses."""
+    if path is None:
+        return Parallelism()
+    doc = _read_yaml(Path(path))
+    kind = str(doc.get("distributed_type", "MULTI_GPU"))
+    where = f"train.accelerate_config {path}"
+    if kind == "DEEPSPEED" or doc.get("deepspeed_config"):
+        raise ParallelConfigError(f"{where}: {DEEPSPEED_WITHDRAWN}")
+    if kind == "FSDP":
+        raise ParallelConfigError(
+            f"{where}: distributed_type FSDP hands sharding to accelerate, which this trainer does not use; set "
+            "distributed_type: MULTI_GPU and keep fsdp_config (fsdp_version: 2): the trainer shards the policy "
+            "itself (see infra/accelerate/fsdp2.yaml)")
+    if kind not in ("MULTI_GPU", "NO"):
+        raise ParallelConfigError(f"{where}: distributed_type {kind} is not supported (MULTI_GPU, with fsdp_config "
+                                  "for FSDP2)")
+    fsdp = doc.get("fsdp_config")
+    if not fsdp:
+        return Parallelism()
+    unknown = sorted(set(fsdp) - _FSDP_KEYS)
+    if unknown:
+        raise ParallelConfigError(f"{where}: fsdp_config keys {unknown} are not read by this trainer "
+                                  f"(it reads {sorted(_FSDP_KEYS)})")
+    if fsdp.get("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP") != "TRANSFORMER_BASED_WRAP":
+        raise ParallelConfigError(f"{where}: fsdp_config.fsdp_auto_wrap_policy must be TRANSFORMER_BASED_WRAP "
+                                  "(one shard unit per decoder layer)")
+    if int(fsdp.get("fsdp_version", 1)) != 2:
+        raise ParallelConfigError(f"{where}: fsdp_config.fsdp_version must be 2 (FSDP2, torch's fully_shard); "
+                                  f"got {fsdp.get('fsdp_version', 1)}")
+    if fsdp.get("fsdp_state_dict_type", "FULL_STATE_DICT") != "FULL_STATE_DICT":
+        raise ParallelConfigError(f"{where}: fsdp_config.fsdp_state_dict_type must be FULL_STATE_DICT: checkpoints "
+                                  "hold whole weights, so they resume at any world size and export as HF")
+    if fsdp.get("fsdp_activation_checkpointing"):
+        raise ParallelConfigError(f"{where}: fsdp_config.fsdp_activation_checkpointing: use "
+                                  "train.gradient_checkpointing (one switch for every way of training)")
+    if fsdp.get("fsdp_cpu_ram_efficient_loading"):
+        raise ParallelConfigError(f"{where}: fsdp_config.fsdp_cpu_ram_efficient_loading is accelerate's FSDP "
+                                  "loading; every process loads the weights and keeps its shard: set it false")
+    return Parallelism(FSDPSettings(reshard_after_forward=bool(fsdp.get("fsdp_reshard_after_forward", True)),
+                                    offload_params=bool(fsdp.get("fsdp_offload_params", False))))
+
+
+def check_parallelism(parallelism: Parallelism, *, lora: bool, mixed_precision: str = "no",
+                      where: str = "train.accelerate_config") -> None:
+    """Cross-checks with the rest of the config. Under FSDP2: LoRA is refused (the adapter-off reference view,
+    adapter checkpoints and the merged export are one-process code paths nobody has run sharded), and so is fp16
+    (it needs a sharded gradient scaler; bf16 does not)."""
+    if parallelism.fsdp is None:
+        return
+    if mixed_precision == "fp16":
+        raise ParallelConfigError(f"{where}: train.mixed_precision fp16 with FSDP2 is not supported (no sharded "
+                                  "gradient scaler); use bf16")
+    if lora:
+        raise ParallelConfigError(f"{where}: LoRA (model.lora) with FSDP2 is not supported: LoRA keeps the base "
+                                  "frozen, so its trainable state is small - train it with DDP (drop fsdp_config) "
+                                  "or without model.lora")
+
+
+def _read_yaml(path: Path) -> dict:
+    import yaml
+
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise ParallelConfigError(f"train.accelerate_config: cannot read {path}: {err}") from err
+    except yaml.YAMLError as err:
+        raise ParallelConfigError(f"train.accelerate_config: {path} is not YAML: {err}") from err
+    if not isinstance(doc, dict):
+        raise ParallelConfigError(f"train.accelerate_config: {path} is not a mapping of accelerate settings")
+    return doc
