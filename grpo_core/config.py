@@ -176,9 +176,12 @@ class TrainConfig:
                              "(rows, tokens, vocab) logits never exist (plain Qwen2/Qwen3/Llama/Mistral heads)")
     fused_adamw: bool = _f(True, "torch's fused AdamW (one kernel per step) instead of the per-tensor one")
     trim_padding: bool = _f(True, "drop a micro-batch's all-padding columns before its forward passes")
-    num_processes: int = _f(1, "processes (GPUs); > 1 launches through `accelerate launch`", ge=1)
-    accelerate_config: str | None = _f(None, "accelerate config for num_processes > 1 on GPUs, e.g. "
-                                       "infra/accelerate/fsdp2.yaml (None = multi-GPU DDP)")
+    num_processes: int = _f(1, "processes (GPUs) over all machines; > 1 launches through `accelerate launch` "
+                            "(GPUs) or torch.distributed.run (CPU, gloo)", ge=1)
+    num_machines: int = _f(1, "machines (nodes) the processes are spread over; > 1: each machine runs the train "
+                           "stage with MACHINE_RANK and MAIN_PROCESS_IP set (docs/scaling.md)", ge=1)
+    accelerate_config: str | None = _f(None, "accelerate config for num_processes > 1: infra/accelerate/ddp.yaml, "
+                                       "or infra/accelerate/fsdp2.yaml to shard (None = DDP)")
     reward_errors: Literal["raise", "none"] = _f("raise", "a raising reward function: stop, or count as None")
     reward_timeout_s: float = _f(60.0, "seconds one reward-function call may take; a call past it scores None "
                                  "for its samples and is counted (0 = no limit)", ge=0)
@@ -389,6 +392,14 @@ def _check_consistency(cfg: PipelineConfig) -> None:
             f"{t.per_device_train_batch_size} x num_processes {t.num_processes} x steps_per_generation "
             f"{t.effective_steps_per_generation} = {t.generation_batch_size} completions) must be divisible "
             f"by train.num_generations ({t.num_generations}) so that whole groups are sampled")
+    if t.num_processes > 1 and (t.per_device_train_batch_size * t.effective_steps_per_generation) % t.num_generations:
+        raise ConfigError(
+            f"train.per_device_train_batch_size: each process samples whole groups, so its rows per round "
+            f"(per_device_train_batch_size {t.per_device_train_batch_size} x steps_per_generation "
+            f"{t.effective_steps_per_generation}) must be divisible by train.num_generations ({t.num_generations})")
+    if t.num_processes % t.num_machines:
+        raise ConfigError(f"train.num_machines: {t.num_processes} processes do not split evenly over "
+                          f"{t.num_machines} machines")
     if t.epsilon_high is not None and t.epsilon_high < t.epsilon:
         raise ConfigError(f"train.epsilon_high: {t.epsilon_high} is below train.epsilon ({t.epsilon})")
     if not cfg.rewards:
@@ -479,7 +490,7 @@ def load_config(path: str | Path = "params.yaml", overrides: typing.Mapping[str,
 
 # Keys that change bookkeeping only; they never make a checkpoint incompatible.
 _BOOKKEEPING_KEYS = {"output_dir", "save_steps", "save_strategy", "save_total_limit", "logging_steps", "resume", "max_steps",
-                     "num_processes", "accelerate_config", "reward_timeout_s"}
+                     "num_processes", "num_machines", "accelerate_config", "reward_timeout_s"}
 
 
 def training_params_hash(cfg: PipelineConfig, reward_weights: typing.Sequence[float] | None = None) -> str:

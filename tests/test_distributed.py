@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from flows.stages.train import launch_command
+from flows.stages.common import StageConfigError
+from flows.stages.train import Machine, launch_command, launch_plan
+from grpo_core.train.parallel import ParallelConfigError, read_parallelism
 from tests.tiny import make_prompts, make_tiny_model, read_log
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,20 +61,73 @@ def test_two_gloo_processes_match_one_process_on_the_same_global_batch(assets, t
 
 def test_launch_command_per_device_kind(tmp_path):
     cpu = launch_command(4, cuda=False)
-    assert cpu[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4"]
+    assert cpu[1:] == ["-m", "torch.distributed.run", "--nproc_per_node", "4", "--standalone"]
     gpu = launch_command(8, cuda=True, accelerate_config=REPO / "infra/accelerate/fsdp2.yaml")
     assert gpu[1:] == ["-m", "accelerate.commands.launch", "--num_processes", "8", "--config_file",
                        str(REPO / "infra/accelerate/fsdp2.yaml")]
     assert launch_command(2, cuda=True)[-1] == "--multi_gpu"
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp2", "deepspeed-zero3"])
-def test_infra_accelerate_configs_load_as_accelerate_configs(name):
+TWO_NODES = {"MACHINE_RANK": "1", "MAIN_PROCESS_IP": "10.0.0.1", "MAIN_PROCESS_PORT": "29501"}
+
+
+def stage_context(tmp_path, **train):
+    from flows.stages.common import StageContext
+    from grpo_core.config import config_from_dict
+
+    cfg = config_from_dict({"data": {"train_files": ["train.jsonl"]},
+                            "rewards": [{"name": "r", "function": "tests.reward_helpers:digit_fraction"}],
+                            "train": {"num_generations": 4, "per_device_train_batch_size": 8, **train}})
+    return StageContext(stage="train", root=REPO, store_root=tmp_path, params_path=tmp_path / "params.yaml", cfg=cfg)
+
+
+def test_two_nodes_of_eight_gpus_render_one_accelerate_launch_per_node(tmp_path):
+    """What machine 1 of 2 runs for train.num_processes 16 with FSDP2, checked by accelerate's own parser."""
+    from accelerate.commands.launch import launch_command_parser
+
+    ctx = stage_context(tmp_path, num_processes=16, num_machines=2, accelerate_config="infra/accelerate/fsdp2.yaml")
+    cmd = launch_plan(ctx, ctx.cfg, cuda=True, environ=TWO_NODES)
+    assert cmd[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+    assert cmd[-5:] == ["-m", "flows.stages", "train", "--params", str(tmp_path / "params.yaml")]
+    args = launch_command_parser().parse_args(cmd[3:-5] + ["x.py"])
+    assert (args.num_processes, args.num_machines, args.machine_rank) == (16, 2, 1)
+    assert (args.main_process_ip, args.main_process_port) == ("10.0.0.1", 29501)
+    assert args.config_file == str(REPO / "infra/accelerate/fsdp2.yaml")
+
+
+def test_two_cpu_nodes_render_torchrun_per_node(tmp_path):
+    from torch.distributed.run import get_args_parser
+
+    cmd = launch_command(4, cuda=False, machines=2, machine=Machine(1, "10.0.0.1", 29501))
+    args = get_args_parser().parse_args(cmd[3:] + ["x.py"])
+    assert (args.nnodes, args.node_rank, args.nproc_per_node) == ("2", 1, "2")
+    assert (args.master_addr, args.master_port, args.standalone) == ("10.0.0.1", 29501, False)
+
+
+def test_a_machine_without_its_rank_or_the_main_address_is_told_which_variable(tmp_path):
+    ctx = stage_context(tmp_path, num_processes=16, num_machines=2)
+    with pytest.raises(StageConfigError, match="MAIN_PROCESS_IP not set"):
+        launch_plan(ctx, ctx.cfg, cuda=True, environ={"MACHINE_RANK": "1"})
+    with pytest.raises(StageConfigError, match=r"MACHINE_RANK=2: must be in 0..1"):
+        launch_plan(ctx, ctx.cfg, cuda=True, environ={**TWO_NODES, "MACHINE_RANK": "2"})
+
+
+def test_the_launch_refuses_what_the_trainer_would_before_any_process_starts(tmp_path):
+    zero3 = tmp_path / "zero3.yaml"
+    zero3.write_text("distributed_type: DEEPSPEED\ndeepspeed_config: {zero_stage: 3}\n")
+    ctx = stage_context(tmp_path, num_processes=2, accelerate_config=str(zero3))
+    with pytest.raises(ParallelConfigError, match="DeepSpeed is not supported"):
+        launch_plan(ctx, ctx.cfg, cuda=True)
+    ctx = stage_context(tmp_path, num_processes=2, accelerate_config="infra/accelerate/missing.yaml")
+    with pytest.raises(StageConfigError, match="missing.yaml is not a file"):
+        launch_plan(ctx, ctx.cfg, cuda=True)
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_infra_accelerate_configs_load_as_accelerate_configs_and_as_ours(name):
     from accelerate.commands.config.config_args import load_config_from_file
 
     cfg = load_config_from_file(str(REPO / f"infra/accelerate/{name}.yaml"))
-    assert cfg.distributed_type.value == {"ddp": "MULTI_GPU", "fsdp2": "FSDP", "deepspeed-zero3": "DEEPSPEED"}[name]
-    if name == "fsdp2":
-        assert cfg.fsdp_config["fsdp_version"] == 2
-    if name == "deepspeed-zero3":
-        assert cfg.deepspeed_config["zero_stage"] == 3
+    assert cfg.distributed_type.value == "MULTI_GPU"  # accelerate starts the processes; the trainer shards
+    assert read_parallelism(REPO / f"infra/accelerate/{name}.yaml").name == name
+    assert sorted(p.name for p in (REPO / "infra/accelerate").glob("*.yaml")) == ["ddp.yaml", "fsdp2.yaml"]

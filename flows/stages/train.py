@@ -15,9 +15,10 @@ resumes only when the fingerprint matches (a crash, or a larger ``max_steps``); 
 new data, ``dvc exp run -S train.learning_rate=...``, ``train.resume: never`` - it empties the
 checkpoints directory first, so a DVC re-run never silently continues a different run.
 
-``train.num_processes > 1``: the stage re-launches itself as N processes (``launch_command``: ``accelerate
+``train.num_processes > 1``: the stage re-launches itself as N processes (``launch_plan``: ``accelerate
 launch`` with ``train.accelerate_config`` on GPUs, ``torch.distributed.run`` with gloo on CPU); rank 0
-logs to MLflow and writes the plot.
+logs to MLflow and writes the plot. ``train.num_machines > 1``: every machine runs this stage, with
+MACHINE_RANK and MAIN_PROCESS_IP set, over a shared filesystem (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from flows.stages.common import (
@@ -126,31 +128,77 @@ def _launched() -> bool:
     return "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def launch_command(n: int, *, cuda: bool, accelerate_config: str | Path | None = None) -> list[str]:
-    """The launcher prefix for ``n`` processes (the module and its arguments follow).
+@dataclass(frozen=True)
+class Machine:
+    """Where this machine stands among ``train.num_machines`` (read from the environment the scheduler sets)."""
 
-    GPUs: ``accelerate launch`` with ``train.accelerate_config`` (DDP, FSDP2, DeepSpeed ZeRO-3: see
-    infra/accelerate/), or plain multi-GPU DDP without one. CPU: ``torch.distributed.run --standalone``
-    (gloo); accelerate's own multi-CPU launch needs mpirun, and the Accelerator picks the gloo process
-    group up from torchrun's environment all the same.
+    rank: int = 0
+    main_address: str | None = None  # the IP or host name of machine 0, where the rendezvous listens
+    main_port: int = 29500
+
+    @classmethod
+    def from_environment(cls, machines: int, environ=None) -> Machine:
+        env = os.environ if environ is None else environ
+        if machines == 1:
+            return cls()
+        missing = [k for k in ("MACHINE_RANK", "MAIN_PROCESS_IP") if not env.get(k)]
+        if missing:
+            raise StageConfigError(f"train.num_machines: {machines} machines, but {' and '.join(missing)} "
+                                   "not set: each machine runs the stage with MACHINE_RANK (0.."
+                                   f"{machines - 1}) and MAIN_PROCESS_IP (machine 0's address); see docs/scaling.md")
+        rank = int(env["MACHINE_RANK"])
+        if not 0 <= rank < machines:
+            raise StageConfigError(f"MACHINE_RANK={rank}: must be in 0..{machines - 1} (train.num_machines)")
+        return cls(rank, env["MAIN_PROCESS_IP"], int(env.get("MAIN_PROCESS_PORT", "29500")))
+
+
+def launch_command(n: int, *, cuda: bool, accelerate_config: str | Path | None = None, machines: int = 1,
+                   machine: Machine = Machine()) -> list[str]:
+    """The launcher prefix for ``n`` processes over ``machines`` machines, as run on ``machine`` (the module and
+    its arguments follow).
+
+    GPUs: ``accelerate launch`` with ``train.accelerate_config`` (infra/accelerate/: DDP, or FSDP2, which the
+    trainer applies itself), or plain multi-GPU DDP without one. CPU: ``torch.distributed.run`` (gloo);
+    accelerate's own multi-CPU launch needs mpirun, and the Accelerator picks the gloo process group up from
+    torchrun's environment all the same.
     """
     if not cuda:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n // machines)]
+        if machines == 1:
+            return cmd + ["--standalone"]
+        return cmd + ["--nnodes", str(machines), "--node_rank", str(machine.rank), "--master_addr",
+                      str(machine.main_address), "--master_port", str(machine.main_port)]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n)]
-    return cmd + (["--config_file", str(accelerate_config)] if accelerate_config else ["--multi_gpu"])
+    cmd += ["--config_file", str(accelerate_config)] if accelerate_config else ["--multi_gpu"]
+    if machines > 1:
+        cmd += ["--num_machines", str(machines), "--machine_rank", str(machine.rank), "--main_process_ip",
+                str(machine.main_address), "--main_process_port", str(machine.main_port)]
+    return cmd
 
 
-def _relaunch(ctx, cfg, n: int) -> int:
-    import torch
+def launch_plan(ctx, cfg, *, cuda: bool, environ=None) -> list[str]:
+    """The whole command this machine runs for ``train.num_processes`` > 1: the accelerate config checked (what
+    the trainer would refuse is refused here, before any process starts), the launcher, then this stage."""
+    from grpo_core.train.parallel import check_parallelism, read_parallelism
 
-    config = cfg.train.accelerate_config
+    t = cfg.train
+    config = t.accelerate_config
     if config:
         config = Path(config) if Path(config).is_absolute() else ctx.root / config
         if not config.is_file():
             raise StageConfigError(f"train.accelerate_config: {config} is not a file (see infra/accelerate/)")
-    cmd = launch_command(n, cuda=torch.cuda.is_available(), accelerate_config=config)
-    cmd += ["-m", "flows.stages", "train", "--params", str(ctx.params_path)]
-    print(f"train: launching {n} processes: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    check_parallelism(read_parallelism(config), lora=cfg.model.lora is not None, mixed_precision=t.mixed_precision)
+    machine = Machine.from_environment(t.num_machines, environ)
+    cmd = launch_command(t.num_processes, cuda=cuda, accelerate_config=config, machines=t.num_machines,
+                         machine=machine)
+    return cmd + ["-m", "flows.stages", "train", "--params", str(ctx.params_path)]
+
+
+def _relaunch(ctx, cfg) -> int:
+    import torch
+
+    cmd = launch_plan(ctx, cfg, cuda=torch.cuda.is_available())
+    print(f"train: launching {cfg.train.num_processes} processes: {' '.join(cmd)}", file=sys.stderr, flush=True)
     return subprocess.call(cmd, cwd=ctx.root)
 
 
@@ -162,9 +210,12 @@ def run(ctx) -> int:
     weights, weights_source = reward_weights(ctx, cfg)
     allowed = allowed_prompts(ctx, cfg)
     if not _launched():
-        action = prepare_checkpoints(ctx, cfg, fingerprint(ctx, cfg, weights, allowed))
+        # machine 0 alone decides resume-or-fresh: the others reach the checkpoints through the shared
+        # filesystem only after machine 0's processes have joined the rendezvous, i.e. after this
+        if Machine.from_environment(cfg.train.num_machines).rank == 0:
+            action = prepare_checkpoints(ctx, cfg, fingerprint(ctx, cfg, weights, allowed))
         if cfg.train.num_processes > 1:
-            return _relaunch(ctx, cfg, cfg.train.num_processes)
+            return _relaunch(ctx, cfg)
     else:
         action = "distributed"
     if int(os.environ.get("RANK", "0")) != 0:

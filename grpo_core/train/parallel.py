@@ -7,7 +7,7 @@
 The file stays an accelerate config: ``accelerate launch --config_file`` starts the processes on GPUs
 (``torch.distributed.run`` does on CPU, gloo), and the trainer reads ``fsdp_config`` from it. Sharding is the
 trainer's own, not accelerate's ``distributed_type: FSDP``: one code path on GPUs and on CPU, the one the tests
-run (accelerate's FSDP does not run on CPU processes). DeepSpeed is refused: see ``DEEPSPEED_WITHDRAWN``.
+run (accelerate's FSDP does not run on CPU processes). DeepSpeed is withdrawn: see ``DEEPSPEED_WITHDRAWN``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from grpo_core.errors import ConfigurationError
 from grpo_core.model.sharding import FSDPSettings
 
 DEEPSPEED_WITHDRAWN = (
-    "DeepSpeed is not supported: no ZeRO-3 path has been run here (it needs a GPU or DeepSpeed's CPU accelerator; "
-    "see docs/scaling.md), so none ships. Shard with FSDP2 instead: train.accelerate_config: "
-    "infra/accelerate/fsdp2.yaml")
+    "DeepSpeed is not supported: a DeepSpeed engine takes over what this trainer owns (gradient accumulation, the "
+    "skip-step guard, checkpoints, the export), and no ZeRO-3 path ships untested. FSDP2 shards the same state "
+    "(weights, gradients, AdamW) and is tested: train.accelerate_config: infra/accelerate/fsdp2.yaml "
+    "(docs/scaling.md)")
 
 
 class ParallelConfigError(ConfigurationError, ValueError):
