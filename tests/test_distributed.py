@@ -131,3 +131,23 @@ def test_infra_accelerate_configs_load_as_accelerate_configs_and_as_ours(name):
     assert cfg.distributed_type.value == "MULTI_GPU"  # accelerate starts the processes; the trainer shards
     assert read_parallelism(REPO / f"infra/accelerate/{name}.yaml").name == name
     assert sorted(p.name for p in (REPO / "infra/accelerate").glob("*.yaml")) == ["ddp.yaml", "fsdp2.yaml"]
+
+
+def test_machines_started_with_machine_0_wait_for_its_launch_and_no_longer(tmp_path):
+    """One Indexed Job starts every machine at once: machine 1 waits until machine 0's train stage announces the
+    job's launch; a marker from another launch does not count, and the wait ends with an error naming both."""
+    import threading
+
+    from flows.stages.train import announce_launch, wait_for_machine_zero
+
+    ctx = stage_context(tmp_path, num_processes=16, num_machines=2, output_dir=str(tmp_path / "out"))
+    wait_for_machine_zero(ctx, ctx.cfg, environ={"MACHINE_RANK": "1"})  # no LAUNCH_ID: started by hand, no wait
+    announce_launch(ctx, ctx.cfg, environ={"LAUNCH_ID": "job-old"})
+    with pytest.raises(StageConfigError, match=r"did not launch job-new within MACHINE_WAIT_S=0.3 s"):
+        wait_for_machine_zero(ctx, ctx.cfg, environ={"LAUNCH_ID": "job-new", "MACHINE_WAIT_S": "0.3"}, poll_s=0.05)
+    later = threading.Timer(0.3, announce_launch, args=(ctx, ctx.cfg), kwargs={"environ": {"LAUNCH_ID": "job-new"}})
+    later.start()
+    wait_for_machine_zero(ctx, ctx.cfg, environ={"LAUNCH_ID": "job-new", "MACHINE_WAIT_S": "30"}, poll_s=0.05)
+    later.join()
+    marker = json.loads((tmp_path / "out/checkpoints/launch.json").read_text())
+    assert marker["launch_id"] == "job-new" and marker["machines"] == 2

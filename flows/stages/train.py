@@ -28,6 +28,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,7 @@ from flows.stages.runs import StageRun
 from grpo_core.files import write_json_atomic
 
 FINGERPRINT = "stage_fingerprint.json"
+LAUNCH_MARKER = "launch.json"  # beside the checkpoints: machine 0's go for the other machines
 PLOT = "plots/training.png"
 
 
@@ -152,6 +154,42 @@ class Machine:
         return cls(rank, env["MAIN_PROCESS_IP"], int(env.get("MAIN_PROCESS_PORT", "29500")))
 
 
+def _launch_marker(ctx, cfg) -> Path:
+    return ctx.path(cfg.train.output_dir) / "checkpoints" / LAUNCH_MARKER
+
+
+def announce_launch(ctx, cfg, environ=None) -> None:
+    """Machine 0, about to launch: tell the other machines (waiting in ``wait_for_machine_zero``) to follow."""
+    env = os.environ if environ is None else environ
+    write_json_atomic(_launch_marker(ctx, cfg), {"launch_id": env.get("LAUNCH_ID", ""),
+                                                 "machines": cfg.train.num_machines, "time": time.time()})
+
+
+def wait_for_machine_zero(ctx, cfg, environ=None, poll_s: float = 2.0) -> None:
+    """Machines 1..M-1 started together with machine 0 (one Kubernetes Indexed Job, docs/scaling.md) wait until
+    machine 0's train stage announces launch ``LAUNCH_ID`` (the Job's name): until then the stages before train
+    are still writing what this stage reads. No LAUNCH_ID: started by hand once machine 0 is training, no wait.
+    Gives up after MACHINE_WAIT_S seconds (default a day)."""
+    env = os.environ if environ is None else environ
+    launch_id = env.get("LAUNCH_ID")
+    if not launch_id:
+        return
+    deadline = time.monotonic() + float(env.get("MACHINE_WAIT_S", 86400))
+    marker = _launch_marker(ctx, cfg)
+    print(f"train: machine {env.get('MACHINE_RANK')} waits for machine 0 to launch {launch_id} ({marker})",
+          file=sys.stderr, flush=True)
+    while True:
+        try:
+            if json.loads(marker.read_text()).get("launch_id") == launch_id:
+                return
+        except (OSError, ValueError):
+            pass  # not written yet (it is replaced atomically, so never half-written)
+        if time.monotonic() > deadline:
+            raise StageConfigError(f"train: machine 0 did not launch {launch_id} within MACHINE_WAIT_S="
+                                   f"{env.get('MACHINE_WAIT_S', 86400)} s (no {marker} naming it)")
+        time.sleep(poll_s)
+
+
 def launch_command(n: int, *, cuda: bool, accelerate_config: str | Path | None = None, machines: int = 1,
                    machine: Machine = Machine()) -> list[str]:
     """The launcher prefix for ``n`` processes over ``machines`` machines, as run on ``machine`` (the module and
@@ -206,14 +244,19 @@ def run(ctx) -> int:
     from flows.stages.common import quiet_libraries
 
     cfg = with_validated_data(ctx.cfg)
+    machine = Machine.from_environment(cfg.train.num_machines)
+    if machine.rank > 0 and not _launched():
+        wait_for_machine_zero(ctx, cfg)  # its stages before train write what this one reads
     require_file(ctx.path(VALIDATED_TRAIN), "validate")
     weights, weights_source = reward_weights(ctx, cfg)
     allowed = allowed_prompts(ctx, cfg)
     if not _launched():
         # machine 0 alone decides resume-or-fresh: the others reach the checkpoints through the shared
         # filesystem only after machine 0's processes have joined the rendezvous, i.e. after this
-        if Machine.from_environment(cfg.train.num_machines).rank == 0:
+        if machine.rank == 0:
             action = prepare_checkpoints(ctx, cfg, fingerprint(ctx, cfg, weights, allowed))
+            if cfg.train.num_machines > 1:
+                announce_launch(ctx, cfg)
         if cfg.train.num_processes > 1:
             return _relaunch(ctx, cfg)
     else:
