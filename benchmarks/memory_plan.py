@@ -9,7 +9,7 @@ and precisions from the recipe (train.per_device_train_batch_size, steps_per_gen
 max_completion_length, beta, gradient_checkpointing, mixed_precision, fused_lm_head; model.dtype, model.lora.r).
 Bytes throughout; GiB = 2**30 bytes.
 
-The model of memory (what the code does; the file that does it in brackets):
+The model of memory (what the code does; where, in parentheses):
 
 Persistent state, per process
     full fine-tuning   float32 master weights 4 B + float32 gradients 4 B + AdamW exp_avg and exp_avg_sq 8 B = 16 B
@@ -17,7 +17,7 @@ Persistent state, per process
                        load_policy, train/optim.py). DDP adds its gradient buckets, one more float32 gradient-sized
                        copy (accelerate's default gradient_as_bucket_view=False): 20 B/param. One GPU: no DDP, 16.
     reference          beta > 0: a frozen copy in model.dtype (load_reference); LoRA: the adapter-off view, 0 B.
-    FSDP2 over N       masters, gradients and AdamW state sharded, 16/N B/param; the reference sharded, 2/N
+    FSDP2 over N       masters, gradients and AdamW state sharded, 16/N B/param; the reference sharded, model.dtype/N
                        (model/sharding.py); plus a whole replica of the policy in model.dtype on every process
                        for sampling (train/replica.py). Shards are taken as even (FSDP2 pads dim 0 to N).
     LoRA (DDP)         the frozen base in model.dtype; adapters r*(in + out) for each of q, k, v, o, gate, up,
@@ -32,8 +32,7 @@ Working memory, per micro-batch of per_device_train_batch_size rows x (prompt + 
                        and backward; sharding.py passes reshard_after_forward=True explicitly, so the root is
                        resharded only between them) and two decoder layers (the one computing, the next one
                        prefetched), in the compute dtype; plus the unsharded gradients of the root and one layer
-                       (compute dtype) and, under bf16, that layer's float32 copy for the reduce-scatter. The
-                       autocast copies and the logits' gradient never peak together: these are upper bounds.
+                       (compute dtype) and, under bf16, that layer's float32 copy for the reduce-scatter.
     activations        one layer's activations: about 34*hidden bytes per token in 16-bit (Korthikanti et al. 2022,
                        "Reducing Activation Recomputation in Large Transformer Models", eq. 1, s*b*h*(34 + 5*a*s/h)
                        per layer, without the 5*a*s/h attention-score term that SDPA never stores; a GPT layer with
@@ -56,8 +55,9 @@ Working memory, per micro-batch of per_device_train_batch_size rows x (prompt + 
                        LoRA.
 
 total = weights+grads+AdamW + reference + replica + transient + max(activations + logits, KV cache): the rollout
-and the micro-batches take turns. It counts every term at the recipe's longest rows (trim_padding only shortens
-them) and gradients as held through generation (zero_grad frees them after each step).
+and the micro-batches take turns. An upper bound: every term at the recipe's longest rows (trim_padding only
+shortens them), the forward's autocast copies added to the backward's logit gradient (they never coexist), and
+gradients as held through generation (zero_grad frees them after each step).
 
 Not counted: the CUDA context and caching-allocator slack (~0.5-1 GiB), NCCL buffers, generate's prefill
 activations, LoRA's per-module dropout copies in the recomputed layer, the no-grad reference and old-policy
@@ -216,9 +216,11 @@ class Recipe:
     @classmethod
     def from_config(cls, cfg: PipelineConfig) -> Recipe:
         t = cfg.train
+        if t.max_prompt_length is None:
+            raise ConfigError("train.max_prompt_length: null (any length); the plan needs a prompt length")
         # A recipe without LoRA is planned at the LoRA recipe's rank (grpo_core.config.LoraConfig's default).
         lora = cfg.model.lora or LoraConfig()
-        return cls(t.per_device_train_batch_size, t.effective_steps_per_generation, t.max_prompt_length or 0,
+        return cls(t.per_device_train_batch_size, t.effective_steps_per_generation, t.max_prompt_length,
                    t.max_completion_length, t.beta, t.gradient_checkpointing, t.mixed_precision, cfg.model.dtype,
                    t.fused_lm_head, lora.r)
 
@@ -243,6 +245,7 @@ class Strategy:
         return self.kind == "fsdp2"
 
 
+# DDP's memory per process is the same for any N > 1 (2 stands for them all); one GPU has no DDP buckets.
 STRATEGIES = (Strategy("1 GPU", "single", 1), Strategy("DDP", "ddp", 2),
               *(Strategy(f"FSDP2 N={n}", "fsdp2", n) for n in FSDP_WORLD_SIZES),
               Strategy("LoRA, DDP", "lora", 2))
@@ -371,6 +374,7 @@ def logits_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> int:
 
 def kv_cache_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> int:
     rows = recipe.rows * recipe.steps_per_generation
+    # the FSDP2 replica samples in model.dtype, outside autocast
     sampler_bytes = recipe.dtype_bytes if strategy.sharded else residual_bytes(recipe, strategy)
     per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * sampler_bytes
     return rows * (recipe.prompt_tokens + recipe.completion_tokens) * per_token
@@ -432,7 +436,12 @@ def display_name(config: Path) -> str:
 
 def rendering_for(config: Path) -> str:
     """What the script prints (and writes into the docs) for a recipe."""
-    return render(plan(Recipe.from_config(load_config(config))), display_name(config))
+    cfg = load_config(config)  # its errors name the file
+    try:
+        recipe = Recipe.from_config(cfg)
+    except ConfigError as err:
+        raise ConfigError(f"{config}: {err}") from err
+    return render(plan(recipe), display_name(config))
 
 
 # ---------------------------------------------------------------------------------------------------
