@@ -15,6 +15,7 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -64,6 +65,20 @@ def poison_losses(calls: set[int]) -> None:
 
     if int(os.environ.get("RANK", "0")) == 0:
         loop.grpo_loss = poisoned
+
+
+def launch(out: Path, model: Path, data: Path, processes: int, spec: dict) -> None:
+    """Run this worker as ``processes`` processes with the train stage's CPU launcher (one: plain python)."""
+    import subprocess
+
+    from flows.stages.train import launch_command
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(repo)}
+    launcher = launch_command(processes, cuda=False) if processes > 1 else [sys.executable]
+    cmd = [*launcher, "-m", "tests.distributed_worker", str(out), str(model), str(data), json.dumps(spec)]
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
 def main(out_dir: str, model_dir: str, data_file: str, spec_json: str) -> None:

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tests.test_fsdp import LOGGED, RUN, SHARDED, run_worker
+from tests.distributed_worker import launch
+from tests.test_fsdp import LOGGED, RUN, SHARDED
 from tests.tiny import make_prompts, make_tiny_model, read_log
 
 
@@ -33,11 +34,11 @@ def max_diff(a: dict, b: dict) -> float:
 
 def main(work: Path) -> None:
     model, data = make_tiny_model(work / "model"), make_prompts(work / "train.jsonl")
-    run_worker(work / "one", model, data, 1, {"train": RUN})
-    run_worker(work / "two", model, data, 2, {"train": {**RUN, **SHARDED}})
+    launch(work / "one", model, data, 1, {"train": RUN})
+    launch(work / "two", model, data, 2, {"train": {**RUN, **SHARDED}})
     for name, processes, extra in (("resume-two", 2, SHARDED), ("resume-one", 1, {})):
         shutil.copytree(work / "two/out/checkpoints/checkpoint-2", work / name / "out/checkpoints/checkpoint-2")
-        run_worker(work / name, model, data, processes, {"train": {**RUN, **extra}})
+        launch(work / name, model, data, processes, {"train": {**RUN, **extra}})
 
     log1, log2 = read_log(work / "one/metrics/train_log.csv"), read_log(work / "two/metrics/train_log.csv")
     print("1 vs 2 processes, largest relative difference over 4 steps:")

@@ -4,8 +4,6 @@ the same global batch — the same loss, metrics and weights after each update. 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,17 +13,10 @@ from safetensors.torch import load_file
 from flows.stages.common import StageConfigError
 from flows.stages.train import Machine, launch_command, launch_plan
 from grpo_core.train.parallel import ParallelConfigError, read_parallelism
+from tests.distributed_worker import launch
 from tests.tiny import make_prompts, make_tiny_model, read_log
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def run_worker(launcher: list[str], out: Path, model: Path, data: Path, batch: int, loss_type: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    spec = {"train": {"per_device_train_batch_size": batch, "loss_type": loss_type}}
-    cmd = [*launcher, "-m", "tests.distributed_worker", str(out), str(model), str(data), json.dumps(spec)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +30,9 @@ def assets(tmp_path_factory):
 def test_two_gloo_processes_match_one_process_on_the_same_global_batch(assets, tmp_path, loss_type):
     model, data = assets
     one, two = tmp_path / "one", tmp_path / "two"
-    run_worker([sys.executable], one, model, data, 16, loss_type)
+    launch(one, model, data, 1, {"train": {"per_device_train_batch_size": 16, "loss_type": loss_type}})
     # the launcher the train stage uses without GPUs (accelerate's own multi-CPU launch needs mpirun)
-    run_worker(launch_command(2, cuda=False), two, model, data, 8, loss_type)
+    launch(two, model, data, 2, {"train": {"per_device_train_batch_size": 8, "loss_type": loss_type}})
 
     log1, log2 = read_log(one / "metrics/train_log.csv"), read_log(two / "metrics/train_log.csv")
     assert [r["step"] for r in log1] == [r["step"] for r in log2] == ["1", "2"]

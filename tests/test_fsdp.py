@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flows.stages.train import launch_command
+from tests.distributed_worker import launch
 from tests.tiny import make_prompts, make_tiny_model, read_log
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,21 +35,13 @@ LOGGED = ("loss", "reward", "reward_std", "kl", "entropy", "grad_norm", "complet
 pytestmark = pytest.mark.slow
 
 
-def run_worker(out: Path, model: Path, data: Path, processes: int, spec: dict) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    launcher = launch_command(processes, cuda=False) if processes > 1 else [sys.executable]
-    cmd = [*launcher, "-m", "tests.distributed_worker", str(out), str(model), str(data), json.dumps(spec)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The same 4 steps on one unsharded process (batch 16) and on two sharded ones (8 each); checkpoints at 2, 4."""
     d = tmp_path_factory.mktemp("fsdp")
     model, data = make_tiny_model(d / "model"), make_prompts(d / "train.jsonl")
-    run_worker(d / "one", model, data, 1, {"train": RUN})
-    run_worker(d / "two", model, data, 2, {"train": {**RUN, **SHARDED}})
+    launch(d / "one", model, data, 1, {"train": RUN})
+    launch(d / "two", model, data, 2, {"train": {**RUN, **SHARDED}})
     return d
 
 
@@ -113,7 +105,7 @@ def resumed_from(runs: Path, name: str, step: int) -> Path:
 
 def test_a_sharded_checkpoint_resumes_exactly_on_two_processes(runs):
     root = resumed_from(runs, "resume-two", 2)
-    run_worker(root, runs / "model", runs / "train.jsonl", 2, {"train": {**RUN, **SHARDED}})
+    launch(root, runs / "model", runs / "train.jsonl", 2, {"train": {**RUN, **SHARDED}})
     for name in ("model.safetensors", "reference.safetensors"):
         a, b = (r / "out/checkpoints/checkpoint-4" / name for r in (runs / "two", root))
         assert digest(a) == digest(b), name  # bit for bit: the uninterrupted run's step-4 checkpoint
@@ -126,7 +118,7 @@ def test_a_sharded_checkpoint_resumes_exactly_on_two_processes(runs):
 def test_a_sharded_checkpoint_resumes_on_one_process(runs):
     """Another world size: the checkpoint holds whole weights and AdamW state in the one-process format."""
     root = resumed_from(runs, "resume-one", 2)
-    run_worker(root, runs / "model", runs / "train.jsonl", 1, {"train": RUN})
+    launch(root, runs / "model", runs / "train.jsonl", 1, {"train": RUN})
     assert_weights_agree(runs / "two/out/checkpoints/checkpoint-4/model.safetensors",
                          root / "out/checkpoints/checkpoint-4/model.safetensors", runs / "model/model.safetensors")
     resumed = read_log(root / "metrics/train_log.csv")
@@ -141,8 +133,8 @@ def test_a_nan_on_one_process_rolls_both_back_as_one_process_would(runs):
     back to checkpoint-2 with the learning rate halved, and the log and weights match one process's run."""
     spec = {"guards": {"nonfinite": {"action": "rollback"}, "rollback_lr_factor": 0.5, "max_rollbacks": 1},
             "nan_loss_at": [3]}
-    run_worker(runs / "guard-one", runs / "model", runs / "train.jsonl", 1, {**spec, "train": RUN})
-    run_worker(runs / "guard-two", runs / "model", runs / "train.jsonl", 2, {**spec, "train": {**RUN, **SHARDED}})
+    launch(runs / "guard-one", runs / "model", runs / "train.jsonl", 1, {**spec, "train": RUN})
+    launch(runs / "guard-two", runs / "model", runs / "train.jsonl", 2, {**spec, "train": {**RUN, **SHARDED}})
     assert_logs_agree(runs / "guard-one", runs / "guard-two", ["1", "2", "3", "4"])
     lrs = [float(r["learning_rate"]) for r in read_log(runs / "guard-two/metrics/train_log.csv")]
     assert lrs == [1e-2, 1e-2, 5e-3, 5e-3]
