@@ -128,9 +128,20 @@ class TrainConfig:
     top_k: int = _f(0, "top-k sampling (0 = off)", ge=0)
     beta: float = _f(0.0, "KL coefficient against the reference model (0 = no reference model)", ge=0)
     epsilon: float = _f(0.2, "lower clip range: ratio >= 1 - epsilon", gt=0, lt=1)
-    epsilon_high: float | None = _f(None, "upper clip range: ratio <= 1 + epsilon_high (None = epsilon)", gt=0)
+    epsilon_high: float | None = _f(None, "upper clip range: ratio <= 1 + epsilon_high (None = epsilon); cispo: "
+                                    "the cap on the importance weight itself (e.g. 5.0)", gt=0)
     delta: float | None = _f(None, "two-sided clipping: cap on the unclipped ratio (None = off)", gt=1)
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = _f("dapo", "loss aggregation (see docs/algorithm.md)")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = _f(
+        "dapo", "the policy term and its aggregation, TRL's names (formulas in docs/algorithm.md)")
+    sapo_temperature_pos: float = _f(1.0, "sapo: gate temperature for positive advantages", gt=0)
+    sapo_temperature_neg: float = _f(1.05, "sapo: gate temperature for non-positive advantages", gt=0)
+    vespo_k_pos: float = _f(2.0, "vespo: gamma shape k for advantages >= 0", ge=0)
+    vespo_lambda_pos: float = _f(3.0, "vespo: gamma rate lambda for advantages >= 0", ge=0)
+    vespo_k_neg: float = _f(3.0, "vespo: gamma shape k for negative advantages", ge=0)
+    vespo_lambda_neg: float = _f(2.0, "vespo: gamma rate lambda for negative advantages", ge=0)
+    off_policy_mask_threshold: float | None = _f(
+        None, "OPSM (DeepSeek-V3.2): drop negative-advantage sequences whose mean KL(sampler || policy) exceeds "
+        "this (None = off)", ge=0)
     importance_sampling_level: Literal["token", "sequence"] = _f("token", "token ratios, or GSPO sequence ratios")
     scale_rewards: Literal["group", "batch", "none"] = _f("group", "advantage std: per group, whole batch, or none")
     num_iterations: int = _f(1, "optimisation passes over each generation batch (mu)", ge=1)
@@ -400,6 +411,9 @@ def _check_consistency(cfg: PipelineConfig) -> None:
     if t.num_processes % t.num_machines:
         raise ConfigError(f"train.num_machines: {t.num_processes} processes do not split evenly over "
                           f"{t.num_machines} machines")
+    if t.loss_type == "cispo" and (t.epsilon_high is None or t.epsilon_high <= 1):
+        raise ConfigError(f"train.epsilon_high: cispo caps the importance weight at epsilon_high itself (ScaleRL's "
+                          f"eps_max, e.g. 5.0), so it must be set above 1; got {t.epsilon_high}")
     if t.epsilon_high is not None and t.epsilon_high < t.epsilon:
         raise ConfigError(f"train.epsilon_high: {t.epsilon_high} is below train.epsilon ({t.epsilon})")
     if not cfg.rewards:

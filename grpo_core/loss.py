@@ -1,16 +1,21 @@
 """The GRPO objective: clipped importance-ratio surrogate + k3 KL penalty + token aggregation.
 
-Same numbers and gradients as TRL 1.16 ``GRPOTrainer._compute_loss`` for loss types grpo / bnpo /
-dr_grpo / dapo, token- and sequence-level (GSPO) importance sampling, two-sided clipping (``delta``) and
-the importance-ratio corrected KL (``use_bias_correction_kl``). Gradient accumulation is the caller's
-business: this function never divides by the number of accumulation steps (TRL does, for every loss type
-except dapo, whose ``num_items`` already spans the whole generation batch).
+Same numbers and gradients as TRL 1.16 ``GRPOTrainer._compute_loss`` for every loss type (grpo, bnpo, dr_grpo,
+dapo, luspo: the clipped surrogate; cispo, sapo, vespo: their own policy terms), token- and sequence-level (GSPO)
+importance sampling, two-sided clipping (``delta``), the off-policy sequence mask (OPSM) and the importance-ratio
+corrected KL (``use_bias_correction_kl``). Gradient accumulation is the caller's business: this function never
+divides by the number of accumulation steps (TRL does, for every loss type except ``TOKEN_SUM_LOSS_TYPES``, whose
+``num_items`` already spans the whole generation batch).
 
 Per token t of completion i (shapes: (B, T) per token, (B, 1) per sequence):
 
     r_it   = exp(logp_it - old_it)                          token level
     r_i    = exp( sum_t m_it (logp_it - old_it) / max(1, sum_t m_it) )   sequence level (GSPO)
-    l_it   = -min(min(r, delta) * A_i, clip(r, 1 - eps_low, 1 + eps_high) * A_i)
+    l_it   = -min(min(r, delta) * A_i, clip(r, 1 - eps_low, 1 + eps_high) * A_i)   clipped family
+           = -sg(min(r, eps_high)) * A_i * logp_it                                 cispo
+           = -(4 / tau) * sigmoid(tau (r - 1)) * A_i                               sapo
+           = -phi(w_i) * A_i * logp_it                                             vespo
+    l_it  *= OPSM's keep mask (B, 1) when off_policy_mask_threshold is set
     kl_it  = exp(ref_it - logp_it) - (ref_it - logp_it) - 1   (k3), times r when kl_ratio_correction
     loss   = aggregate(l + beta * kl, mask)
 
@@ -23,7 +28,10 @@ import math
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the PPO-clip surrogate; the others have their own term
+# Normalised by num_items, the token count of the step's whole batch: never divided again for accumulation.
+TOKEN_SUM_LOSS_TYPES = ("dapo", "cispo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
@@ -43,6 +51,14 @@ def grpo_loss(
     kl_ratio_correction: bool = True,
     max_completion_length: int | None = None,
     num_items: int | float | torch.Tensor | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+    off_policy_mask_threshold: float | None = None,
+    sampling_logps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss of one micro-batch and its statistics.
 
@@ -53,7 +69,9 @@ def grpo_loss(
         ref_logps: (B, T) log-probs under the reference model; needed only when beta != 0.
         advantages: (B,) one advantage per completion.
         mask: (B, T) 1 for completion tokens that count, 0 for padding (bool, int or float).
-        loss_type: "grpo" | "bnpo" | "dr_grpo" | "dapo" (TRL ``loss_type``).
+        loss_type: TRL's ``loss_type``: "grpo" | "bnpo" | "dr_grpo" | "dapo" | "luspo" (the clipped surrogate,
+            aggregated differently), "cispo" (clipped, detached IS weight times logp), "sapo" (a sigmoid gate
+            instead of the clip), "vespo" (a gamma-shaped sequence weight times logp).
         beta: KL coefficient (TRL ``beta``).
         epsilon_low / epsilon_high: clip range [1 - eps_low, 1 + eps_high] (TRL ``epsilon`` /
             ``epsilon_high``); epsilon_high None = epsilon_low.
@@ -62,16 +80,27 @@ def grpo_loss(
         kl_ratio_correction: multiply the per-token KL by the importance ratio (TRL
             ``use_bias_correction_kl``, default True there too).
         max_completion_length: dr_grpo's constant normaliser L; None = T.
-        num_items: dapo's normaliser, the number of completion tokens in the whole generation batch;
-            None = mask.sum() (this micro-batch).
+        num_items: dapo's (and cispo's, vespo's) normaliser, the number of completion tokens in the whole
+            generation batch; None = mask.sum() (this micro-batch).
+        sapo_temperature_pos / _neg: SAPO's gate temperatures for A > 0 / A <= 0 (TRL's names and defaults).
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma shape for A >= 0 / A < 0.
+        off_policy_mask_threshold: OPSM (DeepSeek-V3.2): drop sequences with A < 0 whose mean KL(sampler ||
+            policy) over their tokens exceeds it; None = off.
+        sampling_logps: (B, T) log-probs under the engine that sampled (OPSM's reference); None = old_logps.
 
     Returns:
-        (loss, stats): loss a 0-dim tensor in the dtype of ``logps``; stats detached 0-dim tensors:
-        "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
-        "clip_ratio/region_mean", "ratio_mean", and "kl" only when beta != 0 (as TRL logs it).
+        (loss, stats): loss a 0-dim tensor in the dtype of ``logps``; stats detached 0-dim tensors, TRL's per
+        loss type: "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
+        "clip_ratio/region_mean" (the clipped family), "cispo_clip_ratio" (cispo), "vespo/phi_seq_mean"
+        (vespo); always "ratio_mean"; "kl" only when beta != 0 (as TRL logs it).
     """
     _check_tensors(logps, old_logps, ref_logps, advantages, mask)
     _check_options(loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta)
+    _check_shape_options(sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+                         vespo_lambda_neg, off_policy_mask_threshold)
+    if sampling_logps is not None and tuple(sampling_logps.shape) != tuple(logps.shape):
+        raise ValueError(f"sampling_logps must have the shape of logps {tuple(logps.shape)}, "
+                         f"got {_describe(sampling_logps)}")
     _check_normalisers(loss_type, max_completion_length, num_items, completion_length=logps.shape[1])
     if beta != 0.0 and ref_logps is None:
         raise ValueError(f"ref_logps is required when beta != 0 (beta={beta})")
@@ -89,7 +118,23 @@ def grpo_loss(
     advantages = advantages.unsqueeze(1)  # (B, 1), broadcast over tokens
 
     ratio = importance_ratio(logps, old_logps, mask, importance_sampling_level)  # (B, T) or (B, 1)
-    per_token_loss = clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high, delta)
+    stats: dict[str, torch.Tensor] = {}
+    if loss_type in _CLIPPED:
+        per_token_loss = clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high, delta)
+        stats = clip_stats(_capped(ratio, delta), advantages, mask, epsilon_low, epsilon_high)
+    elif loss_type == "cispo":
+        per_token_loss = cispo_term(ratio, logps, advantages, epsilon_high)
+        stats["cispo_clip_ratio"] = masked_mean(((ratio > epsilon_high) & (advantages > 0)).to(mask.dtype), mask)
+    elif loss_type == "sapo":
+        per_token_loss = sapo_term(ratio, advantages, sapo_temperature_pos, sapo_temperature_neg)
+    else:  # vespo
+        phi = vespo_weights(logps - old_logps, advantages, mask, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+                            vespo_lambda_neg)
+        per_token_loss = -phi * advantages * logps
+        stats["vespo/phi_seq_mean"] = masked_mean(phi, mask)
+    if off_policy_mask_threshold is not None:
+        sampled = old_logps if sampling_logps is None else torch.where(present, sampling_logps, logps.detach())
+        per_token_loss = per_token_loss * off_policy_mask(advantages, logps, sampled, mask, off_policy_mask_threshold)
     if beta != 0.0:
         per_token_kl = k3_kl(logps, ref_logps)
         if kl_ratio_correction:
@@ -99,7 +144,6 @@ def grpo_loss(
         per_token_loss = per_token_loss + beta * per_token_kl
     loss = aggregate(per_token_loss, mask, loss_type, max_completion_length, num_items)
 
-    stats = clip_stats(_capped(ratio, delta), advantages, mask, epsilon_low, epsilon_high)
     stats["ratio_mean"] = masked_mean(ratio.detach(), mask)
     if beta != 0.0:
         stats["kl"] = masked_mean(per_token_kl.detach(), mask)
@@ -142,6 +186,48 @@ def clipped_surrogate(
     return -torch.min(unclipped * advantages, clipped * advantages)
 
 
+def cispo_term(ratio: torch.Tensor, logps: torch.Tensor, advantages: torch.Tensor, epsilon_high: float) -> torch.Tensor:
+    """CISPO (MiniMax-M1): -sg(min(r, eps_high)) * A * logp. The importance weight is clipped and detached, so every
+    token keeps a gradient A * min(r, eps_high) * grad logp - none is switched off as under PPO-clip. eps_high is
+    the cap itself (TRL's ``epsilon_high``, e.g. 5), not 1 + eps."""
+    return -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logps
+
+
+def sapo_term(ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: float,
+              temperature_neg: float) -> torch.Tensor:
+    """SAPO (Soft Adaptive Policy Optimization): -(4 / tau) * sigmoid(tau * (r - 1)) * A, tau = tau_pos for A > 0
+    else tau_neg. A smooth gate in place of the hard clip: its gradient, A * sigmoid'(tau (r - 1)) * 4 r grad logp,
+    is A * r * grad logp at r = 1 and fades as r leaves 1 (faster for the larger tau)."""
+    tau = torch.where(advantages > 0, temperature_pos, temperature_neg)
+    return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
+
+
+@torch.no_grad()
+def vespo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, k_pos: float,
+                  lambda_pos: float, k_neg: float, lambda_neg: float) -> torch.Tensor:
+    """VESPO's per-sequence weight (B, 1), detached: phi(w) = exp(lambda) * w^k * exp(-lambda * w), phi(1) = 1,
+    with w = exp(sum_t m_t clamp(logp_t - old_t, -20, 20)) the sequence's (unnormalised) importance ratio,
+    log w clamped to [log 1e-8, 20]; (k, lambda) = (k_pos, lambda_pos) for A >= 0, else the neg pair (lambda >=
+    1e-4). Computed in log space: log phi = lambda + k log w - lambda w; a non-finite phi counts 0."""
+    lower = math.log(1e-8)
+    log_w = torch.clamp((torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True), lower, 20.0)
+    nonneg = advantages >= 0
+    k = torch.where(nonneg, k_pos, k_neg)
+    lam = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+@torch.no_grad()
+def off_policy_mask(advantages: torch.Tensor, logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor,
+                    threshold: float) -> torch.Tensor:
+    """OPSM (DeepSeek-V3.2): (B, 1) 1 = keep, 0 = drop. A sequence is dropped when A < 0 and its mean per-token
+    KL estimate (sampling_logp - logp) over its tokens exceeds ``threshold``: a negative sample the policy has
+    already moved far from teaches instability, not avoidance. A token with no sampler log-prob (NaN) counts 0."""
+    kl = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)
+    mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((advantages >= 0) | (mean_kl <= threshold)).to(mask.dtype)
+
+
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(pi_theta || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0, (B, T).
 
@@ -160,20 +246,23 @@ def aggregate(
 ) -> torch.Tensor:
     """Reduce (B, T) or (B, 1) per-token losses to a scalar over the tokens in mask (B, T).
 
-    grpo:    1/B sum_i [ sum_t m_it l_it / max(1, sum_t m_it) ]   (an empty row counts as 0 in the mean)
-    bnpo:    sum_it m_it l_it / max(1, sum_it m_it)
-    dr_grpo: sum_it m_it l_it / (B * L),  L = max_completion_length (None -> T)
-    dapo:    sum_it m_it l_it / max(1, num_items),  num_items None -> sum_it m_it
+    grpo, sapo:          1/B sum_i [ sum_t m_it l_it / max(1, sum_t m_it) ]   (an empty row counts 0 in the mean)
+    bnpo:                sum_it m_it l_it / max(1, sum_it m_it)
+    dr_grpo:             sum_it m_it l_it / (B * L),  L = max_completion_length (None -> T)
+    dapo, cispo, vespo:  sum_it m_it l_it / max(1, num_items),  num_items None -> sum_it m_it
+    luspo:               1/B sum_i sum_t m_it l_it   (each sequence weighted by its length)
     """
     masked = per_token_loss * mask  # (B, T) also when per_token_loss is (B, 1)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "luspo":
+        return masked.sum(-1).mean()
     if loss_type == "bnpo":
         return masked.sum() / mask.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
         length = mask.shape[1] if max_completion_length is None else max_completion_length
         return masked.sum() / (mask.shape[0] * length)
-    # dapo
+    # dapo, cispo, vespo
     normaliser = (
         mask.sum() if num_items is None else torch.as_tensor(num_items, dtype=mask.dtype, device=mask.device)
     )
@@ -274,6 +363,19 @@ def _check_options(loss_type, level, beta, epsilon_low, epsilon_high, delta) -> 
         raise ValueError(f"epsilon_high must be a number >= 0 or None, got {epsilon_high!r}")
     if delta is not None and (not _is_real(delta) or delta <= 0):
         raise ValueError(f"delta must be a number > 0 or None, got {delta!r}")
+
+
+def _check_shape_options(sapo_pos, sapo_neg, k_pos, lambda_pos, k_neg, lambda_neg, opsm) -> None:
+    """Raise ValueError naming the first SAPO / VESPO / OPSM option out of contract."""
+    for name, value in (("sapo_temperature_pos", sapo_pos), ("sapo_temperature_neg", sapo_neg)):
+        if not _is_real(value) or value <= 0:
+            raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    for name, value in (("vespo_k_pos", k_pos), ("vespo_lambda_pos", lambda_pos), ("vespo_k_neg", k_neg),
+                        ("vespo_lambda_neg", lambda_neg)):
+        if not _is_real(value) or value < 0:
+            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    if opsm is not None and (not _is_real(opsm) or opsm < 0):
+        raise ValueError(f"off_policy_mask_threshold must be a number >= 0 or None, got {opsm!r}")
 
 
 def _check_normalisers(loss_type, max_completion_length, num_items, completion_length: int) -> None:

@@ -117,8 +117,27 @@ def test_every_train_field_is_documented():
                      "epsilon_high", "delta", "loss_type", "scale_rewards", "num_iterations", "reward_weights",
                      "multi_objective_aggregation", "mask_truncated_completions", "max_steps", "save_steps",
                      "logging_steps", "seed", "warmup_ratio", "lr_scheduler_type", "weight_decay", "adam_beta1",
-                     "adam_beta2", "max_grad_norm"]:
+                     "adam_beta2", "max_grad_norm", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+                     "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold"]:
         assert trl_name in names
+    import typing
+
+    assert set(typing.get_args(typing.get_type_hints(TrainConfig)["loss_type"])) == {
+        "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"}  # TRL 1.16's loss types
+
+
+@pytest.mark.parametrize("epsilon_high", [None, 0.28, 1.0])
+def test_cispo_needs_its_cap_above_one(epsilon_high):
+    with pytest.raises(ConfigError, match="train.epsilon_high: cispo caps the importance weight"):
+        config_from_dict(base(), {"train.loss_type": "cispo", "train.epsilon_high": epsilon_high})
+    assert config_from_dict(base(), {"train.loss_type": "cispo", "train.epsilon_high": 5.0}).train.epsilon_high == 5.0
+
+
+@pytest.mark.parametrize(("key", "value"), [("sapo_temperature_pos", 0.0), ("vespo_k_neg", -1.0),
+                                            ("off_policy_mask_threshold", -0.5)])
+def test_loss_shape_options_out_of_range_are_named(key, value):
+    with pytest.raises(ConfigError, match=f"train.{key}"):
+        config_from_dict(base(), {f"train.{key}": value})
 
 
 def test_params_are_read_as_yaml_1_2_like_dvc_writes_them(tmp_path):

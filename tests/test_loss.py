@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from grpo_core.loss import grpo_loss
 
 F64 = torch.float64
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 LEVELS = ["token", "sequence"]
 
 
@@ -269,16 +269,23 @@ def reinforce_gradient(x, weights, tokens, mask, advantages, normaliser):
 def test_on_policy_gradient_is_reinforce_with_a_group_baseline(loss_type):
     x, weights, tokens, mask, advantages = tiny_linear_policy()
     logps = token_logps(x, weights, tokens)
-    loss, _ = grpo_loss(logps, None, None, advantages, mask, loss_type=loss_type, max_completion_length=6)
+    loss, _ = grpo_loss(logps, None, None, advantages, mask, loss_type=loss_type, max_completion_length=6,
+                        epsilon_high=5.0 if loss_type == "cispo" else None)  # cispo: a cap that does not bind
     (grad,) = torch.autograd.grad(loss, weights)
     lengths = mask.sum(-1)  # [3, 5, 1, 5]
     normaliser = {
         "grpo": lengths[:, None] * len(lengths),  # 1/B sum_i 1/|o_i| sum_t
+        "sapo": lengths[:, None] * len(lengths),
         "bnpo": mask.sum(),
         "dr_grpo": torch.tensor(len(lengths) * 6.0, dtype=F64),
         "dapo": mask.sum(),
+        "cispo": mask.sum(),
+        "vespo": mask.sum(),
+        "luspo": torch.tensor(len(lengths), dtype=F64),  # 1/B sum_i sum_t
     }[loss_type]
     torch.testing.assert_close(grad, reinforce_gradient(x, weights, tokens, mask, advantages, normaliser))
+    if loss_type in ("cispo", "sapo", "vespo"):  # their values are not the ratio surrogate's
+        return
     # The value: every ratio is 1, so the loss is -sum A_i * (weight of sequence i); for grpo that is
     # -mean(A) = 0 because the group's advantages sum to 0. It does not depend on W at all.
     expected_value = -(advantages[:, None] * mask / normaliser).sum()
@@ -337,6 +344,61 @@ def test_clipping_is_inert_on_policy(level):
         torch.testing.assert_close(grad, results[0][1], rtol=0, atol=1e-15)
 
 
+# --- the other policy terms (cispo, sapo, vespo) and OPSM ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("loss_type", "same_as"), [("cispo", "dapo"), ("vespo", "dapo"), ("sapo", "grpo"),
+                                                    ("luspo", "luspo")])
+def test_on_policy_every_term_is_reinforce(loss_type, same_as):
+    """At r = 1: cispo's weight is 1 (under its cap), VESPO's phi(1) = e^l * 1 * e^-l = 1, SAPO's gate has slope
+    (4/tau) * tau * sigmoid'(0) = 1: each per-token gradient is -A, aggregated as the named clipped loss."""
+    torch.manual_seed(5)
+    logps = (-torch.rand(3, 4, dtype=F64)).requires_grad_(True)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=F64)
+    advantages = torch.tensor([1.0, -0.5, 0.25], dtype=F64)
+    loss, _ = grpo_loss(logps, None, None, advantages, mask, loss_type=loss_type, epsilon_high=5.0, num_items=7)
+    (grad,) = torch.autograd.grad(loss, logps)
+    clipped, _ = grpo_loss(logps, None, None, advantages, mask, loss_type=same_as, epsilon_high=5.0, num_items=7)
+    (expected,) = torch.autograd.grad(clipped, logps)
+    torch.testing.assert_close(grad, expected, rtol=0, atol=1e-12)
+    if same_as == "dapo":  # hand-worked: -A_i / 7 on each real token
+        assert_values(grad, (-advantages.unsqueeze(1) * mask / 7).tolist())
+
+
+def test_cispo_keeps_a_gradient_where_the_clip_would_stop_it():
+    # r = 1.5 > 1 + eps_high with A = 1: PPO-clip's gradient is 0; cispo's is -min(r, 5) * A = -1.5 (dapo, 1 token)
+    logps, old = policy_with_ratios([[1.5]])
+    _, clipped_grad, _ = loss_and_grad(logps, old, [1.0], loss_type="dapo", epsilon_high=0.28)
+    _, cispo_grad, stats = loss_and_grad(logps, old, [1.0], loss_type="cispo", epsilon_high=5.0)
+    assert_values(clipped_grad, [[0.0]])
+    assert_values(cispo_grad, [[-1.5]])
+    _, capped_grad, stats = loss_and_grad(logps, old, [1.0], loss_type="cispo", epsilon_high=1.2)
+    assert_values(capped_grad, [[-1.2]])
+    assert float(stats["cispo_clip_ratio"]) == 1.0
+
+
+def test_sapo_gate_hand_worked():
+    # l = -(4 / tau) sigmoid(tau (r - 1)) A: r = 2, A = 1, tau_pos = 1 -> -4 sigmoid(1); r = 0.5, A = -1, tau_neg 2
+    logps, old = policy_with_ratios([[2.0], [0.5]])
+    loss, grad, _ = loss_and_grad(logps, old, [1.0, -1.0], loss_type="sapo", sapo_temperature_pos=1.0,
+                                  sapo_temperature_neg=2.0)
+    s1, s2 = (1 / (1 + math.exp(-z)) for z in (1.0, -1.0))
+    assert loss == pytest.approx((-4 * s1 + 2 * s2) / 2, abs=1e-12)  # grpo: the mean over the two rows
+    # d/dlogp = -(4/tau) sigma'(tau (r-1)) tau r A / 2 = -4 s(1-s) r A / 2
+    assert_values(grad, [[-4 * s1 * (1 - s1) * 2.0 / 2], [4 * s2 * (1 - s2) * 0.5 / 2]])
+
+
+def test_vespo_weight_hand_worked():
+    from grpo_core.loss import vespo_weights
+
+    # w = exp(0.2 + 0.3) = e^0.5 for A >= 0 (k 2, l 3): phi = e^3 w^2 e^(-3w); for A < 0 (k 3, l 2): e^2 w^3 e^(-2w)
+    log_ratio = torch.tensor([[0.2, 0.3, 9.0], [0.2, 0.3, 9.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=F64)
+    phi = vespo_weights(log_ratio, torch.tensor([[1.0], [-1.0]], dtype=F64), mask, 2.0, 3.0, 3.0, 2.0)
+    w = math.exp(0.5)
+    assert_values(phi, [[math.exp(3) * w**2 * math.exp(-3 * w)], [math.exp(2) * w**3 * math.exp(-2 * w)]])
+
+
 # --- properties -------------------------------------------------------------------------------------------
 
 
@@ -366,6 +428,7 @@ option_sets = st.fixed_dictionaries(
         "delta": st.sampled_from([None, 1.5]),
         "epsilon_high": st.sampled_from([None, 0.28]),
         "kl_ratio_correction": st.booleans(),
+        "off_policy_mask_threshold": st.sampled_from([None, 0.1]),
     }
 )
 
@@ -472,6 +535,12 @@ def good_arguments():
         ({"loss_type": "dr_grpo", "max_completion_length": 4.5}, "max_completion_length"),
         ({"num_items": -1}, "num_items"),
         ({"num_items": torch.ones(2)}, "num_items"),
+        ({"loss_type": "sapo", "sapo_temperature_pos": 0.0}, "sapo_temperature_pos"),
+        ({"sapo_temperature_neg": -1.0}, "sapo_temperature_neg"),
+        ({"vespo_k_neg": -1.0}, "vespo_k_neg"),
+        ({"vespo_lambda_pos": math.nan}, "vespo_lambda_pos"),
+        ({"off_policy_mask_threshold": -0.1}, "off_policy_mask_threshold"),
+        ({"off_policy_mask_threshold": 0.1, "sampling_logps": torch.zeros(2, 4)}, "sampling_logps"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_them(changes, named):

@@ -87,6 +87,32 @@ def test_num_iterations_halves_generation_and_activates_clipping(assets, tmp_pat
     assert max(second_passes) > 0.0
 
 
+@pytest.mark.parametrize(("loss_type", "extra", "column"), [
+    ("cispo", {"epsilon_high": 1.001}, "cispo_clip_ratio"),
+    ("sapo", {}, None),
+    ("luspo", {"importance_sampling_level": "sequence"}, "clip_ratio/region_mean"),
+    ("vespo", {"off_policy_mask_threshold": 0.0}, "vespo/phi_seq_mean"),
+])
+def test_each_loss_type_trains_end_to_end_and_logs_its_metric(assets, tmp_path, loss_type, extra, column):
+    """Two passes over each round (num_iterations 2), so the second pass is off-policy and each term's ratio
+    handling runs; the weights move, and the step log carries the loss type's own metric, moved off its
+    on-policy value on the second passes."""
+    model_dir, data = assets
+    cfg = tiny_config(model_dir, data, DIGITS, max_steps=4, num_iterations=2, learning_rate=2e-2, beta=0.04,
+                      loss_type=loss_type, **extra)
+    res = train(cfg, root=tmp_path, progress=False)
+    log = read_log(tmp_path / "metrics/train_log.csv")
+    assert [r["step"] for r in log] == ["1", "2", "3", "4"]
+    assert all(torch.isfinite(torch.tensor(float(r["loss"]))) for r in log)
+    before, after = load_file(model_dir / "model.safetensors"), load_file(res.model_dir / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    if column is not None:
+        first, second = [float(r[column]) for r in log[0::2]], [float(r[column]) for r in log[1::2]]
+        on_policy = {"cispo_clip_ratio": 0.0, "clip_ratio/region_mean": 0.0, "vespo/phi_seq_mean": 1.0}[column]
+        assert all(v == pytest.approx(on_policy) for v in first)  # ratio 1: nothing clipped, phi(1) = 1
+        assert any(v != pytest.approx(on_policy, abs=1e-6) for v in second)
+
+
 def test_beta_gives_kl_and_leaves_the_reference_alone(assets, tmp_path, monkeypatch):
     model_dir, data = assets
     captured = {}

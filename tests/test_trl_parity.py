@@ -40,6 +40,19 @@ def test_the_oracle_is_trl_1_16():
 # --- loss ------------------------------------------------------------------------------------------------------
 
 
+# GRPOConfig 1.16's defaults for the SAPO and VESPO options
+SHAPE_DEFAULTS = {"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05, "vespo_k_pos": 2.0,
+                  "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}
+
+
+def test_the_shape_defaults_are_grpo_configs():
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    assert {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.name in SHAPE_DEFAULTS} == SHAPE_DEFAULTS
+
+
 class SingleProcessAccelerator:
     """What _compute_loss asks of the accelerator, for one process: reductions are identities."""
 
@@ -71,8 +84,11 @@ def trl_grpo_loss(
     kl_ratio_correction,
     max_completion_length,
     num_items,
+    off_policy_mask_threshold=None,
+    **shape,
 ):
-    """TRL's _compute_loss on a stand-in trainer; returns (loss, logged metrics)."""
+    """TRL's _compute_loss on a stand-in trainer; returns (loss, logged metrics). ``shape``: the SAPO / VESPO
+    options (GRPOConfig's names; its defaults when absent)."""
     trainer = object.__new__(GRPOTrainer)
     trainer.__dict__.update(
         loss_type=loss_type,
@@ -82,11 +98,12 @@ def trl_grpo_loss(
         importance_sampling_level=importance_sampling_level,
         max_completion_length=max_completion_length,
         args=types.SimpleNamespace(
-            use_bias_correction_kl=kl_ratio_correction, delta=delta, steps_per_generation=1
+            use_bias_correction_kl=kl_ratio_correction, delta=delta, steps_per_generation=1,
+            **{**SHAPE_DEFAULTS, **shape},
         ),
+        off_policy_mask_threshold=off_policy_mask_threshold,
         # features outside this function's scope, switched off
         top_entropy_quantile=1.0,
-        off_policy_mask_threshold=None,
         use_vllm=False,
         aux_loss_enabled=False,
         _entropy_bonus_enabled=False,
@@ -146,6 +163,65 @@ LOSS_GRID = [
     )
     for kl_ratio_correction in ([True, False] if beta else [True])  # the correction only acts on the KL
 ]
+
+
+# The loss types with their own policy term, and OPSM over every family: levels, KL, on/off-policy, mask on/off.
+NEW_LOSS_GRID = [
+    (loss_type, level, beta, old_given, opsm)
+    for loss_type, level, beta, old_given, opsm in itertools.product(
+        ["cispo", "sapo", "luspo", "vespo", "grpo", "dapo"],
+        ["token", "sequence"],
+        [0.0, 0.05],
+        [True, False],
+        [None, 0.1],
+    )
+    if loss_type in ("cispo", "sapo", "luspo", "vespo") or opsm is not None
+]
+SHAPES = {"sapo_temperature_pos": 1.3, "sapo_temperature_neg": 0.7, "vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5,
+          "vespo_k_neg": 2.5, "vespo_lambda_neg": 1.5}  # off TRL's defaults, so a dropped option shows
+
+
+@pytest.mark.parametrize(("loss_type", "level", "beta", "old_given", "opsm"), NEW_LOSS_GRID)
+def test_cispo_sapo_luspo_vespo_and_opsm_match_trl(loss_type, level, beta, old_given, opsm):
+    seed = 1000 + NEW_LOSS_GRID.index((loss_type, level, beta, old_given, opsm))
+    base, old, ref, advantages, mask = random_loss_inputs(seed)
+    options = {
+        "loss_type": loss_type, "beta": beta, "epsilon_low": 0.2,
+        "epsilon_high": 1.5 if loss_type == "cispo" else 0.28,  # cispo's cap on the weight itself; binds here
+        "delta": None, "importance_sampling_level": level, "kl_ratio_correction": True,
+        "max_completion_length": base.shape[1] + 3,
+        "num_items": mask.sum() + 11 if loss_type in ("dapo", "cispo", "vespo") else None,
+        "off_policy_mask_threshold": opsm, **SHAPES,
+    }
+    ours_logps = base.clone().requires_grad_(True)
+    trl_logps = base.clone().requires_grad_(True)
+    old_logps = old if old_given else None
+    ours, stats = grpo_loss(ours_logps, old_logps, ref, advantages, mask, **options)
+    theirs, trl_stats = trl_grpo_loss(trl_logps, old_logps, ref, advantages, mask, **options)
+    ours.backward()
+    theirs.backward()
+
+    torch.testing.assert_close(ours, theirs, atol=TOL, rtol=0)
+    torch.testing.assert_close(ours_logps.grad, trl_logps.grad, atol=TOL, rtol=0)
+    assert ours_logps.grad.abs().sum() > 0  # a loss that trains
+    assert set(stats) - {"ratio_mean"} == set(trl_stats) - {"entropy"}
+    for name, value in trl_stats.items():
+        if name != "entropy":
+            assert float(stats[name]) == pytest.approx(value, abs=TOL, nan_ok=True), name
+
+
+def test_opsm_drops_exactly_the_negative_far_off_policy_sequences():
+    """By hand: rows 0/1 drifted (mean KL 0.5), row 2 barely (0.01); A = -1, -1, +1 (row 2 kept by A > 0 too)."""
+    logps = torch.full((3, 4), -1.0, dtype=F64)
+    sampling = logps + torch.tensor([[0.5], [0.5], [0.01]], dtype=F64)
+    mask = torch.ones(3, 4, dtype=F64)
+    advantages = torch.tensor([-1.0, -1.0, 1.0], dtype=F64)
+    advantages_far_pos = torch.tensor([-1.0, 1.0, -1.0], dtype=F64)
+    from grpo_core.loss import off_policy_mask
+
+    assert off_policy_mask(advantages.unsqueeze(1), logps, sampling, mask, 0.1).squeeze(1).tolist() == [0, 0, 1]
+    assert off_policy_mask(advantages_far_pos.unsqueeze(1), logps, sampling, mask, 0.1).squeeze(1).tolist() == [0, 1, 1]
+    assert off_policy_mask(advantages.unsqueeze(1), logps, sampling, mask, 0.6).squeeze(1).tolist() == [1, 1, 1]
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ from torch.profiler import record_function
 
 from grpo_core.config import GuardsConfig, PipelineConfig, TrainConfig, training_params_hash
 from grpo_core.data import PromptEncoder, load_split
-from grpo_core.loss import grpo_loss
+from grpo_core.loss import TOKEN_SUM_LOSS_TYPES, grpo_loss
 from grpo_core.microbatch import length_grouped_order
 from grpo_core.model.fastforward import use_manual_forward
 from grpo_core.model.loading import DTYPES, load_policy, load_reference, owns_weights
@@ -228,7 +228,7 @@ def resume_or_start(run: TrainingRun, sampler: PromptSampler) -> tuple[TrainStat
 
 def open_step_log(run: TrainingRun, path: Path, reward_names: list[str], step: int) -> StepLog | None:
     """Rank 0 alone owns the log (two ranks rewriting one file race on its temp name)."""
-    return StepLog(path, metric_columns(reward_names), step) if run.accelerator.is_main_process else None
+    return StepLog(path, metric_columns(reward_names, run.t.loss_type), step) if run.accelerator.is_main_process else None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -301,8 +301,11 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[Round]) -> StepGr
                     mb.advantages.to(device), loss_mask[:, :width].to(device),
                     loss_type=t.loss_type, beta=t.beta, epsilon_low=t.epsilon, epsilon_high=t.epsilon_high,
                     delta=t.delta, importance_sampling_level=t.importance_sampling_level,
-                    max_completion_length=t.max_completion_length, num_items=max(num_items, 1.0))
-                if t.loss_type != "dapo":  # dapo already divides by the step's token count
+                    max_completion_length=t.max_completion_length, num_items=max(num_items, 1.0),
+                    sapo_temperature_pos=t.sapo_temperature_pos, sapo_temperature_neg=t.sapo_temperature_neg,
+                    vespo_k_pos=t.vespo_k_pos, vespo_lambda_pos=t.vespo_lambda_pos, vespo_k_neg=t.vespo_k_neg,
+                    vespo_lambda_neg=t.vespo_lambda_neg, off_policy_mask_threshold=t.off_policy_mask_threshold)
+                if t.loss_type not in TOKEN_SUM_LOSS_TYPES:  # those already divide by the step's token count
                     loss = loss / ga
             if _finite_everywhere(acc, loss):  # one answer on every process, or their backward passes part ways
                 with record_function("grpo/backward"):
@@ -317,7 +320,9 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[Round]) -> StepGr
     return StepGradients(losses, stats, entropies, grad_norm, num_items, local_tokens)
 
 
-_TOKEN_MEAN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+_PROCESS_MEAN_METRICS = ("loss", "vespo/phi_seq_mean")
+_TOKEN_MEAN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                       "cispo_clip_ratio")
 
 
 def step_metrics(run: TrainingRun, state: TrainState, grads: StepGradients) -> dict[str, Any]:
@@ -325,9 +330,13 @@ def step_metrics(run: TrainingRun, state: TrainState, grads: StepGradients) -> d
     entropy, grad norm. On N processes every rank gets the numbers one process would (one all-reduce)."""
     metrics = {"step": state.step + 1, **state.round.metrics}
     metrics["loss"] = torch.stack(grads.losses).sum().item()
-    for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+    for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):  # 0 when absent
         vals = [float(s[key]) for s in grads.stats if key in s]
         metrics[key] = sum(vals) / len(vals) if vals else 0.0
+    for key in ("cispo_clip_ratio", "vespo/phi_seq_mean"):  # only the loss types that have them
+        vals = [float(s[key]) for s in grads.stats if key in s]
+        if vals:
+            metrics[key] = sum(vals) / len(vals)
     metrics["entropy"] = torch.stack(grads.entropies).mean().item()
     if run.accelerator.num_processes > 1:
         metrics.update(_reduce_metrics(run.accelerator, metrics, float(grads.local_tokens)))
@@ -453,13 +462,16 @@ def _finite_everywhere(accelerator, loss: torch.Tensor) -> bool:
 
 def _reduce_metrics(accelerator, metrics: dict, local_tokens: float) -> dict:
     """One all-reduce for the step's per-process metrics, so every rank logs (and its guards judge) the
-    numbers one process would: the loss is a plain mean (each process's share is already scaled to the
-    global batch), the token means are weighted by each process's loss tokens."""
-    keys = _TOKEN_MEAN_METRICS
-    local = [float(metrics["loss"]), local_tokens] + [float(metrics[k]) * local_tokens for k in keys]
+    numbers one process would: the loss and the per-sequence means are plain means over processes (each holds
+    as many sequences, and its loss share is already scaled to the global batch), the token means are weighted
+    by each process's loss tokens."""
+    plain = [k for k in _PROCESS_MEAN_METRICS if k in metrics]
+    weighted = [k for k in _TOKEN_MEAN_METRICS if k in metrics]
+    local = [float(metrics[k]) for k in plain] + [local_tokens] + [float(metrics[k]) * local_tokens for k in weighted]
     total = accelerator.reduce(torch.tensor(local, dtype=torch.float64, device=accelerator.device), "sum").tolist()
-    out = {"loss": total[0] / accelerator.num_processes}
-    out.update({k: v / max(total[1], 1.0) for k, v in zip(keys, total[2:])})
+    out = {k: v / accelerator.num_processes for k, v in zip(plain, total)}
+    tokens = max(total[len(plain)], 1.0)
+    out.update({k: v / tokens for k, v in zip(weighted, total[len(plain) + 1:])})
     return out
 
 
