@@ -142,6 +142,17 @@ class TrainConfig:
     off_policy_mask_threshold: float | None = _f(
         None, "OPSM (DeepSeek-V3.2): drop negative-advantage sequences whose mean KL(sampler || policy) exceeds "
         "this (None = off)", ge=0)
+    top_entropy_quantile: float = _f(1.0, "train the policy term on this top share of tokens by entropy, over the "
+                                     "step's micro-batch on every process (1 = all; 0.2 = the 20% most uncertain)",
+                                     gt=0, le=1)
+    entropy_coef: float = _f(0.0, "entropy bonus: loss -= entropy_coef * mean entropy of the trained tokens "
+                             "(use_adaptive_entropy: the starting value)", ge=0)
+    use_adaptive_entropy: bool = _f(False, "move entropy_coef by entropy_coef_delta each step: up while the entropy "
+                                    "is at or below entropy_target, down above it; applied only at or below it")
+    entropy_target: float = _f(0.2, "use_adaptive_entropy: the entropy (nats per token) to hold", ge=0)
+    entropy_coef_min: float = _f(0.0, "use_adaptive_entropy: lowest entropy_coef", ge=0)
+    entropy_coef_max: float = _f(1.0, "use_adaptive_entropy: highest entropy_coef", ge=0)
+    entropy_coef_delta: float = _f(0.005, "use_adaptive_entropy: change of entropy_coef per step", ge=0)
     importance_sampling_level: Literal["token", "sequence"] = _f("token", "token ratios, or GSPO sequence ratios")
     scale_rewards: Literal["group", "batch", "none"] = _f("group", "advantage std: per group, whole batch, or none")
     num_iterations: int = _f(1, "optimisation passes over each generation batch (mu)", ge=1)
@@ -411,6 +422,9 @@ def _check_consistency(cfg: PipelineConfig) -> None:
     if t.num_processes % t.num_machines:
         raise ConfigError(f"train.num_machines: {t.num_processes} processes do not split evenly over "
                           f"{t.num_machines} machines")
+    if t.entropy_coef_min > t.entropy_coef_max:
+        raise ConfigError(f"train.entropy_coef_min: {t.entropy_coef_min} is above train.entropy_coef_max "
+                          f"({t.entropy_coef_max})")
     if t.loss_type == "cispo" and (t.epsilon_high is None or t.epsilon_high <= 1):
         raise ConfigError(f"train.epsilon_high: cispo caps the importance weight at epsilon_high itself (ScaleRL's "
                           f"eps_max, e.g. 5.0), so it must be set above 1; got {t.epsilon_high}")

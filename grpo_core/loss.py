@@ -59,6 +59,7 @@ def grpo_loss(
     vespo_lambda_neg: float = 2.0,
     off_policy_mask_threshold: float | None = None,
     sampling_logps: torch.Tensor | None = None,
+    entropy_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss of one micro-batch and its statistics.
 
@@ -87,6 +88,8 @@ def grpo_loss(
         off_policy_mask_threshold: OPSM (DeepSeek-V3.2): drop sequences with A < 0 whose mean KL(sampler ||
             policy) over their tokens exceeds it; None = off.
         sampling_logps: (B, T) log-probs under the engine that sampled (OPSM's reference); None = old_logps.
+        entropy_mask: (B, T) bool, the tokens the policy term trains on (``high_entropy_mask``: TRL's
+            ``top_entropy_quantile``); None = all. The KL still counts every token, as in TRL.
 
     Returns:
         (loss, stats): loss a 0-dim tensor in the dtype of ``logps``; stats detached 0-dim tensors, TRL's per
@@ -98,9 +101,9 @@ def grpo_loss(
     _check_options(loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta)
     _check_shape_options(sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
                          vespo_lambda_neg, off_policy_mask_threshold)
-    if sampling_logps is not None and tuple(sampling_logps.shape) != tuple(logps.shape):
-        raise ValueError(f"sampling_logps must have the shape of logps {tuple(logps.shape)}, "
-                         f"got {_describe(sampling_logps)}")
+    for name, extra in (("sampling_logps", sampling_logps), ("entropy_mask", entropy_mask)):
+        if extra is not None and tuple(extra.shape) != tuple(logps.shape):
+            raise ValueError(f"{name} must have the shape of logps {tuple(logps.shape)}, got {_describe(extra)}")
     _check_normalisers(loss_type, max_completion_length, num_items, completion_length=logps.shape[1])
     if beta != 0.0 and ref_logps is None:
         raise ValueError(f"ref_logps is required when beta != 0 (beta={beta})")
@@ -135,6 +138,8 @@ def grpo_loss(
     if off_policy_mask_threshold is not None:
         sampled = old_logps if sampling_logps is None else torch.where(present, sampling_logps, logps.detach())
         per_token_loss = per_token_loss * off_policy_mask(advantages, logps, sampled, mask, off_policy_mask_threshold)
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask.to(per_token_loss.dtype)
     if beta != 0.0:
         per_token_kl = k3_kl(logps, ref_logps)
         if kl_ratio_correction:
@@ -226,6 +231,45 @@ def off_policy_mask(advantages: torch.Tensor, logps: torch.Tensor, sampling_logp
     kl = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)
     mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
     return ((advantages >= 0) | (mean_kl <= threshold)).to(mask.dtype)
+
+
+@torch.no_grad()
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, top_quantile: float,
+                      all_entropies: torch.Tensor | None = None) -> torch.Tensor:
+    """TRL's ``top_entropy_quantile`` (Wang et al. 2025, "the 80/20 rule"): (B, T) bool, True for the real tokens
+    whose entropy is at least the (1 - top_quantile) quantile of the real tokens' entropies - those of every
+    process when ``all_entropies`` (1-D, gathered) is given, else this micro-batch's. top_quantile 0.2 trains on
+    the 20 % most uncertain tokens (the forks in the reasoning)."""
+    real = mask.bool()
+    values = entropies[real].float() if all_entropies is None else all_entropies.float()
+    if values.numel() == 0:
+        return torch.zeros_like(real)
+    threshold = torch.quantile(values, 1 - top_quantile)
+    return ((entropies * mask.to(entropies.dtype)) >= threshold) & real
+
+
+def entropy_mean(entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The entropy bonus's H: mean entropy over the tokens in ``mask`` (0 when none), with gradient. The loss
+    subtracts coef * H whatever the loss type's normaliser, so ``entropy_coef`` means the same for all (TRL)."""
+    mask = mask.to(entropies.dtype)
+    return (entropies * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def next_entropy_coef(coef: float, entropy: float, *, target: float, delta: float, low: float,
+                      high: float) -> float:
+    """Adaptive entropy control (TRL's ``use_adaptive_entropy``), once per optimizer step: the coefficient grows
+    by ``delta`` while the step's entropy is at or below ``target``, shrinks by it otherwise, within [low, high].
+    It applies from the next step on, and only while the entropy stays at or below the target
+    (``applied_entropy_coef``)."""
+    return min(coef + delta, high) if entropy <= target else max(coef - delta, low)
+
+
+def applied_entropy_coef(coef: float, last_entropy: float, *, adaptive: bool, target: float) -> float:
+    """The coefficient a step's micro-batches use: the static one, or the adaptive one gated on the entropy of
+    the previous step (none before the first: +inf)."""
+    if not adaptive:
+        return coef
+    return coef if last_entropy <= target else 0.0
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:

@@ -113,6 +113,26 @@ def test_each_loss_type_trains_end_to_end_and_logs_its_metric(assets, tmp_path, 
         assert any(v != pytest.approx(on_policy, abs=1e-6) for v in second)
 
 
+def test_adaptive_entropy_state_is_checkpointed_and_a_resume_is_exact(assets, tmp_path):
+    """Entropy ~6 nats sits below a target of 10: the coefficient climbs by delta each step (0.01 -> 0.05 over 4),
+    is logged, lands in each checkpoint, and a run stopped at step 2 and resumed ends on the same weights."""
+    model_dir, data = assets
+    knobs = {"use_adaptive_entropy": True, "entropy_coef": 0.01, "entropy_target": 10.0, "entropy_coef_delta": 0.01,
+             "entropy_coef_max": 0.035, "top_entropy_quantile": 0.5, "save_steps": 2, "learning_rate": 1e-2}
+    whole = train(tiny_config(model_dir, data, DIGITS, max_steps=4, **knobs), root=tmp_path / "whole", progress=False)
+    coefs = [float(r["entropy_coef"]) for r in read_log(tmp_path / "whole/metrics/train_log.csv")]
+    assert coefs == pytest.approx([0.02, 0.03, 0.035, 0.035])  # capped at entropy_coef_max
+    import json
+
+    state = json.loads((whole.checkpoint_dir / "checkpoint-2/trainer_state.json").read_text())
+    assert state["entropy_coef"] == pytest.approx(0.03) and 0 < state["last_entropy"] < 10
+    train(tiny_config(model_dir, data, DIGITS, max_steps=2, **knobs), root=tmp_path / "split", progress=False)
+    split = train(tiny_config(model_dir, data, DIGITS, max_steps=4, **knobs), root=tmp_path / "split", progress=False)
+    assert split.resumed_from is not None and split.resumed_from.name == "checkpoint-2"
+    a, b = load_file(whole.model_dir / "model.safetensors"), load_file(split.model_dir / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_beta_gives_kl_and_leaves_the_reference_alone(assets, tmp_path, monkeypatch):
     model_dir, data = assets
     captured = {}

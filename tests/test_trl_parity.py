@@ -26,7 +26,13 @@ from trl.trainer import utils as trl_utils  # noqa: E402
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
 
 from grpo_core.advantages import compute_advantages  # noqa: E402
-from grpo_core.loss import grpo_loss  # noqa: E402
+from grpo_core.loss import (  # noqa: E402
+    applied_entropy_coef,
+    entropy_mean,
+    grpo_loss,
+    high_entropy_mask,
+    next_entropy_coef,
+)
 from grpo_core.model.logprobs import entropy_from_logits, selective_log_softmax, token_logprobs_and_entropy  # noqa: E402
 
 F64 = torch.float64
@@ -65,6 +71,9 @@ class SingleProcessAccelerator:
     def gather(self, tensor):
         return tensor
 
+    def pad_across_processes(self, tensor, dim=0, pad_index=0):
+        return tensor
+
     gather_for_metrics = gather
 
 
@@ -85,10 +94,17 @@ def trl_grpo_loss(
     max_completion_length,
     num_items,
     off_policy_mask_threshold=None,
+    entropies=None,
+    top_entropy_quantile=1.0,
+    entropy_coef=0.0,
+    trainer=None,
     **shape,
 ):
     """TRL's _compute_loss on a stand-in trainer; returns (loss, logged metrics). ``shape``: the SAPO / VESPO
-    options (GRPOConfig's names; its defaults when absent)."""
+    options (GRPOConfig's names; its defaults when absent). ``entropies`` (B, T): what the log-prob pass returns
+    (zeros by default); ``trainer``: a stand-in from an earlier call, to carry the adaptive entropy state."""
+    if trainer is not None:
+        return _trl_call(trainer, logps, old_logps, ref_logps, advantages, mask, num_items, entropies)
     trainer = object.__new__(GRPOTrainer)
     trainer.__dict__.update(
         loss_type=loss_type,
@@ -102,20 +118,28 @@ def trl_grpo_loss(
             **{**SHAPE_DEFAULTS, **shape},
         ),
         off_policy_mask_threshold=off_policy_mask_threshold,
+        top_entropy_quantile=top_entropy_quantile,
+        entropy_coef=entropy_coef,
+        use_adaptive_entropy=shape.get("use_adaptive_entropy", False),
+        _entropy_bonus_enabled=entropy_coef != 0.0 or shape.get("use_adaptive_entropy", False),
+        _last_world_entropy=float("inf"),
+        _entropy_window_stats=None,
         # features outside this function's scope, switched off
-        top_entropy_quantile=1.0,
         use_vllm=False,
         aux_loss_enabled=False,
-        _entropy_bonus_enabled=False,
         # one process, no gradient accumulation (our function leaves accumulation to the caller)
         current_gradient_accumulation_steps=1,
         accelerator=SingleProcessAccelerator(),
         model=types.SimpleNamespace(training=True),
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
     )
+    return _trl_call(trainer, logps, old_logps, ref_logps, advantages, mask, num_items, entropies)
+
+
+def _trl_call(trainer, logps, old_logps, ref_logps, advantages, mask, num_items, entropies):
     trainer._get_per_token_logps_and_entropies = lambda *args, **kwargs: (
         logps,
-        torch.zeros_like(logps),
+        torch.zeros_like(logps) if entropies is None else entropies,
         None,
     )
     batch, length = logps.shape
@@ -131,7 +155,7 @@ def trl_grpo_loss(
     if old_logps is not None:
         inputs["old_per_token_logps"] = old_logps
     loss = trainer._compute_loss(None, inputs)
-    return loss, {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    return loss, {name: values[-1] for name, values in trainer._metrics["train"].items()}, trainer
 
 
 def random_loss_inputs(seed, batch=6, length=7):
@@ -197,7 +221,7 @@ def test_cispo_sapo_luspo_vespo_and_opsm_match_trl(loss_type, level, beta, old_g
     trl_logps = base.clone().requires_grad_(True)
     old_logps = old if old_given else None
     ours, stats = grpo_loss(ours_logps, old_logps, ref, advantages, mask, **options)
-    theirs, trl_stats = trl_grpo_loss(trl_logps, old_logps, ref, advantages, mask, **options)
+    theirs, trl_stats, _ = trl_grpo_loss(trl_logps, old_logps, ref, advantages, mask, **options)
     ours.backward()
     theirs.backward()
 
@@ -224,6 +248,66 @@ def test_opsm_drops_exactly_the_negative_far_off_policy_sequences():
     assert off_policy_mask(advantages.unsqueeze(1), logps, sampling, mask, 0.6).squeeze(1).tolist() == [1, 1, 1]
 
 
+def our_loss_with_entropy(logps, old, ref, advantages, mask, entropies, quantile, coef, **options):
+    """grpo_loss on the high-entropy tokens, minus the entropy bonus: what the trainer computes per micro-batch."""
+    trained = high_entropy_mask(entropies.detach(), mask, quantile) if quantile < 1 else mask.bool()
+    loss, stats = grpo_loss(logps, old, ref, advantages, mask, entropy_mask=trained if quantile < 1 else None,
+                            **options)
+    return loss - coef * entropy_mean(entropies, trained), stats
+
+
+ENTROPY_GRID = list(itertools.product(["grpo", "dapo", "cispo", "sapo", "luspo"], [1.0, 0.5, 0.2], [0.0, 0.01]))
+
+
+@pytest.mark.parametrize(("loss_type", "quantile", "coef"), ENTROPY_GRID)
+def test_top_entropy_quantile_and_the_entropy_bonus_match_trl(loss_type, quantile, coef):
+    seed = 3000 + ENTROPY_GRID.index((loss_type, quantile, coef))
+    base, old, ref, advantages, mask = random_loss_inputs(seed)
+    entropies = torch.rand(base.shape, dtype=F64, generator=torch.Generator().manual_seed(seed)) * 4
+    options = {"loss_type": loss_type, "beta": 0.05, "epsilon_low": 0.2,
+               "epsilon_high": 1.5 if loss_type == "cispo" else 0.28, "delta": None,
+               "importance_sampling_level": "token", "kl_ratio_correction": True,
+               "max_completion_length": base.shape[1] + 3,
+               "num_items": mask.sum() + 11 if loss_type in ("dapo", "cispo") else None}
+    ours_logps, trl_logps = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
+    ours_h, trl_h = entropies.clone().requires_grad_(True), entropies.clone().requires_grad_(True)
+    ours, _ = our_loss_with_entropy(ours_logps, old, ref, advantages, mask, ours_h, quantile, coef, **options)
+    theirs, trl_stats, _ = trl_grpo_loss(trl_logps, old, ref, advantages, mask, entropies=trl_h,
+                                         top_entropy_quantile=quantile, entropy_coef=coef, **options)
+    ours.backward()
+    theirs.backward()
+    torch.testing.assert_close(ours, theirs, atol=TOL, rtol=0)
+    torch.testing.assert_close(ours_logps.grad, trl_logps.grad, atol=TOL, rtol=0)
+    if coef:
+        torch.testing.assert_close(ours_h.grad, trl_h.grad, atol=TOL, rtol=0)
+        assert trl_h.grad.abs().sum() > 0
+    if quantile < 1:  # the mask took real tokens away (and kept some)
+        trained = high_entropy_mask(entropies, mask, quantile)
+        assert ((mask > 0) & ~trained).any() and trained.any()
+
+
+def test_adaptive_entropy_control_follows_trl_step_by_step():
+    """Six optimizer steps (one micro-batch each) with entropies around the target: TRL's controller and ours
+    give the same coefficient after every step and the same loss, the bonus gated on the previous step."""
+    knobs = {"entropy_target": 1.0, "entropy_coef_delta": 0.02, "entropy_coef_min": 0.0, "entropy_coef_max": 0.05}
+    coef, last, trainer = 0.01, float("inf"), None
+    for step, level in enumerate([0.5, 0.7, 1.5, 0.4, 2.0, 0.9]):
+        base, old, ref, advantages, mask = random_loss_inputs(4000 + step)
+        entropies = level * (0.5 + torch.rand(base.shape, dtype=F64, generator=torch.Generator().manual_seed(step)))
+        options = {"loss_type": "dapo", "beta": 0.0, "epsilon_low": 0.2, "epsilon_high": 0.28, "delta": None,
+                   "importance_sampling_level": "token", "kl_ratio_correction": True, "max_completion_length": None,
+                   "num_items": None}
+        theirs, _, trainer = trl_grpo_loss(base, old, ref, advantages, mask, entropies=entropies, entropy_coef=0.01,
+                                           use_adaptive_entropy=True, trainer=trainer, **knobs, **options)
+        applied = applied_entropy_coef(coef, last, adaptive=True, target=knobs["entropy_target"])
+        ours, _ = our_loss_with_entropy(base, old, ref, advantages, mask, entropies, 1.0, applied, **options)
+        torch.testing.assert_close(ours, theirs, atol=TOL, rtol=0)
+        last = float(entropy_mean(entropies, mask))
+        coef = next_entropy_coef(coef, last, target=1.0, delta=0.02, low=0.0, high=0.05)
+        assert coef == pytest.approx(trainer.entropy_coef, abs=1e-12), step
+    assert 0.0 < coef <= 0.05
+
+
 @pytest.mark.parametrize(
     ("loss_type", "level", "beta", "delta", "old_given", "kl_ratio_correction"), LOSS_GRID
 )
@@ -247,7 +331,7 @@ def test_loss_values_gradients_and_stats_match_trl(
     trl_logps = base.clone().requires_grad_(True)
     old_logps = old if old_given else None
     ours, stats = grpo_loss(ours_logps, old_logps, ref, advantages, mask, **options)
-    theirs, trl_stats = trl_grpo_loss(trl_logps, old_logps, ref, advantages, mask, **options)
+    theirs, trl_stats, _ = trl_grpo_loss(trl_logps, old_logps, ref, advantages, mask, **options)
     ours.backward()
     theirs.backward()
 
@@ -272,7 +356,7 @@ def test_dapo_default_num_items_is_the_micro_batch_token_count():
         "max_completion_length": None,
     }
     ours, _ = grpo_loss(base, old, ref, advantages, mask, num_items=None, **options)
-    theirs, _ = trl_grpo_loss(base, old, ref, advantages, mask, num_items=mask.sum(), **options)
+    theirs, _, _ = trl_grpo_loss(base, old, ref, advantages, mask, num_items=mask.sum(), **options)
     torch.testing.assert_close(ours, theirs, atol=TOL, rtol=0)
 
 

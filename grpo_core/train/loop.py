@@ -31,7 +31,14 @@ from torch.profiler import record_function
 
 from grpo_core.config import GuardsConfig, PipelineConfig, TrainConfig, training_params_hash
 from grpo_core.data import PromptEncoder, load_split
-from grpo_core.loss import TOKEN_SUM_LOSS_TYPES, grpo_loss
+from grpo_core.loss import (
+    TOKEN_SUM_LOSS_TYPES,
+    applied_entropy_coef,
+    entropy_mean,
+    grpo_loss,
+    high_entropy_mask,
+    next_entropy_coef,
+)
 from grpo_core.microbatch import length_grouped_order
 from grpo_core.model.fastforward import use_manual_forward
 from grpo_core.model.loading import DTYPES, load_policy, load_reference, owns_weights
@@ -93,6 +100,7 @@ class StepGradients:
     grad_norm: torch.Tensor         # () before clipping
     num_items: float                # loss tokens per process (the global count / processes)
     local_tokens: int               # this process's loss tokens
+    trained_entropy: torch.Tensor   # (2,) float64: entropy sum and count over the trained tokens, this process
 
 
 def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tracker=None,
@@ -120,7 +128,9 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
         step_start = time.perf_counter()
         if not _inside_round(state, t):
             state.round = new_round(run, prompts, state.sampler)
-        grads = accumulate_gradients(run, step_micro_batches(state, t))
+        entropy_coef = applied_entropy_coef(state.entropy_coef, state.last_entropy, adaptive=t.use_adaptive_entropy,
+                                            target=t.entropy_target)
+        grads = accumulate_gradients(run, step_micro_batches(state, t), entropy_coef)
         metrics = step_metrics(run, state, grads)
         event = guard_decision(run, cfg.guards, monitor, state, metrics, tracker)
         if event is not None and event.action == "rollback":
@@ -131,6 +141,9 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
             continue
         skipped = event is not None and event.action == "skip_step"
         apply_update(run, state, skipped=skipped)
+        adapt_entropy_coef(run, state, grads)
+        if t.entropy_coef != 0.0 or t.use_adaptive_entropy:
+            metrics["entropy_coef"] = state.entropy_coef
         metrics.update({"guard/skipped": float(skipped),
                         "learning_rate": run.scheduler.get_last_lr()[0],
                         "num_tokens": grads.num_items * run.accelerator.num_processes,
@@ -217,7 +230,7 @@ def resume_or_start(run: TrainingRun, sampler: PromptSampler) -> tuple[TrainStat
     run.accelerator.wait_for_everyone()
     last = latest_checkpoint(run.checkpoint_dir) if run.t.resume == "auto" else None
     if last is None:
-        return TrainState(sampler=sampler), None
+        return TrainState(sampler=sampler, entropy_coef=run.t.entropy_coef), None
     state = restore_state(run, last, sampler)
     run.backend.sync_weights(run.policy)
     log.info("resumed from %s (step %d)", last, state.step)
@@ -228,7 +241,10 @@ def resume_or_start(run: TrainingRun, sampler: PromptSampler) -> tuple[TrainStat
 
 def open_step_log(run: TrainingRun, path: Path, reward_names: list[str], step: int) -> StepLog | None:
     """Rank 0 alone owns the log (two ranks rewriting one file race on its temp name)."""
-    return StepLog(path, metric_columns(reward_names, run.t.loss_type), step) if run.accelerator.is_main_process else None
+    if not run.accelerator.is_main_process:
+        return None
+    t = run.t
+    return StepLog(path, metric_columns(reward_names, t.loss_type, t.entropy_coef != 0 or t.use_adaptive_entropy), step)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -276,48 +292,75 @@ def step_micro_batches(state: TrainState, t: TrainConfig) -> list[Round]:
 # Gradients and metrics
 
 
-def accumulate_gradients(run: TrainingRun, micro_batches: list[Round]) -> StepGradients:
+def accumulate_gradients(run: TrainingRun, micro_batches: list[Round], entropy_coef: float = 0.0) -> StepGradients:
     """Forward, loss and backward of each micro-batch (gradients summed over them), then clip.
 
-    Per micro-batch: logps (B, C') with grad, old/ref logps cut to C', advantages (B,), loss mask (B, C').
-    A non-finite loss never reaches the gradients; the nonfinite guard acts on it.
+    A non-finite loss never reaches the gradients; the nonfinite guard acts on it. entropy_coef: the entropy
+    bonus this step applies (``applied_entropy_coef``).
     """
     t, acc = run.t, run.accelerator
     ga = len(micro_batches)
     loss_masks = [mb.loss_mask(t.mask_truncated_completions) for mb in micro_batches]
     local_tokens = sum(int(m.sum()) for m in loss_masks)
     num_items = _global_sum(acc, local_tokens) / acc.num_processes
-    losses, stats, entropies = [], [], []
+    losses, stats, entropies, window = [], [], [], torch.zeros(2, dtype=torch.float64)
     for j, (mb, loss_mask) in enumerate(zip(micro_batches, loss_masks)):
         # DDP: all-reduce once, after the last micro-batch. FSDP2 reduce-scatters every micro-batch: deferring
         # would keep whole, unsharded gradients on every process - the memory sharding exists to save.
         defer_sync = j < ga - 1 and acc.num_processes > 1 and not is_sharded(run.model)
         with acc.no_sync(run.model) if defer_sync else contextlib.nullcontext():
             with record_function("grpo/policy_forward"):
-                logps, entropy, _ = policy_logprobs(run.model, mb, t, compute_entropy=True)
-                width, device = logps.shape[1], logps.device
-                loss, loss_stats = grpo_loss(
-                    logps, _cut(mb.old_logps, width, device), _cut(mb.ref_logps, width, device),
-                    mb.advantages.to(device), loss_mask[:, :width].to(device),
-                    loss_type=t.loss_type, beta=t.beta, epsilon_low=t.epsilon, epsilon_high=t.epsilon_high,
-                    delta=t.delta, importance_sampling_level=t.importance_sampling_level,
-                    max_completion_length=t.max_completion_length, num_items=max(num_items, 1.0),
-                    sapo_temperature_pos=t.sapo_temperature_pos, sapo_temperature_neg=t.sapo_temperature_neg,
-                    vespo_k_pos=t.vespo_k_pos, vespo_lambda_pos=t.vespo_lambda_pos, vespo_k_neg=t.vespo_k_neg,
-                    vespo_lambda_neg=t.vespo_lambda_neg, off_policy_mask_threshold=t.off_policy_mask_threshold)
-                if t.loss_type not in TOKEN_SUM_LOSS_TYPES:  # those already divide by the step's token count
-                    loss = loss / ga
-            if _finite_everywhere(acc, loss):  # one answer on every process, or their backward passes part ways
+                part = micro_batch_loss(run, mb, loss_mask, num_items=num_items, ga=ga, entropy_coef=entropy_coef)
+            if _finite_everywhere(acc, part.loss):  # one answer on every process, or their backward passes part ways
                 with record_function("grpo/backward"):
-                    acc.backward(loss)
-        losses.append(loss.detach())
-        stats.append(loss_stats)
-        m = loss_mask[:, :width].to(entropy.device).float()
-        entropies.append(((entropy * m).sum() / m.sum().clamp(min=1)).detach())
+                    acc.backward(part.loss)
+        losses.append(part.loss.detach())
+        stats.append(part.stats)
+        entropies.append(part.mean_entropy)
+        window += part.trained_entropy
     max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
     grad_norm = (clip_gradients(run.model.parameters(), max_norm) if is_sharded(run.model)
                  else acc.clip_grad_norm_(run.model.parameters(), max_norm))
-    return StepGradients(losses, stats, entropies, grad_norm, num_items, local_tokens)
+    return StepGradients(losses, stats, entropies, grad_norm, num_items, local_tokens, window)
+
+
+@dataclass
+class MicroBatchLoss:
+    loss: torch.Tensor             # () with grad, scaled to the step (for backward)
+    stats: dict                    # grpo_loss diagnostics
+    mean_entropy: torch.Tensor     # () detached: mean entropy over the loss tokens (the logged "entropy")
+    trained_entropy: torch.Tensor  # (2,) float64: entropy sum and count over the tokens the policy term trains on
+
+
+def micro_batch_loss(run: TrainingRun, mb: Round, loss_mask: torch.Tensor, *, num_items: float, ga: int,
+                     entropy_coef: float) -> MicroBatchLoss:
+    """One micro-batch's loss: logps (B, C') with grad, old/ref logps cut to C', advantages (B,), loss mask
+    (B, C'); the high-entropy token mask (``top_entropy_quantile``) and the entropy bonus (``entropy_coef``)."""
+    t, acc = run.t, run.accelerator
+    logps, entropy, _ = policy_logprobs(run.model, mb, t, compute_entropy=True)
+    width, device = logps.shape[1], logps.device
+    mask = loss_mask[:, :width].to(device)
+    trained = None
+    if t.top_entropy_quantile < 1.0:  # the threshold is the quantile over every process's tokens, as in TRL
+        values = entropy.detach()[mask.bool()].float()
+        trained = high_entropy_mask(entropy.detach(), mask, t.top_entropy_quantile,
+                                    all_entropies=_gather_values(acc, values))
+    loss, stats = grpo_loss(
+        logps, _cut(mb.old_logps, width, device), _cut(mb.ref_logps, width, device), mb.advantages.to(device), mask,
+        loss_type=t.loss_type, beta=t.beta, epsilon_low=t.epsilon, epsilon_high=t.epsilon_high, delta=t.delta,
+        importance_sampling_level=t.importance_sampling_level, max_completion_length=t.max_completion_length,
+        num_items=max(num_items, 1.0), sapo_temperature_pos=t.sapo_temperature_pos,
+        sapo_temperature_neg=t.sapo_temperature_neg, vespo_k_pos=t.vespo_k_pos, vespo_lambda_pos=t.vespo_lambda_pos,
+        vespo_k_neg=t.vespo_k_neg, vespo_lambda_neg=t.vespo_lambda_neg,
+        off_policy_mask_threshold=t.off_policy_mask_threshold, entropy_mask=trained)
+    if t.loss_type not in TOKEN_SUM_LOSS_TYPES:  # those already divide by the step's token count
+        loss = loss / ga
+    effective = mask.bool() if trained is None else trained
+    if entropy_coef != 0.0:  # L = L_policy - coef * H, H the mean over the trained tokens; per step, so / ga
+        loss = loss - entropy_coef * entropy_mean(entropy, effective) / ga
+    m = mask.to(entropy.dtype)
+    trained_sum = torch.stack([(entropy.detach() * effective).sum(), effective.sum()]).to("cpu", torch.float64)
+    return MicroBatchLoss(loss, stats, ((entropy * m).sum() / m.sum().clamp(min=1)).detach(), trained_sum)
 
 
 _PROCESS_MEAN_METRICS = ("loss", "vespo/phi_seq_mean")
@@ -400,6 +443,21 @@ def apply_update(run: TrainingRun, state: TrainState, skipped: bool) -> None:
         state.reference_synced = True
 
 
+def adapt_entropy_coef(run: TrainingRun, state: TrainState, grads: StepGradients) -> None:
+    """Adaptive entropy control (``use_adaptive_entropy``): the step's entropy over the trained tokens of every
+    process moves the coefficient for the next step. Its state is in TrainState, so checkpoints carry it."""
+    t = run.t
+    if not t.use_adaptive_entropy:
+        return
+    total = grads.trained_entropy
+    if run.accelerator.num_processes > 1:
+        total = run.accelerator.reduce(total.to(run.accelerator.device), "sum").cpu()
+    entropy = float(total[0] / total[1].clamp(min=1.0))
+    state.entropy_coef = next_entropy_coef(state.entropy_coef, entropy, target=t.entropy_target,
+                                           delta=t.entropy_coef_delta, low=t.entropy_coef_min, high=t.entropy_coef_max)
+    state.last_entropy = entropy
+
+
 def log_step(run: TrainingRun, state: TrainState, metrics: dict, step_log: StepLog | None, tracker, bar) -> None:
     """Every logging_steps (and the last step): a line of the step log and the tracker's metrics; the bar."""
     if not run.accelerator.is_main_process:
@@ -458,6 +516,16 @@ def _finite_everywhere(accelerator, loss: torch.Tensor) -> bool:
     if accelerator.num_processes == 1:
         return finite
     return _global_sum(accelerator, int(not finite)) == 0
+
+
+def _gather_values(accelerator, values: torch.Tensor) -> torch.Tensor | None:
+    """Every process's 1-D ``values`` (different lengths), concatenated; None on one process (the values alone)."""
+    if accelerator.num_processes == 1:
+        return None
+    sentinel = -1e9  # below any entropy: marks the padding pad_across_processes adds
+    padded = accelerator.pad_across_processes(values.to(accelerator.device), dim=0, pad_index=sentinel)
+    gathered = accelerator.gather(padded)
+    return gathered[gathered != sentinel]
 
 
 def _reduce_metrics(accelerator, metrics: dict, local_tokens: float) -> dict:

@@ -71,6 +71,8 @@ class TrainState:
     rollbacks: int = 0           # guard rollbacks so far (bounded by guards.max_rollbacks)
     round: Round | None = None   # the generation round in use (saved when a checkpoint falls inside it)
     reference_synced: bool = False  # the reference has moved off the base weights (TR-DPO): it is saved too
+    entropy_coef: float = 0.0    # the entropy bonus's coefficient (moves each step under use_adaptive_entropy)
+    last_entropy: float = float("inf")  # the previous step's entropy over the trained tokens (adaptive control)
 
 
 @dataclass
@@ -109,6 +111,7 @@ def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round
     if acc.is_main_process:
         meta = {"micro_step": state.micro_step, "sampler": state.sampler.state_dict(),
                 "params_hash": run.params_hash, "rollbacks": state.rollbacks,
+                "entropy_coef": state.entropy_coef, "last_entropy": state.last_entropy,
                 "world_size": acc.num_processes,
                 "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         save_checkpoint(run.checkpoint_dir, state.step, model=run.policy, tokenizer=run.tokenizer,
@@ -135,4 +138,6 @@ def restore_state(run: TrainingRun, path: Path, sampler: PromptSampler) -> Train
     return TrainState(sampler=sampler, step=ck.state["step"], micro_step=ck.state["micro_step"],
                       rollbacks=ck.state.get("rollbacks", 0),
                       round=Round.from_buffer(ck.rollout_buffer) if ck.rollout_buffer is not None else None,
-                      reference_synced=ck.reference_file is not None)
+                      reference_synced=ck.reference_file is not None,
+                      entropy_coef=ck.state.get("entropy_coef", run.t.entropy_coef),
+                      last_entropy=ck.state.get("last_entropy", float("inf")))

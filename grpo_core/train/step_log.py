@@ -12,12 +12,13 @@ from grpo_core.files import atomic_path
 _LOSS_TYPE_METRICS = {"cispo": ["cispo_clip_ratio"], "vespo": ["vespo/phi_seq_mean"]}
 
 
-def metric_columns(reward_names: list[str], loss_type: str = "dapo") -> list[str]:
+def metric_columns(reward_names: list[str], loss_type: str = "dapo", entropy_bonus: bool = False) -> list[str]:
+    """The CSV's columns: TRL's metric names, the loss type's own metric, ``entropy_coef`` when a bonus is on."""
     cols = ["step", "loss", "reward", "reward_std", "frac_reward_zero_std"]
     for name in reward_names:
         cols += [f"rewards/{name}/mean", f"rewards/{name}/std"]
     cols += ["kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-             *_LOSS_TYPE_METRICS.get(loss_type, []),
+             *_LOSS_TYPE_METRICS.get(loss_type, []), *(["entropy_coef"] if entropy_bonus else []),
              "completions/mean_length", "completions/min_length", "completions/max_length",
              "completions/clipped_ratio", "grad_norm", "learning_rate", "reward_errors", "reward_timeouts",
              "num_tokens", "guard/skipped", "step_time", "generation_time"]
