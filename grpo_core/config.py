@@ -142,6 +142,11 @@ class TrainConfig:
     off_policy_mask_threshold: float | None = _f(
         None, "OPSM (DeepSeek-V3.2): drop negative-advantage sequences whose mean KL(sampler || policy) exceeds "
         "this (None = off)", ge=0)
+    dynamic_sampling: bool = _f(False, "DAPO's dynamic sampling: groups whose rewards all tie never reach the loss; "
+                                "more prompts are sampled until the round is full (grpo_core/train/dynamic.py)")
+    dynamic_sampling_max_rounds: int = _f(4, "dynamic_sampling: samplings a round may take to fill up; past them "
+                                          "tied groups fill what is missing (counted as dynamic/tied_groups_used)",
+                                          ge=1)
     top_entropy_quantile: float = _f(1.0, "train the policy term on this top share of tokens by entropy, over the "
                                      "step's micro-batch on every process (1 = all; 0.2 = the 20% most uncertain)",
                                      gt=0, le=1)

@@ -64,3 +64,13 @@ def correctness_falling(prompts, completions, **kwargs):
 def always_raises(prompts, completions, **kwargs):
     """A reward with a bug every call hits (e.g. a typo in a column name)."""
     return [float(kwargs["solution"]) for _ in completions]
+
+
+def length_on_odd_prompts(prompts, completions, **kwargs):
+    """The completion's length / 10 for prompts "Q<odd>: ..." (G samples rarely all tie), a constant 0.5 for
+    "Q<even>: ...": those groups always tie."""
+    def index(prompt) -> int:
+        text = prompt if isinstance(prompt, str) else str(prompt)
+        return int(text[text.index("Q") + 1:text.index(":")])
+
+    return [0.5 if index(p) % 2 == 0 else len(c) / 10 for p, c in zip(prompts, completions)]

@@ -9,6 +9,7 @@
 - ``rollout_buffer.pt`` — the generation batch in use when a step boundary falls inside it
   (``num_iterations`` > 1 or ``steps_per_generation`` > 1), else absent;
 - ``reference.safetensors`` — the reference weights when they have been synced (TR-DPO);
+- ``pending_groups.pt`` — dynamic sampling's kept groups not yet trained on, one entry per process;
 - ``trainer_state.json`` — step, data-sampler position, RNG states (python, numpy, torch, cuda),
   the params hash, and the metrics of the last step.
 
@@ -37,6 +38,7 @@ from grpo_core.model.sharding import is_sharded, load_full_weights
 
 STATE_FILE = "trainer_state.json"
 REFERENCE_FILE = "reference.safetensors"
+PENDING_FILE = "pending_groups.pt"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -88,6 +90,7 @@ def _fsync_tree(path: Path) -> None:
 
 def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optimizer_state: dict, scheduler,
                     state: dict, rollout_buffer: dict | None = None, weights: dict[str, torch.Tensor] | None = None,
+                    pending_groups: list[dict | None] | None = None,
                     reference: dict[str, torch.Tensor] | None = None,
                     keep_last: int | None = None) -> Path:
     """Write checkpoint-<step> atomically; prune to the newest ``keep_last``. Returns the final path.
@@ -114,6 +117,8 @@ def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optim
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     if rollout_buffer is not None:
         torch.save(rollout_buffer, tmp / "rollout_buffer.pt")
+    if pending_groups is not None:
+        torch.save(pending_groups, tmp / PENDING_FILE)
     if reference is not None:  # a tied tensor once (safetensors refuses shared storage); loading re-ties it
         save_file(untie(reference, model), tmp / REFERENCE_FILE)
     full_state = {**state, "step": step, "rng": rng_state()}
@@ -172,6 +177,7 @@ class LoadedCheckpoint:
     scheduler: dict
     rollout_buffer: dict | None
     reference_file: Path | None  # the synced reference's weights (load with ``load_reference``)
+    pending_groups: list | None = None  # dynamic sampling's pending groups, one buffer (or None) per process
 
 
 def load_checkpoint(path: str | Path, expected_hash: str | None = None) -> LoadedCheckpoint:
@@ -192,6 +198,7 @@ def load_checkpoint(path: str | Path, expected_hash: str | None = None) -> Loade
             f"(or delete {path.parent}), or restore the params it was written with.")
     buffer_file = path / "rollout_buffer.pt"
     ref_file = path / REFERENCE_FILE
+    pending_file = path / PENDING_FILE
     return LoadedCheckpoint(
         path=path,
         state=state,
@@ -199,6 +206,7 @@ def load_checkpoint(path: str | Path, expected_hash: str | None = None) -> Loade
         scheduler=torch.load(path / "scheduler.pt", weights_only=True),
         rollout_buffer=torch.load(buffer_file, weights_only=True) if buffer_file.exists() else None,
         reference_file=ref_file if ref_file.exists() else None,
+        pending_groups=torch.load(pending_file, weights_only=True) if pending_file.exists() else None,
     )
 
 

@@ -46,13 +46,14 @@ from grpo_core.model.sharding import clip_gradients, is_sharded, shard_model
 from grpo_core.rewards import build_reward_functions
 from grpo_core.rollout import backend_for
 from grpo_core.train.checkpoint import latest_checkpoint, remove_stale_temp_dirs
+from grpo_core.train.dynamic import fill_round
 from grpo_core.train.export import export_model
 from grpo_core.train.forward import frozen_logprobs, policy_logprobs
 from grpo_core.train.guards import GuardEvent, GuardMonitor, GuardStop, decide
 from grpo_core.train.optim import build_optimizer_and_scheduler, scale_learning_rate
 from grpo_core.train.parallel import ParallelConfigError, check_parallelism, read_parallelism
 from grpo_core.train.replica import ReplicaRollouts
-from grpo_core.train.rollouts import generate_round
+from grpo_core.train.rollouts import assign_advantages, sample_round
 from grpo_core.train.round import Round
 from grpo_core.train.state import (
     PromptSampler,
@@ -127,7 +128,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
     while state.step < t.max_steps:
         step_start = time.perf_counter()
         if not _inside_round(state, t):
-            state.round = new_round(run, prompts, state.sampler)
+            state.round = new_round(run, prompts, state)
         entropy_coef = applied_entropy_coef(state.entropy_coef, state.last_entropy, adaptive=t.use_adaptive_entropy,
                                             target=t.entropy_target)
         grads = accumulate_gradients(run, step_micro_batches(state, t), entropy_coef)
@@ -243,29 +244,38 @@ def open_step_log(run: TrainingRun, path: Path, reward_names: list[str], step: i
     """Rank 0 alone owns the log (two ranks rewriting one file race on its temp name)."""
     if not run.accelerator.is_main_process:
         return None
-    t = run.t
-    return StepLog(path, metric_columns(reward_names, t.loss_type, t.entropy_coef != 0 or t.use_adaptive_entropy), step)
+    return StepLog(path, metric_columns(reward_names, run.t), step)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Round
 
 
-def new_round(run: TrainingRun, prompts: Prompts, sampler: PromptSampler) -> Round:
-    """This process's share of the next global batch of prompts, sampled and scored; rows length-grouped
-    within each step's span; the frozen log-probs the round's steps need.
+def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
+    """This process's share of the next global batch of prompts, sampled and scored (with dynamic sampling: its
+    quota of groups whose rewards differ, ``grpo_core/train/dynamic.py``, the surplus left in ``state.pending``);
+    rows length-grouped within each step's span; the frozen log-probs the round's steps need.
 
-    One global prompt order: each round takes the global batch and every process its own slice of it, so N
+    One global prompt order: each sampling takes the global batch and every process its own slice of it, so N
     processes train on exactly the prompts one process would.
     """
     t, acc = run.t, run.accelerator
     per_process = t.per_device_train_batch_size * t.effective_steps_per_generation // t.num_generations
     rank = acc.process_index
-    indices = sampler.take(per_process * acc.num_processes)[rank * per_process:(rank + 1) * per_process]
+
+    def sample() -> Round:
+        indices = state.sampler.take(per_process * acc.num_processes)[rank * per_process:(rank + 1) * per_process]
+        return sample_round(backend=run.backend, tokenizer=run.tokenizer, dataset=prompts.dataset, indices=indices,
+                            encoder=prompts.encoder, reward_fns=prompts.reward_fns, reward_names=prompts.reward_names,
+                            weights=prompts.weights, t=t, accelerator=acc)
+
     with record_function("grpo/generate_round"):
-        round_ = generate_round(backend=run.backend, tokenizer=run.tokenizer, dataset=prompts.dataset,
-                                indices=indices, encoder=prompts.encoder, reward_fns=prompts.reward_fns,
-                                reward_names=prompts.reward_names, weights=prompts.weights, t=t, accelerator=acc)
+        if t.dynamic_sampling:
+            filled = fill_round(sample, state.pending, quota=per_process, weights=prompts.weights, t=t,
+                                accelerator=acc, reward_names=prompts.reward_names)
+            round_, state.pending = filled.round, filled.pending
+        else:
+            round_ = assign_advantages(sample(), prompts.weights, t, acc)
     ga = t.gradient_accumulation_steps
     if t.group_by_length and ga > 1:  # one micro-batch per step: nothing to regroup
         order = length_grouped_order(round_.prompt_mask.sum(1), round_.completion_mask.sum(1), t.num_generations,

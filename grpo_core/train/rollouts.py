@@ -1,10 +1,13 @@
 """A new generation round: sample G completions per prompt, score them, compute the group-relative advantages.
 
     rows (this process's prompts) -> sample_and_score (the one sample-and-score, grpo_core/sampling.py)
-      -> rewards (N, K), gathered over processes -> compute_advantages -> this process's (N,) slice -> Round
+      -> rewards (N, K) [sample_round] -> gathered over processes -> compute_advantages -> this process's (N,)
+      slice [assign_advantages] -> Round
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -16,12 +19,12 @@ from grpo_core.sampling import sample_and_score
 from grpo_core.train.round import Round
 
 
-def generate_round(*, backend: RolloutBackend, tokenizer, dataset, indices: list[int], encoder: PromptEncoder,
-                   reward_fns, reward_names: list[str], weights: torch.Tensor, t: TrainConfig, accelerator) -> Round:
-    """Sample ``t.num_generations`` completions for each prompt in ``indices`` (dataset rows) and score them.
+def sample_round(*, backend: RolloutBackend, tokenizer, dataset, indices: list[int], encoder: PromptEncoder,
+                 reward_fns, reward_names: list[str], weights: torch.Tensor, t: TrainConfig, accelerator) -> Round:
+    """Sampled and scored rows with their rewards (N, K) and the round's metrics; advantages still zero.
 
-    weights: (K,) one per reward function. Whole groups live on one process; the advantages and the metrics
-    still see the global batch (``scale_rewards="batch"``, the length guard), gathered over processes.
+    weights: (K,) one per reward function. Whole groups live on one process; the metrics see the global batch
+    (gathered over processes).
     """
     G = t.num_generations
     sampling = SamplingParams(max_new_tokens=t.max_completion_length, temperature=t.temperature,
@@ -32,15 +35,7 @@ def generate_round(*, backend: RolloutBackend, tokenizer, dataset, indices: list
                                row_ids=indices, keep_batches=True)
     (batch,) = sampled.batches
     rewards = torch.as_tensor(sampled.rewards, dtype=torch.float32)                     # (N, K)
-
-    all_rewards = _gather(accelerator, rewards)                                        # (world * N, K)
-    advantages = compute_advantages(all_rewards, weights, G, scale=t.scale_rewards,
-                                    aggregation=t.multi_objective_aggregation)
-    if accelerator.num_processes > 1:
-        n = rewards.shape[0]
-        advantages = advantages[accelerator.process_index * n:(accelerator.process_index + 1) * n]
-
-    metrics = reward_metrics(all_rewards, weights, G, reward_names)
+    metrics = reward_metrics(_gather(accelerator, rewards), weights, G, reward_names)
     lengths_and_truncated = _gather(accelerator, torch.stack([batch.completion_lengths.float(),
                                                               batch.is_truncated.float()], dim=1))
     lengths, truncated = lengths_and_truncated[:, 0], lengths_and_truncated[:, 1]
@@ -55,7 +50,19 @@ def generate_round(*, backend: RolloutBackend, tokenizer, dataset, indices: list
     })
     return Round(prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask, completion_ids=batch.completion_ids,
                  completion_mask=batch.completion_mask, is_truncated=batch.is_truncated,
-                 advantages=advantages.float(), metrics=metrics)
+                 advantages=torch.zeros(len(rewards)), metrics=metrics, rewards=rewards)
+
+
+def assign_advantages(round_: Round, weights: torch.Tensor, t: TrainConfig, accelerator) -> Round:
+    """The round with its group-relative advantages (N,), computed over every process's rewards (so
+    ``scale_rewards="batch"`` and the groups see the global batch), and without the rewards."""
+    all_rewards = _gather(accelerator, round_.rewards)                                    # (world * N, K)
+    advantages = compute_advantages(all_rewards, weights, t.num_generations, scale=t.scale_rewards,
+                                    aggregation=t.multi_objective_aggregation)
+    if accelerator.num_processes > 1:
+        n = len(round_)
+        advantages = advantages[accelerator.process_index * n:(accelerator.process_index + 1) * n]
+    return replace(round_, advantages=advantages.float(), rewards=None)
 
 
 def reward_metrics(rewards: torch.Tensor, weights: torch.Tensor, group_size: int, names: list[str]) -> dict:

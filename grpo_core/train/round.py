@@ -24,6 +24,8 @@ class Round:
     metrics: dict[str, float] = field(default_factory=dict)  # reward/length metrics, over all processes
     old_logps: torch.Tensor | None = None  # (N, C) float32: the sampling policy's, when the round feeds > 1 step
     ref_logps: torch.Tensor | None = None  # (N, C) float32: the reference's, when beta > 0
+    rewards: torch.Tensor | None = None    # (N, K) float32 per-function rewards (NaN = None), kept while the
+                                           # round is assembled (dynamic sampling recomputes the advantages)
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -50,7 +52,32 @@ class Round:
         return buffer
 
     @classmethod
+    def concat(cls, rounds: list[Round]) -> Round:
+        """The rows of several rounds in order, prompts left-padded and completions right-padded to the widest
+        (padding: id 0, mask 0); per-row fields that some round lacks are dropped; the metrics are the first's."""
+        prompt = max(r.prompt_ids.shape[1] for r in rounds)
+        completion = max(r.completion_ids.shape[1] for r in rounds)
+
+        def widened(r: Round) -> dict:
+            return {"prompt_ids": _pad(r.prompt_ids, prompt, left=True), "prompt_mask": _pad(r.prompt_mask, prompt, left=True),
+                    "completion_ids": _pad(r.completion_ids, completion), "completion_mask": _pad(r.completion_mask, completion),
+                    **{n: getattr(r, n) for n in ("is_truncated", "advantages", "rewards")}}
+
+        parts = [widened(r) for r in rounds]
+        shared = [n for n in parts[0] if all(p[n] is not None for p in parts)]
+        return cls(metrics=dict(rounds[0].metrics), **{n: torch.cat([p[n] for p in parts]) for n in shared})
+
+    @classmethod
     def from_buffer(cls, buffer: dict[str, torch.Tensor]) -> Round:
         buffer = dict(buffer)
         metrics = json.loads(bytes(buffer.pop("metrics_json").tolist()))
         return cls(metrics=metrics, **buffer)
+
+
+def _pad(x: torch.Tensor, width: int, left: bool = False) -> torch.Tensor:
+    """(N, w) -> (N, width) with zeros on the left (prompts) or the right (completions)."""
+    missing = width - x.shape[1]
+    if missing == 0:
+        return x
+    zeros = x.new_zeros(x.shape[0], missing)
+    return torch.cat([zeros, x] if left else [x, zeros], dim=1)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from grpo_core.config import TrainConfig
 from grpo_core.errors import TrainingFailure
@@ -73,6 +74,7 @@ class TrainState:
     reference_synced: bool = False  # the reference has moved off the base weights (TR-DPO): it is saved too
     entropy_coef: float = 0.0    # the entropy bonus's coefficient (moves each step under use_adaptive_entropy)
     last_entropy: float = float("inf")  # the previous step's entropy over the trained tokens (adaptive control)
+    pending: Round | None = None  # dynamic sampling: kept groups beyond a round's quota, for the next rounds
 
 
 @dataclass
@@ -101,6 +103,7 @@ def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round
     acc = run.accelerator
     acc.wait_for_everyone()
     synced = run.ref_model if state.reference_synced else None
+    pending = _gather_pending(acc, state.pending) if run.t.dynamic_sampling else None
     if is_sharded(run.policy):
         weights = gather_weights(run.policy)
         optimizer_state = gather_optimizer_state(run.policy, run.optimizer)
@@ -117,7 +120,7 @@ def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round
         save_checkpoint(run.checkpoint_dir, state.step, model=run.policy, tokenizer=run.tokenizer,
                         optimizer_state=optimizer_state, scheduler=run.scheduler, state=meta, weights=weights,
                         rollout_buffer=state.round.to_buffer() if keep_round and state.round is not None else None,
-                        reference=reference, keep_last=run.t.save_total_limit)
+                        reference=reference, keep_last=run.t.save_total_limit, pending_groups=pending)
     acc.wait_for_everyone()
 
 
@@ -139,5 +142,32 @@ def restore_state(run: TrainingRun, path: Path, sampler: PromptSampler) -> Train
                       rollbacks=ck.state.get("rollbacks", 0),
                       round=Round.from_buffer(ck.rollout_buffer) if ck.rollout_buffer is not None else None,
                       reference_synced=ck.reference_file is not None,
+                      pending=_own_pending(ck.pending_groups, run.accelerator, run.t.num_generations),
                       entropy_coef=ck.state.get("entropy_coef", run.t.entropy_coef),
                       last_entropy=ck.state.get("last_entropy", float("inf")))
+
+
+def _gather_pending(accelerator, pending: Round | None) -> list[dict | None]:
+    """Every process's pending groups as buffers, in process order (a collective on N processes)."""
+    buffer = pending.to_buffer() if pending is not None and len(pending) else None
+    if accelerator.num_processes == 1:
+        return [buffer]
+    from accelerate.utils import gather_object
+
+    return gather_object([buffer])
+
+
+def _own_pending(saved: list[dict | None] | None, accelerator, group_size: int) -> Round | None:
+    """This process's pending groups from a checkpoint: its own when the world size is the one saved, else the
+    saved groups dealt out group by group over the processes (they are independent of one another)."""
+    if not saved:
+        return None
+    rank, world = accelerator.process_index, accelerator.num_processes
+    if len(saved) == world:
+        return Round.from_buffer(saved[rank]) if saved[rank] is not None else None
+    rounds = [Round.from_buffer(b) for b in saved if b is not None]
+    if not rounds:
+        return None
+    pool = Round.concat(rounds)
+    mine = [g * group_size + i for g in range(rank, len(pool) // group_size, world) for i in range(group_size)]
+    return pool.rows(torch.tensor(mine, dtype=torch.long)) if mine else None

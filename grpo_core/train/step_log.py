@@ -6,19 +6,27 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from grpo_core.config import TrainConfig
 from grpo_core.files import atomic_path
 
 # the metric a loss type logs besides the clip ratios (TRL's names)
 _LOSS_TYPE_METRICS = {"cispo": ["cispo_clip_ratio"], "vespo": ["vespo/phi_seq_mean"]}
 
 
-def metric_columns(reward_names: list[str], loss_type: str = "dapo", entropy_bonus: bool = False) -> list[str]:
-    """The CSV's columns: TRL's metric names, the loss type's own metric, ``entropy_coef`` when a bonus is on."""
+def metric_columns(reward_names: list[str], t: TrainConfig | None = None) -> list[str]:
+    """The CSV's columns: TRL's metric names, plus what ``t`` switches on: the loss type's own metric,
+    ``entropy_coef`` under an entropy bonus, the ``dynamic/*`` counts under dynamic sampling."""
+    t = t or TrainConfig()
+    extra = list(_LOSS_TYPE_METRICS.get(t.loss_type, []))
+    if t.entropy_coef != 0 or t.use_adaptive_entropy:
+        extra.append("entropy_coef")
+    if t.dynamic_sampling:
+        extra += ["dynamic/groups_dropped", "dynamic/generation_rounds", "dynamic/tied_groups_used"]
     cols = ["step", "loss", "reward", "reward_std", "frac_reward_zero_std"]
     for name in reward_names:
         cols += [f"rewards/{name}/mean", f"rewards/{name}/std"]
     cols += ["kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-             *_LOSS_TYPE_METRICS.get(loss_type, []), *(["entropy_coef"] if entropy_bonus else []),
+             *extra,
              "completions/mean_length", "completions/min_length", "completions/max_length",
              "completions/clipped_ratio", "grad_norm", "learning_rate", "reward_errors", "reward_timeouts",
              "num_tokens", "guard/skipped", "step_time", "generation_time"]
