@@ -60,6 +60,7 @@ def grpo_loss(
     off_policy_mask_threshold: float | None = None,
     sampling_logps: torch.Tensor | None = None,
     entropy_mask: torch.Tensor | None = None,
+    sampler_ratio: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss of one micro-batch and its statistics.
 
@@ -90,6 +91,9 @@ def grpo_loss(
         sampling_logps: (B, T) log-probs under the engine that sampled (OPSM's reference); None = old_logps.
         entropy_mask: (B, T) bool, the tokens the policy term trains on (``high_entropy_mask``: TRL's
             ``top_entropy_quantile``); None = all. The KL still counts every token, as in TRL.
+        sampler_ratio: (B, T) or (B, 1) pi_old / pi_sampler, truncated or masked (``sampler_correction``): the
+            per-token policy loss is multiplied by it (TRL's vLLM importance-sampling correction); vespo folds it
+            into its sequence weight instead (token level only). None = no correction.
 
     Returns:
         (loss, stats): loss a 0-dim tensor in the dtype of ``logps``; stats detached 0-dim tensors, TRL's per
@@ -104,6 +108,10 @@ def grpo_loss(
     for name, extra in (("sampling_logps", sampling_logps), ("entropy_mask", entropy_mask)):
         if extra is not None and tuple(extra.shape) != tuple(logps.shape):
             raise ValueError(f"{name} must have the shape of logps {tuple(logps.shape)}, got {_describe(extra)}")
+    if sampler_ratio is not None and tuple(sampler_ratio.shape) not in (tuple(logps.shape), (logps.shape[0], 1)):
+        raise ValueError(f"sampler_ratio must be (B, T) {tuple(logps.shape)} or (B, 1), got {_describe(sampler_ratio)}")
+    if sampler_ratio is not None and loss_type == "vespo" and sampler_ratio.shape[1] == 1 and logps.shape[1] != 1:
+        raise ValueError("sampler_ratio: vespo takes a token-level correction (token_truncate or token_mask)")
     _check_normalisers(loss_type, max_completion_length, num_items, completion_length=logps.shape[1])
     if beta != 0.0 and ref_logps is None:
         raise ValueError(f"ref_logps is required when beta != 0 (beta={beta})")
@@ -132,7 +140,7 @@ def grpo_loss(
         per_token_loss = sapo_term(ratio, advantages, sapo_temperature_pos, sapo_temperature_neg)
     else:  # vespo
         phi = vespo_weights(logps - old_logps, advantages, mask, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
-                            vespo_lambda_neg)
+                            vespo_lambda_neg, sampler_ratio=sampler_ratio)
         per_token_loss = -phi * advantages * logps
         stats["vespo/phi_seq_mean"] = masked_mean(phi, mask)
     if off_policy_mask_threshold is not None:
@@ -140,6 +148,8 @@ def grpo_loss(
         per_token_loss = per_token_loss * off_policy_mask(advantages, logps, sampled, mask, off_policy_mask_threshold)
     if entropy_mask is not None:
         per_token_loss = per_token_loss * entropy_mask.to(per_token_loss.dtype)
+    if sampler_ratio is not None and loss_type != "vespo":
+        per_token_loss = per_token_loss * sampler_ratio.to(per_token_loss.dtype)
     if beta != 0.0:
         per_token_kl = k3_kl(logps, ref_logps)
         if kl_ratio_correction:
@@ -209,17 +219,48 @@ def sapo_term(ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: fl
 
 @torch.no_grad()
 def vespo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, k_pos: float,
-                  lambda_pos: float, k_neg: float, lambda_neg: float) -> torch.Tensor:
+                  lambda_pos: float, k_neg: float, lambda_neg: float,
+                  sampler_ratio: torch.Tensor | None = None) -> torch.Tensor:
     """VESPO's per-sequence weight (B, 1), detached: phi(w) = exp(lambda) * w^k * exp(-lambda * w), phi(1) = 1,
     with w = exp(sum_t m_t clamp(logp_t - old_t, -20, 20)) the sequence's (unnormalised) importance ratio,
     log w clamped to [log 1e-8, 20]; (k, lambda) = (k_pos, lambda_pos) for A >= 0, else the neg pair (lambda >=
-    1e-4). Computed in log space: log phi = lambda + k log w - lambda w; a non-finite phi counts 0."""
+    1e-4). Computed in log space: log phi = lambda + k log w - lambda w; a non-finite phi counts 0. sampler_ratio
+    (B, T): pi_old / pi_sampler per token, its clamped log added to log w (the sampler-to-policy ratio)."""
     lower = math.log(1e-8)
-    log_w = torch.clamp((torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True), lower, 20.0)
+    log_w = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if sampler_ratio is not None:
+        log_w = log_w + torch.clamp(torch.log(sampler_ratio), lower, 20.0).sum(-1, keepdim=True)
+    log_w = torch.clamp(log_w, lower, 20.0)
     nonneg = advantages >= 0
     k = torch.where(nonneg, k_pos, k_neg)
     lam = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+SAMPLER_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+@torch.no_grad()
+def sampler_correction(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor, mode: str,
+                       clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    """TRL's vLLM importance-sampling correction: the ratio pi_old / pi_sampler of the trainer's log-probs to
+    the sampling engine's, which differ by kernels and precision even with the same weights.
+
+    token_*: per token (B, T), exp(old - sampling) over the mask; sequence_*: per sequence (B, 1), the exp of the
+    masked sum. *_truncate clamps it to [clip_min, clip_max] (None = unbounded); *_mask sets it to 0 outside.
+    A token the sampler could not score (NaN) counts ratio 1 (log difference 0).
+    """
+    if mode not in SAMPLER_CORRECTION_MODES:
+        raise ValueError(f"sampler correction mode must be one of {SAMPLER_CORRECTION_MODES}, got {mode!r}")
+    diff = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
 @torch.no_grad()

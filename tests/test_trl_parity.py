@@ -32,6 +32,7 @@ from grpo_core.loss import (  # noqa: E402
     grpo_loss,
     high_entropy_mask,
     next_entropy_coef,
+    sampler_correction,
 )
 from grpo_core.model.logprobs import entropy_from_logits, selective_log_softmax, token_logprobs_and_entropy  # noqa: E402
 
@@ -98,6 +99,8 @@ def trl_grpo_loss(
     top_entropy_quantile=1.0,
     entropy_coef=0.0,
     trainer=None,
+    sampler_ratio=None,
+    sampling_logps=None,
     **shape,
 ):
     """TRL's _compute_loss on a stand-in trainer; returns (loss, logged metrics). ``shape``: the SAPO / VESPO
@@ -105,6 +108,11 @@ def trl_grpo_loss(
     (zeros by default); ``trainer``: a stand-in from an earlier call, to carry the adaptive entropy state."""
     if trainer is not None:
         return _trl_call(trainer, logps, old_logps, ref_logps, advantages, mask, num_items, entropies)
+    extra_inputs = {}
+    if sampler_ratio is not None:
+        extra_inputs["importance_sampling_ratio"] = sampler_ratio
+    if sampling_logps is not None:
+        extra_inputs["sampling_per_token_logps"] = sampling_logps
     trainer = object.__new__(GRPOTrainer)
     trainer.__dict__.update(
         loss_type=loss_type,
@@ -124,8 +132,10 @@ def trl_grpo_loss(
         _entropy_bonus_enabled=entropy_coef != 0.0 or shape.get("use_adaptive_entropy", False),
         _last_world_entropy=float("inf"),
         _entropy_window_stats=None,
+        use_vllm=sampler_ratio is not None,
+        vllm_importance_sampling_correction=sampler_ratio is not None,
+        _extra_inputs=extra_inputs,
         # features outside this function's scope, switched off
-        use_vllm=False,
         aux_loss_enabled=False,
         # one process, no gradient accumulation (our function leaves accumulation to the caller)
         current_gradient_accumulation_steps=1,
@@ -154,6 +164,7 @@ def _trl_call(trainer, logps, old_logps, ref_logps, advantages, mask, num_items,
     }
     if old_logps is not None:
         inputs["old_per_token_logps"] = old_logps
+    inputs.update(trainer.__dict__.get("_extra_inputs", {}))
     loss = trainer._compute_loss(None, inputs)
     return loss, {name: values[-1] for name, values in trainer._metrics["train"].items()}, trainer
 
@@ -246,6 +257,96 @@ def test_opsm_drops_exactly_the_negative_far_off_policy_sequences():
     assert off_policy_mask(advantages.unsqueeze(1), logps, sampling, mask, 0.1).squeeze(1).tolist() == [0, 0, 1]
     assert off_policy_mask(advantages_far_pos.unsqueeze(1), logps, sampling, mask, 0.1).squeeze(1).tolist() == [0, 1, 1]
     assert off_policy_mask(advantages.unsqueeze(1), logps, sampling, mask, 0.6).squeeze(1).tolist() == [1, 1, 1]
+
+
+def trl_sampler_ratio(old_per_token_logps, sampling_per_token_logps, mask, mode, clip_min, clip_max):
+    """TRL 1.16 GRPOTrainer._generate_and_score_completions, the vLLM importance-sampling block, copied verbatim
+    (from ``per_token_logps_diff = ...`` to the mode branches; self.* turned into arguments)."""
+    per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps) * mask
+    per_token_logps_diff = torch.nan_to_num(per_token_logps_diff, nan=0.0)
+    sequence_level_is = mode in ["sequence_mask", "sequence_truncate"]
+    if sequence_level_is:
+        per_sequence_logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)
+        logps_diff = per_sequence_logps_diff
+    else:
+        logps_diff = per_token_logps_diff
+    vllm_importance_sampling_ratio = torch.exp(logps_diff)
+    if mode in ["sequence_truncate", "token_truncate"]:
+        vllm_importance_sampling_ratio = torch.clamp(vllm_importance_sampling_ratio, min=clip_min, max=clip_max)
+    elif mode in ["sequence_mask", "token_mask"]:
+        min_val = clip_min if clip_min is not None else -math.inf
+        max_val = clip_max if clip_max is not None else math.inf
+        invalid_mis_mask = (vllm_importance_sampling_ratio < min_val) | (vllm_importance_sampling_ratio > max_val)
+        vllm_importance_sampling_ratio = vllm_importance_sampling_ratio.masked_fill(invalid_mis_mask, value=0.0)
+    return vllm_importance_sampling_ratio
+
+
+def sampler_logps_for(old, mask, seed):
+    """What a sampling engine reports: the trainer's log-probs off by kernel noise, some sequences far off, a NaN
+    where it could not score a token."""
+    generator = torch.Generator().manual_seed(seed)
+    sampling = old + 0.05 * torch.randn(old.shape, dtype=F64, generator=generator)
+    sampling[0] -= 1.2  # a sequence the engine found much less likely: ratio e^1.2 > 3 per token
+    sampling[1, 0] = math.nan
+    return sampling
+
+
+SAMPLER_GRID = list(itertools.product(["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"],
+                                      [(None, 3.0), (0.5, 2.0)]))
+
+
+@pytest.mark.parametrize(("mode", "clip"), SAMPLER_GRID)
+def test_the_sampler_correction_ratio_is_trls(mode, clip):
+    base, old, ref, advantages, mask = random_loss_inputs(5000 + SAMPLER_GRID.index((mode, clip)))
+    sampling = sampler_logps_for(old, mask, 1)
+    ours = sampler_correction(old, sampling, mask, mode, *clip)
+    theirs = trl_sampler_ratio(old, sampling, mask, mode, *clip)
+    torch.testing.assert_close(ours, theirs, atol=TOL, rtol=0)
+    assert ours.shape == ((base.shape[0], 1) if mode.startswith("sequence") else base.shape)
+    if mode.endswith("mask"):
+        assert (ours == 0).any()  # the far-off sequence (or its tokens) is masked
+    else:
+        assert ours.max() <= clip[1]
+
+
+CORRECTED_GRID = list(itertools.product(["grpo", "dapo", "cispo", "sapo", "luspo", "vespo"],
+                                        ["token_mask", "token_truncate", "sequence_mask"], [None, 0.1]))
+
+
+@pytest.mark.parametrize(("loss_type", "mode", "opsm"), CORRECTED_GRID)
+def test_the_corrected_loss_and_opsm_on_sampler_logps_match_trl(loss_type, mode, opsm):
+    if loss_type == "vespo" and mode.startswith("sequence"):
+        pytest.skip("TRL refuses vespo with a sequence-level correction; so does grpo_loss (tested below)")
+    base, old, ref, advantages, mask = random_loss_inputs(6000 + CORRECTED_GRID.index((loss_type, mode, opsm)))
+    sampling = sampler_logps_for(old, mask, 2)
+    ratio = sampler_correction(old, sampling, mask, mode, 0.5, 2.0)
+    options = {"loss_type": loss_type, "beta": 0.05, "epsilon_low": 0.2,
+               "epsilon_high": 1.5 if loss_type == "cispo" else 0.28, "delta": None,
+               "importance_sampling_level": "token", "kl_ratio_correction": True,
+               "max_completion_length": base.shape[1] + 3,
+               "num_items": mask.sum() + 11 if loss_type in ("dapo", "cispo", "vespo") else None,
+               "off_policy_mask_threshold": opsm, **SHAPES}
+    ours_logps, trl_logps = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
+    ours, stats = grpo_loss(ours_logps, old, ref, advantages, mask, sampler_ratio=ratio, sampling_logps=sampling,
+                            **options)
+    theirs, trl_stats, _ = trl_grpo_loss(trl_logps, old, ref, advantages, mask, sampler_ratio=ratio,
+                                         sampling_logps=sampling, **options)
+    ours.backward()
+    theirs.backward()
+    torch.testing.assert_close(ours, theirs, atol=TOL, rtol=0)
+    torch.testing.assert_close(ours_logps.grad, trl_logps.grad, atol=TOL, rtol=0)
+    uncorrected, _ = grpo_loss(base, old, ref, advantages, mask, **options)
+    assert abs(float(uncorrected) - float(ours)) > 1e-6  # the correction moved the loss
+    for name, value in trl_stats.items():
+        if name != "entropy":
+            assert float(stats[name]) == pytest.approx(value, abs=TOL, nan_ok=True), name
+
+
+def test_vespo_refuses_a_sequence_level_correction():
+    base, old, ref, advantages, mask = random_loss_inputs(7)
+    with pytest.raises(ValueError, match="vespo takes a token-level correction"):
+        grpo_loss(base, old, ref, advantages, mask, loss_type="vespo", sampler_ratio=torch.ones(base.shape[0], 1,
+                                                                                                  dtype=F64))
 
 
 def our_loss_with_entropy(logps, old, ref, advantages, mask, entropies, quantile, coef, **options):
