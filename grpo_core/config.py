@@ -191,6 +191,15 @@ class TrainConfig:
         "auto = manual on CPU for a model it supports, else hf")
     vllm_gpu_memory_utilization: float = _f(0.3, "generation_backend vllm: share of the GPU the engine's weights "
                                             "and KV cache may take (the rest is training's)", gt=0, le=1)
+    vllm_importance_sampling_correction: bool = _f(
+        True, "generation_backend vllm: weight each token's loss by pi_old / pi_sampler, the trainer's to the "
+        "engine's log-probs, which differ by kernels and precision (TRL's name and default)")
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = _f(
+        "sequence_mask", "that ratio per token or per sequence; truncate = clamp to the clip range, mask = 0 outside")
+    vllm_importance_sampling_clip_min: float | None = _f(None, "lower end of the ratio's range (None = 0 / unbounded)",
+                                                         ge=0)
+    vllm_importance_sampling_clip_max: float | None = _f(3.0, "upper end of the ratio's range (None = unbounded)",
+                                                         gt=0)
     vllm_enable_sleep_mode: bool = _f(True, "generation_backend vllm: release the engine's weights and KV cache "
                                       "between generation rounds (reloaded from the policy each round)")
     forward_backend: Literal["auto", "hf", "manual"] = _f(
@@ -427,6 +436,10 @@ def _check_consistency(cfg: PipelineConfig) -> None:
     if t.num_processes % t.num_machines:
         raise ConfigError(f"train.num_machines: {t.num_processes} processes do not split evenly over "
                           f"{t.num_machines} machines")
+    if (t.loss_type == "vespo" and t.generation_backend == "vllm" and t.vllm_importance_sampling_correction
+            and not t.vllm_importance_sampling_mode.startswith("token")):
+        raise ConfigError(f"train.vllm_importance_sampling_mode: vespo folds the correction into its sequence weight "
+                          f"token by token; use token_truncate or token_mask (got {t.vllm_importance_sampling_mode})")
     if t.entropy_coef_min > t.entropy_coef_max:
         raise ConfigError(f"train.entropy_coef_min: {t.entropy_coef_min} is above train.entropy_coef_max "
                           f"({t.entropy_coef_max})")

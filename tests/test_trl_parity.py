@@ -590,3 +590,52 @@ def test_token_logprobs_and_entropy_match_trl_fused_head():
     )
     for ours, theirs in zip(ours_grads, trl_grads):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+
+
+# --- the sampler correction in training, through the stand-in vLLM engine --------------------------------------
+
+
+def test_training_through_a_mismatched_sampler_corrects_the_loss_as_trl_does(tmp_path, monkeypatch):
+    """The stand-in engine reports log-probs off by a row-dependent shift (0 for some rows, large for others). The
+    trainer's step-1 loss equals TRL's _compute_loss fed TRL's own correction ratio for the same round, and
+    differs from the uncorrected loss."""
+    import sys
+    from types import ModuleType
+
+    import grpo_core.train.loop as loop
+    from grpo_core.rollout import VLLMBackend
+    from grpo_core.train.loop import train
+    from tests.test_vllm_backend import StandInLLM, StandInSamplingParams
+    from tests.tiny import make_prompts, make_tiny_model, tiny_config
+
+    module = ModuleType("vllm")
+    module.LLM, module.SamplingParams = StandInLLM, StandInSamplingParams
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    model_dir, data = make_tiny_model(tmp_path / "model"), make_prompts(tmp_path / "train.jsonl")
+    calls = []
+    real = loop.grpo_loss
+
+    def recording(logps, old, ref, advantages, mask, **kw):
+        loss, stats = real(logps, old, ref, advantages, mask, **kw)
+        calls.append((logps.detach().double(), old.double(), advantages.double(), mask.double(), kw, loss.detach()))
+        return loss, stats
+
+    monkeypatch.setattr(loop, "grpo_loss", recording)
+    shift = lambda row, col: -0.3 * (row % 3)  # noqa: E731 - rows 0, 3, ...: exact; others: the engine is off
+    cfg = tiny_config(model_dir, data, [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}],
+                      max_steps=1, vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=1.5)
+    train(cfg, root=tmp_path / "run", progress=False, backend_factory=lambda m, tok: VLLMBackend(
+        m, tok, engine=StandInLLM(str(model_dir), logprob_shift=shift), return_logprobs=True))
+    (logps, old, advantages, mask, kw, loss), = calls
+    sampling = kw["sampling_logps"].double()
+    ratio = trl_sampler_ratio(old, sampling, mask, "token_mask", None, 1.5)
+    assert (ratio == 0).any() and ((ratio - 1).abs() < 1e-3).any()  # masked tokens and (nearly) exact ones
+    torch.testing.assert_close(kw["sampler_ratio"].double(), ratio, atol=1e-5, rtol=0)
+    options = {"loss_type": "dapo", "beta": 0.0, "epsilon_low": 0.2, "epsilon_high": None, "delta": None,
+               "importance_sampling_level": "token", "kl_ratio_correction": True, "max_completion_length": None,
+               "num_items": kw["num_items"]}
+    theirs, _, _ = trl_grpo_loss(logps, old, None, advantages, mask, sampler_ratio=ratio, sampling_logps=sampling,
+                                 **options)
+    torch.testing.assert_close(loss.double(), theirs, atol=1e-5, rtol=0)
+    uncorrected, _, _ = trl_grpo_loss(logps, old, None, advantages, mask, **options)
+    assert abs(float(uncorrected) - float(theirs)) > 1e-4

@@ -36,7 +36,7 @@ PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
 DIGITS = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}]
 # The keyword arguments of vllm.SamplingParams this backend may use (all exist in vLLM 0.22-0.31).
 VLLM_SAMPLING_FIELDS = {"n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
-                        "presence_penalty", "frequency_penalty", "min_p", "stop_token_ids", "detokenize"}
+                        "presence_penalty", "frequency_penalty", "min_p", "stop_token_ids", "detokenize", "logprobs"}
 
 
 class StandInSamplingParams(SimpleNamespace):
@@ -47,9 +47,14 @@ class StandInSamplingParams(SimpleNamespace):
 
 
 class StandInLLM:
-    def __init__(self, model=None, include_stop_token: bool = True, **engine_kwargs):
+    """vLLM's ``LLM`` as the backend uses it, over HF generate; with ``logprobs=0`` it reports each sampled token's
+    log-prob under the processed (temperature-scaled) distribution plus ``logprob_shift(row, col)``: a sampler
+    whose numbers differ from the trainer's, as vLLM's kernels do."""
+
+    def __init__(self, model=None, include_stop_token: bool = True, logprob_shift=None, **engine_kwargs):
         self.engine_kwargs = {"model": model, **engine_kwargs}
         self.include_stop_token = include_stop_token
+        self.logprob_shift = logprob_shift or (lambda row, col: 0.0)
         self.calls: list[str] = []
         self.weights_awake = self.kv_awake = True
         if model is None:
@@ -96,14 +101,30 @@ class StandInLLM:
         eos = sp.stop_token_ids
         tok = SimpleNamespace(pad_token_id=self.tokenizer.pad_token_id, eos_token_id=eos)
         batch = HFGenerateBackend(self.model, tok).generate([p["prompt_token_ids"] for p in prompts], sp.n, ours)
+        logps = self._sampled_logps(batch, ours.temperature) if getattr(sp, "logprobs", None) == 0 else None
         outputs = []
-        for ids, mask, truncated in zip(batch.completion_ids, batch.completion_mask, batch.is_truncated):
+        for row, (ids, mask, truncated) in enumerate(zip(batch.completion_ids, batch.completion_mask,
+                                                         batch.is_truncated)):
             tokens = ids[mask.bool()].tolist()
             if not truncated and not self.include_stop_token:
                 tokens = tokens[:-1]
+            entries = None if logps is None else [
+                {tok: SimpleNamespace(logprob=float(logps[row, col]) + self.logprob_shift(row, col), rank=1)}
+                for col, tok in enumerate(tokens)]
             outputs.append(SimpleNamespace(token_ids=tokens, finish_reason="length" if truncated else "stop",
-                                           stop_reason=None))
+                                           stop_reason=None, logprobs=entries))
         return [SimpleNamespace(outputs=outputs[i * sp.n:(i + 1) * sp.n]) for i in range(len(prompts))]
+
+
+    @torch.no_grad()
+    def _sampled_logps(self, batch, temperature):
+        from grpo_core.model.logprobs import token_logprobs_and_entropy
+
+        ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+        attention = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
+        logps, _ = token_logprobs_and_entropy(self.model, ids, attention, logits_to_keep=batch.completion_ids.shape[1],
+                                              temperature=temperature, position_ids=(attention.cumsum(1) - 1).clamp(min=0))
+        return logps
 
 
 @pytest.fixture
@@ -241,7 +262,8 @@ def test_engine_arguments(assets, fake_vllm, monkeypatch):
                           rank=1, local_rank=1, world_size=2)
     assert engine.engine_kwargs == dict(
         model=str(assets[0]), dtype="float32", gpu_memory_utilization=0.4, enable_sleep_mode=True, max_model_len=300,
-        seed=4, tensor_parallel_size=1, distributed_executor_backend="external_launcher", enable_prefix_caching=True)
+        seed=4, tensor_parallel_size=1, distributed_executor_backend="external_launcher", enable_prefix_caching=True,
+        logprobs_mode="processed_logprobs")
     assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("1", "1", "2")
     assert int(os.environ["MASTER_PORT"]) > 0
 

@@ -47,6 +47,7 @@ def backend_for(model: torch.nn.Module, tokenizer, t, *, rank: int = 0, local_ra
         model, tokenizer, "vllm", gpu_memory_utilization=t.vllm_gpu_memory_utilization,
         enable_sleep_mode=t.vllm_enable_sleep_mode, seed=t.seed, rank=rank, local_rank=local_rank,
         world_size=world_size,
+        return_logprobs=t.vllm_importance_sampling_correction or t.off_policy_mask_threshold is not None,
         max_model_length=t.max_prompt_length and t.max_prompt_length + t.max_completion_length)
 
 

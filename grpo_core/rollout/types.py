@@ -31,6 +31,8 @@ class RolloutBatch:
     prompt_ids, prompt_mask:         (N, P) left-padded (mask 1 on real tokens)
     completion_ids, completion_mask: (N, C) right-padded; mask 1 up to and including the first EOS
     is_truncated:                    (N,) bool, True when no EOS was produced within max_new_tokens
+    sampling_logps:                  (N, C) float32, the sampler's own log-prob of each completion token (NaN
+                                     where it gave none, 0 on padding), from backends that report them; else None
     """
 
     prompt_ids: torch.Tensor
@@ -38,6 +40,7 @@ class RolloutBatch:
     completion_ids: torch.Tensor
     completion_mask: torch.Tensor
     is_truncated: torch.Tensor
+    sampling_logps: torch.Tensor | None = None
 
     @property
     def completion_lengths(self) -> torch.Tensor:

@@ -13,8 +13,9 @@ Level-2 sleep discards the engine's copy, so with sleep mode on the weights are 
 (a GPU-to-GPU copy of the parameters, small next to generation).
 
 Sampling follows exactly the distribution the loss's log-probs describe: temperature, top-p, top-k and
-nothing else (no repetition penalty or min-p from a hub generation config). Old log-probs are computed by
-the trainer's own forward, so vLLM's log-probs are not requested.
+nothing else (no repetition penalty or min-p from a hub generation config). With ``return_logprobs`` the engine
+also reports each sampled token's log-prob under that processed distribution (``logprobs_mode=
+"processed_logprobs"``, as TRL asks for), for the trainer's sampler/trainer mismatch correction.
 
 The engine's interface used here (``LLM``: ``generate``, ``sleep``, ``wake_up``, ``reset_prefix_cache``,
 the in-process model's ``load_weights``) is the one TRL 1.16's colocate mode uses (vLLM 0.22–0.31).
@@ -47,8 +48,9 @@ def check_can_run(model: torch.nn.Module) -> None:
         raise VLLMUnavailable("train.generation_backend: vllm does not take a LoRA-wrapped policy (the engine "
                               "would need merged weights every step); use hf")
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
-        raise VLLMUnavailable("train.generation_backend: vllm needs whole parameters on each process; an FSDP "
-                              "policy is sharded — use hf with FSDP, or DDP with vllm")
+        raise VLLMUnavailable("train.generation_backend: vllm needs whole parameters; under FSDP2 the trainer "
+                              "hands the engine the whole copy it samples from (grpo_core/train/replica.py), not "
+                              "the sharded policy")
     device = next(model.parameters()).device
     if device.type != "cuda":
         raise VLLMUnavailable(f"train.generation_backend: vllm needs the policy on a CUDA GPU (it is on "
@@ -82,7 +84,8 @@ def build_engine(model: torch.nn.Module, *, gpu_memory_utilization: float, enabl
     return LLM(model=source, dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
                gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
                max_model_len=max_model_length, seed=seed + rank, tensor_parallel_size=1,
-               distributed_executor_backend="external_launcher", enable_prefix_caching=True)
+               distributed_executor_backend="external_launcher", enable_prefix_caching=True,
+               logprobs_mode="processed_logprobs")
 
 
 def engine_model(llm) -> torch.nn.Module:
@@ -94,9 +97,10 @@ def engine_model(llm) -> torch.nn.Module:
 
 
 def vllm_sampling_kwargs(sampling: SamplingParams, num_generations: int, eos_ids: list[int],
-                         min_new_tokens: int) -> dict:
-    """``vllm.SamplingParams`` keyword arguments for one round: n samples per prompt, our sampling only."""
-    return dict(
+                         min_new_tokens: int, logprobs: bool = False) -> dict:
+    """``vllm.SamplingParams`` keyword arguments for one round: n samples per prompt, our sampling only; with
+    ``logprobs`` the sampled token's log-prob too (``logprobs=0``)."""
+    return dict(**({"logprobs": 0} if logprobs else {}),
         n=num_generations, max_tokens=sampling.max_new_tokens, min_tokens=min_new_tokens,
         temperature=sampling.temperature if sampling.do_sample else 0.0,
         top_p=sampling.top_p if sampling.do_sample else 1.0,
@@ -118,14 +122,28 @@ def completion_tensor(output, eos_ids: list[int]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long).unsqueeze(0)
 
 
+def sampled_token_logps(outputs, completion_mask: torch.Tensor) -> torch.Tensor:
+    """(N, C) float32: each output's log-prob of its sampled tokens (vLLM's ``logprobs``, one dict per token, the
+    sampled token's entry among them), NaN where it gave none (a stop token it did not list), 0 on padding."""
+    out = torch.full(completion_mask.shape, float("nan"))
+    for row, output in enumerate(outputs):
+        for col, (token, entries) in enumerate(zip(output.token_ids, output.logprobs or [])):
+            entry = entries.get(token) if entries else None
+            if entry is not None and col < out.shape[1]:
+                out[row, col] = float(entry.logprob)
+    return out.masked_fill(completion_mask == 0, 0.0)
+
+
 class VLLMBackend:
     """``RolloutBackend`` over a colocated vLLM engine (see the module docstring for the phases)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, gpu_memory_utilization: float = 0.3,
                  enable_sleep_mode: bool = True, max_model_length: int | None = None, seed: int = 0, rank: int = 0,
-                 local_rank: int = 0, world_size: int = 1, engine=None):
-        """engine: an already-built ``vllm.LLM`` (or a stand-in with its interface); None builds one."""
+                 local_rank: int = 0, world_size: int = 1, engine=None, return_logprobs: bool = False):
+        """engine: an already-built ``vllm.LLM`` (or a stand-in with its interface); None builds one.
+        return_logprobs: batches carry the engine's log-prob of each sampled token (``sampling_logps``)."""
         self.model = model
+        self.return_logprobs = return_logprobs
         self.pad_id, self.eos_ids = pad_and_eos_ids(tokenizer)
         self.enable_sleep_mode = enable_sleep_mode
         if engine is None:
@@ -174,7 +192,8 @@ class VLLMBackend:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         min_new = int(getattr(getattr(self.model, "generation_config", None), "min_new_tokens", None) or 0)
-        params = VLLMSamplingParams(**vllm_sampling_kwargs(sampling, num_generations, self.eos_ids, min_new))
+        params = VLLMSamplingParams(**vllm_sampling_kwargs(sampling, num_generations, self.eos_ids, min_new,
+                                                           logprobs=self.return_logprobs))
         try:
             results = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids],
                                         sampling_params=params, use_tqdm=False)
@@ -184,7 +203,11 @@ class VLLMBackend:
         if len(results) != len(prompt_ids) or any(len(r.outputs) != num_generations for r in results):
             raise RuntimeError(f"vLLM returned {[len(r.outputs) for r in results]} completions for "
                                f"{len(prompt_ids)} prompts x {num_generations}")
-        completions = [completion_tensor(out, self.eos_ids) for r in results for out in r.outputs]
+        outputs = [out for r in results for out in r.outputs]
+        completions = [completion_tensor(out, self.eos_ids) for out in outputs]
         repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
         ids, mask = left_pad(repeated, self.pad_id)
-        return assemble_batch(ids, mask, completions, self.pad_id, self.eos_ids)
+        batch = assemble_batch(ids, mask, completions, self.pad_id, self.eos_ids)
+        if self.return_logprobs:
+            batch.sampling_logps = sampled_token_logps(outputs, batch.completion_mask)
+        return batch

@@ -38,6 +38,7 @@ from grpo_core.loss import (
     grpo_loss,
     high_entropy_mask,
     next_entropy_coef,
+    sampler_correction,
 )
 from grpo_core.microbatch import length_grouped_order
 from grpo_core.model.fastforward import use_manual_forward
@@ -282,13 +283,38 @@ def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
                                      span=ga * t.per_device_train_batch_size,
                                      keep_groups=use_manual_forward(run.model, t.forward_backend))
         round_ = round_.rows(order)
-    if t.num_iterations > 1 or t.effective_steps_per_generation > ga:  # the round outlives this policy
-        with record_function("grpo/old_logprobs"):
+    corrected = round_.sampling_logps is not None and t.vllm_importance_sampling_correction
+    if t.num_iterations > 1 or t.effective_steps_per_generation > ga or corrected:  # the round outlives this policy,
+        with record_function("grpo/old_logprobs"):                                  # or the sampler is not it
             round_.old_logps = frozen_logprobs(run.model, round_, t)
+    if corrected:
+        round_.sampler_ratio = sampler_correction(round_.old_logps, round_.sampling_logps, round_.completion_mask,
+                                                  t.vllm_importance_sampling_mode, t.vllm_importance_sampling_clip_min,
+                                                  t.vllm_importance_sampling_clip_max)
+        round_.metrics.update(sampler_metrics(acc, round_))
     if run.ref_model is not None:
         with record_function("grpo/ref_logprobs"):
             round_.ref_logps = frozen_logprobs(run.ref_model, round_, t)
     return round_
+
+
+def sampler_metrics(accelerator, round_: Round) -> dict[str, float]:
+    """TRL's sampling/* metrics of a round: |old - sampler| log-prob gap over the scored tokens, and the
+    correction's ratio (over tokens, or sequences at sequence level), over every process."""
+    mask = round_.completion_mask.bool()
+    gap = (round_.old_logps - round_.sampling_logps).abs()
+    gap = gap[mask & ~torch.isnan(gap)]
+    ratio = round_.sampler_ratio.flatten() if round_.sampler_ratio.shape[1] == 1 else round_.sampler_ratio[mask]
+    gap, ratio = (_gather_values(accelerator, v.float()) if accelerator.num_processes > 1 else v for v in (gap, ratio))
+
+    def stat(values, fn):
+        return float(fn(values)) if values.numel() else 0.0
+
+    return {"sampling/sampling_logp_difference/mean": stat(gap, torch.mean),
+            "sampling/sampling_logp_difference/max": stat(gap, torch.max),
+            "sampling/importance_sampling_ratio/min": stat(ratio, torch.min),
+            "sampling/importance_sampling_ratio/mean": stat(ratio, torch.mean),
+            "sampling/importance_sampling_ratio/max": stat(ratio, torch.max)}
 
 
 def step_micro_batches(state: TrainState, t: TrainConfig) -> list[Round]:
@@ -362,7 +388,9 @@ def micro_batch_loss(run: TrainingRun, mb: Round, loss_mask: torch.Tensor, *, nu
         num_items=max(num_items, 1.0), sapo_temperature_pos=t.sapo_temperature_pos,
         sapo_temperature_neg=t.sapo_temperature_neg, vespo_k_pos=t.vespo_k_pos, vespo_lambda_pos=t.vespo_lambda_pos,
         vespo_k_neg=t.vespo_k_neg, vespo_lambda_neg=t.vespo_lambda_neg,
-        off_policy_mask_threshold=t.off_policy_mask_threshold, entropy_mask=trained)
+        off_policy_mask_threshold=t.off_policy_mask_threshold, entropy_mask=trained,
+        sampling_logps=_cut(mb.sampling_logps, width, device),
+        sampler_ratio=_cut(mb.sampler_ratio, width, device))  # (B, 1) at sequence level stays (B, 1)
     if t.loss_type not in TOKEN_SUM_LOSS_TYPES:  # those already divide by the step's token count
         loss = loss / ga
     effective = mask.bool() if trained is None else trained

@@ -50,7 +50,8 @@ def sample_round(*, backend: RolloutBackend, tokenizer, dataset, indices: list[i
     })
     return Round(prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask, completion_ids=batch.completion_ids,
                  completion_mask=batch.completion_mask, is_truncated=batch.is_truncated,
-                 advantages=torch.zeros(len(rewards)), metrics=metrics, rewards=rewards)
+                 advantages=torch.zeros(len(rewards)), metrics=metrics, rewards=rewards,
+                 sampling_logps=batch.sampling_logps)
 
 
 def assign_advantages(round_: Round, weights: torch.Tensor, t: TrainConfig, accelerator) -> Round:

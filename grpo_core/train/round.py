@@ -26,6 +26,8 @@ class Round:
     ref_logps: torch.Tensor | None = None  # (N, C) float32: the reference's, when beta > 0
     rewards: torch.Tensor | None = None    # (N, K) float32 per-function rewards (NaN = None), kept while the
                                            # round is assembled (dynamic sampling recomputes the advantages)
+    sampling_logps: torch.Tensor | None = None  # (N, C) float32: the sampling engine's own (vLLM), NaN = none
+    sampler_ratio: torch.Tensor | None = None   # (N, C) or (N, 1): pi_old / pi_sampler, truncated or masked
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -61,6 +63,7 @@ class Round:
         def widened(r: Round) -> dict:
             return {"prompt_ids": _pad(r.prompt_ids, prompt, left=True), "prompt_mask": _pad(r.prompt_mask, prompt, left=True),
                     "completion_ids": _pad(r.completion_ids, completion), "completion_mask": _pad(r.completion_mask, completion),
+                    "sampling_logps": None if r.sampling_logps is None else _pad(r.sampling_logps, completion),
                     **{n: getattr(r, n) for n in ("is_truncated", "advantages", "rewards")}}
 
         parts = [widened(r) for r in rounds]

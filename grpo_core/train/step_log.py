@@ -20,6 +20,10 @@ def metric_columns(reward_names: list[str], t: TrainConfig | None = None) -> lis
     extra = list(_LOSS_TYPE_METRICS.get(t.loss_type, []))
     if t.entropy_coef != 0 or t.use_adaptive_entropy:
         extra.append("entropy_coef")
+    if t.generation_backend == "vllm" and t.vllm_importance_sampling_correction:
+        extra += ["sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+                  "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+                  "sampling/importance_sampling_ratio/max"]
     if t.dynamic_sampling:
         extra += ["dynamic/groups_dropped", "dynamic/generation_rounds", "dynamic/tied_groups_used"]
     cols = ["step", "loss", "reward", "reward_std", "frac_reward_zero_std"]
