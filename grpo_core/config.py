@@ -142,6 +142,11 @@ class TrainConfig:
     off_policy_mask_threshold: float | None = _f(
         None, "OPSM (DeepSeek-V3.2): drop negative-advantage sequences whose mean KL(sampler || policy) exceeds "
         "this (None = off)", ge=0)
+    log_completions_steps: int = _f(0, "every this many steps, the round's samples (prompt, completion, each reward, "
+                                    "advantage) go to <step log>.completions.jsonl and the tracker's tables "
+                                    "(0 = never)", ge=0)
+    num_completions_to_log: int | None = _f(None, "log_completions_steps: rows per table (None = the whole round)",
+                                            ge=1)
     dynamic_sampling: bool = _f(False, "DAPO's dynamic sampling: groups whose rewards all tie never reach the loss; "
                                 "more prompts are sampled until the round is full (grpo_core/train/dynamic.py)")
     dynamic_sampling_max_rounds: int = _f(4, "dynamic_sampling: samplings a round may take to fill up; past them "

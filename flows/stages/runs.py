@@ -26,6 +26,7 @@ Tracking never fails a stage: if the store cannot be reached the stage warns and
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -181,7 +182,7 @@ def find_group_parent(uri: str, experiment: str, group: str) -> str | None:
 class StageRun:
     """Context manager around one stage's MLflow child run; a no-op (with a warning) if the store fails.
 
-    ``log_params / log_metrics / set_tags / log_artifact / log_text / log_data_hashes``; ``run_id``;
+    ``log_params / log_metrics / set_tags / log_artifact / log_table / log_text / log_data_hashes``; ``run_id``;
     ``client`` (an MlflowClient for the registry, None when tracking is off).
     """
 
@@ -195,6 +196,7 @@ class StageRun:
         self.tags: dict[str, str] = {}
         self._owns_parent = False
         self._tmp = tempfile.TemporaryDirectory(prefix=f"grpo-{ctx.stage}-")
+        self._tables: list[dict] = []  # the table artifacts logged so far (mlflow.loggedArtifacts)
 
     @property
     def run_id(self) -> str | None:
@@ -275,6 +277,21 @@ class StageRun:
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         if self.tracker is not None and Path(path).exists():
             self.tracker.log_artifact(str(path), artifact_path)
+
+    def log_table(self, columns: Mapping[str, list], artifact_file: str) -> None:
+        """A table artifact as ``mlflow.log_table`` writes one (pandas' split-oriented JSON), listed in the run's
+        ``mlflow.loggedArtifacts`` tag so the UI shows it as a table; queued like every artifact."""
+        if self.tracker is None or not columns:
+            return
+        import pandas as pd
+
+        path = Path(self._tmp.name) / artifact_file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pd.DataFrame(dict(columns)).to_json(path, orient="split", index=False, date_format="iso")
+        folder = str(Path(artifact_file).parent) if Path(artifact_file).parent != Path(".") else None
+        self.tracker.log_artifact(str(path), folder)
+        self._tables.append({"path": artifact_file, "type": "table"})
+        self.tracker.set_tags({"mlflow.loggedArtifacts": json.dumps(self._tables)})
 
     def log_text(self, text: str, name: str, artifact_path: str | None = None) -> None:
         """A text artifact that is no pipeline output (written to a temp file kept until the run closes)."""

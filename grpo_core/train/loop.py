@@ -47,6 +47,7 @@ from grpo_core.model.sharding import clip_gradients, is_sharded, shard_model
 from grpo_core.rewards import build_reward_functions
 from grpo_core.rollout import backend_for
 from grpo_core.train.checkpoint import latest_checkpoint, remove_stale_temp_dirs
+from grpo_core.train.completions import CompletionLog, as_table, completion_rows
 from grpo_core.train.dynamic import fill_round
 from grpo_core.train.export import export_model
 from grpo_core.train.forward import frozen_logprobs, policy_logprobs
@@ -121,6 +122,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
     run, prompts = set_up(cfg, root, reward_weights, backend_factory)
     state, resumed_from = resume_or_start(run, PromptSampler(len(prompts.dataset), t.seed, allowed_prompts))
     step_log = open_step_log(run, log_path, prompts.reward_names, state.step)
+    samples_log = open_completion_log(run, log_path, state.step)
     monitor = GuardMonitor(cfg.guards)
     bar = _progress_bar(run, state.step) if progress else None
 
@@ -138,6 +140,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
         if event is not None and event.action == "rollback":
             state = roll_back(run, state, cfg.guards.rollback_lr_factor)
             step_log = open_step_log(run, log_path, prompts.reward_names, state.step)
+            samples_log = open_completion_log(run, log_path, state.step)
             monitor.reset_history()
             _progress_to(bar, state.step)
             continue
@@ -151,6 +154,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
                         "num_tokens": grads.num_items * run.accelerator.num_processes,
                         "step_time": time.perf_counter() - step_start})  # generation included when it sampled
         log_step(run, state, metrics, step_log, tracker, bar)
+        log_completions(run, state, prompts.reward_names, samples_log, tracker)
         save_if_due(run, state, metrics)
     if bar is not None:
         bar.close()
@@ -479,6 +483,32 @@ def apply_update(run: TrainingRun, state: TrainState, skipped: bool) -> None:
     if run.ref_model is not None and t.sync_ref_model and state.step % t.ref_model_sync_steps == 0:
         _mix_reference(run.ref_model, run.policy, t.ref_model_mixup_alpha)
         state.reference_synced = True
+
+
+def open_completion_log(run: TrainingRun, step_log_path: Path, step: int) -> CompletionLog | None:
+    """Rank 0's completions file beside the step log, when ``log_completions_steps`` asks for one."""
+    if not run.t.log_completions_steps or not run.accelerator.is_main_process:
+        return None
+    return CompletionLog(step_log_path.with_suffix(".completions.jsonl"), step)
+
+
+def log_completions(run: TrainingRun, state: TrainState, reward_names: list[str], samples_log: CompletionLog | None,
+                    tracker) -> None:
+    """Every log_completions_steps: the round's rows as text, rewards and advantages (gathered from every
+    process) into the completions file and, as a table, the tracker."""
+    t, acc = run.t, run.accelerator
+    if not t.log_completions_steps or state.step % t.log_completions_steps:
+        return
+    rows = completion_rows(state.round, run.tokenizer, reward_names, state.step, t.num_completions_to_log)
+    if acc.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        rows = gather_object(rows)[:t.num_completions_to_log]
+    if not acc.is_main_process:
+        return
+    samples_log.append(rows)
+    if tracker is not None and hasattr(tracker, "log_table"):
+        tracker.log_table(as_table(rows), f"completions/step_{state.step:06d}.json")
 
 
 def adapt_entropy_coef(run: TrainingRun, state: TrainState, grads: StepGradients) -> None:

@@ -56,14 +56,14 @@ def sample_round(*, backend: RolloutBackend, tokenizer, dataset, indices: list[i
 
 def assign_advantages(round_: Round, weights: torch.Tensor, t: TrainConfig, accelerator) -> Round:
     """The round with its group-relative advantages (N,), computed over every process's rewards (so
-    ``scale_rewards="batch"`` and the groups see the global batch), and without the rewards."""
+    ``scale_rewards="batch"`` and the groups see the global batch)."""
     all_rewards = _gather(accelerator, round_.rewards)                                    # (world * N, K)
     advantages = compute_advantages(all_rewards, weights, t.num_generations, scale=t.scale_rewards,
                                     aggregation=t.multi_objective_aggregation)
     if accelerator.num_processes > 1:
         n = len(round_)
         advantages = advantages[accelerator.process_index * n:(accelerator.process_index + 1) * n]
-    return replace(round_, advantages=advantages.float(), rewards=None)
+    return replace(round_, advantages=advantages.float())
 
 
 def reward_metrics(rewards: torch.Tensor, weights: torch.Tensor, group_size: int, names: list[str]) -> dict:
