@@ -200,6 +200,24 @@ LOSS_GRID = [
 ]
 
 
+def assert_matches_trl(base, old_logps, ref, advantages, mask, options, **inputs):
+    """grpo_loss and TRL's _compute_loss on the same inputs: value, gradient and every metric TRL logs (to 1e-6).
+    Returns our gradient."""
+    ours_logps = base.clone().requires_grad_(True)
+    trl_logps = base.clone().requires_grad_(True)
+    ours, stats = grpo_loss(ours_logps, old_logps, ref, advantages, mask, **options, **inputs)
+    theirs, trl_stats, _ = trl_grpo_loss(trl_logps, old_logps, ref, advantages, mask, **options, **inputs)
+    ours.backward()
+    theirs.backward()
+    torch.testing.assert_close(ours, theirs, atol=TOL, rtol=0)
+    torch.testing.assert_close(ours_logps.grad, trl_logps.grad, atol=TOL, rtol=0)
+    assert set(stats) - {"ratio_mean"} == set(trl_stats) - {"entropy"}  # entropy: not computed by grpo_loss
+    for name, value in trl_stats.items():
+        if name != "entropy":
+            assert float(stats[name]) == pytest.approx(value, abs=TOL, nan_ok=True), name
+    return ours_logps.grad
+
+
 # The loss types with their own policy term, and OPSM over every family: levels, KL, on/off-policy, mask on/off.
 NEW_LOSS_GRID = [
     (loss_type, level, beta, old_given, opsm)
@@ -228,21 +246,8 @@ def test_cispo_sapo_luspo_vespo_and_opsm_match_trl(loss_type, level, beta, old_g
         "num_items": mask.sum() + 11 if loss_type in ("dapo", "cispo", "vespo") else None,
         "off_policy_mask_threshold": opsm, **SHAPES,
     }
-    ours_logps = base.clone().requires_grad_(True)
-    trl_logps = base.clone().requires_grad_(True)
-    old_logps = old if old_given else None
-    ours, stats = grpo_loss(ours_logps, old_logps, ref, advantages, mask, **options)
-    theirs, trl_stats, _ = trl_grpo_loss(trl_logps, old_logps, ref, advantages, mask, **options)
-    ours.backward()
-    theirs.backward()
-
-    torch.testing.assert_close(ours, theirs, atol=TOL, rtol=0)
-    torch.testing.assert_close(ours_logps.grad, trl_logps.grad, atol=TOL, rtol=0)
-    assert ours_logps.grad.abs().sum() > 0  # a loss that trains
-    assert set(stats) - {"ratio_mean"} == set(trl_stats) - {"entropy"}
-    for name, value in trl_stats.items():
-        if name != "entropy":
-            assert float(stats[name]) == pytest.approx(value, abs=TOL, nan_ok=True), name
+    grad = assert_matches_trl(base, old if old_given else None, ref, advantages, mask, options)
+    assert grad.abs().sum() > 0  # a loss that trains
 
 
 def test_opsm_drops_exactly_the_negative_far_off_policy_sequences():
@@ -326,20 +331,10 @@ def test_the_corrected_loss_and_opsm_on_sampler_logps_match_trl(loss_type, mode,
                "max_completion_length": base.shape[1] + 3,
                "num_items": mask.sum() + 11 if loss_type in ("dapo", "cispo", "vespo") else None,
                "off_policy_mask_threshold": opsm, **SHAPES}
-    ours_logps, trl_logps = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
-    ours, stats = grpo_loss(ours_logps, old, ref, advantages, mask, sampler_ratio=ratio, sampling_logps=sampling,
-                            **options)
-    theirs, trl_stats, _ = trl_grpo_loss(trl_logps, old, ref, advantages, mask, sampler_ratio=ratio,
-                                         sampling_logps=sampling, **options)
-    ours.backward()
-    theirs.backward()
-    torch.testing.assert_close(ours, theirs, atol=TOL, rtol=0)
-    torch.testing.assert_close(ours_logps.grad, trl_logps.grad, atol=TOL, rtol=0)
+    assert_matches_trl(base, old, ref, advantages, mask, options, sampler_ratio=ratio, sampling_logps=sampling)
+    corrected, _ = grpo_loss(base, old, ref, advantages, mask, sampler_ratio=ratio, sampling_logps=sampling, **options)
     uncorrected, _ = grpo_loss(base, old, ref, advantages, mask, **options)
-    assert abs(float(uncorrected) - float(ours)) > 1e-6  # the correction moved the loss
-    for name, value in trl_stats.items():
-        if name != "entropy":
-            assert float(stats[name]) == pytest.approx(value, abs=TOL, nan_ok=True), name
+    assert abs(float(uncorrected) - float(corrected)) > 1e-6  # the correction moved the loss
 
 
 def test_vespo_refuses_a_sequence_level_correction():
@@ -428,20 +423,7 @@ def test_loss_values_gradients_and_stats_match_trl(
         "max_completion_length": base.shape[1] + 3,
         "num_items": mask.sum() + 11 if loss_type == "dapo" else None,  # tokens of the whole generation batch
     }
-    ours_logps = base.clone().requires_grad_(True)
-    trl_logps = base.clone().requires_grad_(True)
-    old_logps = old if old_given else None
-    ours, stats = grpo_loss(ours_logps, old_logps, ref, advantages, mask, **options)
-    theirs, trl_stats, _ = trl_grpo_loss(trl_logps, old_logps, ref, advantages, mask, **options)
-    ours.backward()
-    theirs.backward()
-
-    torch.testing.assert_close(ours, theirs, atol=TOL, rtol=0)
-    torch.testing.assert_close(ours_logps.grad, trl_logps.grad, atol=TOL, rtol=0)
-    assert set(stats) - {"ratio_mean"} == set(trl_stats) - {"entropy"}  # entropy: not computed by grpo_loss
-    for name, value in trl_stats.items():
-        if name != "entropy":
-            assert float(stats[name]) == pytest.approx(value, abs=TOL, nan_ok=True), name
+    assert_matches_trl(base, old if old_given else None, ref, advantages, mask, options)
 
 
 def test_dapo_default_num_items_is_the_micro_batch_token_count():
