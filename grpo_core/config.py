@@ -142,6 +142,9 @@ class TrainConfig:
     off_policy_mask_threshold: float | None = _f(
         None, "OPSM (DeepSeek-V3.2): drop negative-advantage sequences whose mean KL(sampler || policy) exceeds "
         "this (None = off)", ge=0)
+    disable_dropout: bool = _f(False, "set every dropout module of policy and reference to p = 0 (LoRA's adapter "
+                               "dropout too), so training-mode log-probs match the sampling ones")
+    shuffle_dataset: bool = _f(True, "prompts in a seeded new order each epoch; false: in file order")
     log_completions_steps: int = _f(0, "every this many steps, the round's samples (prompt, completion, each reward, "
                                     "advantage) go to <step log>.completions.jsonl and the tracker's tables "
                                     "(0 = never)", ge=0)

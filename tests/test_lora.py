@@ -173,3 +173,26 @@ def test_exact_resume_after_sigkill(assets, tmp_path):
     log_b = [{k: v for k, v in r.items() if k not in drop} for r in read_log(tmp_path / "killed/metrics/train_log.csv")]
     assert [r["step"] for r in log_b] == [str(i) for i in range(1, 13)]
     assert log_a == log_b
+
+
+def test_disable_dropout_makes_the_training_forward_repeatable(assets):
+    """LoRA's adapter dropout (0.5 here) makes two training-mode forwards differ; disable_dropout (TRL's
+    disable_dropout) switches every dropout module off, so they agree - the log-probs the loss sees are the
+    sampled policy's."""
+    from grpo_core.config import LoraConfig, ModelConfig
+    from grpo_core.model.loading import disable_dropout, load_policy
+
+    model_dir, _ = assets
+    cfg = ModelConfig(name_or_path=str(model_dir), lora=LoraConfig(**{**LORA, "lora_dropout": 0.5}))
+    policy, _ = load_policy(cfg)
+    policy.train()
+    with torch.no_grad():  # a trained adapter: peft starts B at zero, where dropout on its input changes nothing
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    torch.manual_seed(0)
+    a, b = policy(input_ids=ids).logits, policy(input_ids=ids).logits
+    assert not torch.allclose(a, b)
+    assert disable_dropout(policy) > 0
+    assert torch.equal(policy(input_ids=ids).logits, policy(input_ids=ids).logits)

@@ -216,6 +216,14 @@ train(cfg, root=sys.argv[3], progress=False)
 
 
 @pytest.mark.slow
+def test_without_shuffle_prompts_come_in_file_order_every_epoch():
+    sampler = PromptSampler(5, seed=3, shuffle=False)
+    assert sampler.take(7) == [0, 1, 2, 3, 4, 0, 1]
+    shuffled = PromptSampler(5, seed=3).take(5)
+    assert sorted(shuffled) == [0, 1, 2, 3, 4] and shuffled != [0, 1, 2, 3, 4]
+    assert PromptSampler(6, seed=0, allowed=[4, 1, 5], shuffle=False).take(4) == [4, 1, 5, 4]
+
+
 def test_exact_resume_after_sigkill(assets, tmp_path):
     """k steps + SIGKILL + resume == an uninterrupted run: bit-identical weights and the same metrics.
 

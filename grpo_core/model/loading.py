@@ -171,6 +171,16 @@ def load_policy(cfg: ModelConfig, root: str | Path = ".", gradient_checkpointing
     return model, tokenizer
 
 
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Every ``nn.Dropout`` of ``model`` (LoRA's adapter dropout included) set to p = 0, so the policy's training-mode
+    log-probs are those it sampled with (TRL's ``disable_dropout``). Returns how many there were. Attention
+    dropout that a model applies inside its attention kernel, not through a module, is its config's business."""
+    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    for m in dropouts:
+        m.p = 0.0
+    return len(dropouts)
+
+
 def is_peft_model(model) -> bool:
     """True for a peft-wrapped model (LoRA); peft is optional, so a missing peft means no."""
     try:

@@ -42,7 +42,7 @@ from grpo_core.loss import (
 )
 from grpo_core.microbatch import length_grouped_order
 from grpo_core.model.fastforward import use_manual_forward
-from grpo_core.model.loading import DTYPES, load_policy, load_reference, owns_weights
+from grpo_core.model.loading import DTYPES, disable_dropout, load_policy, load_reference, owns_weights
 from grpo_core.model.sharding import clip_gradients, is_sharded, shard_model
 from grpo_core.rewards import build_reward_functions
 from grpo_core.rollout import backend_for
@@ -120,7 +120,8 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
     t, root = cfg.train, Path(root)
     log_path, model_dir = root / log_path, root / t.output_dir / "model"
     run, prompts = set_up(cfg, root, reward_weights, backend_factory)
-    state, resumed_from = resume_or_start(run, PromptSampler(len(prompts.dataset), t.seed, allowed_prompts))
+    sampler = PromptSampler(len(prompts.dataset), t.seed, allowed_prompts, shuffle=t.shuffle_dataset)
+    state, resumed_from = resume_or_start(run, sampler)
     step_log = open_step_log(run, log_path, prompts.reward_names, state.step)
     samples_log = open_completion_log(run, log_path, state.step)
     monitor = GuardMonitor(cfg.guards)
@@ -192,6 +193,10 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
     set_seed(t.seed)
     model, tokenizer = load_policy(cfg.model, root, gradient_checkpointing=t.gradient_checkpointing)
     ref_model = load_reference(cfg.model, root, model) if t.beta > 0 else None
+    if t.disable_dropout:
+        for module in (model, ref_model):
+            if module is not None:
+                disable_dropout(module)
     dataset = load_split(cfg.data, "train", root)
     encoder = PromptEncoder.from_config(tokenizer, cfg.data, t.max_prompt_length)
     reward_fns = build_reward_functions(cfg.rewards)

@@ -33,15 +33,18 @@ class TrainingError(TrainingFailure, RuntimeError):
 
 
 class PromptSampler:
-    """Prompt indices in seeded epoch permutations; its state is two integers, so resume is exact."""
+    """Prompt indices in seeded epoch permutations (in file order with ``shuffle`` off: TRL's
+    ``shuffle_dataset``); its state is two integers, so resume is exact."""
 
-    def __init__(self, num_prompts: int, seed: int, allowed: list[int] | None = None):
+    def __init__(self, num_prompts: int, seed: int, allowed: list[int] | None = None, shuffle: bool = True):
         self.pool = np.asarray(allowed if allowed is not None else range(num_prompts), dtype=np.int64)
         if len(self.pool) == 0:
             raise TrainingError("no training prompts to sample from (after calibration's filtering)")
-        self.seed, self.epoch, self.position = seed, 0, 0
+        self.seed, self.epoch, self.position, self.shuffle = seed, 0, 0, shuffle
 
     def _order(self) -> np.ndarray:
+        if not self.shuffle:
+            return self.pool
         return self.pool[np.random.default_rng([self.seed, self.epoch]).permutation(len(self.pool))]
 
     def take(self, n: int) -> list[int]:
