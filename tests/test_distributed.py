@@ -86,6 +86,22 @@ def test_two_nodes_of_eight_gpus_render_one_accelerate_launch_per_node(tmp_path)
     assert args.config_file == str(REPO / "infra/accelerate/fsdp2.yaml")
 
 
+def test_accelerate_launches_fsdp2_yaml_as_plain_processes_and_never_its_own_fsdp():
+    """What ``accelerate launch`` makes of infra/accelerate/fsdp2.yaml (its own validation and environment, as run
+    on machine 1 of 2): 8 processes on this node, no ACCELERATE_USE_FSDP / FSDP_* variables - the sharding is
+    the trainer's alone, as on CPU."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    cmd = launch_command(16, cuda=True, accelerate_config=REPO / "infra/accelerate/fsdp2.yaml", machines=2,
+                         machine=Machine(1, "10.0.0.1", 29501))
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(cmd[3:] + ["x.py"]))
+    assert args.multi_gpu and not args.use_fsdp and not args.use_deepspeed
+    env = prepare_multi_gpu_env(args)
+    assert not [k for k in env if "FSDP" in k]
+    assert (args.nproc_per_node, args.nnodes, args.node_rank) == ("8", "2", 1)
+
+
 def test_two_cpu_nodes_render_torchrun_per_node(tmp_path):
     from torch.distributed.run import get_args_parser
 
