@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from grpo_core.config import TrainConfig
-from grpo_core.train.rollouts import assign_advantages, reward_metrics
+from grpo_core.train.rollouts import assign_advantages, gather_rows, length_metrics, reward_metrics
 from grpo_core.train.round import Round
 
 
@@ -78,15 +78,10 @@ def _round_metrics(accelerator, attempts: list[Round], round_: Round, weights: t
     """Rewards over everything sampled for the round (what the policy did, comparable with dynamic sampling
     off); lengths over the rows trained on; times and reward errors summed over the samplings."""
     sampled = [a.rewards for a in attempts] or [round_.rewards]  # no sampling: the pending groups it trains on
-    metrics = reward_metrics(torch.cat([_gather(accelerator, r) for r in sampled]), weights, G, reward_names)
+    metrics = reward_metrics(torch.cat([gather_rows(accelerator, r) for r in sampled]), weights, G, reward_names)
     for key in ("generation_time", "reward_errors", "reward_timeouts"):
         metrics[key] = float(sum(a.metrics[key] for a in attempts))
-    lengths = _gather(accelerator, torch.stack([round_.completion_mask.sum(1).float(),
-                                                round_.is_truncated.float()], dim=1))
-    metrics.update({"completions/mean_length": lengths[:, 0].mean().item(),
-                    "completions/min_length": lengths[:, 0].min().item(),
-                    "completions/max_length": lengths[:, 0].max().item(),
-                    "completions/clipped_ratio": lengths[:, 1].mean().item()})
+    metrics.update(length_metrics(accelerator, round_.completion_mask, round_.is_truncated))
     return metrics
 
 
@@ -99,12 +94,6 @@ def _any_process(accelerator, flag: bool) -> bool:
         return flag
     value = torch.tensor(float(flag), device=accelerator.device)
     return bool(accelerator.reduce(value, "sum").item() > 0)
-
-
-def _gather(accelerator, rows: torch.Tensor) -> torch.Tensor:
-    if accelerator.num_processes == 1:
-        return rows
-    return accelerator.gather(rows.to(accelerator.device)).cpu()
 
 
 def _counts(accelerator, *, dropped: int, rounds: int, filled_with_tied: int) -> dict[str, float]:

@@ -103,7 +103,8 @@ class StepGradients:
     grad_norm: torch.Tensor         # () before clipping
     num_items: float                # loss tokens per process (the global count / processes)
     local_tokens: int               # this process's loss tokens
-    trained_entropy: torch.Tensor   # (2,) float64: entropy sum and count over the trained tokens, this process
+    trained_entropy: torch.Tensor | None  # (2,) float64: entropy sum and count over the trained tokens, this
+                                          # process (use_adaptive_entropy only)
 
 
 def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tracker=None,
@@ -348,7 +349,7 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[Round], entropy_c
     loss_masks = [mb.loss_mask(t.mask_truncated_completions) for mb in micro_batches]
     local_tokens = sum(int(m.sum()) for m in loss_masks)
     num_items = _global_sum(acc, local_tokens) / acc.num_processes
-    losses, stats, entropies, window = [], [], [], torch.zeros(2, dtype=torch.float64)
+    losses, stats, entropies, window = [], [], [], None
     for j, (mb, loss_mask) in enumerate(zip(micro_batches, loss_masks)):
         # DDP: all-reduce once, after the last micro-batch. FSDP2 reduce-scatters every micro-batch: deferring
         # would keep whole, unsharded gradients on every process - the memory sharding exists to save.
@@ -362,7 +363,8 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[Round], entropy_c
         losses.append(part.loss.detach())
         stats.append(part.stats)
         entropies.append(part.mean_entropy)
-        window += part.trained_entropy
+        if part.trained_entropy is not None:
+            window = part.trained_entropy if window is None else window + part.trained_entropy
     max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
     grad_norm = (clip_gradients(run.model.parameters(), max_norm) if is_sharded(run.model)
                  else acc.clip_grad_norm_(run.model.parameters(), max_norm))
@@ -374,7 +376,8 @@ class MicroBatchLoss:
     loss: torch.Tensor             # () with grad, scaled to the step (for backward)
     stats: dict                    # grpo_loss diagnostics
     mean_entropy: torch.Tensor     # () detached: mean entropy over the loss tokens (the logged "entropy")
-    trained_entropy: torch.Tensor  # (2,) float64: entropy sum and count over the tokens the policy term trains on
+    trained_entropy: torch.Tensor | None  # (2,) float64: entropy sum and count over the trained tokens
+                                          # (use_adaptive_entropy only)
 
 
 def micro_batch_loss(run: TrainingRun, mb: Round, loss_mask: torch.Tensor, *, num_items: float, ga: int,
@@ -387,9 +390,8 @@ def micro_batch_loss(run: TrainingRun, mb: Round, loss_mask: torch.Tensor, *, nu
     mask = loss_mask[:, :width].to(device)
     trained = None
     if t.top_entropy_quantile < 1.0:  # the threshold is the quantile over every process's tokens, as in TRL
-        values = entropy.detach()[mask.bool()].float()
-        trained = high_entropy_mask(entropy.detach(), mask, t.top_entropy_quantile,
-                                    all_entropies=_gather_values(acc, values))
+        every = _gather_values(acc, entropy.detach()[mask.bool()].float()) if acc.num_processes > 1 else None
+        trained = high_entropy_mask(entropy.detach(), mask, t.top_entropy_quantile, all_entropies=every)
     loss, stats = grpo_loss(
         logps, _cut(mb.old_logps, width, device), _cut(mb.ref_logps, width, device), mb.advantages.to(device), mask,
         loss_type=t.loss_type, beta=t.beta, epsilon_low=t.epsilon, epsilon_high=t.epsilon_high, delta=t.delta,
@@ -406,10 +408,13 @@ def micro_batch_loss(run: TrainingRun, mb: Round, loss_mask: torch.Tensor, *, nu
     if entropy_coef != 0.0:  # L = L_policy - coef * H, H the mean over the trained tokens; per step, so / ga
         loss = loss - entropy_coef * entropy_mean(entropy, effective) / ga
     m = mask.to(entropy.dtype)
-    trained_sum = torch.stack([(entropy.detach() * effective).sum(), effective.sum()]).to("cpu", torch.float64)
+    trained_sum = None  # only adaptive control reads it; it stays on the device until the step's end
+    if t.use_adaptive_entropy:
+        trained_sum = torch.stack([(entropy.detach() * effective).sum(), effective.sum()]).double()
     return MicroBatchLoss(loss, stats, ((entropy * m).sum() / m.sum().clamp(min=1)).detach(), trained_sum)
 
 
+_ALWAYS_LOGGED = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 _PROCESS_MEAN_METRICS = ("loss", "vespo/phi_seq_mean")
 _TOKEN_MEAN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
                        "cispo_clip_ratio")
@@ -420,13 +425,13 @@ def step_metrics(run: TrainingRun, state: TrainState, grads: StepGradients) -> d
     entropy, grad norm. On N processes every rank gets the numbers one process would (one all-reduce)."""
     metrics = {"step": state.step + 1, **state.round.metrics}
     metrics["loss"] = torch.stack(grads.losses).sum().item()
-    for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):  # 0 when absent
-        vals = [float(s[key]) for s in grads.stats if key in s]
-        metrics[key] = sum(vals) / len(vals) if vals else 0.0
-    for key in ("cispo_clip_ratio", "vespo/phi_seq_mean"):  # only the loss types that have them
+    for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio",
+                "vespo/phi_seq_mean"):
         vals = [float(s[key]) for s in grads.stats if key in s]
         if vals:
             metrics[key] = sum(vals) / len(vals)
+        elif key in _ALWAYS_LOGGED:  # the step log's fixed columns: 0 where this loss type has no such value
+            metrics[key] = 0.0
     metrics["entropy"] = torch.stack(grads.entropies).mean().item()
     if run.accelerator.num_processes > 1:
         metrics.update(_reduce_metrics(run.accelerator, metrics, float(grads.local_tokens)))
@@ -524,7 +529,8 @@ def adapt_entropy_coef(run: TrainingRun, state: TrainState, grads: StepGradients
         return
     total = grads.trained_entropy
     if run.accelerator.num_processes > 1:
-        total = run.accelerator.reduce(total.to(run.accelerator.device), "sum").cpu()
+        total = run.accelerator.reduce(total.to(run.accelerator.device), "sum")
+    total = total.cpu()
     entropy = float(total[0] / total[1].clamp(min=1.0))
     state.entropy_coef = next_entropy_coef(state.entropy_coef, entropy, target=t.entropy_target,
                                            delta=t.entropy_coef_delta, low=t.entropy_coef_min, high=t.entropy_coef_max)

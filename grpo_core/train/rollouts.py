@@ -35,15 +35,9 @@ def sample_round(*, backend: RolloutBackend, tokenizer, dataset, indices: list[i
                                row_ids=indices, keep_batches=True)
     (batch,) = sampled.batches
     rewards = torch.as_tensor(sampled.rewards, dtype=torch.float32)                     # (N, K)
-    metrics = reward_metrics(_gather(accelerator, rewards), weights, G, reward_names)
-    lengths_and_truncated = _gather(accelerator, torch.stack([batch.completion_lengths.float(),
-                                                              batch.is_truncated.float()], dim=1))
-    lengths, truncated = lengths_and_truncated[:, 0], lengths_and_truncated[:, 1]
+    metrics = reward_metrics(gather_rows(accelerator, rewards), weights, G, reward_names)
+    metrics.update(length_metrics(accelerator, batch.completion_mask, batch.is_truncated))
     metrics.update({
-        "completions/mean_length": lengths.mean().item(),
-        "completions/min_length": lengths.min().item(),
-        "completions/max_length": lengths.max().item(),
-        "completions/clipped_ratio": truncated.mean().item(),
         "reward_errors": float(sum(sampled.error_counts.values())),
         "reward_timeouts": float(sum(sampled.timeout_counts.values())),
         "generation_time": sampled.generation_time,
@@ -57,7 +51,7 @@ def sample_round(*, backend: RolloutBackend, tokenizer, dataset, indices: list[i
 def assign_advantages(round_: Round, weights: torch.Tensor, t: TrainConfig, accelerator) -> Round:
     """The round with its group-relative advantages (N,), computed over every process's rewards (so
     ``scale_rewards="batch"`` and the groups see the global batch)."""
-    all_rewards = _gather(accelerator, round_.rewards)                                    # (world * N, K)
+    all_rewards = gather_rows(accelerator, round_.rewards)                                    # (world * N, K)
     advantages = compute_advantages(all_rewards, weights, t.num_generations, scale=t.scale_rewards,
                                     aggregation=t.multi_objective_aggregation)
     if accelerator.num_processes > 1:
@@ -84,7 +78,15 @@ def reward_metrics(rewards: torch.Tensor, weights: torch.Tensor, group_size: int
     return out
 
 
-def _gather(accelerator, rows: torch.Tensor) -> torch.Tensor:
+def length_metrics(accelerator, completion_mask: torch.Tensor, is_truncated: torch.Tensor) -> dict[str, float]:
+    """TRL's completions/* metrics over every process's rows: mean/min/max length and the truncated share."""
+    both = gather_rows(accelerator, torch.stack([completion_mask.sum(1).float(), is_truncated.float()], dim=1))
+    lengths, truncated = both[:, 0], both[:, 1]
+    return {"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.mean().item()}
+
+
+def gather_rows(accelerator, rows: torch.Tensor) -> torch.Tensor:
     """Every process's rows, in process order, on the CPU (the tensor itself on one process)."""
     if accelerator.num_processes == 1:
         return rows
