@@ -7,6 +7,7 @@
     model/                                       loading, the hand-written forward, log-probs
     rollout/                                     sampling backends behind one interface (HF, hand-written, vLLM)
     data.py, rewards/, sampling.py, validation.py  prompts, reward functions, the one sample-and-score, data checks
+    held_out.py                                  a policy scored on held-out prompts (evaluate and eval during training)
     train/                                       the training loop as named phases, its state, checkpoints
 
 ``flows/`` (the stage commands, Prefect, MLflow) sits on top and is never imported from here.

@@ -150,6 +150,26 @@ class TrainConfig:
                                     "(0 = never)", ge=0)
     num_completions_to_log: int | None = _f(None, "log_completions_steps: rows per table (None = the whole round)",
                                             ge=1)
+    eval_strategy: Literal["no", "steps"] = _f(
+        "no", "steps = score the policy on held-out prompts (the eval split) every eval_steps and at the last step, "
+        "into the step log and the tracker as eval/* (grpo_core/train/evaluation.py); no = never")
+    eval_steps: int | None = _f(None, "eval_strategy steps: optimizer steps between evaluations (None = logging_steps, "
+                                "as in TRL)", ge=1)
+    eval_max_samples: int | None = _f(100, "held-out prompts each evaluation scores: the first N of the eval split "
+                                      "(None = all)", ge=1)
+    num_generations_eval: int | None = _f(
+        None, "completions sampled per held-out prompt at the training temperature, for eval/pass@N and "
+        "eval/sampled/* (None = num_generations, TRL's default; 0 = greedy decoding only)", ge=0)
+    per_device_eval_batch_size: int = _f(64, "sequences per generate call during evaluation", ge=1)
+    metric_for_best_model: str | None = _f(
+        None, "an eval metric (eval/accuracy, eval/pass@N, eval/rewards/<name>/mean, ...; the eval/ prefix may be "
+        "left out): the best checkpoint by it is never pruned by save_total_limit (None = eval/accuracy under "
+        "load_best_model_at_end, else no best is tracked)")
+    greater_is_better: bool = _f(True, "metric_for_best_model: a larger value is better (false: smaller, e.g. "
+                                 "eval/mean_completion_length)")
+    load_best_model_at_end: bool = _f(False, "export the best checkpoint's weights by metric_for_best_model instead of "
+                                      "the last step's (needs save_steps to be a multiple of eval_steps, so every "
+                                      "checkpoint has an evaluation)")
     dynamic_sampling: bool = _f(False, "DAPO's dynamic sampling: groups whose rewards all tie never reach the loss; "
                                 "more prompts are sampled until the round is full (grpo_core/train/dynamic.py)")
     dynamic_sampling_max_rounds: int = _f(4, "dynamic_sampling: samplings a round may take to fill up; past them "
@@ -234,6 +254,22 @@ class TrainConfig:
     @property
     def effective_steps_per_generation(self) -> int:
         return self.steps_per_generation or self.gradient_accumulation_steps
+
+    @property
+    def effective_eval_steps(self) -> int:
+        return self.eval_steps or self.logging_steps
+
+    @property
+    def effective_num_generations_eval(self) -> int:
+        return self.num_generations if self.num_generations_eval is None else self.num_generations_eval
+
+    @property
+    def best_metric(self) -> str | None:
+        """metric_for_best_model as a step-log key (``eval/...``); eval/accuracy under load_best_model_at_end."""
+        name = self.metric_for_best_model or ("accuracy" if self.load_best_model_at_end else None)
+        if name is None:
+            return None
+        return name if name.startswith("eval/") else f"eval/{name}"
 
     @property
     def generation_batch_size(self) -> int:
@@ -458,6 +494,7 @@ def _check_consistency(cfg: PipelineConfig) -> None:
         raise ConfigError(f"train.epsilon_high: {t.epsilon_high} is below train.epsilon ({t.epsilon})")
     if not cfg.rewards:
         raise ConfigError("rewards: at least one reward function is required")
+
     names = [r.name for r in cfg.rewards]
     for i, spec in enumerate(cfg.rewards):
         if not spec.name or not spec.function:
@@ -481,10 +518,45 @@ def _check_consistency(cfg: PipelineConfig) -> None:
                 raise ConfigError(f"embedded.{key}: {getattr(cfg.embedded, key)!r}; dvc.yaml names {fixed!r} as "
                                   f"prepare's output, so leave the key out (point data.* / model.name_or_path at "
                                   f"your own files instead)")
+    _check_eval(cfg)
     if t.sync_ref_model and cfg.model.lora is not None:
         raise ConfigError("train.sync_ref_model: not with model.lora; under LoRA the reference is the base model with "
                           "the adapters switched off, so there is no separate reference to mix the policy into "
                           "(TRL raises the same)")
+
+
+def eval_metric_names(t: TrainConfig, reward_names: typing.Sequence[str]) -> list[str]:
+    """The step-log keys of one evaluation during training (train.eval_strategy steps) a best model can be
+    chosen by (``eval/runtime``, seconds, is logged besides)."""
+    G = t.effective_num_generations_eval
+    per = [*(f"rewards/{n}/mean" for n in reward_names), "format_compliance", "mean_completion_length"]
+    sampled = [*(f"pass@{k}" for k in sorted({1, G})), *(f"sampled/{m}" for m in per)] if G > 0 else []
+    return [f"eval/{m}" for m in ("accuracy", *per, *sampled)]
+
+
+def _check_eval(cfg: PipelineConfig) -> None:
+    t = cfg.train
+    wants_eval = t.metric_for_best_model is not None or t.load_best_model_at_end
+    if wants_eval and t.eval_strategy != "steps":
+        key = "metric_for_best_model" if t.metric_for_best_model is not None else "load_best_model_at_end"
+        raise ConfigError(f"train.{key}: the best checkpoint is judged by evaluations; set train.eval_strategy: steps")
+    if t.eval_strategy == "no":
+        return
+    if cfg.data.hub_dataset is None and not cfg.data.paths("eval"):
+        raise ConfigError("train.eval_strategy: steps scores held-out prompts, but data.eval_files is empty; name "
+                          "held-out data or set data.hub_dataset")
+    names = eval_metric_names(t, [r.name for r in cfg.rewards])
+    if t.best_metric is not None and t.best_metric not in names:
+        raise ConfigError(f"train.metric_for_best_model: {t.metric_for_best_model!r} is not an eval metric; choose "
+                          f"one of {', '.join(names)}")
+    if t.load_best_model_at_end:
+        if t.save_strategy != "steps":
+            raise ConfigError("train.load_best_model_at_end: needs checkpoints to choose from; set "
+                              "train.save_strategy: steps")
+        if t.save_steps % t.effective_eval_steps:
+            raise ConfigError(f"train.save_steps: {t.save_steps} is not a multiple of the evaluation interval "
+                              f"({t.effective_eval_steps}, train.eval_steps), so some checkpoints would have no "
+                              f"evaluation to be judged by (train.load_best_model_at_end)")
 
 
 def _apply_overrides(raw: dict, overrides: typing.Mapping[str, Any]) -> dict:
@@ -544,7 +616,11 @@ def load_config(path: str | Path = "params.yaml", overrides: typing.Mapping[str,
 
 # Keys that change bookkeeping only; they never make a checkpoint incompatible.
 _BOOKKEEPING_KEYS = {"output_dir", "save_steps", "save_strategy", "save_total_limit", "logging_steps", "resume", "max_steps",
-                     "num_processes", "num_machines", "accelerate_config", "reward_timeout_s"}
+                     "num_processes", "num_machines", "accelerate_config", "reward_timeout_s",
+                     # evaluation during training runs on forked RNGs: it never changes what training computes
+                     "eval_strategy", "eval_steps", "eval_max_samples", "num_generations_eval",
+                     "per_device_eval_batch_size", "metric_for_best_model", "greater_is_better",
+                     "load_best_model_at_end"}
 
 
 def training_params_hash(cfg: PipelineConfig, reward_weights: typing.Sequence[float] | None = None) -> str:

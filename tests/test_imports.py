@@ -112,6 +112,7 @@ LAYERS = [
     ("grpo_core.model",),
     ("grpo_core.rollout",),
     ("grpo_core.data", "grpo_core.rewards", "grpo_core.sampling", "grpo_core.validation"),
+    ("grpo_core.held_out",),
     ("grpo_core.train",),
     ("flows",),
 ]

@@ -28,14 +28,13 @@ import numpy as np
 from flows.stages.common import (
     CALIBRATION_DIFFICULTY,
     CALIBRATION_WEIGHTS,
-    CORRECTNESS_FUNCTIONS,
     VALIDATED_TRAIN,
     require_file,
-    reward_index,
     with_validated_data,
 )
 from flows.stages.runs import StageRun
 from grpo_core.files import jsonable, write_json_atomic, write_text_atomic
+from grpo_core.rewards.judges import CORRECTNESS_FUNCTIONS, reward_index
 
 REPORT = "reports/calibration.md"
 
@@ -164,7 +163,7 @@ def run(ctx) -> int:
                                    backend=backend_for(model, tokenizer, cfg.train))
             out = calibrate_weights(res.rewards, G, names, [r.target_share for r in cfg.rewards],
                                     dead_std_threshold=c.dead_std_threshold, dominant_share=c.dominant_share,
-                                    correctness_index=reward_index(cfg, CORRECTNESS_FUNCTIONS))
+                                    correctness_index=reward_index(cfg.rewards, CORRECTNESS_FUNCTIONS))
             out["calibration"] = {
                 "enabled": True, "num_prompts": len(indices), "num_generations": G, "temperature": c.temperature,
                 "seed": c.seed, "prompt_indices": indices, "base_model": cfg.model.name_or_path,

@@ -27,8 +27,6 @@ CALIBRATION_DIFFICULTY = "artifacts/calibration/difficulty.json"
 TRAIN_LOG = "metrics/train_log.csv"
 
 #: built-in reward functions that grade correctness against the gold answer / check the tag layout.
-CORRECTNESS_FUNCTIONS = frozenset({"correctness", "multiple_choice", "numeric"})
-FORMAT_FUNCTIONS = frozenset({"soft_format", "strict_format"})
 
 
 class StageInputError(InputUnreadable, RuntimeError):
@@ -155,14 +153,6 @@ def read_json(path: Path, made_by: str) -> Any:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise StageInputError(f"{path}: not valid JSON ({err}); re-run `dvc repro -f {made_by}`") from err
-
-
-def reward_index(cfg, functions: frozenset[str]) -> int | None:
-    """Index of the first configured reward whose built-in function is in ``functions`` (None if none)."""
-    for i, spec in enumerate(cfg.rewards):
-        if spec.function in functions:
-            return i
-    return None
 
 
 # --------------------------------------------------------------------------------------------------

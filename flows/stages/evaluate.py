@@ -28,19 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import math
 import sys
 from typing import Any
 
 from flows.stages.common import (
-    CORRECTNESS_FUNCTIONS,
-    FORMAT_FUNCTIONS,
     TRAIN_LOG,
     VALIDATED_EVAL,
     StageConfigError,
     require_file,
-    reward_index,
     with_validated_data,
 )
 from flows.stages.runs import StageRun
@@ -88,75 +84,36 @@ def known_metric_names(cfg) -> list[str]:
 # sampling both policies
 
 
-def _judges(cfg):
-    """(correctness fn, its `correct` value, format fn): configured rewards when present, else built-ins."""
-    from grpo_core.rewards import build_reward_functions, correctness, soft_format
-
-    ci, fi = reward_index(cfg, CORRECTNESS_FUNCTIONS), reward_index(cfg, FORMAT_FUNCTIONS)
-    if ci is not None:
-        spec = cfg.rewards[ci]
-        correct_fn, correct_value = build_reward_functions([spec])[0], float(spec.kwargs.get("correct", 1.0))
-    else:
-        correct_fn, correct_value = correctness(), 1.0
-    format_fn = build_reward_functions([cfg.rewards[fi]])[0] if fi is not None else soft_format()
-    return correct_fn, correct_value, format_fn
-
-
-def _prompt_text(prompt: Any) -> str:
-    return prompt if isinstance(prompt, str) else json.dumps(prompt, default=str)
-
-
 def sample_policy(policy: str, model_cfg, cfg, ctx, rows: list[dict], indices: list[int]) -> list[dict]:
     """Greedy and sampled completions of one policy as per-sample records (evaluation's frame layout)."""
-    import numpy as np
     import torch
 
     from grpo_core.data import PromptEncoder
+    from grpo_core.held_out import eval_modes, score_policy
     from grpo_core.model.loading import load_for_inference
     from grpo_core.rewards import build_reward_functions
-    from grpo_core.rollout import SamplingParams, backend_for
-    from grpo_core.sampling import sample_and_score
+    from grpo_core.rewards.judges import build_judges
+    from grpo_core.rollout import backend_for
 
     e = cfg.evaluate
-    names = [r.name for r in cfg.rewards]
-    correct_fn, correct_value, format_fn = _judges(cfg)
-    fns = [*build_reward_functions(cfg.rewards), correct_fn, format_fn]
     model, tokenizer = load_for_inference(model_cfg, ctx.root)
     encoder = PromptEncoder.from_config(tokenizer, cfg.data, cfg.train.max_prompt_length)
     # sampled as train samples (train.generation_backend, on the trainer's device); a vLLM engine sized for
     # the longer of the two completion lengths
     backend = backend_for(model, tokenizer, dataclasses.replace(
         cfg.train, max_completion_length=max(cfg.train.max_completion_length, e.max_completion_length)))
-    modes = {
-        "greedy": (1, SamplingParams(max_new_tokens=e.max_completion_length, do_sample=False), None),
-        "sampled": (e.num_generations, SamplingParams(max_new_tokens=e.max_completion_length,
-                                                      temperature=e.temperature, top_p=1.0, top_k=0), e.seed),
-    }
-    records: list[dict] = []
+    modes = eval_modes(max_new_tokens=e.max_completion_length, num_generations=e.num_generations,
+                       temperature=e.temperature, top_p=1.0, top_k=0, sequences_per_call=e.batch_size, seed=e.seed)
     try:
-        for mode, (G, sampling, seed) in modes.items():
-            res = sample_and_score(model, tokenizer, rows, encoder, fns, num_generations=G, sampling=sampling,
-                                   batch_size=max(1, e.batch_size // G) if mode == "sampled" else e.batch_size,
-                                   on_error=cfg.train.reward_errors, seed=seed,
-                                   reward_timeout_s=cfg.train.reward_timeout_s, backend=backend)
-            K = len(names)
-            for r, text in enumerate(res.texts):
-                p = res.prompt_of(r)
-                c, f = res.rewards[r, K], res.rewards[r, K + 1]
-                rec = {"policy": policy, "prompt_index": indices[p], "sample_index": r % G, "mode": mode,
-                       "prompt": _prompt_text(rows[p]["prompt"]), "answer": rows[p].get("answer"),
-                       "completion": text, "completion_length": int(res.completion_lengths[r]),
-                       "truncated": bool(res.truncated[r]),
-                       "correct": bool(np.isfinite(c) and abs(c - correct_value) < 1e-9),
-                       "format_ok": bool(np.isfinite(f) and f > 0)}
-                rec.update({f"reward/{n}": float(res.rewards[r, k]) for k, n in enumerate(names)})
-                records.append(rec)
+        return score_policy(tokenizer, rows, indices, encoder, build_reward_functions(cfg.rewards),
+                            [r.name for r in cfg.rewards], build_judges(cfg.rewards), modes, backend=backend,
+                            on_error=cfg.train.reward_errors, reward_timeout_s=cfg.train.reward_timeout_s,
+                            policy=policy)
     finally:
-        del model
+        del model, backend
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    return records
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The pipeline's PNG figures (matplotlib, Agg), written atomically.
 
-plots/training.png    (train)    reward (+/- reward_std), KL, mean completion length over steps
+plots/training.png    (train)    reward (+/- reward_std), KL, mean completion length over steps (and eval/accuracy)
 plots/evaluation.png  (evaluate) reward and KL over steps, base vs trained accuracy and pass@k
 """
 
@@ -58,11 +58,15 @@ def _save(fig, path: Path) -> Path:
 
 
 def training_figure(log, path: Path) -> Path:
+    """Reward, KL and length over steps; with evaluation during training, held-out greedy accuracy too."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    evals = log.dropna(subset=["eval/accuracy"]) if "eval/accuracy" in log.columns else log.iloc[0:0]
+    fig, axes = plt.subplots(1, 4 if len(evals) else 3, figsize=(17 if len(evals) else 13, 3.6))
     _curve(axes[0], log, "reward", "reward (weighted, mean)", "tab:blue", band="reward_std")
     _curve(axes[1], log, "kl", "KL to reference", "tab:red")
     _curve(axes[2], log, "completions/mean_length", "mean completion length", "tab:green")
+    if len(evals):
+        _curve(axes[3], evals, "eval/accuracy", "held-out greedy accuracy (eval)", "tab:purple")
     fig.suptitle("GRPO training")
     try:
         return _save(fig, path)

@@ -36,6 +36,7 @@ from flows.stages.common import (
     CALIBRATION_DIFFICULTY,
     CALIBRATION_WEIGHTS,
     TRAIN_LOG,
+    VALIDATED_EVAL,
     VALIDATED_TRAIN,
     StageConfigError,
     md5_path,
@@ -271,11 +272,15 @@ def run(ctx) -> int:
         run.set_tags({"train.reward_weights_source": weights_source, "train.checkpoints": action,
                       "train.num_allowed_prompts": "all" if allowed is None else str(len(allowed))})
         run.log_params({f"reward_weight.{r.name}": w for r, w in zip(cfg.rewards, weights)})
-        run.log_data_hashes([VALIDATED_TRAIN])
+        run.log_data_hashes([VALIDATED_TRAIN, VALIDATED_EVAL] if cfg.train.eval_strategy == "steps" else [VALIDATED_TRAIN])
         result = _train(ctx, cfg, weights, allowed, tracker=run if run.tracker is not None else None)
         training_figure(read_train_log(ctx.path(TRAIN_LOG)), ctx.path(PLOT))
         run.set_tags({"train.final_step": str(result.final_step),
-                      "train.resumed_from": str(result.resumed_from) if result.resumed_from else "none"})
+                      "train.resumed_from": str(result.resumed_from) if result.resumed_from else "none",
+                      "train.exported_step": str(result.exported_step)})
+        if result.best_step is not None:
+            run.set_tags({"train.best_step": str(result.best_step),
+                          f"train.best.{cfg.train.best_metric}": f"{result.best_value:.6g}"})
         run.log_artifact(ctx.path(TRAIN_LOG), "metrics")
         run.log_artifact(ctx.path(PLOT), "plots")
         if weights_source == CALIBRATION_WEIGHTS:
@@ -283,7 +288,9 @@ def run(ctx) -> int:
         last = result.last_metrics
         if last:
             print(f"train: step {result.final_step}: reward {last.get('reward', float('nan')):.4f}, "
-                  f"kl {last.get('kl', float('nan')):.5f}; model in {result.model_dir}", file=sys.stderr)
+                  f"kl {last.get('kl', float('nan')):.5f}; model in {result.model_dir}"
+                  f"{f' (from the best step, {result.exported_step})' if result.exported_step != result.final_step else ''}",
+                  file=sys.stderr)
     return 0
 
 

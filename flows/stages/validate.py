@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 from flows.stages.common import (
-    CORRECTNESS_FUNCTIONS,
     VALIDATED_EVAL,
     VALIDATED_TRAIN,
     StageConfigError,
@@ -29,6 +28,7 @@ from flows.stages.common import (
 from flows.stages.runs import StageRun
 from grpo_core.errors import ValidationFailure
 from grpo_core.files import atomic_path, write_json_atomic, write_text_atomic
+from grpo_core.rewards.judges import CORRECTNESS_FUNCTIONS
 
 REPORT_JSON = "reports/validation.json"
 REPORT_TXT = "reports/validation.txt"

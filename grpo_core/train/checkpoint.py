@@ -92,8 +92,9 @@ def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optim
                     state: dict, rollout_buffer: dict | None = None, weights: dict[str, torch.Tensor] | None = None,
                     pending_groups: list[dict | None] | None = None,
                     reference: dict[str, torch.Tensor] | None = None,
-                    keep_last: int | None = None) -> Path:
-    """Write checkpoint-<step> atomically; prune to the newest ``keep_last``. Returns the final path.
+                    keep_last: int | None = None, keep_step: int | None = None) -> Path:
+    """Write checkpoint-<step> atomically; prune to the newest ``keep_last`` and checkpoint-<keep_step> (the best
+    one, kept beside them as transformers' Trainer keeps its best). Returns the final path.
 
     optimizer_state: ``optimizer.state_dict()`` (plain format). weights: the model's whole weights when the
     model itself holds only a shard (FSDP2, gathered by ``model.sharding.gather_weights``); else the model's
@@ -129,7 +130,8 @@ def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optim
     os.replace(tmp, final)
     if keep_last:
         for old in list_checkpoints(directory)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            if keep_step is None or old.name != f"checkpoint-{keep_step}":
+                shutil.rmtree(old, ignore_errors=True)
     return final
 
 

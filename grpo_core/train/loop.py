@@ -8,9 +8,11 @@
       gradients ga micro-batches: grpo_loss(logps, old_logps, ref_logps, A, mask); backward; clip
       guards    the step's metrics decide: apply, skip the update, roll back, or stop
       update    optimizer and schedule step; the rollout engine gets the new weights
+      evaluate  every eval_steps: the policy on held-out prompts -> eval/* (grpo_core/train/evaluation.py)
       log       the step log (CSV) and the tracker
-      save      every save_steps and at the end (with the round when the step ends inside it)
-    export      the final policy, HF format
+      save      every save_steps and at the end (with the round when the step ends inside it); the best
+                checkpoint by metric_for_best_model is kept
+    export      the final policy (load_best_model_at_end: the best checkpoint's), HF format
 
 The math is in ``grpo_core/advantages.py``, ``loss.py`` and ``model/logprobs.py``; this file only wires it.
 Shapes: N rows of a round on this process (prompts × G), P/C prompt/completion widths, B = per_device_train_batch_size.
@@ -49,6 +51,14 @@ from grpo_core.rollout import backend_for
 from grpo_core.train.checkpoint import latest_checkpoint, remove_stale_temp_dirs
 from grpo_core.train.completions import CompletionLog, as_table, completion_rows
 from grpo_core.train.dynamic import fill_round
+from grpo_core.train.evaluation import (
+    HeldOutPrompts,
+    evaluate_held_out,
+    evaluation_due,
+    load_best_weights,
+    load_held_out,
+    update_best,
+)
 from grpo_core.train.export import export_model
 from grpo_core.train.forward import frozen_logprobs, policy_logprobs
 from grpo_core.train.guards import GuardEvent, GuardMonitor, GuardStop, decide
@@ -80,6 +90,9 @@ class TrainResult:
     checkpoint_dir: Path
     resumed_from: Path | None
     last_metrics: dict
+    best_step: int | None = None          # the best checkpoint by metric_for_best_model (None: not tracked)
+    best_value: float | None = None
+    exported_step: int | None = None      # the step whose weights were exported (load_best_model_at_end: the best)
 
 
 @dataclass
@@ -91,6 +104,7 @@ class Prompts:
     reward_fns: list
     reward_names: list[str]     # K names, the columns of the reward matrix
     weights: torch.Tensor       # (K,)
+    held_out: HeldOutPrompts | None  # evaluation during training (train.eval_strategy steps), else None
 
 
 @dataclass
@@ -155,19 +169,27 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
                         "learning_rate": run.scheduler.get_last_lr()[0],
                         "num_tokens": grads.num_items * run.accelerator.num_processes,
                         "step_time": time.perf_counter() - step_start})  # generation included when it sampled
+        if prompts.held_out is not None and evaluation_due(t, state.step):
+            with record_function("grpo/evaluate"):
+                metrics.update(evaluate_held_out(run, prompts.held_out))
         log_step(run, state, metrics, step_log, tracker, bar)
         log_completions(run, state, prompts.reward_names, samples_log, tracker)
         save_if_due(run, state, metrics)
     if bar is not None:
         bar.close()
 
+    best = load_best_weights(run, state)
+    if best is not None:
+        log.info("load_best_model_at_end: exporting %s (%s %.4g)", best, t.best_metric, state.best_value)
     if export and run.accelerator.is_main_process:
         with record_function("grpo/export"):
             # sharded: the whole copy holds the final weights (synced after the last step) in model.dtype
             export_model(run.replica if run.replica is not None else run.policy, run.tokenizer, model_dir,
                          DTYPES[cfg.model.dtype])
     run.accelerator.wait_for_everyone()
-    return TrainResult(state.step, model_dir, log_path, run.checkpoint_dir, resumed_from, metrics)
+    return TrainResult(state.step, model_dir, log_path, run.checkpoint_dir, resumed_from, metrics,
+                       best_step=state.best_step, best_value=state.best_value,
+                       exported_step=state.best_step if best is not None else state.step)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -228,7 +250,8 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
                       tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, backend=backend,
                       params_hash=training_params_hash(cfg, weights.tolist()),
                       checkpoint_dir=root / t.output_dir / "checkpoints", replica=replica)
-    return run, Prompts(dataset, encoder, reward_fns, reward_names, weights)
+    held_out = load_held_out(cfg, root, encoder, reward_fns, reward_names)
+    return run, Prompts(dataset, encoder, reward_fns, reward_names, weights, held_out)
 
 
 def _resolve(root: Path, path: str | None) -> Path | None:
@@ -563,6 +586,7 @@ def save_if_due(run: TrainingRun, state: TrainState, metrics: dict) -> None:
     if multi and mid_round:
         return
     if state.step % t.save_steps == 0 or state.step == t.max_steps or (multi and _passed_save_step(state.step, t)):
+        update_best(t, state, metrics)
         with record_function("grpo/save"):
             save_state(run, state, metrics, keep_round=mid_round)
 

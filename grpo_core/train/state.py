@@ -78,6 +78,8 @@ class TrainState:
     entropy_coef: float = 0.0    # the entropy bonus's coefficient (moves each step under use_adaptive_entropy)
     last_entropy: float = float("inf")  # the previous step's entropy over the trained tokens (adaptive control)
     pending: Round | None = None  # dynamic sampling: kept groups beyond a round's quota, for the next rounds
+    best_step: int | None = None  # the checkpoint with the best metric_for_best_model so far (never pruned)
+    best_value: float | None = None  # its value
 
 
 @dataclass
@@ -118,12 +120,13 @@ def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round
         meta = {"micro_step": state.micro_step, "sampler": state.sampler.state_dict(),
                 "params_hash": run.params_hash, "rollbacks": state.rollbacks,
                 "entropy_coef": state.entropy_coef, "last_entropy": state.last_entropy,
-                "world_size": acc.num_processes,
+                "world_size": acc.num_processes, "best_step": state.best_step, "best_value": state.best_value,
                 "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         save_checkpoint(run.checkpoint_dir, state.step, model=run.policy, tokenizer=run.tokenizer,
                         optimizer_state=optimizer_state, scheduler=run.scheduler, state=meta, weights=weights,
                         rollout_buffer=state.round.to_buffer() if keep_round and state.round is not None else None,
-                        reference=reference, keep_last=run.t.save_total_limit, pending_groups=pending)
+                        reference=reference, keep_last=run.t.save_total_limit, pending_groups=pending,
+                        keep_step=state.best_step)
     acc.wait_for_everyone()
 
 
@@ -147,7 +150,8 @@ def restore_state(run: TrainingRun, path: Path, sampler: PromptSampler) -> Train
                       reference_synced=ck.reference_file is not None,
                       pending=_own_pending(ck.pending_groups, run.accelerator, run.t.num_generations),
                       entropy_coef=ck.state.get("entropy_coef", run.t.entropy_coef),
-                      last_entropy=ck.state.get("last_entropy", float("inf")))
+                      last_entropy=ck.state.get("last_entropy", float("inf")),
+                      best_step=ck.state.get("best_step"), best_value=ck.state.get("best_value"))
 
 
 def _gather_pending(accelerator, pending: Round | None) -> list[dict | None]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from grpo_core.config import TrainConfig
+from grpo_core.config import TrainConfig, eval_metric_names
 from grpo_core.files import atomic_path
 
 # the metric a loss type logs besides the clip ratios (TRL's names)
@@ -15,7 +15,8 @@ _LOSS_TYPE_METRICS = {"cispo": ["cispo_clip_ratio"], "vespo": ["vespo/phi_seq_me
 
 def metric_columns(reward_names: list[str], t: TrainConfig | None = None) -> list[str]:
     """The CSV's columns: TRL's metric names, plus what ``t`` switches on: the loss type's own metric,
-    ``entropy_coef`` under an entropy bonus, the ``dynamic/*`` counts under dynamic sampling."""
+    ``entropy_coef`` under an entropy bonus, the ``dynamic/*`` counts under dynamic sampling, the ``eval/*``
+    metrics under evaluation during training (blank on steps without one)."""
     t = t or TrainConfig()
     extra = list(_LOSS_TYPE_METRICS.get(t.loss_type, []))
     if t.entropy_coef != 0 or t.use_adaptive_entropy:
@@ -26,6 +27,7 @@ def metric_columns(reward_names: list[str], t: TrainConfig | None = None) -> lis
                   "sampling/importance_sampling_ratio/max"]
     if t.dynamic_sampling:
         extra += ["dynamic/groups_dropped", "dynamic/generation_rounds", "dynamic/tied_groups_used"]
+    evaluation = [*eval_metric_names(t, reward_names), "eval/runtime"] if t.eval_strategy == "steps" else []
     cols = ["step", "loss", "reward", "reward_std", "frac_reward_zero_std"]
     for name in reward_names:
         cols += [f"rewards/{name}/mean", f"rewards/{name}/std"]
@@ -33,7 +35,7 @@ def metric_columns(reward_names: list[str], t: TrainConfig | None = None) -> lis
              *extra,
              "completions/mean_length", "completions/min_length", "completions/max_length",
              "completions/clipped_ratio", "grad_norm", "learning_rate", "reward_errors", "reward_timeouts",
-             "num_tokens", "guard/skipped", "step_time", "generation_time"]
+             "num_tokens", "guard/skipped", "step_time", "generation_time", *evaluation]
     return cols
 
 

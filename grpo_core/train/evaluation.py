@@ -1,0 +1,115 @@
+"""Evaluation during training (``train.eval_strategy: steps``) and the best checkpoint (``metric_for_best_model``).
+
+    every eval_steps and at the last step: the policy on the first eval_max_samples held-out prompts, greedy, then
+      num_generations_eval samples each at the training temperature (grpo_core/held_out.py)
+      -> summarize_evaluation -> eval/* metrics in the step's log line and the tracker
+    at each checkpoint: its eval/<metric> against the best so far -> TrainState.best_step / best_value; the best
+      checkpoint is never pruned, and load_best_model_at_end exports its weights.
+
+Rank 0 evaluates (the unwrapped policy, or under FSDP2 the whole sampling copy) and broadcasts the numbers. Every
+RNG is saved before and restored after, so a run with evaluation trains exactly as one without (with a vLLM
+engine, whose sampler keeps its own RNG, up to that engine's state).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpo_core.config import PipelineConfig, TrainConfig, eval_metric_names
+from grpo_core.data import PromptEncoder, load_split
+from grpo_core.evaluation import summarize_evaluation
+from grpo_core.held_out import EvalMode, eval_modes, score_policy
+from grpo_core.rewards.judges import Judges, build_judges
+from grpo_core.train.checkpoint import load_weights, rng_state, set_rng_state
+from grpo_core.train.state import TrainingRun, TrainState
+
+
+@dataclass
+class HeldOutPrompts:
+    """What each evaluation scores, built once at set-up."""
+
+    rows: list[dict]            # the first eval_max_samples rows of the eval split
+    indices: list[int]          # their positions in it
+    encoder: PromptEncoder
+    reward_fns: list            # the training rewards, K of them
+    reward_names: list[str]
+    judges: Judges              # correctness and format (grpo_core/rewards/judges.py)
+    modes: list[EvalMode]       # greedy, then sampled when num_generations_eval > 0
+
+
+def load_held_out(cfg: PipelineConfig, root: str | Path, encoder: PromptEncoder, reward_fns: list,
+                  reward_names: list[str]) -> HeldOutPrompts | None:
+    """The held-out prompts when ``train.eval_strategy`` is steps, else None."""
+    t = cfg.train
+    if t.eval_strategy == "no":
+        return None
+    dataset = load_split(cfg.data, "eval", root)
+    n = len(dataset) if t.eval_max_samples is None else min(t.eval_max_samples, len(dataset))
+    modes = eval_modes(max_new_tokens=t.max_completion_length, num_generations=t.effective_num_generations_eval,
+                       temperature=t.temperature, top_p=t.top_p, top_k=t.top_k,
+                       sequences_per_call=t.per_device_eval_batch_size, seed=t.seed)
+    return HeldOutPrompts([dataset[i] for i in range(n)], list(range(n)), encoder, reward_fns, reward_names,
+                          build_judges(cfg.rewards), modes)
+
+
+def evaluation_due(t: TrainConfig, step: int) -> bool:
+    return t.eval_strategy == "steps" and (step % t.effective_eval_steps == 0 or step == t.max_steps)
+
+
+def evaluate_held_out(run: TrainingRun, held_out: HeldOutPrompts) -> dict[str, float]:
+    """The eval/* metrics of the policy as it is now (NaN where a mean has no value), on every process."""
+    t, acc = run.t, run.accelerator
+    metrics: dict[str, float] | None = None
+    if acc.is_main_process:
+        start, saved = time.perf_counter(), rng_state()
+        try:
+            records = score_policy(run.tokenizer, held_out.rows, held_out.indices, held_out.encoder,
+                                   held_out.reward_fns, held_out.reward_names, held_out.judges, held_out.modes,
+                                   backend=run.backend, on_error=t.reward_errors,
+                                   reward_timeout_s=t.reward_timeout_s)
+        finally:
+            set_rng_state(saved)
+        metrics = _eval_metrics(records, t, held_out.reward_names)
+        metrics["eval/runtime"] = time.perf_counter() - start
+    if acc.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        metrics = broadcast_object_list([metrics])[0]
+    return metrics
+
+
+def _eval_metrics(records: list[dict], t: TrainConfig, reward_names: list[str]) -> dict[str, float]:
+    import pandas as pd
+
+    G = t.effective_num_generations_eval
+    summary = summarize_evaluation(pd.DataFrame.from_records(records), sorted({1, G}) if G else [], reward_names)
+    out = {}
+    for key in eval_metric_names(t, reward_names):
+        value = summary.get(key.removeprefix("eval/"))
+        out[key] = float("nan") if value is None else float(value)
+    return out
+
+
+def update_best(t: TrainConfig, state: TrainState, metrics: dict) -> None:
+    """Before a checkpoint is written: its step becomes the best when its metric_for_best_model beats the best so
+    far (strictly: a tie keeps the earlier checkpoint, as transformers' Trainer does)."""
+    key = t.best_metric
+    value = metrics.get(key) if key is not None else None
+    if value is None or not math.isfinite(value):
+        return
+    if state.best_value is None or (value > state.best_value if t.greater_is_better else value < state.best_value):
+        state.best_step, state.best_value = state.step, float(value)
+
+
+def load_best_weights(run: TrainingRun, state: TrainState) -> Path | None:
+    """load_best_model_at_end: the best checkpoint's weights into the policy (and the sampling engine) before the
+    export; returns that checkpoint, or None when the last step's weights are already the ones to export."""
+    if not run.t.load_best_model_at_end or state.best_step is None or state.best_step == state.step:
+        return None
+    path = run.checkpoint_dir / f"checkpoint-{state.best_step}"
+    load_weights(run.policy, path)
+    run.backend.sync_weights(run.policy)
+    return path
