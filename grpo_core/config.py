@@ -126,6 +126,13 @@ class TrainConfig:
     temperature: float = _f(1.0, "sampling temperature (log-probs use the same scaling)", gt=0)
     top_p: float = _f(1.0, "nucleus sampling mass", gt=0, le=1)
     top_k: int = _f(0, "top-k sampling (0 = off)", ge=0)
+    min_p: float | None = _f(None, "min-p sampling: drop tokens below min_p x the most likely token's probability "
+                             "(None = off)", ge=0, le=1)
+    repetition_penalty: float = _f(1.0, "HF's repetition penalty on tokens already in the prompt or completion (> 1 "
+                                   "discourages repeats; 1 = off)", gt=0)
+    generation_kwargs: dict = _f({}, "more keyword arguments for HF generate (generation_backend hf; auto picks hf "
+                                 "when these are set) or vLLM's SamplingParams (TRL's name), e.g. {suppress_tokens: "
+                                 "[151643]}; those the trainer sets itself are refused")
     beta: float = _f(0.0, "KL coefficient against the reference model (0 = no reference model)", ge=0)
     epsilon: float = _f(0.2, "lower clip range: ratio >= 1 - epsilon", gt=0, lt=1)
     epsilon_high: float | None = _f(None, "upper clip range: ratio <= 1 + epsilon_high (None = epsilon); cispo: "
@@ -142,6 +149,8 @@ class TrainConfig:
     off_policy_mask_threshold: float | None = _f(
         None, "OPSM (DeepSeek-V3.2): drop negative-advantage sequences whose mean KL(sampler || policy) exceeds "
         "this (None = off)", ge=0)
+    cast_lm_head_to_fp32: bool = _f(False, "policy and reference LM heads compute their logits in float32, outside "
+                                    "autocast (TRL's name; the ScaleRL recipe): bf16 logits round log-probs")
     disable_dropout: bool = _f(False, "set every dropout module of policy and reference to p = 0 (LoRA's adapter "
                                "dropout too), so training-mode log-probs match the sampling ones")
     shuffle_dataset: bool = _f(True, "prompts in a seeded new order each epoch; false: in file order")
@@ -519,6 +528,7 @@ def _check_consistency(cfg: PipelineConfig) -> None:
                                   f"prepare's output, so leave the key out (point data.* / model.name_or_path at "
                                   f"your own files instead)")
     _check_eval(cfg)
+    _check_generation_kwargs(t)
     if t.sync_ref_model and cfg.model.lora is not None:
         raise ConfigError("train.sync_ref_model: not with model.lora; under LoRA the reference is the base model with "
                           "the adapters switched off, so there is no separate reference to mix the policy into "
@@ -532,6 +542,30 @@ def eval_metric_names(t: TrainConfig, reward_names: typing.Sequence[str]) -> lis
     per = [*(f"rewards/{n}/mean" for n in reward_names), "format_compliance", "mean_completion_length"]
     sampled = [*(f"pass@{k}" for k in sorted({1, G})), *(f"sampled/{m}" for m in per)] if G > 0 else []
     return [f"eval/{m}" for m in ("accuracy", *per, *sampled)]
+
+
+# generate / vLLM arguments the trainer sets itself: shapes, stopping and log-probs depend on them
+_RESERVED_GENERATION_KWARGS = {
+    "hf": {"input_ids", "attention_mask", "max_new_tokens", "max_length", "do_sample", "num_return_sequences",
+           "num_beams", "pad_token_id", "eos_token_id", "temperature", "top_p", "top_k", "min_p",
+           "repetition_penalty", "return_dict_in_generate", "output_scores", "output_logits", "cache_implementation"},
+    "vllm": {"n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+             "stop_token_ids", "detokenize", "logprobs", "seed"},
+}
+
+
+def _check_generation_kwargs(t: TrainConfig) -> None:
+    if not t.generation_kwargs:
+        return
+    if t.generation_backend == "manual":
+        raise ConfigError(f"train.generation_kwargs: the hand-written decode loop (generation_backend manual) takes "
+                          f"none ({sorted(t.generation_kwargs)}); use generation_backend hf or auto")
+    reserved = _RESERVED_GENERATION_KWARGS["vllm" if t.generation_backend == "vllm" else "hf"]
+    clash = sorted(set(t.generation_kwargs) & reserved)
+    if clash:
+        raise ConfigError(f"train.generation_kwargs: {clash} are set by the trainer (use the train.* keys "
+                          f"temperature, top_p, top_k, min_p, repetition_penalty, max_completion_length where they "
+                          f"exist); the rest of {sorted(reserved)} decides shapes and stopping")
 
 
 def _check_eval(cfg: PipelineConfig) -> None:

@@ -8,6 +8,7 @@ and of evaluation during training (``train.eval_strategy``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,13 +32,13 @@ class EvalMode:
     seed: int | None = None      # seeds torch before the first call (sampled modes)
 
 
-def eval_modes(*, max_new_tokens: int, num_generations: int, temperature: float, top_p: float, top_k: int,
-               sequences_per_call: int, seed: int | None) -> list[EvalMode]:
-    """Greedy decoding, then (``num_generations`` > 0) sampling at the given temperature; each generate call
-    holds about ``sequences_per_call`` sequences."""
+def eval_modes(*, max_new_tokens: int, num_generations: int, sampling: SamplingParams, sequences_per_call: int,
+               seed: int | None) -> list[EvalMode]:
+    """Greedy decoding, then (``num_generations`` > 0) ``num_generations`` samples per prompt drawn with
+    ``sampling``; each generate call holds about ``sequences_per_call`` sequences."""
     modes = [EvalMode(GREEDY, 1, SamplingParams(max_new_tokens=max_new_tokens, do_sample=False), sequences_per_call)]
     if num_generations > 0:
-        sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+        sampling = dataclasses.replace(sampling, max_new_tokens=max_new_tokens, do_sample=True)
         modes.append(EvalMode(SAMPLED, num_generations, sampling, max(1, sequences_per_call // num_generations), seed))
     return modes
 

@@ -147,3 +147,21 @@ def test_params_are_read_as_yaml_1_2_like_dvc_writes_them(tmp_path):
     (tmp_path / "params.yaml").write_text(text)
     cfg = load_config(tmp_path / "params.yaml")
     assert cfg.train.mixed_precision == "no"
+
+
+def test_generation_options_reach_training_sampling_and_bad_generation_kwargs_name_the_key():
+    from grpo_core.train.rollouts import training_sampling
+
+    base = {"rewards": [{"name": "c", "function": "correctness"}], "data": {"train_files": ["t.jsonl"]}}
+    cfg = config_from_dict({**base, "train": {"min_p": 0.05, "repetition_penalty": 1.2,
+                                              "generation_kwargs": {"suppress_tokens": [7]}}})
+    sampling = training_sampling(cfg.train)
+    assert (sampling.min_p, sampling.repetition_penalty, sampling.generation_kwargs) == (0.05, 1.2, {"suppress_tokens": [7]})
+    assert training_sampling(config_from_dict(base).train).min_p == 0.0
+    for train, match in [({"generation_kwargs": {"max_new_tokens": 9}}, r"\['max_new_tokens'\] are set by the trainer"),
+                         ({"generation_kwargs": {"n": 2}, "generation_backend": "vllm"}, r"\['n'\]"),
+                         ({"generation_kwargs": {"suppress_tokens": [1]}, "generation_backend": "manual"},
+                          "train.generation_kwargs: the hand-written decode loop"),
+                         ({"min_p": 1.5}, "train.min_p"), ({"repetition_penalty": 0}, "train.repetition_penalty")]:
+        with pytest.raises(ConfigError, match=match):
+            config_from_dict({**base, "train": train})

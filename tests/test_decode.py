@@ -9,6 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.generation.logits_process import (
     LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -108,9 +110,10 @@ def test_min_new_tokens_from_generation_config_masks_eos_as_hf_does():
     assert (ManualDecodeBackend(model, TOK).generate(PROMPTS, 2, sampling).completion_lengths == 1).all()
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8),
-                                                     (0.9, 7, 0.5), (1.0, 100, 1.0)])
-def test_warp_equals_hf_warpers(temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(1.0, 0, 1.0, 0), (0.7, 0, 1.0, 0), (1.3, 5, 1.0, 0),
+                                                           (1.0, 0, 0.8, 0), (0.9, 7, 0.5, 0), (1.0, 100, 1.0, 0),
+                                                           (1.0, 0, 1.0, 0.1), (0.6, 9, 0.9, 0.05)])
+def test_warp_equals_hf_warpers(temperature, top_k, top_p, min_p):
     torch.manual_seed(0)
     logits = torch.randn(6, 37) * 3
     logits[0, :4] = logits[0, 4]  # ties at the top-k / top-p boundary
@@ -121,12 +124,56 @@ def test_warp_equals_hf_warpers(temperature, top_k, top_p):
         hf.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
         hf.append(TopPLogitsWarper(top_p))
+    if min_p:
+        hf.append(MinPLogitsWarper(min_p))
     expected = hf(None, logits.clone())
-    got = ManualDecodeBackend.warp(logits.clone(), SamplingParams(8, temperature, top_p, top_k))
+    got = ManualDecodeBackend.warp(logits.clone(), SamplingParams(8, temperature, top_p, top_k, min_p=min_p))
     assert torch.equal(torch.isinf(got), torch.isinf(expected))
     assert torch.allclose(got[~torch.isinf(got)], expected[~torch.isinf(expected)])
-    if 0 < top_k < 37 or top_p < 1.0:  # something was masked (top_k beyond the vocabulary masks nothing)
+    if 0 < top_k < 37 or top_p < 1.0 or min_p:  # something was masked (top_k beyond the vocabulary masks nothing)
         assert torch.isinf(got).any()
+
+
+def test_repetition_penalty_equals_hf_processor_and_hf_generate():
+    # the processor on one step: the prompt's real tokens (not its left padding) and the sampled ones
+    torch.manual_seed(0)
+    logits = torch.randn(2, 37) * 3
+    ids, mask = torch.tensor([[PAD, PAD, 5, 9], [7, 3, 22, 5]]), torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    seen = ManualDecodeBackend._prompt_tokens(ids, mask, 37)
+    hf = RepetitionPenaltyLogitsProcessor(1.7, prompt_ignore_length=torch.tensor([2, 0]))
+    assert torch.equal(ManualDecodeBackend.penalize_repetition(logits, seen, 1.7), hf(ids, logits.clone()))
+    assert not seen[0, PAD] and seen[0, 5] and seen[1, 22]
+    # whole decodes: greedy tokens equal HF generate's, and the penalty changes them
+    model = qwen2()
+    penalized = SamplingParams(max_new_tokens=12, do_sample=False, repetition_penalty=1.8)
+    ours = ManualDecodeBackend(model, TOK).generate(PROMPTS, 2, penalized)
+    assert torch.equal(ours.completion_ids, HFGenerateBackend(model, TOK).generate(PROMPTS, 2, penalized).completion_ids)
+    assert not torch.equal(ours.completion_ids, ManualDecodeBackend(model, TOK).generate(PROMPTS, 2, GREEDY).completion_ids)
+
+
+def test_min_p_one_keeps_only_the_top_token():
+    model = qwen2()
+    for backend in (ManualDecodeBackend(model, TOK), HFGenerateBackend(model, TOK)):
+        torch.manual_seed(0)
+        sampled = backend.generate(PROMPTS, 3, SamplingParams(max_new_tokens=12, temperature=1.5, min_p=1.0))
+        assert torch.equal(sampled.completion_ids, backend.generate(PROMPTS, 3, GREEDY).completion_ids)
+
+
+def test_generation_kwargs_reach_hf_generate_and_the_manual_loop_refuses_them():
+    from grpo_core.rollout import backend_for
+    from tests.tiny import train_options
+
+    model = qwen2()
+    plain = HFGenerateBackend(model, TOK).generate(PROMPTS, 1, GREEDY)
+    banned = int(plain.completion_ids[0, 0])
+    kept = HFGenerateBackend(model, TOK).generate(
+        PROMPTS, 1, SamplingParams(max_new_tokens=12, do_sample=False, generation_kwargs={"suppress_tokens": [banned]}))
+    assert not (kept.completion_ids == banned).any() and (plain.completion_ids == banned).any()
+    with pytest.raises(ValueError, match="takes no generation_kwargs"):
+        ManualDecodeBackend(model, TOK).generate(PROMPTS, 1, SamplingParams(8, generation_kwargs={"suppress_tokens": [3]}))
+    assert isinstance(backend_for(model, TOK, train_options()), ManualDecodeBackend)
+    chosen = backend_for(model, TOK, train_options(generation_kwargs={"suppress_tokens": [3]}))
+    assert isinstance(chosen, HFGenerateBackend)
 
 
 def test_sample_draws_from_softmax_and_never_a_masked_token():

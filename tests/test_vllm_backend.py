@@ -239,6 +239,9 @@ def test_sampling_arguments_are_ours_and_nothing_else():
     assert vllm_sampling_kwargs(SamplingParams(max_new_tokens=4, top_k=5), 2, [1], 3)["top_k"] == 5
     greedy = vllm_sampling_kwargs(SamplingParams(max_new_tokens=4, temperature=0.7, top_k=5, do_sample=False), 1, [1], 0)
     assert (greedy["temperature"], greedy["top_p"], greedy["top_k"]) == (0.0, 1.0, -1)
+    tuned = vllm_sampling_kwargs(SamplingParams(max_new_tokens=4, min_p=0.05, repetition_penalty=1.1,
+                                                generation_kwargs={"bad_words": ["x"]}), 2, [1], 0)
+    assert (tuned["min_p"], tuned["repetition_penalty"], tuned["bad_words"]) == (0.05, 1.1, ["x"])
 
 
 def test_completion_tensor_restores_a_missing_stop_token():

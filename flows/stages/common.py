@@ -26,8 +26,6 @@ CALIBRATION_WEIGHTS = "artifacts/calibration/reward_weights.json"
 CALIBRATION_DIFFICULTY = "artifacts/calibration/difficulty.json"
 TRAIN_LOG = "metrics/train_log.csv"
 
-#: built-in reward functions that grade correctness against the gold answer / check the tag layout.
-
 
 class StageInputError(InputUnreadable, RuntimeError):
     """An input a stage needs is missing or malformed; the message names the file and the stage that makes it."""

@@ -93,7 +93,7 @@ def sample_policy(policy: str, model_cfg, cfg, ctx, rows: list[dict], indices: l
     from grpo_core.model.loading import load_for_inference
     from grpo_core.rewards import build_reward_functions
     from grpo_core.rewards.judges import build_judges
-    from grpo_core.rollout import backend_for
+    from grpo_core.rollout import SamplingParams, backend_for
 
     e = cfg.evaluate
     model, tokenizer = load_for_inference(model_cfg, ctx.root)
@@ -103,7 +103,8 @@ def sample_policy(policy: str, model_cfg, cfg, ctx, rows: list[dict], indices: l
     backend = backend_for(model, tokenizer, dataclasses.replace(
         cfg.train, max_completion_length=max(cfg.train.max_completion_length, e.max_completion_length)))
     modes = eval_modes(max_new_tokens=e.max_completion_length, num_generations=e.num_generations,
-                       temperature=e.temperature, top_p=1.0, top_k=0, sequences_per_call=e.batch_size, seed=e.seed)
+                       sampling=SamplingParams(e.max_completion_length, temperature=e.temperature, top_p=1.0, top_k=0),
+                       sequences_per_call=e.batch_size, seed=e.seed)
     try:
         return score_policy(tokenizer, rows, indices, encoder, build_reward_functions(cfg.rewards),
                             [r.name for r in cfg.rewards], build_judges(cfg.rewards), modes, backend=backend,

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from grpo_core.model.loading import Float32Head
 from grpo_core.model.sharding import is_sharded
 
 SUPPORTED = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -62,7 +63,9 @@ def unsupported_reason(model: nn.Module) -> str | None:
         for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
             if type(lin) is not nn.Linear:
                 return f"{type(lin).__name__} projection (not nn.Linear)"
-    if type(model.lm_head) is not nn.Linear:
+    if type(model.lm_head) is Float32Head and model.lm_head.weight.dtype != torch.float32:
+        return "a float32 LM head over a tied half-precision embedding (cast_lm_head_to_fp32)"
+    if type(model.lm_head) not in (nn.Linear, Float32Head):  # a float32 Float32Head computes as its Linear does
         return f"{type(model.lm_head).__name__} LM head"
     return None
 

@@ -181,6 +181,33 @@ def disable_dropout(model: torch.nn.Module) -> int:
     return len(dropouts)
 
 
+class Float32Head(torch.nn.Linear):
+    """An LM head that computes its logits in float32 whatever the autocast or weight dtype (TRL's
+    ``cast_lm_head_to_fp32``, the ScaleRL recipe): bf16 logits round log-probs by up to ~0.4% of their value, and
+    the importance ratio is a difference of log-probs. Same parameters and state-dict keys as the ``nn.Linear`` it
+    replaces (``cast_lm_head_to_fp32`` swaps the class in place)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
+def cast_lm_head_to_fp32(model: torch.nn.Module) -> torch.nn.Module:
+    """Make ``model``'s LM head a ``Float32Head``; an untied head's weights become float32 too (a tied head keeps
+    the embedding's dtype and is upcast per call, so the embeddings stay as they are). Returns the head."""
+    base = model.get_base_model() if is_peft_model(model) else model
+    head = base.get_output_embeddings()
+    if type(head) not in (torch.nn.Linear, Float32Head):
+        raise ValueError(f"train.cast_lm_head_to_fp32: the LM head is a {type(head).__name__}, not a plain Linear "
+                         "(a LoRA adapter on lm_head? leave lm_head out of model.lora.target_modules)")
+    tied = head.weight is base.get_input_embeddings().weight
+    if not tied:
+        head.float()
+    head.__class__ = Float32Head
+    return head
+
+
 def is_peft_model(model) -> bool:
     """True for a peft-wrapped model (LoRA); peft is optional, so a missing peft means no."""
     try:

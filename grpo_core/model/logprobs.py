@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from grpo_core.model.fastforward import hidden_states, use_manual_forward
+from grpo_core.model.loading import Float32Head
 from grpo_core.model.sharding import is_sharded
 
 DEFAULT_CHUNK_SIZE = 256  # rows of V logits per chunk: 256 x 152k vocab x 4 bytes ~ 156 MB in float32
@@ -187,8 +188,17 @@ def _chunked_head_logps_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, K, H) hidden states through the LM head chunk by chunk -> log-probs (B, K), entropies (B, K) or None."""
     kernel = _head_logps_and_entropy if compute_entropy else _head_logps
+    if isinstance(head, Float32Head):  # train.cast_lm_head_to_fp32: the logits in float32, outside autocast
+        kernel = _in_float32(kernel)
     return _by_chunks(kernel, hidden, index, (head.weight, head.bias, temperature), compute_entropy, chunk_size,
                       empty_like=hidden.new_zeros(0, 1))
+
+
+def _in_float32(kernel: Callable) -> Callable:
+    def float32_kernel(hidden, index, weight, bias, temperature):
+        with torch.autocast(hidden.device.type, enabled=False):
+            return kernel(hidden.float(), index, weight.float(), None if bias is None else bias.float(), temperature)
+    return float32_kernel
 
 
 def _by_chunks(kernel: Callable, rows: torch.Tensor, index: torch.Tensor, args: tuple, compute_entropy: bool,
@@ -241,7 +251,7 @@ def _backbone_and_head(model: torch.nn.Module):
         return None
     backbone = getattr(base, getattr(base, "base_model_prefix", "") or "", None)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    if not isinstance(backbone, torch.nn.Module) or type(head) is not torch.nn.Linear:
+    if not isinstance(backbone, torch.nn.Module) or type(head) not in (torch.nn.Linear, Float32Head):
         return None
     return backbone, head
 

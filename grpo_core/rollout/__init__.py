@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 def backend_for(model: torch.nn.Module, tokenizer, t, *, rank: int = 0, local_rank: int = 0, world_size: int = 1):
     """The rollout backend ``train.generation_backend`` names, with its options from ``t`` (a TrainConfig):
     the trainer, calibrate and evaluate all sample through this, so they sample the same way."""
-    if t.generation_backend != "vllm":
-        return default_backend(model, tokenizer, t.generation_backend)
+    if t.generation_backend != "vllm":  # generation_kwargs: HF generate's, which the hand-written loop cannot take
+        choice = "hf" if t.generation_backend == "auto" and t.generation_kwargs else t.generation_backend
+        return default_backend(model, tokenizer, choice)
     return default_backend(
         model, tokenizer, "vllm", gpu_memory_utilization=t.vllm_gpu_memory_utilization,
         enable_sleep_mode=t.vllm_enable_sleep_mode, seed=t.seed, rank=rank, local_rank=local_rank,

@@ -51,9 +51,10 @@ class HFGenerateBackend:
                     top_p=sampling.top_p if sampling.do_sample else None,
                     top_k=sampling.top_k if sampling.do_sample else None,
                     pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
-                    # A hub model's generation_config may carry its own repetition penalty or min_p;
-                    # sampling must follow exactly the distribution the loss's log-probs describe.
-                    repetition_penalty=1.0, min_p=None,
+                    # ours, never a hub model's generation_config's own repetition penalty or min_p
+                    repetition_penalty=sampling.repetition_penalty,
+                    min_p=sampling.min_p if sampling.do_sample and sampling.min_p > 0 else None,
+                    **sampling.generation_kwargs,
                 )
                 if static:
                     try:

@@ -10,7 +10,8 @@ cumsum(attention_mask) - 1 (left padding), as HF's.
 
 Sampling follows HF ``generate`` step by step: float32 logits; EOS masked while fewer than
 ``generation_config.min_new_tokens`` tokens exist (and while the row is shorter than ``min_length``);
-then temperature, top-k, top-p (HF's warpers, same order and tie rules); a draw from softmax (inverse CDF,
+the repetition penalty over the prompt's real tokens and those sampled so far (HF's processor); then temperature,
+top-k, top-p, min-p (HF's warpers, same order and tie rules); a draw from softmax (inverse CDF,
 ``sample``: the same distribution as HF's ``torch.multinomial``, another random stream) or ``argmax`` when
 greedy; a finished row gets the pad token; the loop stops once every row has an EOS.
 """
@@ -104,7 +105,7 @@ class ManualDecodeBackend:
 
     @staticmethod
     def warp(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-        """HF's sampling warpers in HF's order: temperature, top-k, top-p (min_tokens_to_keep = 1). (B, V)."""
+        """HF's sampling warpers in HF's order: temperature, top-k, top-p, min-p (min_tokens_to_keep = 1). (B, V)."""
         if sampling.temperature is not None and sampling.temperature != 1.0:
             logits = logits / sampling.temperature
         if sampling.top_k:
@@ -115,7 +116,16 @@ class ManualDecodeBackend:
             remove = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= 1 - sampling.top_p
             remove[..., -1:] = False  # keep at least the most likely token
             logits = logits.masked_fill(remove.scatter(1, order, remove), -float("inf"))
+        if sampling.min_p > 0:  # the top token always stays (its probability is the threshold's scale)
+            probs = logits.softmax(dim=-1)
+            logits = logits.masked_fill(probs < sampling.min_p * probs.amax(dim=-1, keepdim=True), -float("inf"))
         return logits
+
+    @staticmethod
+    def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+        """HF's repetition penalty: each token already seen (B, V) bool has its logit divided by ``penalty``, or
+        multiplied when negative. (B, V)."""
+        return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
 
     @staticmethod
     def sample(logits: torch.Tensor) -> torch.Tensor:
@@ -125,6 +135,14 @@ class ManualDecodeBackend:
         cdf = logits.softmax(dim=-1).cumsum(dim=-1)
         u = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
         return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+
+    @staticmethod
+    def _prompt_tokens(ids: torch.Tensor, mask: torch.Tensor, vocab: int) -> torch.Tensor:
+        """(B, V) bool: the tokens among each row's real prompt ids (ids past the LM head's V cannot be sampled,
+        so carry no penalty: HF's rule)."""
+        seen = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.bool, device=ids.device)
+        seen.scatter_(1, torch.where(mask.bool(), ids.clamp(max=vocab), vocab), True)
+        return seen[:, :vocab]
 
     @torch.no_grad()
     def _generate_chunk(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
@@ -162,6 +180,7 @@ class ManualDecodeBackend:
         for (k_buf, v_buf), (k, v) in zip(cache, prompt_cache):
             k_buf.view(B, n_kv, T, d)[:, :, :P] = k.view(U, n_kv, P, d)[inverse]
             v_buf.view(B, n_kv, T, d)[:, :, :P] = v.view(U, n_kv, P, d)[inverse]
+        seen = self._prompt_tokens(ids, mask, logits.shape[-1]) if sampling.repetition_penalty != 1.0 else None
         for t in range(n_new):
             if t > 0:  # feed the previous token: its K/V go to column P + t - 1
                 c = P + t - 1
@@ -170,11 +189,15 @@ class ManualDecodeBackend:
                 self.record_logits.append(logits.clone())
             if t < min_new:
                 logits.index_fill_(1, eos, -float("inf"))
+            if seen is not None:
+                logits = self.penalize_repetition(logits, seen, sampling.repetition_penalty)
             if sampling.do_sample:
                 token = self.sample(self.warp(logits, sampling))
             else:
                 token = logits.argmax(dim=-1)
             out[:, t] = torch.where(unfinished, token, self.pad_id)
+            if seen is not None:
+                seen[torch.arange(B, device=device), token] = True
             unfinished &= ~torch.isin(out[:, t], eos)
             if not unfinished.any():
                 return out[:, :t + 1]
@@ -182,6 +205,9 @@ class ManualDecodeBackend:
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int,
                  sampling: SamplingParams) -> RolloutBatch:
+        if sampling.generation_kwargs:
+            raise ValueError(f"the hand-written decode loop takes no generation_kwargs ({sorted(sampling.generation_kwargs)}); "
+                             "sample with train.generation_backend hf (auto picks it when generation_kwargs are set)")
         repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
         device = self.model.model.embed_tokens.weight.device
         ids, mask = left_pad(repeated, self.pad_id)

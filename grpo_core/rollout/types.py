@@ -7,8 +7,8 @@ layout ``compute_advantages`` expects.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -22,6 +22,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     do_sample: bool = True
+    min_p: float = 0.0                  # drop tokens below min_p x the top token's probability (0 = off)
+    repetition_penalty: float = 1.0     # HF's: logits of tokens already in the prompt or completion / p (x p if < 0)
+    generation_kwargs: dict[str, Any] = field(default_factory=dict)  # more for HF generate / vLLM (not manual)
 
 
 @dataclass

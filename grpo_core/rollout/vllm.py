@@ -98,15 +98,17 @@ def engine_model(llm) -> torch.nn.Module:
 
 def vllm_sampling_kwargs(sampling: SamplingParams, num_generations: int, eos_ids: list[int],
                          min_new_tokens: int, logprobs: bool = False) -> dict:
-    """``vllm.SamplingParams`` keyword arguments for one round: n samples per prompt, our sampling only; with
-    ``logprobs`` the sampled token's log-prob too (``logprobs=0``)."""
+    """``vllm.SamplingParams`` keyword arguments for one round: n samples per prompt, our sampling only (min_p,
+    repetition_penalty and ``generation_kwargs`` included); with ``logprobs`` the sampled token's log-prob too
+    (``logprobs=0``)."""
     return dict(**({"logprobs": 0} if logprobs else {}),
         n=num_generations, max_tokens=sampling.max_new_tokens, min_tokens=min_new_tokens,
         temperature=sampling.temperature if sampling.do_sample else 0.0,
         top_p=sampling.top_p if sampling.do_sample else 1.0,
         top_k=sampling.top_k if sampling.do_sample and sampling.top_k > 0 else -1,
-        repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_p=0.0,
-        stop_token_ids=list(eos_ids), detokenize=False,
+        repetition_penalty=sampling.repetition_penalty, presence_penalty=0.0, frequency_penalty=0.0,
+        min_p=sampling.min_p if sampling.do_sample else 0.0,
+        stop_token_ids=list(eos_ids), detokenize=False, **sampling.generation_kwargs,
     )
 
 

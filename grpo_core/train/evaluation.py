@@ -24,6 +24,7 @@ from grpo_core.evaluation import summarize_evaluation
 from grpo_core.held_out import EvalMode, eval_modes, score_policy
 from grpo_core.rewards.judges import Judges, build_judges
 from grpo_core.train.checkpoint import load_weights, rng_state, set_rng_state
+from grpo_core.train.rollouts import training_sampling
 from grpo_core.train.state import TrainingRun, TrainState
 
 
@@ -49,8 +50,7 @@ def load_held_out(cfg: PipelineConfig, root: str | Path, encoder: PromptEncoder,
     dataset = load_split(cfg.data, "eval", root)
     n = len(dataset) if t.eval_max_samples is None else min(t.eval_max_samples, len(dataset))
     modes = eval_modes(max_new_tokens=t.max_completion_length, num_generations=t.effective_num_generations_eval,
-                       temperature=t.temperature, top_p=t.top_p, top_k=t.top_k,
-                       sequences_per_call=t.per_device_eval_batch_size, seed=t.seed)
+                       sampling=training_sampling(t), sequences_per_call=t.per_device_eval_batch_size, seed=t.seed)
     return HeldOutPrompts([dataset[i] for i in range(n)], list(range(n)), encoder, reward_fns, reward_names,
                           build_judges(cfg.rewards), modes)
 

@@ -44,7 +44,14 @@ from grpo_core.loss import (
 )
 from grpo_core.microbatch import length_grouped_order
 from grpo_core.model.fastforward import use_manual_forward
-from grpo_core.model.loading import DTYPES, disable_dropout, load_policy, load_reference, owns_weights
+from grpo_core.model.loading import (
+    DTYPES,
+    cast_lm_head_to_fp32,
+    disable_dropout,
+    load_policy,
+    load_reference,
+    owns_weights,
+)
 from grpo_core.model.sharding import clip_gradients, is_sharded, shard_model
 from grpo_core.rewards import build_reward_functions
 from grpo_core.rollout import backend_for
@@ -216,10 +223,11 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
     set_seed(t.seed)
     model, tokenizer = load_policy(cfg.model, root, gradient_checkpointing=t.gradient_checkpointing)
     ref_model = load_reference(cfg.model, root, model) if t.beta > 0 else None
-    if t.disable_dropout:
-        for module in (model, ref_model):
-            if module is not None:
-                disable_dropout(module)
+    for module in (model, ref_model):
+        if module is not None and t.disable_dropout:
+            disable_dropout(module)
+        if module is not None and t.cast_lm_head_to_fp32 and owns_weights(module):  # LoRA: one head for both
+            cast_lm_head_to_fp32(module)
     dataset = load_split(cfg.data, "train", root)
     encoder = PromptEncoder.from_config(tokenizer, cfg.data, t.max_prompt_length)
     reward_fns = build_reward_functions(cfg.rewards)

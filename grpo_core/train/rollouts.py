@@ -27,8 +27,7 @@ def sample_round(*, backend: RolloutBackend, tokenizer, dataset, indices: list[i
     (gathered over processes).
     """
     G = t.num_generations
-    sampling = SamplingParams(max_new_tokens=t.max_completion_length, temperature=t.temperature,
-                              top_p=t.top_p, top_k=t.top_k)
+    sampling = training_sampling(t)
     sampled = sample_and_score(None, tokenizer, [dataset[i] for i in indices], encoder, reward_fns,
                                num_generations=G, sampling=sampling, batch_size=len(indices),
                                on_error=t.reward_errors, backend=backend, reward_timeout_s=t.reward_timeout_s,
@@ -46,6 +45,13 @@ def sample_round(*, backend: RolloutBackend, tokenizer, dataset, indices: list[i
                  completion_mask=batch.completion_mask, is_truncated=batch.is_truncated,
                  advantages=torch.zeros(len(rewards)), metrics=metrics, rewards=rewards,
                  sampling_logps=batch.sampling_logps)
+
+
+def training_sampling(t: TrainConfig) -> SamplingParams:
+    """How training samples (train.temperature, top_p, top_k, min_p, repetition_penalty, generation_kwargs)."""
+    return SamplingParams(max_new_tokens=t.max_completion_length, temperature=t.temperature, top_p=t.top_p,
+                          top_k=t.top_k, min_p=t.min_p or 0.0, repetition_penalty=t.repetition_penalty,
+                          generation_kwargs=dict(t.generation_kwargs))
 
 
 def assign_advantages(round_: Round, weights: torch.Tensor, t: TrainConfig, accelerator) -> Round:
