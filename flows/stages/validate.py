@@ -109,6 +109,17 @@ def check_prompts_render(encoder, train_df, cfg) -> None:
                         f"'{cfg.data.prompt_format}': the train prompts cannot be rendered: {err}") from err
 
 
+def gold_parser(cfg):
+    """The numbers and choice letters of ``parse_gold``, and under a math_verify reward whatever math-verify
+    parses (LaTeX golds: ``\\frac{1}{2}``, intervals, sets)."""
+    from grpo_core.rewards import parse_gold
+    from grpo_core.rewards.math import parse_math_gold
+
+    if not any(spec.function == "math_verify" for spec in cfg.rewards):
+        return parse_gold
+    return lambda raw: parse_gold(raw) or parse_math_gold(raw)
+
+
 def run(ctx) -> int:
     from flows.stages.common import quiet_libraries
     from grpo_core.data import PromptEncoder
@@ -132,7 +143,8 @@ def run(ctx) -> int:
             train_df, eval_df, require_answer=bool(correctness), reward_fns_for_gold=gold_fns,
             count_tokens=lambda prompt: len(encoder.encode(prompt)),
             max_prompt_length=cfg.train.max_prompt_length, overlong_policy=cfg.data.overlong_prompt,
-            max_report_rows=cfg.validate.max_report_rows, reward_fns_for_smoke=reward_fns)
+            max_report_rows=cfg.validate.max_report_rows, reward_fns_for_smoke=reward_fns,
+            parse_gold=gold_parser(cfg) if correctness else None)
 
         n_train = len(cfg.data.paths("train")) or 1
         header = (f"model: {model_checked}\n"

@@ -2,7 +2,7 @@
 evaluation during training) and calibration.
 
 The first configured reward whose built-in function checks the answer (``correctness``, ``numeric``,
-``multiple_choice``) judges correctness: a sample is correct when it scores that reward's ``correct`` value.
+``multiple_choice``, ``math_verify``) judges correctness: a sample is correct when it scores that reward's ``correct`` value.
 The first configured ``soft_format`` / ``strict_format`` judges the format: > 0 is well formed. With none
 configured, the built-in ``correctness`` and ``soft_format`` judge.
 """
@@ -18,7 +18,7 @@ from grpo_core.rewards.correctness import correctness
 from grpo_core.rewards.format import soft_format
 from grpo_core.rewards.registry import build_reward_functions
 
-CORRECTNESS_FUNCTIONS = frozenset({"correctness", "multiple_choice", "numeric"})
+CORRECTNESS_FUNCTIONS = frozenset({"correctness", "multiple_choice", "numeric", "math_verify"})
 FORMAT_FUNCTIONS = frozenset({"soft_format", "strict_format"})
 
 

@@ -19,12 +19,14 @@ from grpo_core.rewards.correctness import correctness, multiple_choice, numeric
 from grpo_core.rewards.format import soft_format, strict_format, xml_count
 from grpo_core.rewards.keywords import keyword_hits
 from grpo_core.rewards.length import overlong_penalty, reasoning_length
+from grpo_core.rewards.math import math_verify
 from grpo_core.rewards.wrappers import clip_reward
 
 BUILTINS: dict[str, Callable[..., RewardFunction]] = {
     "correctness": correctness,
     "multiple_choice": multiple_choice,
     "numeric": numeric,
+    "math_verify": math_verify,
     "strict_format": strict_format,
     "soft_format": soft_format,
     "xml_count": xml_count,
