@@ -15,6 +15,7 @@ from typing import Any
 
 from grpo_core.errors import ConfigurationError
 from grpo_core.rewards.base import RewardFunction, RewardSpec, named
+from grpo_core.rewards.code import code_execution
 from grpo_core.rewards.correctness import correctness, multiple_choice, numeric
 from grpo_core.rewards.format import soft_format, strict_format, xml_count
 from grpo_core.rewards.keywords import keyword_hits
@@ -27,6 +28,7 @@ BUILTINS: dict[str, Callable[..., RewardFunction]] = {
     "multiple_choice": multiple_choice,
     "numeric": numeric,
     "math_verify": math_verify,
+    "code_execution": code_execution,
     "strict_format": strict_format,
     "soft_format": soft_format,
     "xml_count": xml_count,

@@ -1,0 +1,97 @@
+"""The code-execution reward and its sandbox: test-case shapes of the public code-RL datasets, pass rates worked out
+by hand, and hostile programs, each contained and scored, with this (the training) process unaffected."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from grpo_core.rewards import build_reward_functions
+from grpo_core.rewards.code import CodeTest, code_execution, extract_program, parse_tests
+from grpo_core.rewards.sandbox import Limits, run_python
+
+FENCE = "`" * 3
+
+
+def block(code: str) -> str:
+    return f"Here it is:\n{FENCE}python\n{code}\n{FENCE}\n"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sandbox_available():
+    result = run_python("print('up')")
+    if result.status == "sandbox":
+        pytest.skip(f"this machine cannot build the sandbox: {result.stderr.strip()}")
+    assert result.stdout == "up\n", result
+
+
+def test_program_extraction_and_test_shapes():
+    assert extract_program(f"a\n{FENCE}py\nx = 1\n{FENCE}\nb\n{FENCE}python\nx = 2\n{FENCE}") == "x = 2\n"
+    assert extract_program("x = 1") is None and extract_program("x = 1", require_block=False) == "x = 1"
+    io = [CodeTest("1 2", "3"), CodeTest("4 5", "9")]
+    assert parse_tests([{"input": "1 2", "output": "3"}, {"input": "4 5", "output": "9"}]) == io
+    assert parse_tests({"inputs": ["1 2", "4 5"], "outputs": ["3", "9"]}) == io
+    assert parse_tests('{"test_cases": [{"input": "1 2", "output": "3"}, {"input": "4 5", "output": "9"}]}') == io
+    assert parse_tests(["assert f(1) == 1", "assert f(2) == 4"]) == [CodeTest(check="assert f(1) == 1"),
+                                                                   CodeTest(check="assert f(2) == 4")]
+    assert parse_tests("assert f(1) == 1") == [CodeTest(check="assert f(1) == 1")]
+    assert parse_tests(None) == [] and parse_tests("") == []
+    with pytest.raises(ValueError, match="unknown shape"):
+        parse_tests({"cases": 3})
+
+
+def test_pass_rates_by_hand():
+    reward = build_reward_functions([{"name": "code", "function": "code_execution", "kwargs": {"timeout_s": 3}}])[0]
+    adder = block("a, b = map(int, input().split())\nprint(a + b)")
+    off_by_one = block("a, b = map(int, input().split())\nprint(a + b + (a == 4))")
+    square = block("def f(x):\n    return x * x")
+    io = [{"input": "1 2\n", "output": "3\n"}, {"input": "4 5", "output": "9  \n"}]  # trailing spaces ignored
+    asserts = ["assert f(1) == 1", "assert f(3) == 9", "assert f(2) == 5"]
+    scores = reward([""] * 6, [adder, off_by_one, square, "no program here", square, adder],
+                    tests=[io, io, asserts, asserts, None, "assert False"])
+    assert scores == [1.0, 0.5, pytest.approx(2 / 3), 0.0, None, 0.0]
+    with pytest.raises(KeyError, match="no test column 'tests'"):
+        code_execution()([""], [adder], cases=[io])
+
+
+# (name, program, the sandbox's verdict, a line its stderr or stdout must hold)
+HOSTILE = [
+    ("infinite loop", "while True:\n    pass", "timeout", ""),
+    ("fork bomb", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "timeout", ""),
+    ("10 GB allocation", "x = bytearray(10 * 1024 ** 3)", "error", "MemoryError"),
+    ("write outside its folder", f"open({os.getcwd()!r} + '/PWNED', 'w').write('x')", "error", "Permission denied"),
+    ("open a socket", "import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)", "error",
+     "Network is unreachable"),
+    ("read the parent's environment", "import os\nprint(open(f'/proc/{os.getppid()}/environ').read())", "error",
+     "Permission denied"),
+    ("kill the parent", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", "error", "Operation not permitted"),
+    ("escape the process group", "import os, time\nif os.fork() == 0:\n    os.setsid()\ntime.sleep(60)", "timeout", ""),
+]
+
+
+def processes_in_sandbox_uids() -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "uid=,pid=,stat=,args="], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in ps if 61000 <= int(line.split()[0]) < 65000 and not line.split()[2].startswith("Z")]
+
+
+@pytest.mark.parametrize(("name", "program", "status", "says"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_programs_are_contained(name, program, status, says, tmp_path):
+    os.environ["GRPO_SECRET_FOR_THE_TEST"] = "do-not-leak"
+    result = run_python(program, limits=Limits(wall_s=2, cpu_s=2))
+    assert result.status == status, result
+    assert says in result.stderr + result.stdout
+    assert "do-not-leak" not in result.stdout + result.stderr
+    assert not os.path.exists(os.path.join(os.getcwd(), "PWNED"))
+    assert processes_in_sandbox_uids() == []  # nothing left running, setsid or not (zombies wait for their reaper)
+    # scored like any failing program, and this process goes on
+    reward = code_execution(timeout_s=2)
+    assert reward([""], [block(program)], tests=[[{"input": "", "output": "ok"}]]) == [0.0]
+
+
+def test_the_program_sees_an_empty_environment_and_its_own_folder():
+    result = run_python("import os\nopen('f', 'w').write('x')\nprint(sorted(os.environ), os.getcwd(), os.listdir('.'))")
+    assert result.status == "ok" and result.stdout.strip() == "['HOME', 'LANG', 'PATH'] /tmp ['f', 'main.py']"
+    again = run_python("import os\nprint(os.listdir('/tmp'))")
+    assert again.stdout.strip() == "['main.py']"  # a fresh folder each run
