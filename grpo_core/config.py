@@ -92,6 +92,8 @@ class RewardSpec:
     kwargs: dict = _f({}, "keyword arguments for the built-in factory or bound to the function")
     target_share: float = _f(1.0, "share of within-group advantage variance calibration aims for", ge=0)
     clip: list[float] | None = _f(None, "[low, high]: clip this reward to the range")
+    isolated: bool = _f(False, "run it in a worker process of its own: a call past train.reward_timeout_s kills "
+                        "the worker (the work ends) instead of abandoning a thread (grpo_core/rewards/isolated.py)")
 
 
 @dataclass

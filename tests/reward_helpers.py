@@ -74,3 +74,46 @@ def length_on_odd_prompts(prompts, completions, **kwargs):
         return int(text[text.index("Q") + 1:text.index(":")])
 
     return [0.5 if index(p) % 2 == 0 else len(c) / 10 for p, c in zip(prompts, completions)]
+
+
+def sleeps_then_marks(prompts, completions, marker, seconds, **kwargs):
+    """Sleeps ``seconds`` (a reward stuck on a slow service), then touches ``marker``: whether the work went on."""
+    import pathlib
+    import time
+
+    time.sleep(seconds)
+    pathlib.Path(marker).touch()
+    return [1.0] * len(completions)
+
+
+def raises_value_error(prompts, completions, **kwargs):
+    raise ValueError("a bug in the reward")
+
+
+_meetings: dict = {}
+
+
+def _meeting():
+    import asyncio
+
+    return _meetings.setdefault(id(asyncio.get_running_loop()), asyncio.Event())
+
+
+async def waits_for_partner(prompts, completions, **kwargs):
+    """Returns only once `frees_partner` ran in the same event loop: it cannot finish when called alone first."""
+    await _meeting().wait()
+    return [1.0] * len(completions)
+
+
+async def frees_partner(prompts, completions, **kwargs):
+    _meeting().set()
+    return [0.5] * len(completions)
+
+
+async def sleeps_then_marks_async(prompts, completions, marker, seconds, **kwargs):
+    import asyncio
+    import pathlib
+
+    await asyncio.sleep(seconds)
+    pathlib.Path(marker).touch()
+    return [1.0] * len(completions)

@@ -11,6 +11,7 @@ Extra dataset columns arrive as keyword lists aligned with `completions`; `None`
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -79,6 +80,14 @@ def named(fn: Callable[..., list[RewardValue]], name: str) -> RewardFunction:
     reward.__name__ = name
     reward.__qualname__ = name
     return reward  # type: ignore[return-value]
+
+
+def is_async_reward(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` (through ``named``/``functools.wraps`` wrappers and ``functools.partial``) is ``async def``:
+    such rewards are awaited, all of a batch's concurrently (``score_completions``)."""
+    target = inspect.unwrap(fn)
+    target = getattr(target, "func", target)
+    return inspect.iscoroutinefunction(target)
 
 
 def texts(completions: Sequence[Any]) -> list[str]:

@@ -18,6 +18,7 @@ from grpo_core.rewards.base import RewardFunction, RewardSpec, named
 from grpo_core.rewards.code import code_execution
 from grpo_core.rewards.correctness import correctness, multiple_choice, numeric
 from grpo_core.rewards.format import soft_format, strict_format, xml_count
+from grpo_core.rewards.isolated import IsolatedReward
 from grpo_core.rewards.keywords import keyword_hits
 from grpo_core.rewards.length import overlong_penalty, reasoning_length
 from grpo_core.rewards.math import math_verify
@@ -130,8 +131,13 @@ def build_reward_functions(specs: Sequence[RewardSpec | Mapping[str, Any]]) -> l
             raise RewardConfigError(
                 f"reward {name!r}: `function` must be a non-empty string, got {function!r}"
             )
-        fn = resolve_reward_function(function, _field(spec, "kwargs") or {}, name)
+        fn = resolve_reward_function(function, _field(spec, "kwargs") or {}, name)  # fails fast, here
         clip = _field(spec, "clip")
+        if _field(spec, "isolated", False):
+            functions.append(IsolatedReward(function, _field(spec, "kwargs") or {}, name, clip,
+                                            resolve=resolve_reward_function))
+            seen.add(name)
+            continue
         if clip is not None:
             try:
                 fn = clip_reward(fn, clip)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import numbers
@@ -13,7 +14,7 @@ from typing import Any, Literal
 import numpy as np
 
 from grpo_core.errors import TrainingFailure
-from grpo_core.rewards.base import RewardFunction
+from grpo_core.rewards.base import RewardFunction, is_async_reward
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +79,15 @@ def _call(fn: RewardFunction, prompts: list, completions: list, columns: Mapping
     """``fn(prompts, completions, **columns)``; with ``timeout_s``, in a daemon thread joined for at most that long.
 
     Python cannot kill a thread: a call that times out is abandoned (its thread is a daemon, so it never
-    holds the process open) and RewardTimeout is raised here. A reward that calls a remote service
+    holds the process open) and RewardTimeout is raised here; a reward marked ``isolated`` runs in a worker
+    process instead, which is killed (grpo_core/rewards/isolated.py). A reward that calls a remote service
     should still set its own socket timeouts; this one is the last line of defence.
     """
     kwargs = {k: list(v) for k, v in columns.items()}
+    if is_async_reward(fn):  # cancelled at the timeout: the work ends at its next await
+        return asyncio.run(_awaited(fn, prompts, completions, kwargs, timeout_s))
+    if hasattr(fn, "call_with_timeout"):  # an isolated reward: past the timeout its worker process is killed
+        return fn.call_with_timeout(prompts, completions, kwargs, timeout_s or None)
     if not timeout_s:
         return fn(prompts=prompts, completions=completions, **kwargs)
     box: dict[str, Any] = {}
@@ -101,6 +107,23 @@ def _call(fn: RewardFunction, prompts: list, completions: list, columns: Mapping
     if "err" in box:
         raise box["err"]
     return box["out"]
+
+
+async def _awaited(fn: RewardFunction, prompts: list, completions: list, kwargs: dict, timeout_s: float | None) -> Any:
+    try:
+        return await asyncio.wait_for(fn(prompts=prompts, completions=completions, **kwargs), timeout_s or None)
+    except TimeoutError:
+        raise RewardTimeout(f"reward function {_name(fn)!r} did not return within {timeout_s:g}s on a batch of "
+                            f"{len(completions)}; it was cancelled") from None
+
+
+async def _gather_async(fns: dict[int, RewardFunction], prompts: list, completions: list,
+                        columns: Mapping[str, Sequence[Any]], timeout_s: float | None) -> dict[int, Any]:
+    """Every async reward's batch call at once (a judge over HTTP waits on the network, not the CPU): k -> its
+    values, or the exception it ended with."""
+    kwargs = {k: list(v) for k, v in columns.items()}
+    calls = [_awaited(fn, prompts, completions, kwargs, timeout_s) for fn in fns.values()]
+    return dict(zip(fns, await asyncio.gather(*calls, return_exceptions=True)))
 
 
 def _per_sample(
@@ -151,7 +174,8 @@ def score_completions(
         columns: extra keyword lists, each of length N (dataset columns, `completion_ids`, ...).
         on_error: "raise" → a raising function raises RewardFunctionError naming it and the first failing
             sample; "none" → its failing samples score None (NaN) and are counted.
-        timeout_s: seconds a call may take (None or 0 = no limit). A batch call that times out scores
+        timeout_s: seconds a call may take (None or 0 = no limit). ``async def`` rewards are awaited together,
+            each cancelled at its timeout (the work ends at its next await). A batch call that times out scores
             None (NaN) for all N samples of that function, in both modes, is counted in
             ``timeout_counts`` and logged as a warning; it is not retried sample by sample (that could
             wait N times as long). Samples of a per-sample retry (after the batch call raised) time out
@@ -176,11 +200,16 @@ def score_completions(
     rewards = np.full((n, len(reward_fns)), np.nan, dtype=np.float64)
     error_counts: dict[str, int] = {}
     timeout_counts: dict[str, int] = {}
+    concurrent = {k: fn for k, fn in enumerate(reward_fns) if is_async_reward(fn)}
+    awaited = asyncio.run(_gather_async(concurrent, prompts, completions, columns, timeout_s)) if concurrent else {}
     for k, fn in enumerate(reward_fns):
         name = _name(fn)
         failures = timeouts = 0
         try:
-            values = _check_output(_call(fn, prompts, completions, columns, timeout_s), n, name)
+            out = awaited[k] if k in awaited else _call(fn, prompts, completions, columns, timeout_s)
+            if isinstance(out, BaseException):
+                raise out
+            values = _check_output(out, n, name)
         except RewardTimeout as exc:
             log.warning("%s: its %d samples score None for it", exc, n)
             values, timeouts = [math.nan] * n, 1
