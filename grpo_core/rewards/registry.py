@@ -22,6 +22,7 @@ from grpo_core.rewards.isolated import IsolatedReward
 from grpo_core.rewards.keywords import keyword_hits
 from grpo_core.rewards.length import overlong_penalty, reasoning_length
 from grpo_core.rewards.math import math_verify
+from grpo_core.rewards.reward_model import reward_model
 from grpo_core.rewards.wrappers import clip_reward
 
 BUILTINS: dict[str, Callable[..., RewardFunction]] = {
@@ -30,6 +31,7 @@ BUILTINS: dict[str, Callable[..., RewardFunction]] = {
     "numeric": numeric,
     "math_verify": math_verify,
     "code_execution": code_execution,
+    "reward_model": reward_model,
     "strict_format": strict_format,
     "soft_format": soft_format,
     "xml_count": xml_count,
