@@ -38,6 +38,7 @@ import pandas as pd
 from pandera.typing import Series
 
 from grpo_core.errors import ValidationFailure
+from grpo_core.rewards.scoring import call_reward
 
 try:
     import pandera.pandas as pa
@@ -291,7 +292,7 @@ def _gold_reward_checks(df: pd.DataFrame, split: str, rows: list[Any], parsed: d
         name = getattr(fn, "__name__", repr(fn))
         check = f"gold_reward:{name}"
         try:
-            values = list(fn(prompts, completions, **columns))
+            values = list(call_reward(fn, prompts, completions, **columns))
             if len(values) != len(rows):
                 raise ValueError(f"returned {len(values)} values for {len(rows)} completions")
         except Exception as exc:  # noqa: BLE001 - a reward that crashes on gold data is a finding
@@ -327,7 +328,7 @@ def reward_smoke_failures(df: pd.DataFrame, reward_fns: Sequence[Callable[..., l
     for fn in reward_fns:
         name = getattr(fn, "__name__", repr(fn))
         try:
-            values = list(fn(prompts, completions, **columns))
+            values = list(call_reward(fn, prompts, completions, **columns))
             if len(values) != len(texts):
                 raise ValueError(f"returned {len(values)} values for {len(texts)} completions")
             bad = [v for v in values if v is not None and not isinstance(v, (int, float))]

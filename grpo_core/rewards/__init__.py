@@ -18,7 +18,7 @@ from grpo_core.rewards.registry import (
     build_reward_functions,
     resolve_reward_function,
 )
-from grpo_core.rewards.scoring import RewardFunctionError, score_completions
+from grpo_core.rewards.scoring import RewardFunctionError, call_reward, score_completions
 from grpo_core.rewards.wrappers import clip_reward
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "parse_number",
     "reasoning_length",
     "resolve_reward_function",
+    "call_reward",
     "score_completions",
     "soft_format",
     "strict_format",

@@ -109,6 +109,12 @@ def _call(fn: RewardFunction, prompts: list, completions: list, columns: Mapping
     return box["out"]
 
 
+def call_reward(fn: RewardFunction, prompts: list, completions: list, **columns: Any) -> Any:
+    """``fn(prompts, completions, **columns)``, awaited when ``fn`` is ``async def``: a reward called outside
+    ``score_completions`` (validate's checks) the way ``score_completions`` calls it, without a time limit."""
+    return _call(fn, list(prompts), list(completions), columns)
+
+
 async def _awaited(fn: RewardFunction, prompts: list, completions: list, kwargs: dict, timeout_s: float | None) -> Any:
     try:
         return await asyncio.wait_for(fn(prompts=prompts, completions=completions, **kwargs), timeout_s or None)
