@@ -117,3 +117,18 @@ async def sleeps_then_marks_async(prompts, completions, marker, seconds, **kwarg
     await asyncio.sleep(seconds)
     pathlib.Path(marker).touch()
     return [1.0] * len(completions)
+
+
+def hostile_programs(prompts, completions, **kwargs):
+    """Whatever the policy wrote, runs hostile programs through the code reward (a policy gone bad, on demand):
+    one kills the parent, one reads its environment, one opens a socket, one loops until killed."""
+    from grpo_core.rewards.code import code_execution
+
+    programs = ["import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",
+                "import os\nprint(open(f'/proc/{os.getppid()}/environ').read())",
+                "import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)",
+                "while True:\n    pass"]
+    fence = "`" * 3
+    reward = code_execution(timeout_s=1.0, max_workers=4)
+    chosen = [f"{fence}python\n{programs[i % len(programs)]}\n{fence}" for i in range(len(completions))]
+    return reward(prompts, chosen, tests=[[{"input": "", "output": "ok"}]] * len(completions))

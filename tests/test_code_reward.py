@@ -95,3 +95,17 @@ def test_the_program_sees_an_empty_environment_and_its_own_folder():
     assert result.status == "ok" and result.stdout.strip() == "['HOME', 'LANG', 'PATH'] /tmp ['f', 'main.py']"
     again = run_python("import os\nprint(os.listdir('/tmp'))")
     assert again.stdout.strip() == "['main.py']"  # a fresh folder each run
+
+
+def test_training_goes_on_while_its_reward_runs_hostile_programs(tmp_path):
+    from grpo_core.train.loop import train
+    from tests.tiny import make_prompts, make_tiny_model, read_log, tiny_config
+
+    cfg = tiny_config(make_tiny_model(tmp_path / "model"), make_prompts(tmp_path / "p.jsonl"),
+                      [{"name": "hostile", "function": "tests.reward_helpers:hostile_programs"},
+                       {"name": "digits", "function": "tests.reward_helpers:digit_fraction"}],
+                      max_steps=2, per_device_train_batch_size=8)
+    result = train(cfg, root=tmp_path, progress=False)
+    log = read_log(result.log_path)
+    assert result.final_step == 2 and [float(r["rewards/hostile/mean"]) for r in log] == [0.0, 0.0]
+    assert processes_in_sandbox_uids() == []
