@@ -61,7 +61,7 @@ HOSTILE = [
     ("infinite loop", "while True:\n    pass", "timeout", ""),
     ("fork bomb", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "timeout", ""),
     ("10 GB allocation", "x = bytearray(10 * 1024 ** 3)", "error", "MemoryError"),
-    ("write outside its folder", f"open({os.getcwd()!r} + '/PWNED', 'w').write('x')", "error", "Permission denied"),
+    ("write outside its folder", "open('/etc/grpo-pwned', 'w').write('x')", "error", "Permission denied"),
     ("open a socket", "import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)", "error",
      "Network is unreachable"),
     ("read the parent's environment", "import os\nprint(open(f'/proc/{os.getppid()}/environ').read())", "error",
@@ -83,7 +83,7 @@ def test_hostile_programs_are_contained(name, program, status, says, tmp_path):
     assert result.status == status, result
     assert says in result.stderr + result.stdout
     assert "do-not-leak" not in result.stdout + result.stderr
-    assert not os.path.exists(os.path.join(os.getcwd(), "PWNED"))
+    assert not os.path.exists("/etc/grpo-pwned")
     assert processes_in_sandbox_uids() == []  # nothing left running, setsid or not (zombies wait for their reaper)
     # scored like any failing program, and this process goes on
     reward = code_execution(timeout_s=2)

@@ -13,14 +13,15 @@ from __future__ import annotations
 import multiprocessing
 from typing import Any
 
+from grpo_core.errors import TrainingFailure
 from grpo_core.rewards.scoring import RewardTimeout
 from grpo_core.rewards.wrappers import clip_reward
 
 _START_TIMEOUT_S = 300.0  # a fresh worker imports the reward's modules (torch included) before its first answer
 
 
-class IsolatedRewardError(RuntimeError):
-    """The isolated reward raised in its worker; the message carries its type and text."""
+class IsolatedRewardError(TrainingFailure, RuntimeError):
+    """The isolated reward raised in its worker, or its worker could not start or died; the message says which."""
 
 
 def _serve(conn, resolve, function: str, kwargs: dict, name: str, clip: list[float] | None) -> None:
