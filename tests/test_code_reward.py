@@ -78,6 +78,8 @@ def processes_in_sandbox_uids() -> list[str]:
 
 @pytest.mark.parametrize(("name", "program", "status", "says"), HOSTILE, ids=[h[0] for h in HOSTILE])
 def test_hostile_programs_are_contained(name, program, status, says, tmp_path):
+    if name == "kill the parent" and os.geteuid() != 0:
+        pytest.skip("not root: the sandbox has no uid of its own, so the parent can be signalled (docs/operations.md)")
     os.environ["GRPO_SECRET_FOR_THE_TEST"] = "do-not-leak"
     result = run_python(program, limits=Limits(wall_s=2, cpu_s=2))
     assert result.status == status, result

@@ -19,8 +19,8 @@ Threat model: the code is hostile but runs as an ordinary Linux process on our k
 fork bombs, memory bombs, big writes, writes outside its folder, network access, reading our environment,
 signalling us. Not contained: kernel exploits, CPU side channels, reading world-readable files (what any local user
 can read: the source tree, /etc; secrets belong in files only their owner reads). When we are not root there is no
-uid to switch to: user, mount and network namespaces still come first, but the process limit then counts all of
-our user's processes.
+uid to switch to: user (mapping our own ids), mount and network namespaces still come first, but the code runs as
+our user, so it can signal our processes, and the process limit counts all of our user's processes.
 """
 
 from __future__ import annotations
@@ -53,7 +53,13 @@ def check(ok, what):
         sys.stderr.write(f"sandbox: {what} failed: {os.strerror(ctypes.get_errno())}\n")
         os._exit(125)
 root = os.geteuid() == 0
+outer_uid, outer_gid = os.getuid(), os.getgid()
 check(libc.unshare(0x00020000 | 0x40000000 | (0 if root else 0x10000000)) == 0, "unshare")
+if not root:  # our own ids inside the new user namespace (unmapped, files could not be created)
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{outer_uid} {outer_uid} 1"),
+                       ("gid_map", f"{outer_gid} {outer_gid} 1")):
+        with open(f"/proc/self/{name}", "w") as fh:
+            fh.write(text)
 check(libc.mount(b"none", b"/", None, 16384 | (1 << 18), None) == 0, "mount --make-rprivate /")
 for where in (b"/tmp", b"/var/tmp", b"/dev/shm"):
     if os.path.isdir(where):
