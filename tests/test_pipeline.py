@@ -130,6 +130,10 @@ def test_repro_runs_every_stage_and_writes_every_declared_output(pipeline):
     assert len(declared) >= 15
     missing = [p for p in declared if not (repo / p).exists()]
     assert missing == []
+    # no output names where this clone lives: another clone hashes the same outputs the same (a shared cache)
+    where = str(repo.resolve()).encode()
+    files = [f for p in declared for f in ((repo / p).rglob("*") if (repo / p).is_dir() else [repo / p]) if f.is_file()]
+    assert [str(f.relative_to(repo)) for f in files if where in f.read_bytes()] == []
 
     # the contract's outputs
     weights = json.loads((repo / "artifacts/calibration/reward_weights.json").read_text())

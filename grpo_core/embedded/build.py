@@ -21,10 +21,15 @@ from grpo_core.files import write_dir_atomic, write_jsonl_atomic
 METADATA_FILE = "embedded.json"
 
 
+# Where the outputs go is not what they are: kept out of the metadata, so the folder's bytes (and DVC's hash of it)
+# are the same in every clone, wherever it lives.
+_LOCATION_KEYS = ("data_dir", "model_dir")
+
+
 def _config_dict(cfg: Any) -> dict[str, Any]:
-    if dataclasses.is_dataclass(cfg):
-        return dataclasses.asdict(cfg)
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(EmbeddedConfig)}
+    values = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else {
+        f.name: getattr(cfg, f.name) for f in dataclasses.fields(EmbeddedConfig)}
+    return {k: v for k, v in values.items() if k not in _LOCATION_KEYS}
 
 
 def prepare(cfg: EmbeddedConfig, log: Callable[[str], None] | None = print) -> dict[str, Any]:

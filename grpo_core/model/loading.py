@@ -100,7 +100,7 @@ def check_model_folder(cfg: ModelConfig, root: str | Path = ".") -> str:
 
     path = resolve_model_path(cfg.name_or_path, root)
     if not Path(path).is_dir():
-        return f"{path}: a hub id, not checked offline"
+        return f"{cfg.name_or_path}: a hub id, not checked offline"
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:
@@ -126,7 +126,8 @@ def check_model_folder(cfg: ModelConfig, root: str | Path = ".") -> str:
     missing = {k for k in expected - found if not (k.startswith("lm_head") and config.tie_word_embeddings)}
     if missing:
         load_model(cfg, root)  # names transformers may convert: the real load decides (and raises ModelLoadError)
-    return f"{path}: {config.model_type}, {len(found)} tensors in {len(files)} safetensors file(s)"
+    # named as params.yaml names it: the report is a DVC output, the same in every clone
+    return f"{cfg.name_or_path}: {config.model_type}, {len(found)} tensors in {len(files)} safetensors file(s)"
 
 
 def _load_with_tokenizer(cfg: ModelConfig, root: str | Path, dtype: torch.dtype | None):
