@@ -78,15 +78,19 @@ def math_verify(gold_column: str = "answer", answer_tag: str | None = "answer", 
 
         if gold_column not in kwargs:
             raise KeyError(f"math_verify: no gold column {gold_column!r} among the reward columns {sorted(kwargs)}")
+        golds: dict[tuple[str, str], list | None] = {}  # a prompt's G completions share one gold: parsed once
+        limit = _timeouts(timeout_s)["parsing_timeout"]
         out: list[RewardValue] = []
         for text, raw in zip(texts(completions), kwargs[gold_column], strict=True):
-            gold = parse_math_gold(raw, timeout_s)
+            key = (type(raw).__name__, str(raw))
+            if key not in golds:
+                golds[key] = parse_math_gold(raw, timeout_s)
+            gold = golds[key]
             if gold is None:
                 out.append(None)
                 continue
             section = text if answer_tag is None else extract_section(text, answer_tag)
             answer = _parse_answer(section, answer_tag is None, timeout_s) if section is not None else []
-            limit = _timeouts(timeout_s)["parsing_timeout"]
             hit = bool(answer) and verify(gold, answer, timeout_seconds=limit)
             out.append(correct if hit else incorrect)
         return out

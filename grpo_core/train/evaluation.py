@@ -32,8 +32,7 @@ from grpo_core.train.state import TrainingRun, TrainState
 class HeldOutPrompts:
     """What each evaluation scores, built once at set-up."""
 
-    rows: list[dict]            # the first eval_max_samples rows of the eval split
-    indices: list[int]          # their positions in it
+    rows: list[dict]            # the first eval_max_samples rows of the eval split (row i is its row i)
     encoder: PromptEncoder
     reward_fns: list            # the training rewards, K of them
     reward_names: list[str]
@@ -51,8 +50,8 @@ def load_held_out(cfg: PipelineConfig, root: str | Path, encoder: PromptEncoder,
     n = len(dataset) if t.eval_max_samples is None else min(t.eval_max_samples, len(dataset))
     modes = eval_modes(max_new_tokens=t.max_completion_length, num_generations=t.effective_num_generations_eval,
                        sampling=training_sampling(t), sequences_per_call=t.per_device_eval_batch_size, seed=t.seed)
-    return HeldOutPrompts([dataset[i] for i in range(n)], list(range(n)), encoder, reward_fns, reward_names,
-                          build_judges(cfg.rewards), modes)
+    return HeldOutPrompts([dataset[i] for i in range(n)], encoder, reward_fns, reward_names, build_judges(cfg.rewards),
+                          modes)
 
 
 def evaluation_due(t: TrainConfig, step: int) -> bool:
@@ -66,7 +65,7 @@ def evaluate_held_out(run: TrainingRun, held_out: HeldOutPrompts) -> dict[str, f
     if acc.is_main_process:
         start, saved = time.perf_counter(), rng_state()
         try:
-            records = score_policy(run.tokenizer, held_out.rows, held_out.indices, held_out.encoder,
+            records = score_policy(run.tokenizer, held_out.rows, range(len(held_out.rows)), held_out.encoder,
                                    held_out.reward_fns, held_out.reward_names, held_out.judges, held_out.modes,
                                    backend=run.backend, on_error=t.reward_errors,
                                    reward_timeout_s=t.reward_timeout_s)
