@@ -63,6 +63,7 @@ from flows.stages.runs import (
 DEFAULT_TIMEOUTS = {"prepare": 2 * 3600, "validate": 3600, "calibrate": 4 * 3600, "train": 48 * 3600,
                     "evaluate": 6 * 3600}
 SUMMARY_ARTIFACT_KEY = "grpo-pipeline-summary"
+MLFLOW_LINK_ARTIFACT_KEY = "mlflow-parent-run"
 TAIL_LINES = 60
 
 
@@ -326,6 +327,7 @@ def grpo_pipeline(experiment_name: str | None = None, params_overrides: dict[str
         parent_run_id = create_parent_run(uri, experiment, run_name=f"pipeline-{flow_run.name or 'local'}", tags=tags,
                                           params=flatten_params(cfg.to_dict()))
         logger.info("MLflow parent run %s in experiment '%s' (%s)", parent_run_id, experiment, uri)
+        link_flow_run_and_parent(uri, parent_run_id, flow_run_id, logger)
     except Exception as exc:  # noqa: BLE001 - tracking must not stop the pipeline
         logger.warning("MLflow unavailable (%s): stages will log runs without the flow's parent", exc)
 
@@ -354,6 +356,28 @@ def grpo_pipeline(experiment_name: str | None = None, params_overrides: dict[str
     metrics = _read(root / "metrics/eval.json") if "evaluate" in selected else None
     return {"parent_run_id": parent_run_id, "flow_run_id": flow_run_id, "experiment": experiment,
             "stages": results, "eval": metrics if isinstance(metrics, dict) else None}
+
+
+def link_flow_run_and_parent(uri: str, parent_run_id: str, flow_run_id: str | None, logger) -> None:
+    """Each side names the other: a Prefect link artifact (key ``mlflow-parent-run``) opens the MLflow parent
+    run; the parent's tag ``prefect.flow_run_url`` opens the flow run in the Prefect UI."""
+    from prefect.artifacts import create_link_artifact
+    from prefect.settings import get_current_settings
+
+    from flows.tracking import run_url
+
+    try:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        url = run_url(uri, client.get_run(parent_run_id).info.experiment_id, parent_run_id)
+        create_link_artifact(link=url, link_text=f"MLflow parent run {parent_run_id}", key=MLFLOW_LINK_ARTIFACT_KEY,
+                             description="The pipeline's MLflow parent run: the stage runs, metrics and model")
+        prefect_ui = get_current_settings().ui_url
+        if flow_run_id and prefect_ui:
+            client.set_tag(parent_run_id, "prefect.flow_run_url", f"{prefect_ui.rstrip('/')}/runs/flow-run/{flow_run_id}")
+    except Exception as exc:  # noqa: BLE001 - links are a convenience; the pipeline goes on
+        logger.warning("could not link the flow run and MLflow run %s: %s", parent_run_id, exc)
 
 
 def _log_parent_summary(uri: str, run_id: str, markdown: str, root: Path) -> None:

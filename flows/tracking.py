@@ -147,6 +147,20 @@ def resolve_tracking_uri(configured: str | None, repo_root: str | os.PathLike,
     return uri
 
 
+def ui_url(tracking_uri: str, environ: Mapping[str, str] | None = None) -> str:
+    """Where the MLflow UI for ``tracking_uri`` is: the server itself for http(s), else env ``MLFLOW_UI_URL``,
+    else what ``make ui`` serves (http://127.0.0.1:5000)."""
+    env = os.environ if environ is None else environ
+    if tracking_uri.startswith(("http://", "https://")):
+        return tracking_uri.rstrip("/")
+    return (env.get("MLFLOW_UI_URL") or "http://127.0.0.1:5000").rstrip("/")
+
+
+def run_url(tracking_uri: str, experiment_id: str, run_id: str, environ: Mapping[str, str] | None = None) -> str:
+    """The MLflow UI page of one run."""
+    return f"{ui_url(tracking_uri, environ)}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
 def _client(tracking_uri: str) -> Any:
     from mlflow import MlflowClient
 

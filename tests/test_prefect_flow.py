@@ -162,37 +162,7 @@ def test_transient_failures_are_retried_and_validation_failures_are_not(prefect_
     assert "Status **FAILED**" in md and "| validate | failed | - |" in md
 
 
-@pytest.mark.slow
-def test_flow_runs_the_pipeline_and_its_runs_carry_the_flow_run_id(prefect_harness, clean_env, tmp_path,
-                                                                    tmp_path_factory):
-    from flows.pipeline import grpo_pipeline
-    from tests.test_pipeline import built_pipeline, copy_repo, dvc, mlflow_client, stage_runs
-
-    repo = copy_repo(built_pipeline(tmp_path_factory)[0], tmp_path / "repo")
-    before = {r.info.run_id for r in stage_runs(repo)}
-    result = grpo_pipeline(params_overrides={"evaluate.seed": 1}, repo=str(repo), retry_delay_seconds=0)
-
-    # only evaluate reads evaluate.seed: DVC re-runs it alone
-    assert [(s["stage"], s["ran"]) for s in result["stages"]] == [
-        ("prepare", False), ("validate", False), ("calibrate", False), ("train", False), ("evaluate", True)]
-    assert load_params(repo / "params.yaml").evaluate.seed == 1
-    assert "Data and pipelines are up to date." in dvc(repo, "status").stdout
-    assert result["eval"]["trained"]["accuracy"] is not None
-
-    flow_run_id = result["flow_run_id"]
-    new = [r for r in stage_runs(repo) if r.info.run_id not in before]
-    parent = next(r for r in new if r.info.run_id == result["parent_run_id"])
-    assert parent.data.tags["grpo.role"] == "pipeline" and parent.info.status == "FINISHED"
-    assert parent.data.tags["prefect.flow_run_id"] == flow_run_id
-    assert parent.data.params["evaluate.seed"] == "1"
-    children = [r for r in new if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert [r.data.tags["stage"] for r in children] == ["evaluate"]
-    assert children[0].data.tags["prefect.flow_run_id"] == flow_run_id
-    assert "pipeline_summary.md" in {a.path for a in mlflow_client(repo).list_artifacts(parent.info.run_id)}
-
-    md = artifact_markdown(flow_run_id)
-    assert "## Calibration" in md and "## Evaluation" in md and "## Registry" in md
-    assert "| evaluate | ran |" in md and "| train | up to date |" in md
+# The flow run by a worker from the deployment, end to end: tests/test_prefect_deploy.py.
 
 
 def test_prefect_yaml_deploys_the_flow_on_a_nightly_schedule():
