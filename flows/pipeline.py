@@ -56,6 +56,8 @@ from flows.stages.runs import (
     RUN_GROUP_ENV,
     common_tags,
     create_parent_run,
+    process_owner,
+    run_name_and_diff,
     tracking_uri_for,
 )
 
@@ -324,8 +326,9 @@ def grpo_pipeline(experiment_name: str | None = None, params_overrides: dict[str
         tags["grpo.params_overrides"] = json.dumps(params_overrides, default=str)[:5000]
     parent_run_id = None
     try:
-        parent_run_id = create_parent_run(uri, experiment, run_name=f"pipeline-{flow_run.name or 'local'}", tags=tags,
-                                          params=flatten_params(cfg.to_dict()))
+        name, diff = run_name_and_diff(root, params_path)
+        parent_run_id = create_parent_run(uri, experiment, run_name=name, tags=tags, params=flatten_params(cfg.to_dict()),
+                                          diff=diff, owner=process_owner())
         logger.info("MLflow parent run %s in experiment '%s' (%s)", parent_run_id, experiment, uri)
         link_flow_run_and_parent(uri, parent_run_id, flow_run_id, logger)
     except Exception as exc:  # noqa: BLE001 - tracking must not stop the pipeline
@@ -381,21 +384,16 @@ def link_flow_run_and_parent(uri: str, parent_run_id: str, flow_run_id: str | No
 
 
 def _log_parent_summary(uri: str, run_id: str, markdown: str, root: Path) -> None:
+    """The summary markdown and metrics (``flows.comparison.pipeline_summary``) on the parent, also when DVC found
+    every stage up to date and no stage logged them."""
     try:
         from mlflow import MlflowClient
 
+        from flows.comparison import log_summary, pipeline_summary
+
         client = MlflowClient(tracking_uri=uri)
         client.log_text(run_id, markdown, "pipeline_summary.md")
-        metrics = _read(root / "metrics/eval.json")
-        if isinstance(metrics, dict) and isinstance(metrics.get("trained"), dict):
-            from mlflow.entities import Metric
-
-            from flows.stages.runs import safe_key
-
-            ts = int(time.time() * 1000)
-            values = [Metric(safe_key(f"{side}/{k}"), float(v), ts, 0) for side in ("base", "trained")
-                      for k, v in metrics[side].items() if isinstance(v, int | float) and not isinstance(v, bool)]
-            client.log_batch(run_id, metrics=values[:1000], synchronous=True)
+        log_summary(client, run_id, pipeline_summary(root))
     except Exception as exc:  # noqa: BLE001
         print(f"grpo_pipeline: could not log the summary to MLflow run {run_id}: {exc}", file=sys.stderr)
 

@@ -200,7 +200,7 @@ class MLflowTracker:
     def __init__(self, tracking_uri: str, experiment_name: str, run_name: str | None = None,
                  parent_run_id: str | None = None, tags: Mapping[str, Any] | None = None, *,
                  artifact_location: str | None = None, max_backlog: int = 100_000,
-                 retry_interval_s: float = 30.0) -> None:
+                 retry_interval_s: float = 30.0, continue_run_id: str | None = None) -> None:
         self.tracking_uri = tracking_uri
         self.experiment_name = experiment_name
         self.run_name = run_name
@@ -209,6 +209,8 @@ class MLflowTracker:
         self.max_backlog = int(max_backlog)
         self.retry_interval_s = float(retry_interval_s)
         self.run_id: str | None = None
+        self.continue_run_id = continue_run_id
+        self.continued = False  # True when the run is continue_run_id's (a resumed run goes on logging there)
         self.unsent: dict[str, int] = {}
         self._client = _client(tracking_uri)
         self._lock = threading.RLock()
@@ -326,8 +328,30 @@ class MLflowTracker:
 
     def _create_run(self) -> None:
         exp_id = get_or_create_experiment(self._client, self.experiment_name, self.artifact_location)
+        if self.continue_run_id and self._continue(exp_id):
+            return
         run = self._client.create_run(exp_id, tags=dict(self._initial_tags), run_name=self.run_name)
         self.run_id = run.info.run_id
+
+    def _continue(self, exp_id: str) -> bool:
+        """Reopen ``continue_run_id`` (RUNNING again, this run's tags and parent) when it is in this experiment, not
+        deleted and did not finish (it was killed or failed); False (a new run is created) otherwise."""
+        from mlflow.entities import RunTag
+
+        try:
+            old = self._client.get_run(self.continue_run_id)
+        except Exception as exc:  # noqa: BLE001 - not in this store (another clone's checkpoints)
+            if not _is_permanent(exc):
+                raise
+            return False
+        # a finished run is a finished pipeline's record: extending it (a larger max_steps) starts a new run
+        if old.info.experiment_id != exp_id or old.info.lifecycle_stage == "deleted" or old.info.status == "FINISHED":
+            return False
+        self._client.update_run(old.info.run_id, status="RUNNING")
+        self._client.log_batch(old.info.run_id, tags=[RunTag(k, v) for k, v in self._initial_tags.items()],
+                               synchronous=True)
+        self.run_id, self.continued = old.info.run_id, True
+        return True
 
     def _send_batches(self) -> None:
         from mlflow.entities import Param, RunTag

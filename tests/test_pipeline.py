@@ -252,25 +252,7 @@ def test_bad_data_stops_at_validate_with_a_report_naming_the_rows(pipeline, tmp_
     assert parent.info.status == "FAILED"
 
 
-def test_exp_run_with_a_changed_param_logs_to_the_same_store(pipeline, tmp_path):
-    repo = copy_repo(pipeline[0], tmp_path / "repo")
-    run(repo, "git", "add", "-A")
-    run(repo, *GIT, "commit", "-q", "-m", "results")
-    before = {r.info.run_id for r in stage_runs(repo)}
-    proc = dvc(repo, "exp", "run", "--temp", "-S", "train.learning_rate=0.002")
-    out = proc.stdout + proc.stderr
-    for stage in ("prepare", "validate", "calibrate"):
-        assert f"Stage '{stage}' didn't change" in out
-    assert "Running stage 'train'" in out and "Running stage 'evaluate'" in out
-    new = [r for r in stage_runs(repo) if r.info.run_id not in before]  # the temp copy logged here
-    stages = sorted(r.data.tags.get("stage", "parent") for r in new)
-    assert stages == ["evaluate", "parent", "train"]
-    train = next(r for r in new if r.data.tags.get("stage") == "train")
-    assert train.data.params["train.learning_rate"] == "0.002"
-    assert train.data.tags.get("dvc.exp_name")
-    assert train.data.tags["train.checkpoints"] == "fresh"  # new params: no resume from the old checkpoints
-    shown = json.loads(dvc(repo, "exp", "show", "--json").stdout)
-    assert "0.002" in json.dumps(shown)
+# `dvc exp run` with a changed param, and what the MLflow UI shows for it: tests/test_mlflow_ui.py.
 
 
 def test_sigkill_during_training_then_repro_resumes_with_no_lost_steps(pipeline, tmp_path):
@@ -284,6 +266,7 @@ def test_sigkill_during_training_then_repro_resumes_with_no_lost_steps(pipeline,
     raw["train"].update(max_steps=40, save_steps=4)  # max_steps/save_steps keep the run resumable
     (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     ckpts = repo / "artifacts/checkpoints"
+    before = {r.info.run_id for r in stage_runs(repo)}
     proc = subprocess.Popen([DVC, "repro"], cwd=repo, env=pipeline_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 600
@@ -305,3 +288,14 @@ def test_sigkill_during_training_then_repro_resumes_with_no_lost_steps(pipeline,
         steps = [int(float(r["step"])) for r in csv.DictReader(fh)]
     assert steps == list(range(1, 41))  # none lost, none twice
     assert "Data and pipelines are up to date." in dvc(repo, "status").stdout
+
+    # MLflow: the killed pipeline's parent is KILLED; its train run went on in the resumed pipeline, one curve
+    runs = [r for r in stage_runs(repo) if r.info.run_id not in before]
+    pipelines = sorted((r for r in runs if r.data.tags.get("grpo.role") == "pipeline"), key=lambda r: r.info.start_time)
+    assert [p.info.status for p in pipelines] == ["KILLED", "FINISHED"]
+    (train,) = [r for r in runs if r.data.tags.get("stage") == "train"]
+    assert train.info.status == "FINISHED" and train.data.tags["mlflow.parentRunId"] == pipelines[1].info.run_id
+    assert train.data.tags["train.checkpoints"] == f"resume:checkpoint-{killed_at}"
+    logged = {m.step for m in mlflow_client(repo).get_metric_history(train.info.run_id, "reward")}
+    # the killed run extended the built one from its last checkpoint (a larger max_steps): a new run from there on
+    assert logged == set(range(TINY["train"]["max_steps"] + 1, 41))

@@ -232,7 +232,7 @@ def test_calibrate_stage_writes_weights_difficulty_report_and_logs_a_child_run(t
 # Imported by a stage but deliberately not its dvc.yaml dep (dvc.yaml's header says why): plumbing that
 # changes nothing a stage computes (MLflow runs, exit codes), and config code whose values reach stages as params.
 NOT_DEPS = {
-    "*": {"flows/stages/runs.py", "flows/tracking.py", "grpo_core/embedded/config.py", "grpo_core/errors.py"},
+    "*": {"flows/stages/runs.py", "flows/tracking.py", "flows/comparison.py", "grpo_core/embedded/config.py", "grpo_core/errors.py"},
     "prepare": {"grpo_core/config.py"},
     "validate": {"grpo_core/config.py"},
     "calibrate": {"grpo_core/config.py"},

@@ -17,7 +17,7 @@ Outputs: ``metrics/eval.json`` = {"base": {...}, "trained": {...}, "delta": {tra
 (reward and KL curves, base vs trained accuracy / pass@k) and ``reports/evaluation.md``.
 
 Registry (``tracking.register_model``): the trained model directory is logged as the evaluate run's
-``model`` artifact and registered as a new version of ``tracking.registered_model_name``. Promotion gate:
+LoggedModel ``policy`` (HF files + an ``MLmodel`` with the prompt -> completion signature) and registered as a new version of ``tracking.registered_model_name``. Promotion gate:
 the alias ``champion`` moves to it only when its ``tracking.promotion_metric`` (higher is better) beats
 the current champion's by more than ``tracking.promotion_margin``; with no champion yet, it must beat the
 base policy by more than the margin. Load a version with
@@ -30,8 +30,10 @@ import dataclasses
 import gc
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
+from flows.comparison import pipeline_summary
 from flows.stages.common import (
     TRAIN_LOG,
     VALIDATED_EVAL,
@@ -121,6 +123,38 @@ def sample_policy(policy: str, model_cfg, cfg, ctx, rows: list[dict], indices: l
 # registry
 
 
+def policy_signature():
+    """What the policy maps: a prompt to a completion (strings)."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, Schema
+
+    return ModelSignature(inputs=Schema([ColSpec("string", "prompt")]),
+                          outputs=Schema([ColSpec("string", "completion")]))
+
+
+def log_policy_model(client, run_id: str, model_dir: Path, trained: dict) -> str:
+    """The trained policy as an MLflow LoggedModel of the evaluate run (the runs table's Models column): the HF
+    folder as it is (``from_pretrained`` loads a download of ``models:/<name>@champion``) plus an ``MLmodel``
+    with the signature; its metrics are the trained evaluation. Returns the model id."""
+    import tempfile
+
+    from mlflow.entities import LoggedModelOutput
+    from mlflow.models import Model
+
+    experiment_id = client.get_run(run_id).info.experiment_id
+    logged = client.create_logged_model(experiment_id, name="policy", source_run_id=run_id, model_type="causal-lm",
+                                        tags={"format": "huggingface transformers (safetensors)"})
+    client.log_model_artifacts(logged.model_id, str(model_dir))
+    with tempfile.TemporaryDirectory(prefix="grpo-mlmodel-") as tmp:
+        spec = Model(run_id=run_id, model_id=logged.model_id, signature=policy_signature())
+        spec.add_flavor("huggingface", format="transformers", load="AutoModelForCausalLM.from_pretrained(<folder>)")
+        spec.save(str(Path(tmp) / "MLmodel"))
+        client.log_model_artifacts(logged.model_id, tmp)
+    client.finalize_logged_model(logged.model_id, "READY")
+    client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])
+    return logged.model_id
+
+
 def register_and_gate(run, cfg, model_dir, base: dict, trained: dict) -> dict[str, Any]:
     """Register the trained model (new version) and move ``champion`` when the gate passes."""
     from flows.stages.runs import safe_key
@@ -131,20 +165,19 @@ def register_and_gate(run, cfg, model_dir, base: dict, trained: dict) -> dict[st
     if run.client is None or run.run_id is None:
         return {"registered": False, "reason": "MLflow tracking is unavailable"}
     client, name, metric = run.client, t.registered_model_name, t.promotion_metric
-    run.log_artifact(model_dir, "model")
     if not run.flush():
-        return {"registered": False, "reason": "could not upload the model to MLflow"}
+        return {"registered": False, "reason": "could not reach MLflow"}
+    model_id = log_policy_model(client, run.run_id, model_dir, trained)
     try:
         client.get_registered_model(name)
     except Exception:  # noqa: BLE001 - RESOURCE_DOES_NOT_EXIST
         client.create_registered_model(name, description="GRPO-trained policies (HF format); alias "
                                                           "`champion` = the one that passed the promotion gate")
-    source = client.get_run(run.run_id).info.artifact_uri.rstrip("/") + "/model"
     tags = {safe_key(f"metric.{k}"): str(v) for k, v in trained.items() if isinstance(v, int | float)}
     tags.update({"promotion_metric": metric, "promotion_metric_value": str(trained.get(metric))})
     tags.update({k: v for k, v in run.tags.items() if k.startswith(("git.", "prefect.", "dvc."))})
-    version = client.create_model_version(name, source, run_id=run.run_id, tags=tags,
-                                          description=f"{metric}={trained.get(metric)}")
+    version = client.create_model_version(name, f"models:/{model_id}", run_id=run.run_id, tags=tags,
+                                          description=f"{metric}={trained.get(metric)}", model_id=model_id)
     champion_value, champion_version = None, None
     try:
         champ = client.get_model_version_by_alias(name, CHAMPION)
@@ -235,6 +268,7 @@ def run(ctx) -> int:
         indices = list(range(n))
         rows = [dataset[i] for i in indices]
         run.log_data_hashes([VALIDATED_EVAL])
+        run.log_datasets([("eval", VALIDATED_EVAL, "evaluation")])
         records = []
         policies = {"base": dataclasses.replace(cfg.model, lora=None),
                     "trained": dataclasses.replace(cfg.model, name_or_path=str(model_dir), lora=None)}
@@ -274,6 +308,7 @@ def run(ctx) -> int:
         write_text_atomic(ctx.path(REPORT), report_markdown(metrics, registry, cfg, n, examples))
         for path, where in ((METRICS, "metrics"), (COMPLETIONS, "eval"), (PLOT, "plots"), (REPORT, "reports")):
             run.log_artifact(ctx.path(path), where)
+        run.log_to_parent(pipeline_summary(ctx.root, eval_path=METRICS, train_log=TRAIN_LOG))
         b, t = metrics["base"].get("accuracy"), metrics["trained"].get("accuracy")
         print(f"evaluate: accuracy base {_f(b)} -> trained {_f(t)}; "
               f"{'registered v' + str(registry['version']) if registry.get('registered') else 'not registered'}"

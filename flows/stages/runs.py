@@ -33,7 +33,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -45,6 +44,9 @@ FLOW_RUN_ENV = "GRPO_FLOW_RUN_ID"
 EXPERIMENT_ENV = "GRPO_EXPERIMENT_NAME"
 RUN_GROUP_TAG = "grpo.run_group"
 ROLE_TAG = "grpo.role"
+OWNER_TAG = "grpo.owner"  # <host>:<pid>:<start ticks> of the process whose death leaves the run RUNNING
+HEADLINE_METRICS = ("reward", "kl")  # also logged as 0_overview/<name>: the first charts of a run's page
+HEADLINE_SECTION = "0_overview"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -88,7 +90,7 @@ def _is_dvc_command(argv: list[str]) -> bool:
 
 
 def dvc_invocation_id(max_depth: int = 8) -> str | None:
-    """``dvc-<host>-<pid>-<start ticks>`` of the nearest ``dvc`` ancestor process, or None (no /proc)."""
+    """``dvc-<host>:<pid>:<start ticks>`` of the nearest ``dvc`` ancestor process, or None (no /proc)."""
     pid = os.getppid()
     for _ in range(max_depth):
         if pid <= 1:
@@ -101,7 +103,7 @@ def dvc_invocation_id(max_depth: int = 8) -> str | None:
         except OSError:
             return None
         if _is_dvc_command(argv):
-            return f"dvc-{socket.gethostname()}-{pid}-{stat[19]}"
+            return f"dvc-{socket.gethostname()}:{pid}:{stat[19]}"
         pid = int(stat[1])
     return None
 
@@ -123,7 +125,65 @@ def git_info(root: Path) -> dict[str, str]:
     if not sha:
         return {"git.sha": "unknown"}
     dirty = git("status", "--porcelain", "--untracked-files=no")
-    return {"git.sha": sha, "mlflow.source.git.commit": sha, "git.dirty": str(bool(dirty)).lower()}
+    tags = {"git.sha": sha, "mlflow.source.git.commit": sha, "git.dirty": str(bool(dirty)).lower()}
+    # The runs table's Source column: the repository (a link when it is a git URL), else dvc.yaml; Version: the commit
+    origin = git("remote", "get-url", "origin")
+    tags.update({"mlflow.source.type": "PROJECT", "mlflow.source.name": origin or "dvc.yaml"})
+    if origin:
+        tags["mlflow.source.git.repoURL"] = origin
+    branch = git("rev-parse", "--abbrev-ref", "HEAD")
+    if branch and branch != "HEAD":
+        tags["mlflow.source.git.branch"] = branch
+    return tags
+
+
+def committed_params(root: Path, params_path: Path) -> dict | None:
+    """params.yaml as committed at HEAD (None outside git or when HEAD has none)."""
+    from ruamel.yaml import YAML
+
+    try:
+        rel = params_path.resolve().relative_to(root.resolve()).as_posix()
+        out = subprocess.run(["git", "show", f"HEAD:{rel}"], cwd=root, capture_output=True, text=True, timeout=20)
+    except (ValueError, OSError, subprocess.TimeoutExpired):
+        return None
+    return (YAML(typ="safe", pure=True).load(out.stdout) or {}) if out.returncode == 0 else None
+
+
+def run_name_and_diff(root: Path, params_path: Path, environ: Mapping[str, str] | None = None) -> tuple[str, dict]:
+    """The parent's name - the DVC experiment's name under `dvc exp run`, else the params that differ from
+    the committed params.yaml (``learning_rate=0.002``), else ``baseline <commit>`` - and that diff."""
+    from ruamel.yaml import YAML
+
+    from flows.comparison import diff_name, params_diff
+
+    env = os.environ if environ is None else environ
+    current = YAML(typ="safe", pure=True).load(Path(params_path).read_text(encoding="utf-8")) or {}
+    diff = params_diff(current, committed_params(root, Path(params_path)))
+    if env.get("DVC_EXP_NAME"):
+        return env["DVC_EXP_NAME"], diff
+    if diff:
+        return diff_name(diff), diff
+    sha = git_info(root).get("git.sha", "unknown")
+    return f"baseline {sha[:7]}", diff
+
+
+def process_owner(pid: int | None = None) -> str | None:
+    """``<host>:<pid>:<start ticks>`` of a process (default: this one); None without /proc."""
+    pid = os.getpid() if pid is None else pid
+    stat = _proc_stat(pid)
+    return f"{socket.gethostname()}:{pid}:{stat[19]}" if stat else None
+
+
+def owner_alive(owner: str) -> bool | None:
+    """Whether the process an owner tag names still runs; None when it is another host's (unknowable here)."""
+    try:
+        host, pid, ticks = owner.rsplit(":", 2)
+    except ValueError:
+        return None
+    if host != socket.gethostname():
+        return None
+    stat = _proc_stat(int(pid))
+    return stat is not None and stat[19] == ticks
 
 
 def common_tags(root: Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -148,21 +208,48 @@ def _client(uri: str):
 
 
 def create_parent_run(uri: str, experiment: str, *, run_name: str, tags: Mapping[str, Any],
-                      params: Mapping[str, str] | None = None) -> str:
-    """A top-level pipeline run (tag ``grpo.role=pipeline``) with the flattened config as params."""
+                      params: Mapping[str, str] | None = None, diff: Mapping[str, Any] | None = None,
+                      owner: str | None = None) -> str:
+    """A top-level pipeline run (tag ``grpo.role=pipeline``) with the flattened config as params.
+
+    First marks KILLED the runs a killed pipeline left RUNNING (``reap_killed_runs``), then creates the run
+    (``diff``: the params that differ from the committed params.yaml, tag ``grpo.params_diff``; ``owner``: the
+    process whose death ends it) and refreshes the experiment's kind and saved view
+    (``flows.comparison.prepare_experiment_view``).
+    """
     from mlflow.entities import Param
 
+    from flows.comparison import prepare_experiment_view
     from flows.tracking import default_artifact_location, get_or_create_experiment
 
     client = _client(uri)
     exp_id = get_or_create_experiment(client, experiment, default_artifact_location(uri))
-    run = client.create_run(exp_id, tags={ROLE_TAG: "pipeline", **{k: str(v) for k, v in tags.items()}},
-                            run_name=run_name)
+    reap_killed_runs(client, exp_id)
+    extra = {ROLE_TAG: "pipeline", "mlflow.project.entryPoint": "pipeline"}
+    if diff is not None:
+        extra["grpo.params_diff"] = json.dumps(diff, default=str)[:7000]
+    if owner:
+        extra[OWNER_TAG] = owner
+    run = client.create_run(exp_id, tags={**extra, **{k: str(v) for k, v in tags.items()}}, run_name=run_name)
     items = list((params or {}).items())
     for start in range(0, len(items), 100):
         client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in items[start:start + 100]],
                          synchronous=True)
+    prepare_experiment_view(client, exp_id, diff or {})
     return run.info.run_id
+
+
+def reap_killed_runs(client, experiment_id: str) -> list[str]:
+    """Mark KILLED every RUNNING run of the experiment whose owner process (tag ``grpo.owner``) is gone on this
+    host: what a SIGKILLed pipeline leaves behind. Runs of other hosts are left alone. Returns their ids."""
+    reaped = []
+    for run in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=1000):
+        owner = run.data.tags.get(OWNER_TAG)
+        if owner and owner_alive(owner) is False:
+            client.set_terminated(run.info.run_id, "KILLED")
+            client.set_tag(run.info.run_id, "grpo.killed", "its process was gone when the next pipeline run started")
+            reaped.append(run.info.run_id)
+    return reaped
 
 
 def find_group_parent(uri: str, experiment: str, group: str) -> str | None:
@@ -170,9 +257,32 @@ def find_group_parent(uri: str, experiment: str, group: str) -> str | None:
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return None
-    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_GROUP_TAG}` = '{group}'",
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_GROUP_TAG}` = '{group}' and tags.`{ROLE_TAG}` = 'pipeline'",
                               max_results=1, order_by=["attribute.start_time ASC"])
     return runs[0].info.run_id if runs else None
+
+
+def dataset_input(ctx, name: str, path: str, context: str, commit: str | None):
+    """An ``mlflow.entities.DatasetInput`` for one data file (None when it is missing)."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    from flows.stages.common import md5_path
+
+    full = ctx.path(path)
+    digest = md5_path(full)
+    if digest is None:
+        return None
+    schema, profile = None, None
+    if full.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        meta = pq.ParquetFile(full)
+        schema = json.dumps({"mlflow_colspec": [{"name": f.name, "type": "string" if str(f.type) in ("string", "large_string")
+                                                 else str(f.type)} for f in meta.schema_arrow]})
+        profile = json.dumps({"num_rows": meta.metadata.num_rows})
+    source = json.dumps({"path": path, "git_commit": commit, "dvc_md5": digest})
+    return DatasetInput(Dataset(name=name, digest=digest[:36], source_type="dvc", source=source, schema=schema,
+                                profile=profile), tags=[InputTag("mlflow.data.context", context)])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -186,8 +296,9 @@ class StageRun:
     ``client`` (an MlflowClient for the registry, None when tracking is off).
     """
 
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx, continue_run_id: str | None = None) -> None:
         self.ctx = ctx
+        self.continue_run_id = continue_run_id  # a resumed train goes on in its own run
         self.tracker = None
         self.client = None
         self.uri: str | None = None
@@ -231,17 +342,22 @@ class StageRun:
                 tags[RUN_GROUP_TAG] = group
                 self.parent_run_id = find_group_parent(self.uri, self.experiment, group)
             if self.parent_run_id is None:
-                name = f"pipeline-{os.environ.get('DVC_EXP_NAME') or time.strftime('%Y%m%d-%H%M%S')}"
+                # the parent ends with the dvc process that runs every stage (or with this one)
+                owner = group[len("dvc-"):] if group and group.startswith("dvc-") else None if group else process_owner()
+                name, diff = run_name_and_diff(ctx.root, ctx.params_path)
                 self.parent_run_id = create_parent_run(self.uri, self.experiment, run_name=name, tags=tags,
-                                                       params=params)
+                                                       params=params, diff=diff, owner=owner)
             else:
                 self.client.update_run(self.parent_run_id, status="RUNNING")
             self._owns_parent = True
+        owner = process_owner()
         self.tracker = MLflowTracker(self.uri, self.experiment, run_name=ctx.stage,
                                      parent_run_id=self.parent_run_id,
                                      tags={"stage": ctx.stage, ROLE_TAG: "stage", "params_file": str(ctx.params_path),
-                                           **tags},
-                                     artifact_location=default_artifact_location(self.uri))
+                                           "mlflow.project.entryPoint": ctx.stage, **tags,
+                                           **({OWNER_TAG: owner} if owner else {})},
+                                     artifact_location=default_artifact_location(self.uri),
+                                     continue_run_id=self.continue_run_id)
         self.tracker.log_params(params)
         if self.tracker.run_id:
             print(f"{ctx.stage}: MLflow run {self.tracker.run_id} (parent {self.parent_run_id}) in "
@@ -267,8 +383,38 @@ class StageRun:
             self.tracker.log_params({safe_key(k): v for k, v in params.items()})
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int = 0) -> None:
+        """Under their own names; ``reward`` and ``kl`` also as ``0_overview/<name>``, the section the run page
+        shows first (MLflow orders sections by name: prefixed ones alphabetically, unprefixed ones last)."""
         if self.tracker is not None:
-            self.tracker.log_metrics({safe_key(k): v for k, v in metrics.items()}, step=step)
+            values = {safe_key(k): v for k, v in metrics.items()}
+            values.update({f"{HEADLINE_SECTION}/{k}": metrics[k] for k in HEADLINE_METRICS if k in metrics})
+            self.tracker.log_metrics(values, step=step)
+
+    def log_to_parent(self, summary: Mapping[str, float]) -> None:
+        """Summary metrics on the pipeline's parent run (``flows.comparison.pipeline_summary``)."""
+        from flows.comparison import log_summary
+
+        if self.client is not None and self.parent_run_id and summary:
+            try:
+                log_summary(self.client, self.parent_run_id, summary)
+            except Exception as exc:  # noqa: BLE001 - tracking must not fail the stage
+                warnings.warn(f"{self.ctx.stage}: could not log the summary to the parent run: {exc}",
+                              RuntimeWarning, stacklevel=2)
+
+    def log_datasets(self, datasets: list[tuple[str, str, str]]) -> None:
+        """MLflow dataset inputs of this run and of the parent: ``(name, path, context)`` each, the digest the
+        file's DVC md5, the source its path and commit, the schema its parquet columns, the profile its row count."""
+        if self.client is None or self.run_id is None:
+            return
+        try:
+            inputs = [dataset_input(self.ctx, name, path, context, self.tags.get("git.sha"))
+                      for name, path, context in datasets]
+            inputs = [i for i in inputs if i is not None]
+            for run_id in (self.run_id, self.parent_run_id):
+                if run_id and inputs:
+                    self.client.log_inputs(run_id, datasets=inputs)
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(f"{self.ctx.stage}: could not log dataset inputs: {exc}", RuntimeWarning, stacklevel=2)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if self.tracker is not None:

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from flows.comparison import pipeline_summary
 from flows.stages.common import (
     CALIBRATION_DIFFICULTY,
     CALIBRATION_WEIGHTS,
@@ -48,6 +49,7 @@ from flows.stages.runs import StageRun
 from grpo_core.files import write_json_atomic
 
 FINGERPRINT = "stage_fingerprint.json"
+MLFLOW_RUN_FILE = "mlflow_run.json"  # the train run's id: a resume continues that MLflow run
 LAUNCH_MARKER = "launch.json"  # beside the checkpoints: machine 0's go for the other machines
 PLOT = "plots/training.png"
 
@@ -94,6 +96,14 @@ def md5_bytes(data: bytes) -> str:
     import hashlib
 
     return hashlib.md5(data).hexdigest()
+
+
+def previous_run_id(run_file: Path) -> str | None:
+    """The MLflow run the checkpoints were written under (``checkpoints/mlflow_run.json``), if recorded."""
+    try:
+        return json.loads(run_file.read_text()).get("run_id") or None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def prepare_checkpoints(ctx, cfg, fp: dict) -> str:
@@ -268,12 +278,19 @@ def run(ctx) -> int:
     quiet_libraries()
     from flows.stages.plots import read_train_log, training_figure
 
-    with StageRun(ctx) as run:
+    run_file = ctx.path(cfg.train.output_dir) / "checkpoints" / MLFLOW_RUN_FILE
+    with StageRun(ctx, continue_run_id=previous_run_id(run_file) if action.startswith("resume:") else None) as run:
+        if run.run_id:  # a resume after a crash logs on into this run: one continuous curve
+            write_json_atomic(run_file, {"run_id": run.run_id})
         run.set_tags({"train.reward_weights_source": weights_source, "train.checkpoints": action,
                       "train.num_allowed_prompts": "all" if allowed is None else str(len(allowed))})
         run.log_params({f"reward_weight.{r.name}": w for r, w in zip(cfg.rewards, weights)})
-        run.log_data_hashes([VALIDATED_TRAIN, VALIDATED_EVAL] if cfg.train.eval_strategy == "steps" else [VALIDATED_TRAIN])
+        evaluates = cfg.train.eval_strategy == "steps"
+        run.log_data_hashes([VALIDATED_TRAIN, VALIDATED_EVAL] if evaluates else [VALIDATED_TRAIN])
+        run.log_datasets([("train", VALIDATED_TRAIN, "training")]
+                         + ([("eval", VALIDATED_EVAL, "evaluation")] if evaluates else []))
         result = _train(ctx, cfg, weights, allowed, tracker=run if run.tracker is not None else None)
+        run.log_to_parent(pipeline_summary(ctx.root, eval_path=None, train_log=TRAIN_LOG))
         training_figure(read_train_log(ctx.path(TRAIN_LOG)), ctx.path(PLOT))
         run.set_tags({"train.final_step": str(result.final_step),
                       "train.resumed_from": str(result.resumed_from) if result.resumed_from else "none",
