@@ -42,6 +42,7 @@ bench: setup
 	$(PY) -m benchmarks.run --config cpu-tiny
 
 ui: setup
+	@$(PY) -m flows.comparison
 	$(VENV)/bin/mlflow ui --backend-store-uri $(MLFLOW_TRACKING_URI) --host 127.0.0.1 --port 5000
 
 clean:

@@ -140,34 +140,7 @@ def runs_by_stage(client, parent_run_id: str) -> dict:
     return {r.data.tags["stage"]: r for r in runs}
 
 
-def test_the_flow_runs_the_pipeline_on_real_prefect_and_mlflow_servers(mlflow_server, prefect_server, tmp_path,
-                                                                       tmp_path_factory):
-    from mlflow import MlflowClient
-
-    repo = copy_repo(built_pipeline(tmp_path_factory)[0], tmp_path / "repo")
-    proc = run_flow(repo, mlflow_server.uri, prefect_server.api, "train.max_steps=4")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-
-    flows = prefect_post(prefect_server.api, "/flow_runs/filter", {"sort": "START_TIME_DESC", "limit": 10})
-    flow_run = next(f for f in flows if f["state_type"] == "COMPLETED")
-    tasks = prefect_post(prefect_server.api, "/task_runs/filter",
-                         {"flow_runs": {"id": {"any_": [flow_run["id"]]}}})
-    assert sorted(t["name"].split("-")[0] for t in tasks) == sorted(
-        ["prepare", "validate", "calibrate", "train", "evaluate"]), [t["name"] for t in tasks]
-    assert {t["state_type"] for t in tasks} == {"COMPLETED"}
-
-    client = MlflowClient(tracking_uri=mlflow_server.uri)
-    exp = client.get_experiment_by_name("grpo-pipeline")
-    parents = client.search_runs([exp.experiment_id], f"tags.`prefect.flow_run_id` = '{flow_run['id']}' "
-                                                      "and tags.`grpo.role` = 'pipeline'")
-    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
-    stages = runs_by_stage(client, parents[0].info.run_id)
-    assert set(stages) == {"train", "evaluate"}  # max_steps changes only these two: DVC skips the rest
-    train = stages["train"]
-    assert train.info.status == "FINISHED" and train.data.params["train.max_steps"] == "4"
-    # resumed from checkpoint-3 of the first repro: this run trained (and logged) step 4 only
-    assert [m.step for m in client.get_metric_history(train.info.run_id, "reward")] == [4]
-    assert "accuracy" in " ".join(stages["evaluate"].data.metrics)
+# The flow on these servers as users run it (deployment, worker): tests/test_prefect_deploy.py.
 
 
 def test_a_guard_stop_fails_the_prefect_task_with_its_reason(mlflow_server, prefect_server, tmp_path,
