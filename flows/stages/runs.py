@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -157,10 +158,15 @@ def run_name_and_diff(root: Path, params_path: Path, environ: Mapping[str, str] 
     from flows.comparison import diff_name, params_diff
 
     env = os.environ if environ is None else environ
-    current = YAML(typ="safe", pure=True).load(Path(params_path).read_text(encoding="utf-8")) or {}
-    diff = params_diff(current, committed_params(root, Path(params_path)))
+    try:
+        current = YAML(typ="safe", pure=True).load(Path(params_path).read_text(encoding="utf-8")) or {}
+    except OSError:  # a stage run from a config object with no params file behind it
+        current = None
+    diff = {} if current is None else params_diff(current, committed_params(root, Path(params_path)))
     if env.get("DVC_EXP_NAME"):
         return env["DVC_EXP_NAME"], diff
+    if current is None:
+        return time.strftime("pipeline-%Y%m%d-%H%M%S"), diff
     if diff:
         return diff_name(diff), diff
     sha = git_info(root).get("git.sha", "unknown")
