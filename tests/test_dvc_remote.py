@@ -9,54 +9,37 @@ pip-installable. The pushed repository is the session's built pipeline (tests/te
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.test_pipeline import DVC, GIT, STAGES, built_pipeline, copy_repo, pipeline_env
+from tests.test_servers import Server, free_port
 
 pytestmark = pytest.mark.slow
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "grpo", "AWS_SECRET_ACCESS_KEY": "grpo-secret", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def s3_server(tmp_path_factory):
     """moto's S3 server on 127.0.0.1 with the compose file's bucket `dvc`; yields its endpoint URL."""
     port = free_port()
-    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **CREDENTIALS})
     url = f"http://127.0.0.1:{port}"
+    server = Server("moto S3 server", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                    f"{url}/moto-api/", {**os.environ, **CREDENTIALS}, tmp_path_factory.mktemp("moto") / "server.log")
+    server.start(timeout=60)
     try:
         import boto3
 
-        s3 = boto3.client("s3", endpoint_url=url, **{k.lower(): v for k, v in CREDENTIALS.items()
-                                                     if k != "AWS_DEFAULT_REGION"}, region_name="us-east-1")
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                s3.create_bucket(Bucket="dvc")
-                break
-            except Exception:  # noqa: BLE001 - not listening yet
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(0.3)
+        s3 = boto3.client("s3", endpoint_url=url, aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+        s3.create_bucket(Bucket="dvc")
         yield url, s3
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+        server.stop()
 
 
 def sh(repo: Path, *cmd: str) -> str:

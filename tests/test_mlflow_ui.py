@@ -10,11 +10,8 @@ import csv
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,18 +19,11 @@ import yaml
 
 from flows.comparison import VIEW_TAG, experiment_url
 from tests.test_pipeline import BIN, GIT, REPO, built_pipeline, copy_repo, dvc, pipeline_env, run, stage_runs
+from tests.test_servers import Server, free_port
 
 pytestmark = pytest.mark.slow
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 SHOTS = Path(os.environ.get("GRPO_TEST_ARTIFACTS") or REPO / "test-artifacts")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -58,28 +48,13 @@ def server(two_pipelines, tmp_path_factory):
     """`mlflow server` on 127.0.0.1 over the repo's sqlite store; yields its URL."""
     repo, _ = two_pipelines
     port = free_port()
-    log_path = tmp_path_factory.mktemp("mlflow-server") / "server.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen([str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{repo / 'mlflow.db'}",
-                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                            cwd=repo, env=pipeline_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.5)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-        log.close()
+    server = Server("mlflow server", [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{repo / 'mlflow.db'}",
+                                      "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                    f"http://127.0.0.1:{port}/health", pipeline_env(),
+                    tmp_path_factory.mktemp("mlflow-server") / "server.log")
+    server.start(timeout=120)
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
 
 
 def client_for(url: str):

@@ -268,16 +268,11 @@ def find_group_parent(uri: str, experiment: str, group: str) -> str | None:
     return runs[0].info.run_id if runs else None
 
 
-def dataset_input(ctx, name: str, path: str, context: str, commit: str | None):
-    """An ``mlflow.entities.DatasetInput`` for one data file (None when it is missing)."""
+def dataset_input(ctx, name: str, path: str, context: str, commit: str | None, digest: str):
+    """An ``mlflow.entities.DatasetInput`` for one data file whose DVC md5 is ``digest``."""
     from mlflow.entities import Dataset, DatasetInput, InputTag
 
-    from flows.stages.common import md5_path
-
     full = ctx.path(path)
-    digest = md5_path(full)
-    if digest is None:
-        return None
     schema, profile = None, None
     if full.suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -314,6 +309,7 @@ class StageRun:
         self._owns_parent = False
         self._tmp = tempfile.TemporaryDirectory(prefix=f"grpo-{ctx.stage}-")
         self._tables: list[dict] = []  # the table artifacts logged so far (mlflow.loggedArtifacts)
+        self._md5: dict[Path, str | None] = {}  # data_md5's hashes, by file
 
     @property
     def run_id(self) -> str | None:
@@ -413,9 +409,8 @@ class StageRun:
         if self.client is None or self.run_id is None:
             return
         try:
-            inputs = [dataset_input(self.ctx, name, path, context, self.tags.get("git.sha"))
-                      for name, path, context in datasets]
-            inputs = [i for i in inputs if i is not None]
+            inputs = [dataset_input(self.ctx, name, path, context, self.tags.get("git.sha"), digest)
+                      for name, path, context in datasets if (digest := self.data_md5(path)) is not None]
             for run_id in (self.run_id, self.parent_run_id):
                 if run_id and inputs:
                     self.client.log_inputs(run_id, datasets=inputs)
@@ -454,14 +449,22 @@ class StageRun:
         path.write_text(text, encoding="utf-8")
         self.tracker.log_artifact(str(path), artifact_path)
 
-    def log_data_hashes(self, paths: list[str | os.PathLike]) -> None:
-        """Tags ``data.md5.<path>`` = md5 of each data file (or directory) the stage reads."""
+    def data_md5(self, path: str | os.PathLike) -> str | None:
+        """The md5 of a data file (or directory) the stage reads, hashed once per run (tags and dataset inputs
+        both use it); None when it is missing."""
         from flows.stages.common import md5_path
 
+        full = self.ctx.path(path)
+        if full not in self._md5:
+            self._md5[full] = md5_path(full)
+        return self._md5[full]
+
+    def log_data_hashes(self, paths: list[str | os.PathLike]) -> None:
+        """Tags ``data.md5.<path>`` = md5 of each data file (or directory) the stage reads."""
         tags = {}
         for p in paths:
             full = self.ctx.path(p)
-            digest = md5_path(full)
+            digest = self.data_md5(p)
             if digest is not None:
                 try:
                     name = full.resolve().relative_to(self.ctx.root.resolve()).as_posix()
