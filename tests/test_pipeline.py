@@ -197,7 +197,9 @@ def test_mlflow_holds_one_parent_with_a_child_run_per_stage(pipeline):
     evaluate = children[4]
     assert "trained/accuracy" in evaluate.data.metrics and "trained/pass_at_4" in evaluate.data.metrics
     artifacts = {a.path for a in client.list_artifacts(evaluate.info.run_id)}
-    assert {"eval", "model", "plots", "reports", "metrics"} <= artifacts
+    assert {"eval", "plots", "reports", "metrics"} <= artifacts
+    (output,) = evaluate.outputs.model_outputs  # the policy is a LoggedModel of the run, not a run artifact
+    assert client.get_logged_model(output.model_id).source_run_id == evaluate.info.run_id
     assert {a.path for a in client.list_artifacts(children[2].info.run_id)} >= {"calibration", "reports", "samples"}
     versions = client.search_model_versions("name='grpo-policy'")
     assert len(versions) == 1 and versions[0].run_id == evaluate.info.run_id
