@@ -17,13 +17,25 @@ Each lever is a public setting: a ``train.*`` key (``train_overrides``) or the r
   fused_head     true/false       ``train.fused_lm_head``: LM head applied chunk by chunk (no (B, K, V) logits)
   trim           true/false       ``train.trim_padding``: drop the micro-batch's all-padding columns
   fused_adamw    true/false       ``train.fused_adamw``: torch's fused AdamW instead of the per-tensor one
+  async_rollouts true/false       ``train.async_rollouts``: a sampler worker process samples the next round while
+                                  this one trains (grpo_core/train/sampler_worker.py; the worker builds its own
+                                  backend from train.generation_backend)
+  max_staleness  0/1              ``train.max_staleness`` (async_rollouts)
+
+Two levers belong to the harness, not the trainer, and apply to either side:
+
+  side           ours/trl         which side the variant runs (default ours): ``NAME:side=trl,threads=0`` is TRL
+                                  again with other threads
+  threads        N                torch threads in that run (0 = torch's default, all cores)
 """
 
 from __future__ import annotations
 
 # lever name -> the train.* key it sets
 TRAIN_KEYS = {"forward": "forward_backend", "padding_free": "padding_free", "fused_head": "fused_lm_head",
-              "trim": "trim_padding", "fused_adamw": "fused_adamw"}
+              "trim": "trim_padding", "fused_adamw": "fused_adamw", "async_rollouts": "async_rollouts",
+              "max_staleness": "max_staleness"}
+HARNESS_LEVERS = ("side", "threads")
 
 
 BACKEND_LEVERS = ("generation", "static_cache")
@@ -31,9 +43,10 @@ BACKEND_LEVERS = ("generation", "static_cache")
 
 def train_overrides(variant: dict) -> dict:
     """The ``train.*`` keys a variant sets; an unknown lever is an error naming it."""
-    unknown = sorted(set(variant) - set(TRAIN_KEYS) - set(BACKEND_LEVERS))
+    known = [*sorted(TRAIN_KEYS), *BACKEND_LEVERS, *HARNESS_LEVERS]
+    unknown = sorted(set(variant) - set(known))
     if unknown:
-        raise ValueError(f"unknown lever(s) {unknown}; known: {sorted(TRAIN_KEYS) + list(BACKEND_LEVERS)}")
+        raise ValueError(f"unknown lever(s) {unknown}; known: {known}")
     return {key: variant[lever] for lever, key in TRAIN_KEYS.items() if lever in variant}
 
 

@@ -54,6 +54,13 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return name, out
 
 
+def run_threads(variant: dict, default: int | None) -> int | None:
+    """A run's torch threads: the variant's ``threads`` lever (0 = torch's default), else the harness's."""
+    if "threads" not in variant:
+        return default
+    return int(variant["threads"]) or None
+
+
 def run_side(side: str, cfg: BenchConfig, assets: dict, workdir: Path, variant: dict, tag: str,
              profile_out: Path | None, threads: int | None, timeout: float | None) -> dict:
     spec = {"side": side, "config": cfg.to_dict(), "assets": assets, "workdir": str(workdir / tag),
@@ -210,14 +217,14 @@ def main(argv: list[str] | None = None) -> int:
             return result
 
         # ours and TRL first (the comparison), then the lever variants of our side
-        plan = [(name, "ours", v) for name, v in variants if "ours" in sides]
+        plan = [(name, v.get("side", "ours"), v) for name, v in variants if v.get("side", "ours") in sides]
         plan = plan[:1] + ([("trl", "trl", {})] if "trl" in sides else []) + plan[1:]
         if a.parallel:
             from concurrent.futures import ThreadPoolExecutor
 
             with ThreadPoolExecutor(len(plan)) as pool:
                 futures = {name: pool.submit(run_side, side, cfg, assets, workdir, variant, f"{name}-0", None,
-                                             a.threads or cfg.threads, a.timeout)
+                                             run_threads(variant, a.threads or cfg.threads), a.timeout)
                            for name, side, variant in plan}
             for name, future in futures.items():
                 try:
@@ -229,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, side, variant in order:
                 prof = out.with_name(f"{out.stem}.profile-{name}.txt") if a.profile and r == 0 else None
                 try:
-                    res = run_side(side, cfg, assets, workdir, variant, f"{name}-{r}", prof, a.threads or cfg.threads,
-                                   a.timeout)
+                    res = run_side(side, cfg, assets, workdir, variant, f"{name}-{r}", prof,
+                                   run_threads(variant, a.threads or cfg.threads), a.timeout)
                 except (RuntimeError, subprocess.TimeoutExpired) as err:
                     failures[f"{name}-{r}"] = str(err)
                     print(f"[bench] {name} run {r} FAILED: {err}", flush=True)
@@ -294,6 +301,7 @@ def format_table(result: dict) -> str:
         lines.append(f"ours/TRL: tokens/s {r['completion_tokens_per_s']:.2f}×{cpu_ratio}, step time "
                      f"{r['step_time']:.2f}, generation time {r['generation_time']:.2f}, training time "
                      f"{r['train_time']:.2f}, peak memory {r['peak_memory']:.2f}")
+    lines += async_ratios(result)
     if result.get("mfu_training_part"):
         parts = [f"{n} {m['mfu']:.1%} ({m['achieved_tflops']:.0f} TFLOP/s)"
                  for n, m in result["mfu_training_part"].items() if m]
@@ -305,6 +313,22 @@ def format_table(result: dict) -> str:
     lines.append(f"Reproduce: `{result['command']}` ({result['date']}; torch {result['versions']['torch']}, "
                  f"transformers {result['versions']['transformers']}, trl {result['versions']['trl']})")
     return "\n".join(lines)
+
+
+def async_ratios(result: dict) -> list[str]:
+    """For each async_rollouts variant: its tokens/s over our synchronous side's and over each TRL run's (TRL's
+    variants included, e.g. TRL with torch's default threads)."""
+    sides, variants = result["sides"], result.get("variants", {})
+    trl_runs = [n for n in sides if n == "trl" or variants.get(n, {}).get("side") == "trl"]
+    lines = []
+    for name, s in sides.items():
+        if not variants.get(name, {}).get("async_rollouts") or "ours" not in sides:
+            continue
+        tok = s["completion_tokens_per_s"]
+        parts = [f"{tok / sides['ours']['completion_tokens_per_s']:.2f}× ours (synchronous)"]
+        parts += [f"{tok / sides[t]['completion_tokens_per_s']:.2f}× {t}" for t in trl_runs]
+        lines += ["", f"{name} (async_rollouts): tokens/s " + ", ".join(parts)]
+    return lines
 
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"

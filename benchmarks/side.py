@@ -3,7 +3,7 @@
     python -m benchmarks.side --spec spec.json --out result.json
 
 spec.json: {"side": "ours" | "trl", "config": BenchConfig fields, "assets": prepare()'s dict,
-            "workdir": str, "variant": {lever: value} (ours only), "profile": bool}
+            "workdir": str, "variant": {lever: value} (benchmarks/levers.py), "profile": bool}
 
 Writes per-step timings (seconds per optimizer step, generation included; generation alone), completion
 tokens per step, peak memory and a few facts about the run. Both sides run the same number of optimizer
@@ -113,16 +113,21 @@ def run_ours(cfg: BenchConfig, assets: dict, workdir: Path, variant: dict) -> di
         backends.append(_TimedBackend(make_backend(policy, tokenizer)))
         return backends[-1]
 
+    # async_rollouts: the worker process builds its own backend (a closure does not reach a spawned process),
+    # and the generation time is the worker's, from the round's metrics
+    asynchronous = pcfg.train.async_rollouts
     t0 = time.perf_counter()
     collector.cpu_mark = time.process_time()
     train(pcfg, reward_weights=[1.0], tracker=collector, root=workdir, progress=False,
-          log_path="train_log.csv", backend_factory=timed_backend, export=False)
+          log_path="train_log.csv", backend_factory=None if asynchronous else timed_backend, export=False)
     wall = time.perf_counter() - t0
     gen_cpu = backends[0].cpu_times if backends else []
     steps = [{
         "step_time": m["step_time"],
         "generation_time": m["generation_time"],
-        "cpu_step_time": m["cpu_step_time"],
+        # this process's CPU seconds; under async_rollouts the worker's are elsewhere, so none is reported
+        "cpu_step_time": None if asynchronous else m["cpu_step_time"],
+        "wait_time": m.get("async/wait_time"),
         "cpu_generation_time": gen_cpu[i] if i < len(gen_cpu) else None,
         "completion_tokens": m["completions/mean_length"] * cfg.batch_size,
         "mean_completion_length": m["completions/mean_length"],

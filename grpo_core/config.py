@@ -228,6 +228,14 @@ class TrainConfig:
         "auto", "rollouts: hf = HF generate; manual = the hand-written Qwen2/Llama decode loop (grpo_core/rollout/manual.py); "
         "vllm = a vLLM engine colocated on each process's GPU (grpo_core/rollout/vllm.py; the gpu extra); "
         "auto = manual on CPU for a model it supports, else hf")
+    async_rollouts: bool = _f(
+        False, "sample the next round in a sampler worker process (its own copy of the policy, fed the new weights "
+        "after each optimizer step, as many torch threads as this process) while this process trains on the current "
+        "round (grpo_core/train/sampler_worker.py); one training process, CPU, generation_backend auto/hf/manual")
+    max_staleness: int = _f(
+        1, "async_rollouts: generation rounds the sampler may run ahead of training. 1: one-step off-policy, the "
+        "clipped ratio takes the sampler's log-probs as old log-probs; 0: the worker samples with the current "
+        "weights (the synchronous run, for checking)", ge=0, le=1)
     vllm_gpu_memory_utilization: float = _f(0.3, "generation_backend vllm: share of the GPU the engine's weights "
                                             "and KV cache may take (the rest is training's)", gt=0, le=1)
     vllm_importance_sampling_correction: bool = _f(
@@ -531,6 +539,7 @@ def _check_consistency(cfg: PipelineConfig) -> None:
                                   f"your own files instead)")
     _check_eval(cfg)
     _check_generation_kwargs(t)
+    _check_async_rollouts(t)
     if t.sync_ref_model and cfg.model.lora is not None:
         raise ConfigError("train.sync_ref_model: not with model.lora; under LoRA the reference is the base model with "
                           "the adapters switched off, so there is no separate reference to mix the policy into "
@@ -568,6 +577,20 @@ def _check_generation_kwargs(t: TrainConfig) -> None:
         raise ConfigError(f"train.generation_kwargs: {clash} are set by the trainer (use the train.* keys "
                           f"temperature, top_p, top_k, min_p, repetition_penalty, max_completion_length where they "
                           f"exist); the rest of {sorted(reserved)} decides shapes and stopping")
+
+
+def _check_async_rollouts(t: TrainConfig) -> None:
+    if not t.async_rollouts:
+        return
+    if t.num_processes > 1:
+        raise ConfigError(f"train.async_rollouts: one training process with one sampler worker; "
+                          f"train.num_processes is {t.num_processes}")
+    if t.generation_backend == "vllm":
+        raise ConfigError("train.async_rollouts: the sampler worker samples with auto, hf or manual; "
+                          "generation_backend vllm colocates its engine in the training process")
+    if t.dynamic_sampling:
+        raise ConfigError("train.async_rollouts: not with train.dynamic_sampling (a round's size is only known "
+                          "once its groups are scored, so it cannot be requested one step ahead)")
 
 
 def _check_eval(cfg: PipelineConfig) -> None:

@@ -10,6 +10,8 @@
   (``num_iterations`` > 1 or ``steps_per_generation`` > 1), else absent;
 - ``reference.safetensors`` — the reference weights when they have been synced (TR-DPO);
 - ``pending_groups.pt`` — dynamic sampling's kept groups not yet trained on, one entry per process;
+- ``ahead_round.pt`` — ``train.async_rollouts``: the next round, sampled ahead by older weights (its sampling
+  step is in ``trainer_state.json``);
 - ``trainer_state.json`` — step, data-sampler position, RNG states (python, numpy, torch, cuda),
   the params hash, and the metrics of the last step.
 
@@ -39,6 +41,7 @@ from grpo_core.model.sharding import is_sharded, load_full_weights
 STATE_FILE = "trainer_state.json"
 REFERENCE_FILE = "reference.safetensors"
 PENDING_FILE = "pending_groups.pt"
+AHEAD_FILE = "ahead_round.pt"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -90,7 +93,7 @@ def _fsync_tree(path: Path) -> None:
 
 def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optimizer_state: dict, scheduler,
                     state: dict, rollout_buffer: dict | None = None, weights: dict[str, torch.Tensor] | None = None,
-                    pending_groups: list[dict | None] | None = None,
+                    pending_groups: list[dict | None] | None = None, ahead_round: dict | None = None,
                     reference: dict[str, torch.Tensor] | None = None,
                     keep_last: int | None = None, keep_step: int | None = None) -> Path:
     """Write checkpoint-<step> atomically; prune to the newest ``keep_last`` and checkpoint-<keep_step> (the best
@@ -120,6 +123,8 @@ def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optim
         torch.save(rollout_buffer, tmp / "rollout_buffer.pt")
     if pending_groups is not None:
         torch.save(pending_groups, tmp / PENDING_FILE)
+    if ahead_round is not None:
+        torch.save(ahead_round, tmp / AHEAD_FILE)
     if reference is not None:  # a tied tensor once (safetensors refuses shared storage); loading re-ties it
         save_file(untie(reference, model), tmp / REFERENCE_FILE)
     full_state = {**state, "step": step, "rng": rng_state()}
@@ -180,6 +185,7 @@ class LoadedCheckpoint:
     rollout_buffer: dict | None
     reference_file: Path | None  # the synced reference's weights (load with ``load_reference``)
     pending_groups: list | None = None  # dynamic sampling's pending groups, one buffer (or None) per process
+    ahead_round: dict | None = None     # async rollouts: the round sampled ahead (a Round buffer)
 
 
 def load_checkpoint(path: str | Path, expected_hash: str | None = None) -> LoadedCheckpoint:
@@ -201,6 +207,7 @@ def load_checkpoint(path: str | Path, expected_hash: str | None = None) -> Loade
     buffer_file = path / "rollout_buffer.pt"
     ref_file = path / REFERENCE_FILE
     pending_file = path / PENDING_FILE
+    ahead_file = path / AHEAD_FILE
     return LoadedCheckpoint(
         path=path,
         state=state,
@@ -209,6 +216,7 @@ def load_checkpoint(path: str | Path, expected_hash: str | None = None) -> Loade
         rollout_buffer=torch.load(buffer_file, weights_only=True) if buffer_file.exists() else None,
         reference_file=ref_file if ref_file.exists() else None,
         pending_groups=torch.load(pending_file, weights_only=True) if pending_file.exists() else None,
+        ahead_round=torch.load(ahead_file, weights_only=True) if ahead_file.exists() else None,
     )
 
 

@@ -5,6 +5,7 @@
     per step:
       round     at a round's start: G completions per prompt, rewards (N, K), advantages (N,),
                 old log-probs (only when a round feeds > 1 step), reference log-probs (beta > 0)   -> Round
+                (async_rollouts: the round the sampler worker sampled ahead, and the next one submitted)
       gradients ga micro-batches: grpo_loss(logps, old_logps, ref_logps, A, mask); backward; clip
       guards    the step's metrics decide: apply, skip the update, roll back, or stop
       update    optimizer and schedule step; the rollout engine gets the new weights
@@ -74,6 +75,7 @@ from grpo_core.train.parallel import ParallelConfigError, check_parallelism, rea
 from grpo_core.train.replica import ReplicaRollouts
 from grpo_core.train.rollouts import assign_advantages, sample_round
 from grpo_core.train.round import Round
+from grpo_core.train.sampler_worker import SampleRequest, SamplerWorker
 from grpo_core.train.state import (
     PromptSampler,
     TrainingError,
@@ -151,37 +153,38 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
 
     metrics: dict[str, Any] = {}
     run.model.train()
-    while state.step < t.max_steps:
-        step_start = time.perf_counter()
-        if not _inside_round(state, t):
-            state.round = new_round(run, prompts, state)
-        entropy_coef = applied_entropy_coef(state.entropy_coef, state.last_entropy, adaptive=t.use_adaptive_entropy,
-                                            target=t.entropy_target)
-        grads = accumulate_gradients(run, step_micro_batches(state, t), entropy_coef)
-        metrics = step_metrics(run, state, grads)
-        event = guard_decision(run, cfg.guards, monitor, state, metrics, tracker)
-        if event is not None and event.action == "rollback":
-            state = roll_back(run, state, cfg.guards.rollback_lr_factor)
-            step_log = open_step_log(run, log_path, prompts.reward_names, state.step)
-            samples_log = open_completion_log(run, log_path, state.step)
-            monitor.reset_history()
-            _progress_to(bar, state.step)
-            continue
-        skipped = event is not None and event.action == "skip_step"
-        apply_update(run, state, skipped=skipped)
-        adapt_entropy_coef(run, state, grads)
-        if t.entropy_coef != 0.0 or t.use_adaptive_entropy:
-            metrics["entropy_coef"] = state.entropy_coef
-        metrics.update({"guard/skipped": float(skipped),
-                        "learning_rate": run.scheduler.get_last_lr()[0],
-                        "num_tokens": grads.num_items * run.accelerator.num_processes,
-                        "step_time": time.perf_counter() - step_start})  # generation included when it sampled
-        if prompts.held_out is not None and evaluation_due(t, state.step):
-            with record_function("grpo/evaluate"):
-                metrics.update(evaluate_held_out(run, prompts.held_out))
-        log_step(run, state, metrics, step_log, tracker, bar)
-        log_completions(run, state, prompts.reward_names, samples_log, tracker)
-        save_if_due(run, state, metrics)
+    with async_sampler(run, cfg, prompts, backend_factory):
+        while state.step < t.max_steps:
+            step_start = time.perf_counter()
+            if not _inside_round(state, t):
+                state.round = new_round(run, prompts, state)
+            entropy_coef = applied_entropy_coef(state.entropy_coef, state.last_entropy, adaptive=t.use_adaptive_entropy,
+                                                target=t.entropy_target)
+            grads = accumulate_gradients(run, step_micro_batches(state, t), entropy_coef)
+            metrics = step_metrics(run, state, grads)
+            event = guard_decision(run, cfg.guards, monitor, state, metrics, tracker)
+            if event is not None and event.action == "rollback":
+                state = roll_back(run, state, cfg.guards.rollback_lr_factor)
+                step_log = open_step_log(run, log_path, prompts.reward_names, state.step)
+                samples_log = open_completion_log(run, log_path, state.step)
+                monitor.reset_history()
+                _progress_to(bar, state.step)
+                continue
+            skipped = event is not None and event.action == "skip_step"
+            apply_update(run, state, skipped=skipped)
+            adapt_entropy_coef(run, state, grads)
+            if t.entropy_coef != 0.0 or t.use_adaptive_entropy:
+                metrics["entropy_coef"] = state.entropy_coef
+            metrics.update({"guard/skipped": float(skipped),
+                            "learning_rate": run.scheduler.get_last_lr()[0],
+                            "num_tokens": grads.num_items * run.accelerator.num_processes,
+                            "step_time": time.perf_counter() - step_start})  # generation included when it sampled
+            if prompts.held_out is not None and evaluation_due(t, state.step):
+                with record_function("grpo/evaluate"):
+                    metrics.update(evaluate_held_out(run, prompts.held_out))
+            log_step(run, state, metrics, step_log, tracker, bar)
+            log_completions(run, state, prompts.reward_names, samples_log, tracker)
+            save_if_due(run, state, metrics)
     if bar is not None:
         bar.close()
 
@@ -262,6 +265,22 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
     return run, Prompts(dataset, encoder, reward_fns, reward_names, weights, held_out)
 
 
+@contextlib.contextmanager
+def async_sampler(run: TrainingRun, cfg: PipelineConfig, prompts: Prompts, backend_factory):
+    """train.async_rollouts: the sampler worker (``run.sampler``) for the loop's duration, stopped however the loop
+    ends (a worker left running would keep the interpreter from exiting)."""
+    if not run.t.async_rollouts:
+        yield
+        return
+    with SamplerWorker(run.policy, run.tokenizer, run.t, prompts.encoder, cfg.rewards, prompts.reward_names,
+                       prompts.weights, make_backend=backend_factory) as worker:
+        run.sampler = worker
+        try:
+            yield
+        finally:
+            run.sampler = None
+
+
 def _resolve(root: Path, path: str | None) -> Path | None:
     return None if path is None else (Path(path) if Path(path).is_absolute() else root / path)
 
@@ -307,12 +326,15 @@ def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
 
     def sample() -> Round:
         indices = state.sampler.take(per_process * acc.num_processes)[rank * per_process:(rank + 1) * per_process]
-        return sample_round(backend=run.backend, tokenizer=run.tokenizer, dataset=prompts.dataset, indices=indices,
+        return sample_round(backend=run.backend, tokenizer=run.tokenizer, rows=[prompts.dataset[i] for i in indices],
+                            row_ids=indices,
                             encoder=prompts.encoder, reward_fns=prompts.reward_fns, reward_names=prompts.reward_names,
                             weights=prompts.weights, t=t, accelerator=acc)
 
     with record_function("grpo/generate_round"):
-        if t.dynamic_sampling:
+        if run.sampler is not None:
+            round_ = assign_advantages(take_round_ahead(run, prompts, state, per_process), prompts.weights, t, acc)
+        elif t.dynamic_sampling:
             filled = fill_round(sample, state.pending, quota=per_process, weights=prompts.weights, t=t,
                                 accelerator=acc, reward_names=prompts.reward_names)
             round_, state.pending = filled.round, filled.pending
@@ -325,8 +347,9 @@ def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
                                      keep_groups=use_manual_forward(run.model, t.forward_backend))
         round_ = round_.rows(order)
     corrected = round_.sampling_logps is not None and t.vllm_importance_sampling_correction
-    if t.num_iterations > 1 or t.effective_steps_per_generation > ga or corrected:  # the round outlives this policy,
-        with record_function("grpo/old_logprobs"):                                  # or the sampler is not it
+    outlives = t.num_iterations > 1 or t.effective_steps_per_generation > ga or corrected
+    if outlives and round_.old_logps is None:  # the round outlives this policy, or the sampler is not it (a round
+        with record_function("grpo/old_logprobs"):  # sampled ahead brings the sampling weights' own)
             round_.old_logps = frozen_logprobs(run.model, round_, t)
     if corrected:
         round_.sampler_ratio = sampler_correction(round_.old_logps, round_.sampling_logps, round_.completion_mask,
@@ -337,6 +360,48 @@ def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
         with record_function("grpo/ref_logprobs"):
             round_.ref_logps = frozen_logprobs(run.ref_model, round_, t)
     return round_
+
+
+def take_round_ahead(run: TrainingRun, prompts: Prompts, state: TrainState, per_process: int) -> Round:
+    """async_rollouts: the round to train on now (advantages still zero), and the next one submitted.
+
+    The round in hand is the one sampled ahead: received at a checkpoint (``state.ahead``), or in flight (received
+    now, waiting for it), or else - the first round, or max_staleness 0 - sampled now with the current weights.
+    Then, max_staleness 1, the next round's prompts go to the worker with the current weights, and this process
+    trains while it samples: that round is one round older than the weights that will train on it, and comes
+    with the sampling weights' log-probs as its old log-probs.
+    """
+    wait_start = time.perf_counter()
+    if state.ahead is None:
+        if not run.sampler.in_flight:
+            submit_round(run, prompts, state, per_process, ahead=False)
+        receive_round(run, state)
+    round_, sampled_at = state.ahead, state.ahead_step
+    state.ahead = state.ahead_step = None
+    waited = time.perf_counter() - wait_start
+    if run.t.max_staleness > 0:
+        submit_round(run, prompts, state, per_process, ahead=True)
+    round_.metrics.update({"async/staleness": float(state.step - sampled_at), "async/wait_time": waited})
+    return round_
+
+
+def submit_round(run: TrainingRun, prompts: Prompts, state: TrainState, per_process: int, *, ahead: bool) -> None:
+    """The next prompts, the current weights and RNG state to the sampler worker. ahead: later weights will train
+    on it, so the worker also scores its tokens under these (the old log-probs)."""
+    indices = state.sampler.take(per_process)
+    run.sampler.load_weights(run.policy)
+    run.sampler.submit(SampleRequest(row_ids=indices, rows=[prompts.dataset[i] for i in indices],
+                                     rng_state=torch.get_rng_state(), old_logps=ahead, training=run.policy.training,
+                                     policy_step=state.step))
+
+
+def receive_round(run: TrainingRun, state: TrainState) -> None:
+    """The round in flight into ``state.ahead``; the RNG continues from the worker's state after sampling it (so
+    the stream does not depend on when the round arrived)."""
+    with record_function("grpo/wait_for_sampler"):
+        sampled = run.sampler.receive()
+    torch.set_rng_state(sampled.rng_state)
+    state.ahead, state.ahead_step = sampled.round, sampled.policy_step
 
 
 def sampler_metrics(accelerator, round_: Round) -> dict[str, float]:
@@ -501,6 +566,8 @@ def roll_back(run: TrainingRun, state: TrainState, lr_factor: float) -> TrainSta
     """Back to the newest checkpoint, with the learning rate multiplied by ``lr_factor``."""
     last = latest_checkpoint(run.checkpoint_dir)
     run.optimizer.zero_grad(set_to_none=True)
+    if run.sampler is not None and run.sampler.in_flight:
+        run.sampler.receive()  # sampled by the abandoned weights: dropped (the checkpoint has its own round ahead)
     restored = restore_state(run, last, state.sampler)
     restored.rollbacks = state.rollbacks + 1
     run.backend.sync_weights(run.policy)  # an external engine must not sample with the abandoned weights
@@ -595,6 +662,8 @@ def save_if_due(run: TrainingRun, state: TrainState, metrics: dict) -> None:
         return
     if state.step % t.save_steps == 0 or state.step == t.max_steps or (multi and _passed_save_step(state.step, t)):
         update_best(t, state, metrics)
+        if run.sampler is not None and run.sampler.in_flight:
+            receive_round(run, state)  # the round in flight is part of the state: saved, not regenerated
         with record_function("grpo/save"):
             save_state(run, state, metrics, keep_round=mid_round)
 

@@ -19,19 +19,20 @@ from grpo_core.sampling import sample_and_score
 from grpo_core.train.round import Round
 
 
-def sample_round(*, backend: RolloutBackend, tokenizer, dataset, indices: list[int], encoder: PromptEncoder,
+def sample_round(*, backend: RolloutBackend, tokenizer, rows: list[dict], row_ids: list[int], encoder: PromptEncoder,
                  reward_fns, reward_names: list[str], weights: torch.Tensor, t: TrainConfig, accelerator) -> Round:
     """Sampled and scored rows with their rewards (N, K) and the round's metrics; advantages still zero.
 
+    rows: the dataset rows of this process's prompts, row_ids their dataset indices (named in errors).
     weights: (K,) one per reward function. Whole groups live on one process; the metrics see the global batch
     (gathered over processes).
     """
     G = t.num_generations
     sampling = training_sampling(t)
-    sampled = sample_and_score(None, tokenizer, [dataset[i] for i in indices], encoder, reward_fns,
-                               num_generations=G, sampling=sampling, batch_size=len(indices),
+    sampled = sample_and_score(None, tokenizer, rows, encoder, reward_fns,
+                               num_generations=G, sampling=sampling, batch_size=len(rows),
                                on_error=t.reward_errors, backend=backend, reward_timeout_s=t.reward_timeout_s,
-                               row_ids=indices, keep_batches=True)
+                               row_ids=row_ids, keep_batches=True)
     (batch,) = sampled.batches
     rewards = torch.as_tensor(sampled.rewards, dtype=torch.float32)                     # (N, K)
     metrics = reward_metrics(gather_rows(accelerator, rewards), weights, G, reward_names)

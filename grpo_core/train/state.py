@@ -2,7 +2,8 @@
 (``TrainState``), with the two functions that write and read the latter.
 
 A checkpoint (grpo_core/train/checkpoint.py) = weights + optimizer + scheduler + ``TrainState`` (step, micro-step,
-rollbacks, the data order, the in-flight round, whether the reference was synced) + every RNG. Restoring it and
+rollbacks, the data order, the in-flight round, the round sampled ahead under async rollouts, whether the reference
+was synced) + every RNG. Restoring it and
 running on gives the run that was never interrupted, bit for bit on CPU.
 """
 
@@ -80,6 +81,8 @@ class TrainState:
     pending: Round | None = None  # dynamic sampling: kept groups beyond a round's quota, for the next rounds
     best_step: int | None = None  # the checkpoint with the best metric_for_best_model so far (never pruned)
     best_value: float | None = None  # its value
+    ahead: Round | None = None   # async rollouts: the next round, sampled ahead and received (saved when in hand)
+    ahead_step: int | None = None  # the optimizer steps behind the weights that sampled ``ahead``
 
 
 @dataclass
@@ -98,6 +101,7 @@ class TrainingRun:
     params_hash: str         # training_params_hash: a checkpoint from other params is refused
     checkpoint_dir: Path
     replica: Any = None      # sharded runs: the whole copy of the policy that samples and is exported
+    sampler: Any = None      # train.async_rollouts: the SamplerWorker (grpo_core/train/sampler_worker.py)
 
 
 def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round: bool) -> None:
@@ -121,11 +125,13 @@ def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round
                 "params_hash": run.params_hash, "rollbacks": state.rollbacks,
                 "entropy_coef": state.entropy_coef, "last_entropy": state.last_entropy,
                 "world_size": acc.num_processes, "best_step": state.best_step, "best_value": state.best_value,
+                "ahead_step": state.ahead_step,
                 "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         save_checkpoint(run.checkpoint_dir, state.step, model=run.policy, tokenizer=run.tokenizer,
                         optimizer_state=optimizer_state, scheduler=run.scheduler, state=meta, weights=weights,
                         rollout_buffer=state.round.to_buffer() if keep_round and state.round is not None else None,
                         reference=reference, keep_last=run.t.save_total_limit, pending_groups=pending,
+                        ahead_round=state.ahead.to_buffer() if state.ahead is not None else None,
                         keep_step=state.best_step)
     acc.wait_for_everyone()
 
@@ -151,7 +157,9 @@ def restore_state(run: TrainingRun, path: Path, sampler: PromptSampler) -> Train
                       pending=_own_pending(ck.pending_groups, run.accelerator, run.t.num_generations),
                       entropy_coef=ck.state.get("entropy_coef", run.t.entropy_coef),
                       last_entropy=ck.state.get("last_entropy", float("inf")),
-                      best_step=ck.state.get("best_step"), best_value=ck.state.get("best_value"))
+                      best_step=ck.state.get("best_step"), best_value=ck.state.get("best_value"),
+                      ahead=Round.from_buffer(ck.ahead_round) if ck.ahead_round is not None else None,
+                      ahead_step=ck.state.get("ahead_step"))
 
 
 def _gather_pending(accelerator, pending: Round | None) -> list[dict | None]:

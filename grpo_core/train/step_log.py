@@ -15,8 +15,8 @@ _LOSS_TYPE_METRICS = {"cispo": ["cispo_clip_ratio"], "vespo": ["vespo/phi_seq_me
 
 def metric_columns(reward_names: list[str], t: TrainConfig | None = None) -> list[str]:
     """The CSV's columns: TRL's metric names, plus what ``t`` switches on: the loss type's own metric,
-    ``entropy_coef`` under an entropy bonus, the ``dynamic/*`` counts under dynamic sampling, the ``eval/*``
-    metrics under evaluation during training (blank on steps without one)."""
+    ``entropy_coef`` under an entropy bonus, the ``dynamic/*`` counts under dynamic sampling, ``async/*`` under
+    async rollouts, the ``eval/*`` metrics under evaluation during training (blank on steps without one)."""
     t = t or TrainConfig()
     extra = list(_LOSS_TYPE_METRICS.get(t.loss_type, []))
     if t.entropy_coef != 0 or t.use_adaptive_entropy:
@@ -27,6 +27,8 @@ def metric_columns(reward_names: list[str], t: TrainConfig | None = None) -> lis
                   "sampling/importance_sampling_ratio/max"]
     if t.dynamic_sampling:
         extra += ["dynamic/groups_dropped", "dynamic/generation_rounds", "dynamic/tied_groups_used"]
+    if t.async_rollouts:
+        extra += ["async/staleness", "async/wait_time"]
     evaluation = [*eval_metric_names(t, reward_names), "eval/runtime"] if t.eval_strategy == "steps" else []
     cols = ["step", "loss", "reward", "reward_std", "frac_reward_zero_std"]
     for name in reward_names:

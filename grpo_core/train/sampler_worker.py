@@ -1,0 +1,241 @@
+"""``train.async_rollouts``: a sampler worker process samples the next generation round while the trainer trains on
+the current one: one-step off-policy GRPO (verl's one-step-off-policy, AReaL, prime-rl).
+
+    trainer (grpo_core/train/loop.py)                  sampler worker (spawned; its own copy of the policy in
+                                                       shared memory, as many torch threads as the trainer)
+    round r starts: round r is in hand (sampled ahead, or sampled now)
+      the policy's weights -> the worker's copy
+      submit round r+1 (prompts, RNG state)  ------->  sample G completions per prompt, score them; when the
+      train on round r (its steps), update             round will be trained by later weights: the log-probs
+                                                       of its tokens under the sampling weights (old_logps)
+    round r+1 starts: receive it  <------------------  round r+1 and the RNG state after sampling it
+
+A step then costs about the larger of sampling and training instead of their sum. The trainer writes the new
+weights into the worker's copy only while the worker is idle (between receiving a round and submitting the
+next), so the copy needs no lock.
+
+Determinism: each request carries the trainer's torch RNG state and the trainer continues from the state the
+worker reports after sampling, so the random stream does not depend on timing. With ``max_staleness`` 0 the
+trainer submits and waits: the run is the synchronous one, token for token. With 1 a checkpoint first receives
+the round in flight and saves it (``TrainState.ahead``), so a resumed run equals the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grpo_core.config import TrainConfig
+from grpo_core.errors import TrainingFailure
+from grpo_core.rewards import build_reward_functions
+from grpo_core.train.forward import frozen_logprobs
+from grpo_core.train.rollouts import sample_round
+from grpo_core.train.round import Round
+
+_START_TIMEOUT_S = 300.0  # a spawned worker imports torch and transformers before it answers
+_POLL_S = 1.0             # how often a waiting trainer checks that the worker is still alive
+
+
+class SamplerWorkerError(TrainingFailure, RuntimeError):
+    """The sampler worker could not start, died, or (with the worker's traceback as the cause) raised."""
+
+
+@dataclass
+class SampleRequest:
+    """One round for the worker to sample."""
+
+    row_ids: list[int]          # dataset indices of the round's prompts (named in errors)
+    rows: list[dict]            # those dataset rows
+    rng_state: torch.Tensor     # the trainer's torch CPU RNG state: sampling starts from it
+    old_logps: bool             # the round will be trained by later weights: score its tokens under these
+    training: bool              # the policy's train/eval mode (HF generate and the forward follow it)
+    policy_step: int            # optimizer steps behind the weights it samples with (echoed back)
+
+
+@dataclass
+class SampledRound:
+    round: Round                # advantages still zero; old_logps (N, C) when the request asked for them
+    rng_state: torch.Tensor     # the RNG state after sampling: the trainer continues from it
+    worker_time: float          # the worker's seconds on it: sampling, scoring, log-probs
+    policy_step: int            # optimizer steps behind the weights that sampled it
+
+
+class _OneProcess:
+    """What ``sample_round`` asks of an accelerator, for a worker that serves one training process."""
+
+    num_processes = 1
+    process_index = 0
+
+
+def _pack(sampled: SampledRound) -> dict[str, Any]:
+    """Numpy arrays and plain values: pickled by value (torch's own reductions would pass each small tensor through
+    a shared-memory file of its own)."""
+    buffer = {k: v.numpy() for k, v in sampled.round.to_buffer().items()}
+    return {"round": buffer, "rng_state": sampled.rng_state.numpy(), "worker_time": sampled.worker_time,
+            "policy_step": sampled.policy_step}
+
+
+def _unpack(packed: dict[str, Any]) -> SampledRound:
+    buffer = {k: torch.from_numpy(v) for k, v in packed["round"].items()}
+    return SampledRound(Round.from_buffer(buffer), torch.from_numpy(packed["rng_state"]), packed["worker_time"],
+                        packed["policy_step"])
+
+
+def _serve(conn, model, tokenizer, t: TrainConfig, encoder, reward_specs, reward_names: list[str],
+           weights: torch.Tensor, threads: int, make_backend: Callable | None) -> None:
+    """The worker's loop: build the backend and rewards, then answer requests until the trainer says stop (None)
+    or goes away (EOF)."""
+    try:
+        torch.set_num_threads(threads)
+        if make_backend is None:
+            from grpo_core.rollout import backend_for
+
+            backend = backend_for(model, tokenizer, t)
+        else:
+            backend = make_backend(model, tokenizer)
+        reward_fns = build_reward_functions(reward_specs)
+    except BaseException as exc:  # noqa: BLE001 - reported to the trainer, which raises it
+        _send_error(conn, exc)
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:  # the trainer closed its end (or was killed): done
+            return
+        if request is None:
+            return
+        try:
+            start = time.perf_counter()
+            model.train(request.training)
+            torch.set_rng_state(request.rng_state)
+            round_ = sample_round(backend=backend, tokenizer=tokenizer, rows=request.rows, row_ids=request.row_ids,
+                                  encoder=encoder, reward_fns=reward_fns, reward_names=reward_names, weights=weights,
+                                  t=t, accelerator=_OneProcess())
+            if request.old_logps:  # the sampler's own log-probs: the importance ratio's denominator
+                round_.old_logps = frozen_logprobs(model, round_, t)
+            answer = _pack(SampledRound(round_, torch.get_rng_state(), time.perf_counter() - start,
+                                        request.policy_step))
+        except BaseException as exc:  # noqa: BLE001 - a failing round is the trainer's to raise
+            _send_error(conn, exc)
+            continue
+        try:
+            conn.send(("ok", answer))
+        except (BrokenPipeError, OSError):  # the trainer is gone
+            return
+
+
+def _send_error(conn, exc: BaseException) -> None:
+    """The exception itself when it pickles (so the trainer raises the same type), and the worker's traceback."""
+    text = "".join(traceback.format_exception(exc))
+    try:
+        conn.send(("error", (exc, text)))
+    except Exception:  # noqa: BLE001 - an exception that does not pickle: its text alone
+        conn.send(("error", (None, text)))
+
+
+class SamplerWorker:
+    """The trainer's handle on the sampler worker: ``load_weights``, ``submit``, ``receive``, ``close``.
+
+    policy: the unwrapped policy (CPU); its copy lives in shared memory, so ``load_weights`` is a copy of the
+    trainable tensors, not a transfer. make_backend: ``(model, tokenizer) -> RolloutBackend`` (a module-level
+    callable: the worker is spawned), else ``train.generation_backend``'s. On GPUs the same four calls would
+    front a second device or an inference engine; only the CPU worker exists so far.
+    """
+
+    def __init__(self, policy: torch.nn.Module, tokenizer, t: TrainConfig, encoder, reward_specs,
+                 reward_names: list[str], weights: torch.Tensor, make_backend: Callable | None = None):
+        device = next(policy.parameters()).device
+        if device.type != "cpu":
+            raise SamplerWorkerError(f"train.async_rollouts: the sampler worker samples on the CPU; the policy is on "
+                                     f"{device} (a second device or an engine behind the same interface is not built)")
+        self.copy = copy.deepcopy(policy).share_memory()
+        self._trained = [name for name, p in policy.named_parameters() if p.requires_grad]
+        ctx = torch.multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_serve, name="grpo-sampler", daemon=False,  # isolated rewards spawn
+                                    args=(child, self.copy, tokenizer, t, encoder, reward_specs, list(reward_names),
+                                          weights, torch.get_num_threads(), make_backend))
+        self._process.start()
+        child.close()
+        self._ready = False
+        self.in_flight = False
+
+    @torch.no_grad()
+    def load_weights(self, policy: torch.nn.Module) -> None:
+        """The policy's trainable tensors into the worker's copy (frozen ones never change)."""
+        if self.in_flight:
+            raise SamplerWorkerError("the sampler worker's weights were about to change while it samples")
+        copies = dict(self.copy.named_parameters())
+        for name, p in policy.named_parameters():
+            if name in self._trained:
+                copies[name].copy_(p.detach())
+
+    def submit(self, request: SampleRequest) -> None:
+        if self.in_flight:
+            raise SamplerWorkerError("a round was submitted while the sampler worker still samples one")
+        if not self._ready:
+            self._await(_START_TIMEOUT_S)
+            self._ready = self._answer()[0] == "ready"
+        self._conn.send(request)
+        self.in_flight = True
+
+    def receive(self) -> SampledRound:
+        """The round in flight (waiting for it); raises the worker's exception, or SamplerWorkerError if it died."""
+        if not self.in_flight:
+            raise SamplerWorkerError("no round is in flight to receive")
+        self._await(None)
+        self.in_flight = False
+        return _unpack(self._answer()[1])
+
+    def __enter__(self) -> SamplerWorker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the worker (a round in flight is dropped)."""
+        if self._process is None:
+            return
+        try:
+            self._conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self._process.join(timeout=10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._conn.close()
+        self._process = None
+        self.in_flight = False
+
+    def _await(self, timeout_s: float | None) -> None:
+        """Until the worker answers; SamplerWorkerError when it dies first or takes longer than ``timeout_s``."""
+        waited = 0.0
+        while not self._conn.poll(_POLL_S):
+            waited += _POLL_S
+            if not self._process.is_alive():
+                raise SamplerWorkerError(f"the sampler worker died (exit code {self._process.exitcode})")
+            if timeout_s is not None and waited >= timeout_s:
+                raise SamplerWorkerError(f"the sampler worker did not start within {timeout_s:g}s")
+
+    def _answer(self) -> tuple[str, Any]:
+        try:
+            status, value = self._conn.recv()
+        except EOFError as err:
+            self._process.join(timeout=5)
+            raise SamplerWorkerError(f"the sampler worker died (exit code {self._process.exitcode})") from err
+        if status == "error":
+            exc, text = value
+            cause = SamplerWorkerError(f"in the sampler worker:\n{text}")
+            if exc is None:
+                raise cause
+            raise exc from cause
+        return status, value
