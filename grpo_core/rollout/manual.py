@@ -57,13 +57,16 @@ class ManualDecodeBackend:
     """
 
     def __init__(self, model: nn.Module, tokenizer, eos_token_ids: list[int] | None = None,
-                 max_batch_size: int | None = None):
+                 max_batch_size: int | None = None, return_logprobs: bool = False):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"ManualDecodeBackend cannot run this model: {reason}")
         self.model = model
         self.pad_id, self.eos_ids = pad_and_eos_ids(tokenizer, eos_token_ids)
         self.max_batch_size = max_batch_size
+        # batches carry each sampled token's log-prob under the sampling weights, log softmax(logits / T) as the
+        # training forward computes it (no top-k/top-p/penalty): the old log-probs of a round sampled ahead
+        self.return_logprobs = return_logprobs
         self.record_logits: list[torch.Tensor] | None = None  # a list: each step's (B, V) logits (tests)
 
     def sync_weights(self, model: nn.Module) -> None:
@@ -145,8 +148,10 @@ class ManualDecodeBackend:
         return seen[:, :vocab]
 
     @torch.no_grad()
-    def _generate_chunk(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-        """(B, P) left-padded ids and mask -> (B, n) sampled ids, n ≤ max_new_tokens (pad after a row's EOS)."""
+    def _generate_chunk(self, ids: torch.Tensor, mask: torch.Tensor,
+                        sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, P) left-padded ids and mask -> (B, n) sampled ids, n ≤ max_new_tokens (pad after a row's EOS), and
+        with ``return_logprobs`` their (B, n) float32 log-probs (else None)."""
         model, (B, P), n_new = self.model, ids.shape, sampling.max_new_tokens
         cfg, device, dtype = model.config, ids.device, model.model.embed_tokens.weight.dtype
         T, n_kv = P + n_new, cfg.num_key_value_heads or cfg.num_attention_heads
@@ -166,6 +171,8 @@ class ManualDecodeBackend:
         min_new = max(getattr(gen, "min_new_tokens", None) or 0, (getattr(gen, "min_length", None) or 0) - P)
         eos = torch.tensor(self.eos_ids, device=device)
         out = torch.full((B, n_new), self.pad_id, dtype=torch.long, device=device)
+        logps = torch.zeros(B, n_new, device=device) if self.return_logprobs else None
+        temperature = sampling.temperature if sampling.do_sample and sampling.temperature else 1.0
         unfinished = torch.ones(B, dtype=torch.bool, device=device)
         # Prefill each distinct prompt once (the G rows of a group share it), then copy its K/V to its rows.
         _, inverse = torch.unique(torch.cat([ids, mask], dim=1), dim=0, return_inverse=True)
@@ -187,6 +194,7 @@ class ManualDecodeBackend:
                 logits = self._forward(out[:, t - 1:t], c, weights, cache, cos[c], sin[c], step_mask[..., :c + 1])
             if self.record_logits is not None:
                 self.record_logits.append(logits.clone())
+            step_logps = (logits / temperature).log_softmax(dim=-1) if logps is not None else None  # before masks
             if t < min_new:
                 logits.index_fill_(1, eos, -float("inf"))
             if seen is not None:
@@ -196,12 +204,14 @@ class ManualDecodeBackend:
             else:
                 token = logits.argmax(dim=-1)
             out[:, t] = torch.where(unfinished, token, self.pad_id)
+            if step_logps is not None:
+                logps[:, t] = step_logps.gather(1, token.unsqueeze(1)).squeeze(1)
             if seen is not None:
                 seen[torch.arange(B, device=device), token] = True
             unfinished &= ~torch.isin(out[:, t], eos)
             if not unfinished.any():
-                return out[:, :t + 1]
-        return out
+                return out[:, :t + 1], None if logps is None else logps[:, :t + 1]
+        return out, logps
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int,
                  sampling: SamplingParams) -> RolloutBatch:
@@ -212,6 +222,11 @@ class ManualDecodeBackend:
         device = self.model.model.embed_tokens.weight.device
         ids, mask = left_pad(repeated, self.pad_id)
         step = self.max_batch_size or len(repeated)
-        outputs = [self._generate_chunk(ids[s:s + step].to(device), mask[s:s + step].to(device), sampling).cpu()
-                   for s in range(0, len(repeated), step)]
-        return assemble_batch(ids, mask, outputs, self.pad_id, self.eos_ids)
+        chunks = [self._generate_chunk(ids[s:s + step].to(device), mask[s:s + step].to(device), sampling)
+                  for s in range(0, len(repeated), step)]
+        batch = assemble_batch(ids, mask, [c.cpu() for c, _ in chunks], self.pad_id, self.eos_ids)
+        if self.return_logprobs:  # (N, C) like the completions, 0 past each row's EOS
+            width = batch.completion_ids.shape[1]
+            logps = torch.cat([F.pad(lp.cpu(), (0, width - lp.shape[1])) for _, lp in chunks])
+            batch.sampling_logps = logps * batch.completion_mask
+        return batch

@@ -75,7 +75,7 @@ from grpo_core.train.parallel import ParallelConfigError, check_parallelism, rea
 from grpo_core.train.replica import ReplicaRollouts
 from grpo_core.train.rollouts import assign_advantages, sample_round
 from grpo_core.train.round import Round
-from grpo_core.train.sampler_worker import SampleRequest, SamplerWorker
+from grpo_core.train.sampler_worker import ADAPTERS_OFF, SampleRequest, SamplerWorker
 from grpo_core.train.state import (
     PromptSampler,
     TrainingError,
@@ -272,8 +272,13 @@ def async_sampler(run: TrainingRun, cfg: PipelineConfig, prompts: Prompts, backe
     if not run.t.async_rollouts:
         yield
         return
+    reference = run.ref_model
+    if reference is None or run.t.sync_ref_model:  # none, or one that moves (TR-DPO): the trainer scores it
+        reference = None
+    elif not owns_weights(reference):
+        reference = ADAPTERS_OFF
     with SamplerWorker(run.policy, run.tokenizer, run.t, prompts.encoder, cfg.rewards, prompts.reward_names,
-                       prompts.weights, make_backend=backend_factory) as worker:
+                       prompts.weights, make_backend=backend_factory, reference=reference) as worker:
         run.sampler = worker
         try:
             yield
@@ -356,7 +361,7 @@ def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
                                                   t.vllm_importance_sampling_mode, t.vllm_importance_sampling_clip_min,
                                                   t.vllm_importance_sampling_clip_max)
         round_.metrics.update(sampler_metrics(acc, round_))
-    if run.ref_model is not None:
+    if run.ref_model is not None and round_.ref_logps is None:  # a round sampled ahead brings them
         with record_function("grpo/ref_logprobs"):
             round_.ref_logps = frozen_logprobs(run.ref_model, round_, t)
     return round_
@@ -387,11 +392,13 @@ def take_round_ahead(run: TrainingRun, prompts: Prompts, state: TrainState, per_
 
 def submit_round(run: TrainingRun, prompts: Prompts, state: TrainState, per_process: int, *, ahead: bool) -> None:
     """The next prompts, the current weights and RNG state to the sampler worker. ahead: later weights will train
-    on it, so the worker also scores its tokens under these (the old log-probs)."""
+    on it, so the worker also scores its tokens under these (the old log-probs) and, off this process's critical
+    path, under the reference."""
     indices = state.sampler.take(per_process)
     run.sampler.load_weights(run.policy)
     run.sampler.submit(SampleRequest(row_ids=indices, rows=[prompts.dataset[i] for i in indices],
-                                     rng_state=torch.get_rng_state(), old_logps=ahead, training=run.policy.training,
+                                     rng_state=torch.get_rng_state(), old_logps=ahead,
+                                     ref_logps=ahead and run.sampler.scores_reference, training=run.policy.training,
                                      policy_step=state.step))
 
 

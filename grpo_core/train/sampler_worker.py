@@ -7,10 +7,13 @@ the current one: one-step off-policy GRPO (verl's one-step-off-policy, AReaL, pr
       the policy's weights -> the worker's copy
       submit round r+1 (prompts, RNG state)  ------->  sample G completions per prompt, score them; when the
       train on round r (its steps), update             round will be trained by later weights: the log-probs
-                                                       of its tokens under the sampling weights (old_logps)
+                                                       of its tokens under the sampling weights (old_logps,
+                                                       from the decode loop itself where it reports them) and
+                                                       under the reference (ref_logps, beta > 0)
     round r+1 starts: receive it  <------------------  round r+1 and the RNG state after sampling it
 
-A step then costs about the larger of sampling and training instead of their sum. The trainer writes the new
+A step then costs about the larger of sampling and training instead of their sum; the reference pass moves to the
+worker too, so that the two sides carry about equal work. The trainer writes the new
 weights into the worker's copy only while the worker is idle (between receiving a round and submitting the
 next), so the copy needs no lock.
 
@@ -33,11 +36,13 @@ import torch
 
 from grpo_core.config import TrainConfig
 from grpo_core.errors import TrainingFailure
+from grpo_core.model.loading import AdapterDisabledReference
 from grpo_core.rewards import build_reward_functions
 from grpo_core.train.forward import frozen_logprobs
 from grpo_core.train.rollouts import sample_round
 from grpo_core.train.round import Round
 
+ADAPTERS_OFF = "adapters-off"  # the reference a LoRA worker builds from its own copy
 _START_TIMEOUT_S = 300.0  # a spawned worker imports torch and transformers before it answers
 _POLL_S = 1.0             # how often a waiting trainer checks that the worker is still alive
 
@@ -54,13 +59,14 @@ class SampleRequest:
     rows: list[dict]            # those dataset rows
     rng_state: torch.Tensor     # the trainer's torch CPU RNG state: sampling starts from it
     old_logps: bool             # the round will be trained by later weights: score its tokens under these
+    ref_logps: bool             # ... and under the reference (beta > 0; the trainer computes them otherwise)
     training: bool              # the policy's train/eval mode (HF generate and the forward follow it)
     policy_step: int            # optimizer steps behind the weights it samples with (echoed back)
 
 
 @dataclass
 class SampledRound:
-    round: Round                # advantages still zero; old_logps (N, C) when the request asked for them
+    round: Round                # advantages still zero; old_logps / ref_logps (N, C) when the request asked
     rng_state: torch.Tensor     # the RNG state after sampling: the trainer continues from it
     worker_time: float          # the worker's seconds on it: sampling, scoring, log-probs
     policy_step: int            # optimizer steps behind the weights that sampled it
@@ -87,12 +93,14 @@ def _unpack(packed: dict[str, Any]) -> SampledRound:
                         packed["policy_step"])
 
 
-def _serve(conn, model, tokenizer, t: TrainConfig, encoder, reward_specs, reward_names: list[str],
+def _serve(conn, model, reference, tokenizer, t: TrainConfig, encoder, reward_specs, reward_names: list[str],
            weights: torch.Tensor, threads: int, make_backend: Callable | None) -> None:
     """The worker's loop: build the backend and rewards, then answer requests until the trainer says stop (None)
     or goes away (EOF)."""
     try:
         torch.set_num_threads(threads)
+        if reference == ADAPTERS_OFF:  # LoRA: the reference is this copy with its adapters switched off
+            reference = AdapterDisabledReference(model)
         if make_backend is None:
             from grpo_core.rollout import backend_for
 
@@ -113,13 +121,8 @@ def _serve(conn, model, tokenizer, t: TrainConfig, encoder, reward_specs, reward
             return
         try:
             start = time.perf_counter()
-            model.train(request.training)
-            torch.set_rng_state(request.rng_state)
-            round_ = sample_round(backend=backend, tokenizer=tokenizer, rows=request.rows, row_ids=request.row_ids,
-                                  encoder=encoder, reward_fns=reward_fns, reward_names=reward_names, weights=weights,
-                                  t=t, accelerator=_OneProcess())
-            if request.old_logps:  # the sampler's own log-probs: the importance ratio's denominator
-                round_.old_logps = frozen_logprobs(model, round_, t)
+            round_ = _sample(request, model, reference, backend, tokenizer, encoder, reward_fns, reward_names, weights,
+                             t)
             answer = _pack(SampledRound(round_, torch.get_rng_state(), time.perf_counter() - start,
                                         request.policy_step))
         except BaseException as exc:  # noqa: BLE001 - a failing round is the trainer's to raise
@@ -129,6 +132,26 @@ def _serve(conn, model, tokenizer, t: TrainConfig, encoder, reward_specs, reward
             conn.send(("ok", answer))
         except (BrokenPipeError, OSError):  # the trainer is gone
             return
+
+
+def _sample(request: SampleRequest, model, reference, backend, tokenizer, encoder, reward_fns, reward_names, weights,
+            t: TrainConfig) -> Round:
+    """One round: sampled and scored, with the sampling weights' and the reference's log-probs when asked."""
+    model.train(request.training)
+    torch.set_rng_state(request.rng_state)
+    reports_logps = hasattr(backend, "return_logprobs")  # the decode loop scores its tokens as it samples them
+    if reports_logps:
+        backend.return_logprobs = request.old_logps
+    round_ = sample_round(backend=backend, tokenizer=tokenizer, rows=request.rows, row_ids=request.row_ids,
+                          encoder=encoder, reward_fns=reward_fns, reward_names=reward_names, weights=weights, t=t,
+                          accelerator=_OneProcess())
+    if request.old_logps:  # the sampler's own log-probs: the importance ratio's denominator
+        reported = round_.sampling_logps
+        round_.old_logps = reported if reported is not None else frozen_logprobs(model, round_, t)
+    round_.sampling_logps = None  # not an engine's to correct for (train.vllm_importance_sampling_correction)
+    if request.ref_logps:
+        round_.ref_logps = frozen_logprobs(reference, round_, t)
+    return round_
 
 
 def _send_error(conn, exc: BaseException) -> None:
@@ -144,23 +167,29 @@ class SamplerWorker:
     """The trainer's handle on the sampler worker: ``load_weights``, ``submit``, ``receive``, ``close``.
 
     policy: the unwrapped policy (CPU); its copy lives in shared memory, so ``load_weights`` is a copy of the
-    trainable tensors, not a transfer. make_backend: ``(model, tokenizer) -> RolloutBackend`` (a module-level
+    trainable tensors, not a transfer. reference: the frozen reference the worker scores rounds sampled ahead with
+    (shared in place), ``ADAPTERS_OFF`` under LoRA, or None (the trainer scores them). make_backend: ``(model, tokenizer) -> RolloutBackend`` (a module-level
     callable: the worker is spawned), else ``train.generation_backend``'s. On GPUs the same four calls would
     front a second device or an inference engine; only the CPU worker exists so far.
     """
 
     def __init__(self, policy: torch.nn.Module, tokenizer, t: TrainConfig, encoder, reward_specs,
-                 reward_names: list[str], weights: torch.Tensor, make_backend: Callable | None = None):
+                 reward_names: list[str], weights: torch.Tensor, make_backend: Callable | None = None,
+                 reference: torch.nn.Module | str | None = None):
         device = next(policy.parameters()).device
         if device.type != "cpu":
             raise SamplerWorkerError(f"train.async_rollouts: the sampler worker samples on the CPU; the policy is on "
                                      f"{device} (a second device or an engine behind the same interface is not built)")
         self.copy = copy.deepcopy(policy).share_memory()
+        if isinstance(reference, torch.nn.Module):  # frozen: shared in place, never written while the worker runs
+            reference.share_memory()
+        self.scores_reference = reference is not None
         self._trained = [name for name, p in policy.named_parameters() if p.requires_grad]
         ctx = torch.multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._process = ctx.Process(target=_serve, name="grpo-sampler", daemon=False,  # isolated rewards spawn
-                                    args=(child, self.copy, tokenizer, t, encoder, reward_specs, list(reward_names),
+                                    args=(child, self.copy, reference, tokenizer, t, encoder, reward_specs,
+                                          list(reward_names),
                                           weights, torch.get_num_threads(), make_backend))
         self._process.start()
         child.close()
