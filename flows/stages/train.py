@@ -279,41 +279,57 @@ def run(ctx) -> int:
     from flows.stages.plots import read_train_log, training_figure
 
     run_file = ctx.path(cfg.train.output_dir) / "checkpoints" / MLFLOW_RUN_FILE
-    with StageRun(ctx, continue_run_id=previous_run_id(run_file) if action.startswith("resume:") else None) as run:
-        if run.run_id:  # a resume after a crash logs on into this run: one continuous curve
-            write_json_atomic(run_file, {"run_id": run.run_id})
-        run.set_tags({"train.reward_weights_source": weights_source, "train.checkpoints": action,
-                      "train.num_allowed_prompts": "all" if allowed is None else str(len(allowed))})
-        run.log_params({f"reward_weight.{r.name}": w for r, w in zip(cfg.rewards, weights)})
-        evaluates = cfg.train.eval_strategy == "steps"
-        run.log_data_hashes([VALIDATED_TRAIN, VALIDATED_EVAL] if evaluates else [VALIDATED_TRAIN])
-        run.log_datasets([("train", VALIDATED_TRAIN, "training")]
-                         + ([("eval", VALIDATED_EVAL, "evaluation")] if evaluates else []))
-        result = _train(ctx, cfg, weights, allowed, tracker=run if run.tracker is not None else None)
-        run.log_to_parent(pipeline_summary(ctx.root, eval_path=None, train_log=TRAIN_LOG))
-        training_figure(read_train_log(ctx.path(TRAIN_LOG)), ctx.path(PLOT))
-        run.set_tags({"train.final_step": str(result.final_step),
-                      "train.resumed_from": str(result.resumed_from) if result.resumed_from else "none",
-                      "train.exported_step": str(result.exported_step)})
-        if result.best_step is not None:
-            run.set_tags({"train.best_step": str(result.best_step),
-                          f"train.best.{cfg.train.best_metric}": f"{result.best_value:.6g}"})
-        run.log_artifact(ctx.path(TRAIN_LOG), "metrics")
-        run.log_artifact(ctx.path(PLOT), "plots")
-        if weights_source == CALIBRATION_WEIGHTS:
-            run.log_artifact(ctx.path(CALIBRATION_WEIGHTS), "calibration")
-        last = result.last_metrics
-        if last:
-            print(f"train: step {result.final_step}: reward {last.get('reward', float('nan')):.4f}, "
-                  f"kl {last.get('kl', float('nan')):.5f}; model in {result.model_dir}"
-                  f"{f' (from the best step, {result.exported_step})' if result.exported_step != result.final_step else ''}",
-                  file=sys.stderr)
+    worker = _spawn_sampler(cfg)
+    try:
+        with StageRun(ctx, continue_run_id=previous_run_id(run_file) if action.startswith("resume:") else None) as run:
+            if run.run_id:  # a resume after a crash logs on into this run: one continuous curve
+                write_json_atomic(run_file, {"run_id": run.run_id})
+            run.set_tags({"train.reward_weights_source": weights_source, "train.checkpoints": action,
+                          "train.num_allowed_prompts": "all" if allowed is None else str(len(allowed))})
+            run.log_params({f"reward_weight.{r.name}": w for r, w in zip(cfg.rewards, weights)})
+            evaluates = cfg.train.eval_strategy == "steps"
+            run.log_data_hashes([VALIDATED_TRAIN, VALIDATED_EVAL] if evaluates else [VALIDATED_TRAIN])
+            run.log_datasets([("train", VALIDATED_TRAIN, "training")]
+                             + ([("eval", VALIDATED_EVAL, "evaluation")] if evaluates else []))
+            result = _train(ctx, cfg, weights, allowed, tracker=run if run.tracker is not None else None,
+                            sampler_worker=worker)
+            run.log_to_parent(pipeline_summary(ctx.root, eval_path=None, train_log=TRAIN_LOG))
+            training_figure(read_train_log(ctx.path(TRAIN_LOG)), ctx.path(PLOT))
+            run.set_tags({"train.final_step": str(result.final_step),
+                          "train.resumed_from": str(result.resumed_from) if result.resumed_from else "none",
+                          "train.exported_step": str(result.exported_step)})
+            if result.best_step is not None:
+                run.set_tags({"train.best_step": str(result.best_step),
+                              f"train.best.{cfg.train.best_metric}": f"{result.best_value:.6g}"})
+            run.log_artifact(ctx.path(TRAIN_LOG), "metrics")
+            run.log_artifact(ctx.path(PLOT), "plots")
+            if weights_source == CALIBRATION_WEIGHTS:
+                run.log_artifact(ctx.path(CALIBRATION_WEIGHTS), "calibration")
+            last = result.last_metrics
+            if last:
+                print(f"train: step {result.final_step}: reward {last.get('reward', float('nan')):.4f}, "
+                      f"kl {last.get('kl', float('nan')):.5f}; model in {result.model_dir}"
+                      f"{f' (from the best step, {result.exported_step})' if result.exported_step != result.final_step else ''}",
+                      file=sys.stderr)
+    finally:
+        if worker is not None:
+            worker.close()
     return 0
 
 
-def _train(ctx, cfg, weights, allowed, tracker):
+def _spawn_sampler(cfg):
+    """train.async_rollouts: the sampler worker, spawned before the MLflow run and the trainer's set-up, which its
+    imports (seconds) then overlap; None otherwise."""
+    if not cfg.train.async_rollouts:
+        return None
+    from grpo_core.train.sampler_worker import SamplerWorker
+
+    return SamplerWorker()
+
+
+def _train(ctx, cfg, weights, allowed, tracker, sampler_worker=None):
     from grpo_core.train.loop import train
 
     quiet = not sys.stderr.isatty()
     return train(cfg, reward_weights=weights, tracker=tracker, root=ctx.root, allowed_prompts=allowed,
-                 progress=not quiet, log_path=TRAIN_LOG)
+                 progress=not quiet, log_path=TRAIN_LOG, sampler_worker=sampler_worker)

@@ -132,28 +132,34 @@ class StepGradients:
 
 def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tracker=None,
           root: str | Path = ".", allowed_prompts: list[int] | None = None, progress: bool = True,
-          log_path: str | Path = "metrics/train_log.csv", backend_factory=None, export: bool = True) -> TrainResult:
+          log_path: str | Path = "metrics/train_log.csv", backend_factory=None, export: bool = True,
+          sampler_worker: SamplerWorker | None = None) -> TrainResult:
     """Run GRPO per ``cfg.train``; write checkpoints, the final model and the per-step log.
 
     reward_weights: one per reward function (None = all 1). tracker: an object with ``log_metrics(dict,
     step)`` and optionally ``set_tags(dict)`` (e.g. MLflow). allowed_prompts: dataset indices to train on
     (calibration may drop always/never-solved prompts). backend_factory: ``(policy, tokenizer) -> backend``
     instead of ``train.generation_backend``'s. export: write the final model (benchmarks leave it out).
+    sampler_worker: under train.async_rollouts, a ``SamplerWorker`` the caller spawned earlier (so its imports
+    overlap the caller's own set-up); train() spawns one otherwise, and stops it at its end either way.
     Resumes from the newest complete checkpoint unless train.resume=never.
     """
     t, root = cfg.train, Path(root)
     log_path, model_dir = root / log_path, root / t.output_dir / "model"
-    run, prompts = set_up(cfg, root, reward_weights, backend_factory)
-    sampler = PromptSampler(len(prompts.dataset), t.seed, allowed_prompts, shuffle=t.shuffle_dataset)
-    state, resumed_from = resume_or_start(run, sampler)
-    step_log = open_step_log(run, log_path, prompts.reward_names, state.step)
-    samples_log = open_completion_log(run, log_path, state.step)
-    monitor = GuardMonitor(cfg.guards)
-    bar = _progress_bar(run, state.step) if progress else None
+    worker = sampler_worker or (SamplerWorker() if t.async_rollouts else None)  # spawned first: its imports
+    with worker or contextlib.nullcontext():                                     # overlap the set-up
+        run, prompts = set_up(cfg, root, reward_weights, backend_factory)
+        sampler = PromptSampler(len(prompts.dataset), t.seed, allowed_prompts, shuffle=t.shuffle_dataset)
+        state, resumed_from = resume_or_start(run, sampler)
+        step_log = open_step_log(run, log_path, prompts.reward_names, state.step)
+        samples_log = open_completion_log(run, log_path, state.step)
+        monitor = GuardMonitor(cfg.guards)
+        bar = _progress_bar(run, state.step) if progress else None
 
-    metrics: dict[str, Any] = {}
-    run.model.train()
-    with async_sampler(run, cfg, prompts, backend_factory):
+        metrics: dict[str, Any] = {}
+        run.model.train()
+        if worker is not None:
+            start_sampler(run, cfg, prompts, worker, backend_factory)
         while state.step < t.max_steps:
             step_start = time.perf_counter()
             if not _inside_round(state, t):
@@ -265,25 +271,18 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
     return run, Prompts(dataset, encoder, reward_fns, reward_names, weights, held_out)
 
 
-@contextlib.contextmanager
-def async_sampler(run: TrainingRun, cfg: PipelineConfig, prompts: Prompts, backend_factory):
-    """train.async_rollouts: the sampler worker (``run.sampler``) for the loop's duration, stopped however the loop
-    ends (a worker left running would keep the interpreter from exiting)."""
-    if not run.t.async_rollouts:
-        yield
-        return
+def start_sampler(run: TrainingRun, cfg: PipelineConfig, prompts: Prompts, worker: SamplerWorker,
+                  backend_factory) -> None:
+    """train.async_rollouts: set the sampler worker up with a copy of the policy and the reference it scores rounds
+    sampled ahead with (``run.sampler``)."""
     reference = run.ref_model
     if reference is None or run.t.sync_ref_model:  # none, or one that moves (TR-DPO): the trainer scores it
         reference = None
     elif not owns_weights(reference):
         reference = ADAPTERS_OFF
-    with SamplerWorker(run.policy, run.tokenizer, run.t, prompts.encoder, cfg.rewards, prompts.reward_names,
-                       prompts.weights, make_backend=backend_factory, reference=reference) as worker:
-        run.sampler = worker
-        try:
-            yield
-        finally:
-            run.sampler = None
+    worker.start(run.policy, run.tokenizer, run.t, prompts.encoder, cfg.rewards, prompts.reward_names,
+                 prompts.weights, make_backend=backend_factory, reference=reference)
+    run.sampler = worker
 
 
 def _resolve(root: Path, path: str | None) -> Path | None:

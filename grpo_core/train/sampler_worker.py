@@ -93,11 +93,19 @@ def _unpack(packed: dict[str, Any]) -> SampledRound:
                         packed["policy_step"])
 
 
-def _serve(conn, model, reference, tokenizer, t: TrainConfig, encoder, reward_specs, reward_names: list[str],
-           weights: torch.Tensor, threads: int, make_backend: Callable | None) -> None:
-    """The worker's loop: build the backend and rewards, then answer requests until the trainer says stop (None)
-    or goes away (EOF)."""
+def _serve(conn) -> None:
+    """The worker's life: import what unpickling a model needs while the trainer sets up, take the set-up (the
+    policy copy, the reference, tokenizer, config, rewards), build the backend and rewards, then answer requests
+    until the trainer says stop (None) or goes away (EOF)."""
+    import transformers.modeling_utils  # noqa: F401 - the bulk of a model class's import, done ahead
     try:
+        setup = conn.recv()
+    except EOFError:
+        return
+    if setup is None:
+        return
+    try:
+        model, reference, tokenizer, t, encoder, reward_specs, reward_names, weights, threads, make_backend = setup
         torch.set_num_threads(threads)
         if reference == ADAPTERS_OFF:  # LoRA: the reference is this copy with its adapters switched off
             reference = AdapterDisabledReference(model)
@@ -164,18 +172,33 @@ def _send_error(conn, exc: BaseException) -> None:
 
 
 class SamplerWorker:
-    """The trainer's handle on the sampler worker: ``load_weights``, ``submit``, ``receive``, ``close``.
+    """The trainer's handle on the sampler worker: ``start``, ``load_weights``, ``submit``, ``receive``, ``close``.
 
-    policy: the unwrapped policy (CPU); its copy lives in shared memory, so ``load_weights`` is a copy of the
-    trainable tensors, not a transfer. reference: the frozen reference the worker scores rounds sampled ahead with
-    (shared in place), ``ADAPTERS_OFF`` under LoRA, or None (the trainer scores them). make_backend: ``(model, tokenizer) -> RolloutBackend`` (a module-level
-    callable: the worker is spawned), else ``train.generation_backend``'s. On GPUs the same four calls would
-    front a second device or an inference engine; only the CPU worker exists so far.
+    ``start``'s policy: the unwrapped policy (CPU); its copy lives in shared memory, so ``load_weights`` copies the
+    trainable tensors, no transfer. reference: the frozen reference the worker scores rounds sampled ahead with
+    (shared in place), ``ADAPTERS_OFF`` under LoRA, or None (the trainer scores them). make_backend: ``(model,
+    tokenizer) -> RolloutBackend`` (a module-level callable: the worker is spawned), else
+    ``train.generation_backend``'s. The constructor spawns the process and ``start`` sets it up, so its imports
+    (seconds) overlap whatever the caller does in between. On GPUs the same calls would front a second device or an
+    inference engine; only the CPU worker exists so far.
     """
 
-    def __init__(self, policy: torch.nn.Module, tokenizer, t: TrainConfig, encoder, reward_specs,
-                 reward_names: list[str], weights: torch.Tensor, make_backend: Callable | None = None,
-                 reference: torch.nn.Module | str | None = None):
+    def __init__(self):
+        """Spawn the worker now: it imports torch, transformers and this package while the caller sets up."""
+        ctx = torch.multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_serve, args=(child,), name="grpo-sampler",
+                                    daemon=False)  # not daemonic: isolated rewards start processes of their own
+        self._process.start()
+        child.close()
+        self.copy, self._trained, self.scores_reference = None, [], False
+        self._ready = False
+        self.in_flight = False
+
+    def start(self, policy: torch.nn.Module, tokenizer, t: TrainConfig, encoder, reward_specs,
+              reward_names: list[str], weights: torch.Tensor, make_backend: Callable | None = None,
+              reference: torch.nn.Module | str | None = None) -> None:
+        """Hand the worker its copy of ``policy`` (in shared memory) and what it samples and scores with."""
         device = next(policy.parameters()).device
         if device.type != "cpu":
             raise SamplerWorkerError(f"train.async_rollouts: the sampler worker samples on the CPU; the policy is on "
@@ -185,16 +208,8 @@ class SamplerWorker:
             reference.share_memory()
         self.scores_reference = reference is not None
         self._trained = [name for name, p in policy.named_parameters() if p.requires_grad]
-        ctx = torch.multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=_serve, name="grpo-sampler", daemon=False,  # isolated rewards spawn
-                                    args=(child, self.copy, reference, tokenizer, t, encoder, reward_specs,
-                                          list(reward_names),
-                                          weights, torch.get_num_threads(), make_backend))
-        self._process.start()
-        child.close()
-        self._ready = False
-        self.in_flight = False
+        self._conn.send((self.copy, reference, tokenizer, t, encoder, reward_specs, list(reward_names), weights,
+                         torch.get_num_threads(), make_backend))
 
     @torch.no_grad()
     def load_weights(self, policy: torch.nn.Module) -> None:
