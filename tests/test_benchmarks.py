@@ -22,7 +22,8 @@ def test_one_step_of_each_side_on_the_tiny_model(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--config", "cpu-tiny", "--tiny", "--steps", "1", "--repeats", "1",
-         "--threads", "1", "--parallel", "--out", str(out), "--no-readme"],
+         "--threads", "1", "--parallel", "--out", str(out), "--no-readme",
+         "--variant", "async:async_rollouts=true", "--variant", "trl-all-threads:side=trl,threads=0"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -34,10 +35,16 @@ def test_one_step_of_each_side_on_the_tiny_model(tmp_path):
         assert side["step_time_s"] > 0 and side["peak_rss_mib"] > 0
         assert 0 < side["generation_share"] < 1
     assert result["ratio_ours_over_trl"]["completion_tokens_per_s"] > 0
-    assert "| ours |" in subprocess.run(
+    # the variants: our side with a sampler worker, and TRL again with torch's default threads
+    (asynchronous,), (trl_all,) = result["raw"]["async"], result["raw"]["trl-all-threads"]
+    assert asynchronous["side"] == "ours" and all(s["wait_time"] is not None for s in asynchronous["steps"])
+    assert trl_all["side"] == "trl" and result["raw"]["trl"][0]["torch_threads"] == 1
+    table = subprocess.run(
         [sys.executable, "-c", f"import json; from benchmarks.run import format_table; "
                                f"print(format_table(json.load(open({str(out)!r}))))"],
         cwd=REPO, env=env, capture_output=True, text=True).stdout
+    assert "| ours |" in table and "| trl-all-threads |" in table
+    assert "async (async_rollouts): tokens/s" in table and "× trl-all-threads" in table
 
 
 def test_padding_benchmark_runs_and_counts_the_rows_it_skips(tmp_path, capsys):
