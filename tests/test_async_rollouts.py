@@ -8,14 +8,12 @@ rollback against the round the checkpoint saved.
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-import grpo_core.train.loop as trainer_mod
 from grpo_core.config import ConfigError
 from grpo_core.rewards import RewardFunctionError
 from grpo_core.train.checkpoint import load_checkpoint
@@ -23,7 +21,7 @@ from grpo_core.train.forward import frozen_logprobs
 from grpo_core.train.loop import train
 from grpo_core.train.round import Round
 from grpo_core.train.sampler_worker import SamplerWorkerError
-from tests.tiny import make_prompts, make_tiny_model, read_log, tiny_config
+from tests.tiny import make_prompts, make_tiny_model, nan_loss_at, read_log, tiny_config
 
 DIGITS = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}]
 ASYNC = {"async_rollouts": True, "max_staleness": 1}
@@ -101,14 +99,7 @@ def test_a_rollback_trains_on_the_round_its_checkpoint_saved(assets, tmp_path, m
     """A NaN at step 4 rolls back to checkpoint-2: the round in flight (sampled by abandoned weights) is dropped and
     step 3 is redone on the round checkpoint-2 saved - the same round the first step 3 trained on."""
     model_dir, data = assets
-    real, calls = trainer_mod.grpo_loss, {"n": 0}
-
-    def nan_at_step_4(*a, **k):
-        calls["n"] += 1
-        loss, stats = real(*a, **k)
-        return (loss * math.nan if calls["n"] == 4 else loss), stats
-
-    monkeypatch.setattr(trainer_mod, "grpo_loss", nan_at_step_4)
+    nan_loss_at(monkeypatch, {4})  # one micro-batch per step: the 4th call is step 4
     cfg = tiny_config(model_dir, data, DIGITS, max_steps=5, save_steps=2, **ASYNC)
     cfg.guards.nonfinite.action = "rollback"
     tracker = StepRecorder()

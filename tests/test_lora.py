@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import subprocess
 import sys
@@ -16,10 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import grpo_core.train.loop as trainer_mod
 from grpo_core.train.checkpoint import list_checkpoints
 from grpo_core.train.loop import train
-from tests.tiny import make_prompts, make_tiny_model, read_log, tiny_config
+from tests.tiny import make_prompts, make_tiny_model, nan_loss_at, read_log, tiny_config
 
 pytest.importorskip("peft")
 
@@ -114,14 +112,7 @@ def test_rollback_restores_the_adapter(assets, tmp_path, monkeypatch):
         return config_from_dict(raw)
 
     train(cfg(), root=tmp_path / "straight", progress=False)
-    real, count = trainer_mod.grpo_loss, {"n": 0}
-
-    def poisoned(*a, **k):
-        count["n"] += 1
-        loss, stats = real(*a, **k)
-        return (loss * math.nan if count["n"] == 4 else loss), stats
-
-    monkeypatch.setattr(trainer_mod, "grpo_loss", poisoned)
+    nan_loss_at(monkeypatch, {4})
     res = train(cfg(), root=tmp_path / "rolled", progress=False)
     state = json.loads((res.checkpoint_dir / "checkpoint-5/trainer_state.json").read_text())
     assert state["rollbacks"] == 1

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-import grpo_core.train.loop as trainer_mod
 from grpo_core.config import config_from_dict
 from grpo_core.train.guards import GuardStop
 from grpo_core.train.loop import train
-from tests.tiny import make_prompts, make_tiny_model
+from tests.tiny import make_prompts, make_tiny_model, nan_loss_at
 
 DIGITS = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}]
 
@@ -58,18 +56,6 @@ def test_stop_raises_naming_the_guard_and_exports_nothing(assets, tmp_path):
     with pytest.raises(GuardStop, match=r"guard entropy_min stopped training: step 1: entropy=.* below the threshold 100"):
         train(cfg_with(assets, guards, max_steps=3), root=tmp_path, progress=False)
     assert not (tmp_path / "out/model").exists()
-
-
-def nan_loss_at(monkeypatch, calls_to_poison: set[int]):
-    real = trainer_mod.grpo_loss
-    count = {"n": 0}
-
-    def poisoned(*a, **k):
-        count["n"] += 1
-        loss, stats = real(*a, **k)
-        return (loss * math.nan if count["n"] in calls_to_poison else loss), stats
-
-    monkeypatch.setattr(trainer_mod, "grpo_loss", poisoned)
 
 
 def test_rollback_restores_the_last_checkpoint_and_cools_the_learning_rate(assets, tmp_path, monkeypatch):

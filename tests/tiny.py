@@ -95,3 +95,20 @@ def train_options(**overrides):
     from grpo_core.config import TrainConfig
 
     return dataclasses.replace(TrainConfig(), **overrides)
+
+
+def nan_loss_at(monkeypatch, calls_to_poison: set[int]) -> None:
+    """Make the trainer's grpo_loss return NaN on those calls (1-based; one call per micro-batch), for guard tests."""
+    import math
+
+    import grpo_core.train.loop as trainer_mod
+
+    real = trainer_mod.grpo_loss
+    count = {"n": 0}
+
+    def poisoned(*a, **k):
+        count["n"] += 1
+        loss, stats = real(*a, **k)
+        return (loss * math.nan if count["n"] in calls_to_poison else loss), stats
+
+    monkeypatch.setattr(trainer_mod, "grpo_loss", poisoned)
