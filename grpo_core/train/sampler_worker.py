@@ -26,7 +26,6 @@ the round in flight and saves it (``TrainState.ahead``), so a resumed run equals
 from __future__ import annotations
 
 import copy
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,7 +67,6 @@ class SampleRequest:
 class SampledRound:
     round: Round                # advantages still zero; old_logps / ref_logps (N, C) when the request asked
     rng_state: torch.Tensor     # the RNG state after sampling: the trainer continues from it
-    worker_time: float          # the worker's seconds on it: sampling, scoring, log-probs
     policy_step: int            # optimizer steps behind the weights that sampled it
 
 
@@ -83,14 +81,12 @@ def _pack(sampled: SampledRound) -> dict[str, Any]:
     """Numpy arrays and plain values: pickled by value (torch's own reductions would pass each small tensor through
     a shared-memory file of its own)."""
     buffer = {k: v.numpy() for k, v in sampled.round.to_buffer().items()}
-    return {"round": buffer, "rng_state": sampled.rng_state.numpy(), "worker_time": sampled.worker_time,
-            "policy_step": sampled.policy_step}
+    return {"round": buffer, "rng_state": sampled.rng_state.numpy(), "policy_step": sampled.policy_step}
 
 
 def _unpack(packed: dict[str, Any]) -> SampledRound:
     buffer = {k: torch.from_numpy(v) for k, v in packed["round"].items()}
-    return SampledRound(Round.from_buffer(buffer), torch.from_numpy(packed["rng_state"]), packed["worker_time"],
-                        packed["policy_step"])
+    return SampledRound(Round.from_buffer(buffer), torch.from_numpy(packed["rng_state"]), packed["policy_step"])
 
 
 def _serve(conn) -> None:
@@ -128,11 +124,9 @@ def _serve(conn) -> None:
         if request is None:
             return
         try:
-            start = time.perf_counter()
             round_ = _sample(request, model, reference, backend, tokenizer, encoder, reward_fns, reward_names, weights,
                              t)
-            answer = _pack(SampledRound(round_, torch.get_rng_state(), time.perf_counter() - start,
-                                        request.policy_step))
+            answer = _pack(SampledRound(round_, torch.get_rng_state(), request.policy_step))
         except BaseException as exc:  # noqa: BLE001 - a failing round is the trainer's to raise
             _send_error(conn, exc)
             continue
@@ -191,7 +185,7 @@ class SamplerWorker:
                                     daemon=False)  # not daemonic: isolated rewards start processes of their own
         self._process.start()
         child.close()
-        self.copy, self._trained, self.scores_reference = None, [], False
+        self.copy, self._trained, self.scores_reference = None, {}, False
         self._ready = False
         self.in_flight = False
 
@@ -207,7 +201,8 @@ class SamplerWorker:
         if isinstance(reference, torch.nn.Module):  # frozen: shared in place, never written while the worker runs
             reference.share_memory()
         self.scores_reference = reference is not None
-        self._trained = [name for name, p in policy.named_parameters() if p.requires_grad]
+        trained = {name for name, p in policy.named_parameters() if p.requires_grad}
+        self._trained = {name: p for name, p in self.copy.named_parameters() if name in trained}  # name -> copy's
         self._conn.send((self.copy, reference, tokenizer, t, encoder, reward_specs, list(reward_names), weights,
                          torch.get_num_threads(), make_backend))
 
@@ -216,10 +211,9 @@ class SamplerWorker:
         """The policy's trainable tensors into the worker's copy (frozen ones never change)."""
         if self.in_flight:
             raise SamplerWorkerError("the sampler worker's weights were about to change while it samples")
-        copies = dict(self.copy.named_parameters())
         for name, p in policy.named_parameters():
             if name in self._trained:
-                copies[name].copy_(p.detach())
+                self._trained[name].copy_(p.detach())
 
     def submit(self, request: SampleRequest) -> None:
         if self.in_flight:
