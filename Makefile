@@ -10,7 +10,7 @@ export DO_NOT_TRACK := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 
-.PHONY: setup test test-fast repro lint bench ui clean
+.PHONY: setup test test-fast repro lint bench bench-learning ui clean
 
 # torch==2.13.0 goes in first: it is the CPU wheel on this machine, and the project's range
 # (torch>=2.13,<2.15) is then already satisfied, so pip never fetches a CUDA build.
@@ -40,6 +40,11 @@ lint: setup
 
 bench: setup
 	$(PY) -m benchmarks.run --config cpu-tiny
+
+# what a run learns, ours against TRL over seeds (benchmarks/README.md, "Learning"); its inputs come from dvc
+bench-learning: setup
+	$(VENV)/bin/dvc repro calibrate
+	$(PY) -m benchmarks.learning $(ARGS)
 
 ui: setup
 	@$(PY) -m flows.comparison

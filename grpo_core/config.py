@@ -325,6 +325,9 @@ Action = Literal["warn", "skip_step", "stop", "rollback"]
 class ThresholdGuard:
     threshold: float | None = field(default=None, metadata={"help": "trigger level (null = guard off)"})
     action: Action = field(default="warn", metadata={"help": "warn | skip_step | stop | rollback"})
+    window: int = field(default=1, metadata={
+        "help": "the median of the last `window` steps' values is compared with the threshold (1 = each step "
+                "alone): a single step's outlier, e.g. the heavy-tailed KL estimate, does not act", "ge": 1})
 
 
 @dataclass

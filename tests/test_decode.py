@@ -186,6 +186,47 @@ def test_sample_draws_from_softmax_and_never_a_masked_token():
     assert (freq - probs).abs().max() < 0.01   # 4 standard errors of the largest frequency
 
 
+def exact_two_token_distribution(model, prompt: list[int]) -> dict[tuple[int, ...], float]:
+    """P(completion) of every completion of at most 2 tokens, by HF forwards on the unpadded prompt: p(t1) p(t2 | t1),
+    and p(EOS) alone for a completion that ends at once. Worked out without any sampling."""
+    with torch.no_grad():
+        first = model(torch.tensor([prompt])).logits[0, -1].float().softmax(-1)                          # (V,)
+        V = first.shape[0]
+        rows = torch.tensor([prompt + [t] for t in range(V)])
+        second = model(rows).logits[:, -1].float().softmax(-1)                                          # (V, V)
+    exact = {(EOS,): float(first[EOS])}
+    exact.update({(a, b): float(first[a] * second[a, b]) for a in range(V) if a != EOS for b in range(V)})
+    return exact
+
+
+@pytest.mark.parametrize("backend", [ManualDecodeBackend, HFGenerateBackend], ids=["manual", "hf"])
+def test_sampled_sequences_follow_the_models_distribution(backend):
+    """Whole sampled completions (2 tokens; left-padded prompts of different lengths in one batch, the EOS ending a row
+    early) against their exact probabilities: a chi-square goodness-of-fit per prompt. HF generate is held to the same
+    test: both backends sample the model's distribution, and differ only in their random streams."""
+    from scipy.stats import chisquare
+
+    model = qwen2()
+    with torch.no_grad():  # a peaked, uneven distribution (a random init is near uniform: a weak test)
+        model.lm_head.weight.mul_(20.0)
+    G = 3000
+    torch.manual_seed(0)
+    batch = backend(model, TOK).generate(PROMPTS, G, SamplingParams(max_new_tokens=2, temperature=1.0))
+    for p, prompt in enumerate(PROMPTS):
+        exact = exact_two_token_distribution(model, prompt)
+        counts: dict[tuple[int, ...], int] = {}
+        for ids, mask in zip(batch.completion_ids[p * G:(p + 1) * G], batch.completion_mask[p * G:(p + 1) * G]):
+            key = tuple(ids[mask.bool()].tolist())
+            counts[key] = counts.get(key, 0) + 1
+        assert set(counts) <= set(exact)  # nothing outside the support (e.g. a pad sampled after EOS)
+        frequent = [k for k, q in exact.items() if q * G >= 5]          # cells too rare for chi-square are pooled
+        observed = [counts.get(k, 0) for k in frequent] + [G - sum(counts.get(k, 0) for k in frequent)]
+        expected = [exact[k] * G for k in frequent] + [G * (1 - sum(exact[k] for k in frequent))]
+        assert len(frequent) > 20  # a distribution with many likely completions, not one dominant token
+        result = chisquare(observed, [e * G / sum(expected) for e in expected])
+        assert result.pvalue > 1e-3, f"prompt {p}: sampled completions do not follow the model ({result})"
+
+
 def test_sampling_is_seeded_and_top_k_1_is_greedy():
     model = qwen2()
     backend = ManualDecodeBackend(model, TOK)

@@ -19,6 +19,7 @@ training on NaN is not an option.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -53,6 +54,8 @@ class GuardMonitor:
         n = cfg.reward_hacking.window
         self._format: deque[float] = deque(maxlen=2 * n)
         self._correct: deque[float] = deque(maxlen=2 * n)
+        self._recent: dict[str, deque[float]] = {name: deque(maxlen=getattr(cfg, name).window)
+                                                 for name in ("kl_max", "entropy_min", "clipped_ratio_max")}
 
     def check(self, step: int, metrics: dict) -> list[GuardEvent]:
         """Events for this step (empty if all is well). ``metrics`` uses the trainer's metric names."""
@@ -71,15 +74,24 @@ class GuardMonitor:
             events.append(hacking)
         return events
 
-    @staticmethod
-    def _threshold(events, name, guard: ThresholdGuard, value, step, above: bool) -> None:
+    def _threshold(self, events, name, guard: ThresholdGuard, value, step, above: bool) -> None:
+        """The guard acts when the median of its last ``window`` finite values (a full window) crosses the
+        threshold. Why a median: GRPO's KL estimate exp(r) - r - 1 is heavy-tailed - one sampled token the policy
+        has made far less likely than the reference did gives a one-step spike (measured on the embedded default:
+        2.7 and 4.1 in runs whose KL otherwise stays under 0.45), while a run that is really drifting stays high."""
         if guard.threshold is None or value is None or not math.isfinite(value):
             return
-        if (value > guard.threshold) if above else (value < guard.threshold):
+        recent = self._recent[name]
+        recent.append(value)
+        if len(recent) < guard.window:
+            return
+        level = statistics.median(recent)
+        if (level > guard.threshold) if above else (level < guard.threshold):
             relation = "above" if above else "below"
-            events.append(GuardEvent(name, guard.action,
-                                     f"step {step}: {name.rsplit('_', 1)[0]}={value:.6g} is {relation} "
-                                     f"the threshold {guard.threshold:g}"))
+            what = f"{name.rsplit('_', 1)[0]}={value:.6g}" if guard.window == 1 else (
+                f"median {name.rsplit('_', 1)[0]} of the last {guard.window} steps {level:.6g} (this step {value:.6g})")
+            events.append(GuardEvent(name, guard.action, f"step {step}: {what} is {relation} "
+                                                         f"the threshold {guard.threshold:g}"))
 
     def _hacking(self, step: int, metrics: dict) -> GuardEvent | None:
         g = self.cfg.reward_hacking
@@ -106,6 +118,8 @@ class GuardMonitor:
         """After a rollback the windows describe steps that no longer exist."""
         self._format.clear()
         self._correct.clear()
+        for recent in self._recent.values():
+            recent.clear()
 
 
 def decide(events: list[GuardEvent]) -> GuardEvent | None:

@@ -7,11 +7,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
 
-from grpo_core.advantages import compute_advantages
+from grpo_core.advantages import compute_advantages, nanstd
 from grpo_core.config import TrainConfig
 from grpo_core.data import PromptEncoder
 from grpo_core.rollout import RolloutBackend, SamplingParams
@@ -68,13 +69,15 @@ def assign_advantages(round_: Round, weights: torch.Tensor, t: TrainConfig, acce
 
 
 def reward_metrics(rewards: torch.Tensor, weights: torch.Tensor, group_size: int, names: list[str]) -> dict:
-    """TRL's reward metrics of (N, K) rewards: mean weighted reward, mean group std, share of zero-std groups,
-    and each function's mean and std over the samples it applies to."""
-    total = torch.nansum(rewards * weights.to(rewards.dtype), dim=1)  # all-None rows count 0, as in TRL
-    group_std = total.view(-1, group_size).std(dim=1)
+    """TRL 1.16's reward metrics of (N, K) rewards: the weighted reward's mean and std over the batch (``reward``,
+    ``reward_std``; a row every function returned None for is left out), the share of groups whose weighted
+    rewards are all equal, and each function's mean and std over the samples it applies to."""
+    unscorable = torch.isnan(rewards).all(dim=1)
+    total = torch.nansum(rewards * weights.to(rewards.dtype), dim=1).masked_fill(unscorable, math.nan)  # (N,)
+    group_std = nanstd(total.view(-1, group_size), dim=1)                                                # (N / G,)
     out = {
-        "reward": total.mean().item(),
-        "reward_std": group_std.mean().item(),
+        "reward": torch.nanmean(total).item(),
+        "reward_std": nanstd(total, dim=0).item(),
         "frac_reward_zero_std": torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item(),
     }
     for k, name in enumerate(names):

@@ -1,0 +1,298 @@
+"""What a run learns, ours against TRL 1.16's GRPOTrainer, on the same recipe, over seeds.
+
+    python -m benchmarks.learning                         # sides ours, trl, ours-hf; seeds 0-4; 2 runs at a time
+    python -m benchmarks.learning --seeds 0 1 --sides ours trl --jobs 1 --max-steps 20
+
+Needs the embedded default's inputs: `dvc repro calibrate` (validated data, the base model, the calibrated reward
+weights). Every run trains from the same base model on the same prompts, rewards and weights with params.yaml's
+`train.*` (its `train.seed` replaced by the run's seed), then one evaluator scores it: greedy decoding of the
+held-out prompts (`evaluate.max_samples`), accuracy by the correctness judge, exactly as the evaluate stage does.
+
+Sides:
+    ours      grpo_core.train.loop.train with params.yaml as it is (the hand-written decode loop and forward on CPU)
+    ours-hf   the same with train.generation_backend=hf and train.forward_backend=hf (HF generate and forward)
+    trl       TRL's GRPOTrainer with the same GRPOConfig values (`trl_args`), our reward functions and weights
+    trl-manual  TRL's GRPOTrainer sampling through our hand-written decode loop (a swap, to bisect: does our sampler
+              make TRL learn what we learn?)
+
+Each run is a subprocess with one torch thread (`--jobs` of them at a time); its result is kept in
+`<workdir>/<side>-seed<seed>/result.json`, so an interrupted invocation continues where it stopped (`--fresh`
+starts over). The table (mean, sample std and per-seed difference to TRL) goes to stdout and to
+`benchmarks/results/learning-embedded.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results" / "learning-embedded.json"
+SIDES = ("ours", "trl", "ours-hf", "trl-manual")
+HF_PATHS = {"generation_backend": "hf", "forward_backend": "hf"}
+CALIBRATION = "artifacts/calibration/reward_weights.json"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The recipe
+
+
+def recipe(root: Path, seed: int, workdir: Path, overrides: dict | None = None):
+    """params.yaml with validate's data files, this run's seed and output folder, and ``overrides`` (train.*)."""
+    from flows.stages.common import with_validated_data
+    from grpo_core.config import load_config
+
+    cfg = with_validated_data(load_config(root / "params.yaml"))
+    train = dataclasses.replace(cfg.train, seed=seed, output_dir=str(workdir / "out"), resume="never",
+                                **(overrides or {}))
+    return dataclasses.replace(cfg, train=train)
+
+
+def reward_weights(root: Path, cfg) -> list[float]:
+    """``train.reward_weights`` when pinned, else the calibrated ones: what the train stage uses."""
+    if cfg.train.reward_weights is not None:
+        return list(cfg.train.reward_weights)
+    path = root / CALIBRATION
+    if not path.exists():
+        raise SystemExit(f"{path}: missing; run `dvc repro calibrate` first")
+    return list(json.loads(path.read_text())["weights_list"])
+
+
+def trl_args(t, workdir: Path, weights: list[float]) -> dict:
+    """GRPOConfig keyword arguments for TrainConfig ``t``: the same values under TRL's names (most are the same name)."""
+    same = ("learning_rate", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
+            "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "beta",
+            "epsilon", "epsilon_high", "delta", "loss_type", "importance_sampling_level", "scale_rewards",
+            "num_iterations", "multi_objective_aggregation", "mask_truncated_completions", "max_steps", "seed",
+            "lr_scheduler_type", "weight_decay", "adam_beta1", "adam_beta2", "max_grad_norm",
+            "gradient_checkpointing", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
+            "disable_dropout", "cast_lm_head_to_fp32", "shuffle_dataset")
+    args = {name: getattr(t, name) for name in same}
+    args.update(steps_per_generation=t.effective_steps_per_generation, reward_weights=weights,
+                warmup_steps=t.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of max_steps
+                generation_kwargs=dict(t.generation_kwargs) or None,
+                output_dir=str(workdir / "trl-out"), bf16=t.mixed_precision == "bf16", fp16=t.mixed_precision == "fp16",
+                use_cpu=True, report_to="none", save_strategy="no", logging_steps=t.logging_steps,
+                disable_tqdm=True, dataloader_num_workers=0, use_vllm=False)
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------
+# One run (in its own process)
+
+
+def train_ours(root: Path, cfg, weights: list[float], workdir: Path) -> Path:
+    from grpo_core.train.loop import train
+
+    result = train(cfg, reward_weights=weights, root=root, progress=False, log_path=workdir / "train_log.csv")
+    return result.model_dir
+
+
+def train_trl(root: Path, cfg, weights: list[float], workdir: Path, manual_sampler: bool = False) -> Path:
+    """TRL's GRPOTrainer on the validated train split, the base model and our reward functions; ``manual_sampler``:
+    its completions come from our hand-written decode loop instead of HF generate."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_core.data import load_split
+    from grpo_core.rewards import build_reward_functions
+
+    model_path = str(root / cfg.model.name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype="float32")
+    dataset = load_split(cfg.data, "train", root)
+    trainer = GRPOTrainer(model=model, reward_funcs=build_reward_functions(cfg.rewards),
+                          args=GRPOConfig(**trl_args(cfg.train, workdir, weights)), train_dataset=dataset,
+                          processing_class=tokenizer)
+    if manual_sampler:
+        trainer._generate_single_turn = manual_generation(trainer, tokenizer, cfg.train)
+    trainer.train()
+    model_dir = workdir / "out" / "model"
+    trainer.save_model(str(model_dir))
+    tokenizer.save_pretrained(str(model_dir))
+    return model_dir
+
+
+def manual_generation(trainer, tokenizer, t):
+    """A stand-in for ``GRPOTrainer._generate_single_turn``: TRL's batch (each prompt G times in a row) sampled by
+    our decode loop on TRL's model, as completion id lists up to and including the EOS."""
+    from grpo_core.rollout.manual import ManualDecodeBackend
+    from grpo_core.train.rollouts import training_sampling
+
+    def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        batch = ManualDecodeBackend(trainer.model, tokenizer).generate([list(p) for p in prompt_ids], 1,
+                                                                       training_sampling(t))
+        return [ids[mask.bool()].tolist() for ids, mask in zip(batch.completion_ids, batch.completion_mask)], None
+
+    return generate
+
+
+def greedy_accuracy(root: Path, cfg, model_dir: Path) -> dict:
+    """The evaluate stage's greedy accuracy of the policy in ``model_dir`` on the held-out prompts."""
+    from grpo_core.data import PromptEncoder, load_split
+    from grpo_core.held_out import eval_modes, score_policy
+    from grpo_core.model.loading import load_for_inference
+    from grpo_core.rewards import build_reward_functions
+    from grpo_core.rewards.judges import build_judges
+    from grpo_core.rollout import SamplingParams, backend_for
+
+    e = cfg.evaluate
+    dataset = load_split(cfg.data, "eval", root)
+    n = len(dataset) if e.max_samples is None else min(e.max_samples, len(dataset))
+    rows = [dataset[i] for i in range(n)]
+    model, tokenizer = load_for_inference(dataclasses.replace(cfg.model, name_or_path=str(model_dir), lora=None), root)
+    encoder = PromptEncoder.from_config(tokenizer, cfg.data, cfg.train.max_prompt_length)
+    backend = backend_for(model, tokenizer, cfg.train)
+    greedy = eval_modes(max_new_tokens=e.max_completion_length, num_generations=0,
+                        sampling=SamplingParams(e.max_completion_length), sequences_per_call=e.batch_size, seed=None)
+    records = score_policy(tokenizer, rows, list(range(n)), encoder, build_reward_functions(cfg.rewards),
+                           [r.name for r in cfg.rewards], build_judges(cfg.rewards), greedy, backend=backend)
+    return {"accuracy": sum(r["correct"] for r in records) / len(records),
+            "format_compliance": sum(r["format_ok"] for r in records) / len(records), "num_prompts": len(records)}
+
+
+def run_one(root: Path, side: str, seed: int, workdir: Path, max_steps: int | None) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    overrides = dict(HF_PATHS) if side == "ours-hf" else {}
+    if max_steps is not None:
+        overrides["max_steps"] = max_steps
+    cfg = recipe(root, seed, workdir, overrides)
+    weights = reward_weights(root, cfg)
+    t0 = time.perf_counter()
+    if side.startswith("trl"):
+        model_dir = train_trl(root, cfg, weights, workdir, manual_sampler=side == "trl-manual")
+    else:
+        model_dir = train_ours(root, cfg, weights, workdir)
+    train_s = time.perf_counter() - t0
+    result = {"side": side, "seed": seed, "train_s": round(train_s, 1), "reward_weights": weights,
+              **greedy_accuracy(root, cfg, model_dir)}
+    if side == "ours" and seed == 0:  # the base policy, once: the same evaluator on the untrained model
+        result["base"] = greedy_accuracy(root, cfg, root / cfg.model.name_or_path)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# The driver
+
+
+def launch(root: Path, side: str, seed: int, workdir: Path, max_steps: int | None) -> dict:
+    out = workdir / f"{side}-seed{seed}"
+    done = out / "result.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "benchmarks.learning", "--run", side, "--seed", str(seed), "--workdir", str(out),
+           "--root", str(root)]
+    if max_steps is not None:
+        cmd += ["--max-steps", str(max_steps)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
+               MLFLOW_DISABLE_TELEMETRY="true", PYTHONPATH=str(REPO))
+    with open(out / "log.txt", "w") as logf:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{side} seed {seed} failed (exit {proc.returncode}); see {out / 'log.txt'}")
+    print(f"  {side} seed {seed}: {json.loads(done.read_text())['accuracy']:.3f}", file=sys.stderr, flush=True)
+    return json.loads(done.read_text())
+
+
+def summarize(results: list[dict], sides: list[str], seeds: list[int]) -> dict:
+    acc = {(r["side"], r["seed"]): r["accuracy"] for r in results}
+    summary: dict = {}
+    for side in sides:
+        values = [acc[(side, s)] for s in seeds if (side, s) in acc]
+        summary[side] = {"mean": statistics.fmean(values) if values else None,
+                         "std": statistics.stdev(values) if len(values) > 1 else None}
+        if side != "trl" and "trl" in sides:
+            diffs = [acc[(side, s)] - acc[("trl", s)] for s in seeds if (side, s) in acc and ("trl", s) in acc]
+            summary[side]["mean_minus_trl"] = statistics.fmean(diffs) if diffs else None
+            summary[side]["worst_seed_minus_trl"] = min(diffs) if diffs else None
+    return summary
+
+
+def table(results: list[dict], sides: list[str], seeds: list[int], summary: dict) -> str:
+    acc = {(r["side"], r["seed"]): r["accuracy"] for r in results}
+    others = [s for s in sides if s != "trl"]
+    head = ["train.seed", *sides, *(f"{s} − trl" for s in others if "trl" in sides)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def cell(x, signed=False):
+        return "–" if x is None else (f"{x:+.3f}" if signed else f"{x:.3f}")
+
+    for s in seeds:
+        row = [str(s), *(cell(acc.get((side, s))) for side in sides)]
+        if "trl" in sides:
+            row += [cell(acc[(o, s)] - acc[("trl", s)], True) if (o, s) in acc and ("trl", s) in acc else "–"
+                    for o in others]
+        lines.append("| " + " | ".join(row) + " |")
+    mean = ["mean", *(cell(summary[side]["mean"]) for side in sides)]
+    std = ["std", *(cell(summary[side]["std"]) for side in sides)]
+    if "trl" in sides:
+        mean += [cell(summary[o]["mean_minus_trl"], True) for o in others]
+        std += [f"worst {cell(summary[o]['worst_seed_minus_trl'], True)}" for o in others]
+    lines += ["| " + " | ".join(mean) + " |", "| " + " | ".join(std) + " |"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one torch thread each)")
+    parser.add_argument("--max-steps", type=int, default=None, help="instead of params.yaml's train.max_steps")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/grpo-learning"))
+    parser.add_argument("--root", type=Path, default=REPO, help="the repo whose params.yaml and dvc outputs to use")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--fresh", action="store_true", help="ignore results kept in --workdir")
+    parser.add_argument("--run", choices=SIDES, help=argparse.SUPPRESS)   # one run, in a subprocess
+    parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
+    a = parser.parse_args(argv)
+    if a.run:
+        result = run_one(a.root.resolve(), a.run, a.seed, a.workdir, a.max_steps)
+        tmp = a.workdir / "result.json.tmp"
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(a.workdir / "result.json")
+        return 0
+
+    if a.fresh and a.workdir.exists():
+        import shutil
+        shutil.rmtree(a.workdir)
+    jobs = [(side, seed) for seed in a.seeds for side in a.sides]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=a.jobs) as pool:
+        results = list(pool.map(lambda job: launch(a.root.resolve(), *job, a.workdir.resolve(), a.max_steps), jobs))
+    summary = summarize(results, a.sides, a.seeds)
+    text = table(results, a.sides, a.seeds, summary)
+    base = next((r["base"]["accuracy"] for r in results if "base" in r), None)
+    print(text)
+    if base is not None:
+        print(f"base (untrained) greedy accuracy: {base:.3f}")
+    import torch
+    import transformers
+    import trl
+    doc = {"command": "python -m benchmarks.learning " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                    text=True).stdout.strip(),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.machine(),
+           "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__},
+           "wall_s": round(time.perf_counter() - t0, 1), "base_accuracy": base, "summary": summary,
+           "runs": results, "table": text}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = a.out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

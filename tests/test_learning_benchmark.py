@@ -1,0 +1,90 @@
+"""benchmarks/learning.py: TRL gets our recipe value for value, the table's arithmetic, and one run of every side.
+
+It measures nothing here: `make bench-learning` does (benchmarks/README.md, "Learning").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import learning
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_trl_gets_the_recipe_of_params_yaml_value_for_value(tmp_path):
+    from trl import GRPOConfig
+
+    from grpo_core.config import load_config
+
+    t = load_config(REPO / "params.yaml").train
+    args = GRPOConfig(**learning.trl_args(t, tmp_path, [0.6, 0.4]))
+    for name in ("learning_rate", "num_generations", "per_device_train_batch_size", "max_completion_length",
+                 "temperature", "top_p", "top_k", "beta", "epsilon", "loss_type", "scale_rewards", "num_iterations",
+                 "max_steps", "seed", "adam_beta1", "adam_beta2", "weight_decay", "max_grad_norm",
+                 "mask_truncated_completions", "multi_objective_aggregation", "gradient_checkpointing"):
+        assert getattr(args, name) == getattr(t, name), name
+    assert args.steps_per_generation == t.effective_steps_per_generation
+    assert args.reward_weights == [0.6, 0.4]
+    assert args.lr_scheduler_type.value == t.lr_scheduler_type == "constant"
+    # TRL's own defaults that differ from this recipe are overridden, not inherited
+    assert not args.bf16 and not args.fp16 and args.epsilon_high == t.epsilon_high
+    assert args.generation_batch_size == t.per_device_train_batch_size * t.effective_steps_per_generation
+
+
+def test_summary_and_table_from_hand_numbers():
+    runs = [{"side": "ours", "seed": 0, "accuracy": 0.70}, {"side": "trl", "seed": 0, "accuracy": 0.75},
+            {"side": "ours", "seed": 1, "accuracy": 0.80}, {"side": "trl", "seed": 1, "accuracy": 0.65}]
+    summary = learning.summarize(runs, ["ours", "trl"], [0, 1])
+    assert summary["ours"]["mean"] == pytest.approx(0.75) and summary["trl"]["mean"] == pytest.approx(0.70)
+    assert summary["ours"]["std"] == pytest.approx(0.0707107, rel=1e-5)   # sample std of 0.70, 0.80
+    assert summary["ours"]["mean_minus_trl"] == pytest.approx(0.05)      # (-0.05 + 0.15) / 2
+    assert summary["ours"]["worst_seed_minus_trl"] == pytest.approx(-0.05)
+    table = learning.table(runs, ["ours", "trl"], [0, 1], summary)
+    assert "| 0 | 0.700 | 0.750 | -0.050 |" in table and "| 1 | 0.800 | 0.650 | +0.150 |" in table
+    assert "| mean | 0.750 | 0.700 | +0.050 |" in table
+
+
+def tiny_root(root: Path) -> Path:
+    """A repo root as `dvc repro calibrate` leaves it: validated parquet splits, a base model, params.yaml."""
+    import pandas as pd
+    import yaml
+
+    from tests.tiny import make_prompts, make_tiny_model
+
+    make_tiny_model(root / "artifacts" / "base_model")
+    rows = [json.loads(line) for line in open(make_prompts(root / "prompts.jsonl", n=16))]
+    (root / "data" / "validated").mkdir(parents=True)
+    pd.DataFrame(rows[:12]).to_parquet(root / "data" / "validated" / "train.parquet")
+    pd.DataFrame(rows[12:]).to_parquet(root / "data" / "validated" / "eval.parquet")
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["embedded"] = None
+    params["data"].update(train_files="data/validated/train.parquet", eval_files="data/validated/eval.parquet")
+    params["train"].update(per_device_train_batch_size=16, num_generations=4, max_completion_length=6,
+                           reward_weights=[0.5, 0.5])
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return root
+
+
+@pytest.mark.slow
+def test_one_step_of_every_side_and_the_table(tmp_path):
+    root = tiny_root(tmp_path / "repo")
+    out = tmp_path / "learning.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.learning", "--root", str(root), "--seeds", "0", "--max-steps", "1",
+         "--sides", *learning.SIDES, "--workdir", str(tmp_path / "work"), "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert {r["side"] for r in doc["runs"]} == set(learning.SIDES)
+    for run in doc["runs"]:
+        assert 0.0 <= run["accuracy"] <= 1.0 and run["num_prompts"] == 4 and run["reward_weights"] == [0.5, 0.5]
+    assert 0.0 <= doc["base_accuracy"] <= 1.0
+    assert "| 0 |" in doc["table"] and "| mean |" in doc["table"] and doc["table"] in proc.stdout
