@@ -217,7 +217,21 @@ def summarize(results: list[dict], sides: list[str], seeds: list[int]) -> dict:
             diffs = [acc[(side, s)] - acc[("trl", s)] for s in seeds if (side, s) in acc and ("trl", s) in acc]
             summary[side]["mean_minus_trl"] = statistics.fmean(diffs) if diffs else None
             summary[side]["worst_seed_minus_trl"] = min(diffs) if diffs else None
+            trl = [acc[("trl", s)] for s in seeds if ("trl", s) in acc]
+            summary[side].update(welch(values, trl))
     return summary
+
+
+def welch(a: list[float], b: list[float]) -> dict:
+    """mean(a) - mean(b) with its 95% confidence interval and p-value by Welch's t-test. Unpaired: seed s of one side
+    and seed s of another share no random stream (prompt order, samples), so their runs are independent draws."""
+    if len(a) < 2 or len(b) < 2:
+        return {"ci95": None, "p_value": None}
+    from scipy.stats import ttest_ind
+
+    test = ttest_ind(a, b, equal_var=False)
+    low, high = test.confidence_interval(0.95)
+    return {"ci95": [float(low), float(high)], "p_value": float(test.pvalue)}
 
 
 def table(results: list[dict], sides: list[str], seeds: list[int], summary: dict) -> str:
@@ -241,6 +255,11 @@ def table(results: list[dict], sides: list[str], seeds: list[int], summary: dict
         mean += [cell(summary[o]["mean_minus_trl"], True) for o in others]
         std += [f"worst {cell(summary[o]['worst_seed_minus_trl'], True)}" for o in others]
     lines += ["| " + " | ".join(mean) + " |", "| " + " | ".join(std) + " |"]
+    for o in others:
+        if summary[o].get("ci95") is not None:
+            low, high = summary[o]["ci95"]
+            lines.append(f"\n{o} − trl: {summary[o]['mean_minus_trl']:+.3f}, 95% CI [{low:+.3f}, {high:+.3f}], "
+                         f"Welch p = {summary[o]['p_value']:.2f} ({len(seeds)} seeds a side)")
     return "\n".join(lines)
 
 

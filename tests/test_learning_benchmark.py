@@ -49,6 +49,11 @@ def test_summary_and_table_from_hand_numbers():
     table = learning.table(runs, ["ours", "trl"], [0, 1], summary)
     assert "| 0 | 0.700 | 0.750 | -0.050 |" in table and "| 1 | 0.800 | 0.650 | +0.150 |" in table
     assert "| mean | 0.750 | 0.700 | +0.050 |" in table
+    # Welch by hand: variances 0.005 and 0.005, se = sqrt(0.005/2 + 0.005/2) = 0.070711, df = 2, t = 0.05 / se =
+    # 0.70711; with 2 df P(T > t) = 1/2 - t / (2 sqrt(2 + t^2)) = 0.27639, p = 0.55279; CI 0.05 -+ 4.30265 * se
+    assert summary["ours"]["p_value"] == pytest.approx(0.55279, abs=1e-5)
+    assert summary["ours"]["ci95"] == pytest.approx([-0.25424, 0.35424], abs=1e-5)
+    assert "ours − trl: +0.050, 95% CI [-0.254, +0.354], Welch p = 0.55 (2 seeds a side)" in table
 
 
 def tiny_root(root: Path) -> Path:

@@ -27,6 +27,7 @@ trl = pytest.importorskip("trl")
 
 G, PROMPTS, STEPS, COMPLETION = 4, 4, 3, 8
 LR, BETA = 5e-3, 0.04
+MAX_GRAD_NORM = 0.5  # below the steps' gradient norms (0.4 to 0.9 here): clipping acts
 WEIGHTS = [0.7, 0.3]
 
 
@@ -104,6 +105,7 @@ def run_ours(setup, forward_backend: str):
     cfg = tiny_config(model_dir, data, rewards, num_generations=G, per_device_train_batch_size=G * PROMPTS,
                       max_completion_length=COMPLETION, learning_rate=LR, beta=BETA, loss_type="dapo",
                       max_steps=STEPS, adam_beta2=0.99, lr_scheduler_type="constant", resume="never",
+                      max_grad_norm=MAX_GRAD_NORM,
                       output_dir=f"ours-{forward_backend}", forward_backend=forward_backend)
     logged: list[dict] = []
 
@@ -129,6 +131,7 @@ def trl_run(setup):
     args = GRPOConfig(output_dir=str(root / "trl"), num_generations=G, per_device_train_batch_size=G * PROMPTS,
                       max_completion_length=COMPLETION, learning_rate=LR, beta=BETA, loss_type="dapo",
                       max_steps=STEPS, adam_beta2=0.99, lr_scheduler_type="constant", reward_weights=WEIGHTS,
+                      max_grad_norm=MAX_GRAD_NORM,
                       bf16=False, gradient_checkpointing=False, use_cpu=True, report_to="none",
                       save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0)
     rows = [json.loads(line) for line in open(data)]
