@@ -2,6 +2,7 @@
 
     python -m benchmarks.learning                         # sides ours, trl, ours-hf; seeds 0-4; 2 runs at a time
     python -m benchmarks.learning --seeds 0 1 --sides ours trl --jobs 1 --max-steps 20
+    python -m benchmarks.learning --seeds $(seq 0 29) --sides ours trl trl-manual
 
 Needs the embedded default's inputs: `dvc repro calibrate` (validated data, the base model, the calibrated reward
 weights). Every run trains from the same base model on the same prompts, rewards and weights with params.yaml's
@@ -17,8 +18,9 @@ Sides:
 
 Each run is a subprocess with one torch thread (`--jobs` of them at a time); its result is kept in
 `<workdir>/<side>-seed<seed>/result.json`, so an interrupted invocation continues where it stopped (`--fresh`
-starts over). The table (mean, sample std and per-seed difference to TRL) goes to stdout and to
-`benchmarks/results/learning-embedded.json`.
+starts over). The table (mean, sample std, per-seed difference to TRL, and the difference of the means with its 95%
+confidence interval by Welch's test) goes to stdout and to `benchmarks/results/learning-embedded.json`. `--root`
+names another checkout to take params.yaml and the dvc outputs from (tests use a tiny one).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "learning-embedded.json"
 SIDES = ("ours", "trl", "ours-hf", "trl-manual")
+DEFAULT_SIDES = ("ours", "trl", "ours-hf")
 HF_PATHS = {"generation_backend": "hf", "forward_backend": "hf"}
 CALIBRATION = "artifacts/calibration/reward_weights.json"
 
@@ -266,7 +269,7 @@ def table(results: list[dict], sides: list[str], seeds: list[int], summary: dict
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(DEFAULT_SIDES))
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one torch thread each)")
     parser.add_argument("--max-steps", type=int, default=None, help="instead of params.yaml's train.max_steps")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/grpo-learning"))
