@@ -258,12 +258,10 @@ def table(results: list[dict], sides: list[str], seeds: list[int], summary: dict
         mean += [cell(summary[o]["mean_minus_trl"], True) for o in others]
         std += [f"worst {cell(summary[o]['worst_seed_minus_trl'], True)}" for o in others]
     lines += ["| " + " | ".join(mean) + " |", "| " + " | ".join(std) + " |"]
-    for o in others:
-        if summary[o].get("ci95") is not None:
-            low, high = summary[o]["ci95"]
-            lines.append(f"\n{o} − trl: {summary[o]['mean_minus_trl']:+.3f}, 95% CI [{low:+.3f}, {high:+.3f}], "
-                         f"Welch p = {summary[o]['p_value']:.2f} ({len(seeds)} seeds a side)")
-    return "\n".join(lines)
+    tests = [f"{o} − trl: {summary[o]['mean_minus_trl']:+.3f}, 95% CI [{summary[o]['ci95'][0]:+.3f}, "
+             f"{summary[o]['ci95'][1]:+.3f}], Welch p = {summary[o]['p_value']:.2f} ({len(seeds)} seeds a side)"
+             for o in others if summary[o].get("ci95") is not None]
+    return "\n".join(lines + ([""] + tests if tests else []))
 
 
 def main(argv: list[str] | None = None) -> int:
