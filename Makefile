@@ -10,7 +10,7 @@ export DO_NOT_TRACK := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 
-.PHONY: setup test test-fast repro lint bench bench-learning ui clean
+.PHONY: setup browser test test-fast repro lint bench bench-learning ui clean
 
 # torch==2.13.0 goes in first: it is the CPU wheel on this machine, and the project's range
 # (torch>=2.13,<2.15) is then already satisfied, so pip never fetches a CUDA build.
@@ -26,7 +26,14 @@ $(STAMP): pyproject.toml requirements/overrides.txt Makefile
 
 setup: $(STAMP)
 
-test: setup
+# Debian's chromium and its driver for the browser test (tests/test_mlflow_ui.py; under CI=true it fails without
+# them): installed with apt when missing and we are root, otherwise named
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	  else echo "the browser test needs Debian's chromium: sudo apt-get install chromium chromium-driver" >&2; fi; }
+
+test: setup browser
 	$(PY) -m pytest -q --durations=15
 
 test-fast: setup

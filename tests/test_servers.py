@@ -148,9 +148,10 @@ def test_a_guard_stop_fails_the_prefect_task_with_its_reason(mlflow_server, pref
     from mlflow import MlflowClient
 
     repo = copy_repo(built_pipeline(tmp_path_factory)[0], tmp_path / "repo")
-    # kl is 0 at the first step of a run from the base model, and > 0 after three steps of training
+    # kl is 0 at the first step of a run from the base model, and > 0 after three steps of training; window 1:
+    # each step judged alone (params.yaml's median of 5 would not see three steps of it)
     proc = run_flow(repo, mlflow_server.uri, prefect_server.api, "train.max_steps=6",
-                    "guards.kl_max.threshold=0.0", "guards.kl_max.action=stop")
+                    "guards.kl_max.threshold=0.0", "guards.kl_max.action=stop", "guards.kl_max.window=1")
     assert proc.returncode != 0
     assert "guard kl_max stopped training: step 4: kl=" in proc.stderr
 
