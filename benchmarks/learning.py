@@ -42,7 +42,6 @@ RESULTS = REPO / "benchmarks" / "results" / "learning-embedded.json"
 SIDES = ("ours", "trl", "ours-hf", "trl-manual")
 DEFAULT_SIDES = ("ours", "trl", "ours-hf")
 HF_PATHS = {"generation_backend": "hf", "forward_backend": "hf"}
-CALIBRATION = "artifacts/calibration/reward_weights.json"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -60,14 +59,20 @@ def recipe(root: Path, seed: int, workdir: Path, overrides: dict | None = None):
     return dataclasses.replace(cfg, train=train)
 
 
+def stage_context(root: Path, cfg):
+    """The context the dvc stages run in, for ``root``: so the weights and the evaluation below are the stages' own."""
+    from flows.stages.common import StageContext
+
+    return StageContext(stage="benchmark", root=root, store_root=root, params_path=root / "params.yaml", cfg=cfg)
+
+
 def reward_weights(root: Path, cfg) -> list[float]:
-    """``train.reward_weights`` when pinned, else the calibrated ones: what the train stage uses."""
-    if cfg.train.reward_weights is not None:
-        return list(cfg.train.reward_weights)
-    path = root / CALIBRATION
-    if not path.exists():
-        raise SystemExit(f"{path}: missing; run `dvc repro calibrate` first")
-    return list(json.loads(path.read_text())["weights_list"])
+    """What the train stage trains with: ``train.reward_weights`` when pinned, else the calibrated ones (checked
+    against params.yaml's rewards)."""
+    from flows.stages import train as train_stage
+
+    weights, _ = train_stage.reward_weights(stage_context(root, cfg), cfg)
+    return weights
 
 
 def trl_args(t, workdir: Path, weights: list[float]) -> dict:
@@ -140,25 +145,17 @@ def manual_generation(trainer, tokenizer, t):
 
 
 def greedy_accuracy(root: Path, cfg, model_dir: Path) -> dict:
-    """The evaluate stage's greedy accuracy of the policy in ``model_dir`` on the held-out prompts."""
-    from grpo_core.data import PromptEncoder, load_split
-    from grpo_core.held_out import eval_modes, score_policy
-    from grpo_core.model.loading import load_for_inference
-    from grpo_core.rewards import build_reward_functions
-    from grpo_core.rewards.judges import build_judges
-    from grpo_core.rollout import SamplingParams, backend_for
+    """The evaluate stage's greedy accuracy of the policy in ``model_dir`` on the held-out prompts (its own
+    ``sample_policy``, greedy mode only)."""
+    from flows.stages.evaluate import sample_policy
+    from grpo_core.data import load_split
 
     e = cfg.evaluate
     dataset = load_split(cfg.data, "eval", root)
     n = len(dataset) if e.max_samples is None else min(e.max_samples, len(dataset))
-    rows = [dataset[i] for i in range(n)]
-    model, tokenizer = load_for_inference(dataclasses.replace(cfg.model, name_or_path=str(model_dir), lora=None), root)
-    encoder = PromptEncoder.from_config(tokenizer, cfg.data, cfg.train.max_prompt_length)
-    backend = backend_for(model, tokenizer, cfg.train)
-    greedy = eval_modes(max_new_tokens=e.max_completion_length, num_generations=0,
-                        sampling=SamplingParams(e.max_completion_length), sequences_per_call=e.batch_size, seed=None)
-    records = score_policy(tokenizer, rows, list(range(n)), encoder, build_reward_functions(cfg.rewards),
-                           [r.name for r in cfg.rewards], build_judges(cfg.rewards), greedy, backend=backend)
+    greedy_only = dataclasses.replace(cfg, evaluate=dataclasses.replace(e, num_generations=0))
+    records = sample_policy("policy", dataclasses.replace(cfg.model, name_or_path=str(model_dir), lora=None),
+                            greedy_only, stage_context(root, cfg), [dataset[i] for i in range(n)], list(range(n)))
     return {"accuracy": sum(r["correct"] for r in records) / len(records),
             "format_compliance": sum(r["format_ok"] for r in records) / len(records), "num_prompts": len(records)}
 
@@ -205,8 +202,9 @@ def launch(root: Path, side: str, seed: int, workdir: Path, max_steps: int | Non
         proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         raise RuntimeError(f"{side} seed {seed} failed (exit {proc.returncode}); see {out / 'log.txt'}")
-    print(f"  {side} seed {seed}: {json.loads(done.read_text())['accuracy']:.3f}", file=sys.stderr, flush=True)
-    return json.loads(done.read_text())
+    result = json.loads(done.read_text())
+    print(f"  {side} seed {seed}: {result['accuracy']:.3f}", file=sys.stderr, flush=True)
+    return result
 
 
 def summarize(results: list[dict], sides: list[str], seeds: list[int]) -> dict:

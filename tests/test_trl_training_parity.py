@@ -153,7 +153,9 @@ def trl_run(setup):
 def test_three_steps_on_the_same_completions_end_on_trls_weights(setup, trl_run, forward_backend):
     ours, our_log = run_ours(setup, forward_backend)
     theirs, their_log = trl_run
-    base = dict(__import__("transformers").AutoModelForCausalLM.from_pretrained(setup[1]).named_parameters())
+    from transformers import AutoModelForCausalLM
+
+    base = dict(AutoModelForCausalLM.from_pretrained(setup[1]).named_parameters())
     assert ours.keys() == theirs.keys()
     moved = max(float((theirs[n] - base[n]).detach().abs().max()) for n in theirs)
     assert moved > LR  # the steps did move the weights (3 AdamW steps of ~lr each)

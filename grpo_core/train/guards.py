@@ -87,9 +87,9 @@ class GuardMonitor:
             return
         level = statistics.median(recent)
         if (level > guard.threshold) if above else (level < guard.threshold):
-            relation = "above" if above else "below"
-            what = f"{name.rsplit('_', 1)[0]}={value:.6g}" if guard.window == 1 else (
-                f"median {name.rsplit('_', 1)[0]} of the last {guard.window} steps {level:.6g} (this step {value:.6g})")
+            relation, metric = ("above" if above else "below"), name.rsplit("_", 1)[0]
+            what = f"{metric}={value:.6g}" if guard.window == 1 else (
+                f"median {metric} of the last {guard.window} steps {level:.6g} (this step {value:.6g})")
             events.append(GuardEvent(name, guard.action, f"step {step}: {what} is {relation} "
                                                          f"the threshold {guard.threshold:g}"))
 
