@@ -11,7 +11,7 @@ held-out prompts (`evaluate.max_samples`), accuracy by the correctness judge, ex
 
 Sides:
     ours      grpo_core.train.loop.train with params.yaml as it is (the hand-written decode loop and forward on CPU)
-    ours-hf   the same with train.generation_backend=hf and train.forward_backend=hf (HF generate and forward)
+    ours-hf   the same with generation.backend=hf and train.forward_backend=hf (HF generate and forward)
     trl       TRL's GRPOTrainer with the same GRPOConfig values (`trl_args`), our reward functions and weights
     trl-manual  TRL's GRPOTrainer sampling through our hand-written decode loop (a swap, to bisect: does our sampler
               make TRL learn what we learn?)
@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "learning-embedded.json"
 SIDES = ("ours", "trl", "ours-hf", "trl-manual")
 DEFAULT_SIDES = ("ours", "trl", "ours-hf")
-HF_PATHS = {"generation_backend": "hf", "forward_backend": "hf"}
+HF_PATHS = {"generation.backend": "hf", "train.forward_backend": "hf"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -49,14 +49,13 @@ HF_PATHS = {"generation_backend": "hf", "forward_backend": "hf"}
 
 
 def recipe(root: Path, seed: int, workdir: Path, overrides: dict | None = None):
-    """params.yaml with validate's data files, this run's seed and output folder, and ``overrides`` (train.*)."""
+    """params.yaml with validate's data files, this run's seed and output folder, and ``overrides`` (dotted keys,
+    e.g. ``{"generation.backend": "hf"}``)."""
     from flows.stages.common import with_validated_data
     from grpo_core.config import load_config
 
-    cfg = with_validated_data(load_config(root / "params.yaml"))
-    train = dataclasses.replace(cfg.train, seed=seed, output_dir=str(workdir / "out"), resume="never",
-                                **(overrides or {}))
-    return dataclasses.replace(cfg, train=train)
+    run = {"train.seed": seed, "train.output_dir": str(workdir / "out"), "train.resume": "never"}
+    return with_validated_data(load_config(root / "params.yaml", {**run, **(overrides or {})}))
 
 
 def stage_context(root: Path, cfg):
@@ -75,19 +74,21 @@ def reward_weights(root: Path, cfg) -> list[float]:
     return weights
 
 
-def trl_args(t, workdir: Path, weights: list[float]) -> dict:
-    """GRPOConfig keyword arguments for TrainConfig ``t``: the same values under TRL's names (most are the same name)."""
-    same = ("learning_rate", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
-            "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "beta",
+def trl_args(cfg, workdir: Path, weights: list[float]) -> dict:
+    """GRPOConfig keyword arguments for params ``cfg``'s train and generation sections: the same values under TRL's
+    names (most are the same name)."""
+    t, g = cfg.train, cfg.generation
+    sampling = ("max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    same = ("learning_rate", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "beta",
             "epsilon", "epsilon_high", "delta", "loss_type", "importance_sampling_level", "scale_rewards",
             "num_iterations", "multi_objective_aggregation", "mask_truncated_completions", "max_steps", "seed",
             "lr_scheduler_type", "weight_decay", "adam_beta1", "adam_beta2", "max_grad_norm",
             "gradient_checkpointing", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
             "disable_dropout", "cast_lm_head_to_fp32", "shuffle_dataset")
-    args = {name: getattr(t, name) for name in same}
+    args = {**{name: getattr(t, name) for name in same}, **{name: getattr(g, name) for name in sampling}}
     args.update(steps_per_generation=t.effective_steps_per_generation, reward_weights=weights,
                 warmup_steps=t.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of max_steps
-                generation_kwargs=dict(t.generation_kwargs) or None,
+                generation_kwargs=dict(g.generation_kwargs) or None,
                 output_dir=str(workdir / "trl-out"), bf16=t.mixed_precision == "bf16", fp16=t.mixed_precision == "fp16",
                 use_cpu=True, report_to="none", save_strategy="no", logging_steps=t.logging_steps,
                 disable_tqdm=True, dataloader_num_workers=0, use_vllm=False)
@@ -119,10 +120,10 @@ def train_trl(root: Path, cfg, weights: list[float], workdir: Path, manual_sampl
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype="float32")
     dataset = load_split(cfg.data, "train", root)
     trainer = GRPOTrainer(model=model, reward_funcs=build_reward_functions(cfg.rewards),
-                          args=GRPOConfig(**trl_args(cfg.train, workdir, weights)), train_dataset=dataset,
+                          args=GRPOConfig(**trl_args(cfg, workdir, weights)), train_dataset=dataset,
                           processing_class=tokenizer)
     if manual_sampler:
-        trainer._generate_single_turn = manual_generation(trainer, tokenizer, cfg.train)
+        trainer._generate_single_turn = manual_generation(trainer, tokenizer, cfg.generation)
     trainer.train()
     model_dir = workdir / "out" / "model"
     trainer.save_model(str(model_dir))
@@ -130,15 +131,15 @@ def train_trl(root: Path, cfg, weights: list[float], workdir: Path, manual_sampl
     return model_dir
 
 
-def manual_generation(trainer, tokenizer, t):
+def manual_generation(trainer, tokenizer, g):
     """A stand-in for ``GRPOTrainer._generate_single_turn``: TRL's batch (each prompt G times in a row) sampled by
     our decode loop on TRL's model, as completion id lists up to and including the EOS."""
+    from grpo_core.rollout import sampling_params
     from grpo_core.rollout.manual import ManualDecodeBackend
-    from grpo_core.train.rollouts import training_sampling
 
     def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         batch = ManualDecodeBackend(trainer.model, tokenizer).generate([list(p) for p in prompt_ids], 1,
-                                                                       training_sampling(t))
+                                                                       sampling_params(g))
         return [ids[mask.bool()].tolist() for ids, mask in zip(batch.completion_ids, batch.completion_mask)], None
 
     return generate
@@ -147,7 +148,7 @@ def manual_generation(trainer, tokenizer, t):
 def greedy_accuracy(root: Path, cfg, model_dir: Path) -> dict:
     """The evaluate stage's greedy accuracy of the policy in ``model_dir`` on the held-out prompts (its own
     ``sample_policy``, greedy mode only)."""
-    from flows.stages.evaluate import sample_policy
+    from flows.stages.evaluate import sample_policy, stage_inputs
     from grpo_core.data import load_split
 
     e = cfg.evaluate
@@ -155,7 +156,8 @@ def greedy_accuracy(root: Path, cfg, model_dir: Path) -> dict:
     n = len(dataset) if e.max_samples is None else min(e.max_samples, len(dataset))
     greedy_only = dataclasses.replace(cfg, evaluate=dataclasses.replace(e, num_generations=0))
     records = sample_policy("policy", dataclasses.replace(cfg.model, name_or_path=str(model_dir), lora=None),
-                            greedy_only, stage_context(root, cfg), [dataset[i] for i in range(n)], list(range(n)))
+                            stage_inputs(greedy_only), stage_context(root, cfg), [dataset[i] for i in range(n)],
+                            list(range(n)))
     return {"accuracy": sum(r["correct"] for r in records) / len(records),
             "format_compliance": sum(r["format_ok"] for r in records) / len(records), "num_prompts": len(records)}
 
@@ -166,7 +168,7 @@ def run_one(root: Path, side: str, seed: int, workdir: Path, max_steps: int | No
     torch.set_num_threads(1)
     overrides = dict(HF_PATHS) if side == "ours-hf" else {}
     if max_steps is not None:
-        overrides["max_steps"] = max_steps
+        overrides["train.max_steps"] = max_steps
     cfg = recipe(root, seed, workdir, overrides)
     weights = reward_weights(root, cfg)
     t0 = time.perf_counter()

@@ -4,7 +4,7 @@ Each lever is a public setting: a ``train.*`` key (``train_overrides``) or the r
 ``train(backend_factory=...)`` (``backend_factory``), so the benchmark runs the code users run. Levers
 (default = what the trainer does):
 
-  generation     auto/hf/manual/vllm  rollout backend (``train.generation_backend``): HF ``generate``, the
+  generation     auto/hf/manual/vllm  rollout backend (``generation.backend``): HF ``generate``, the
                                   hand-written decode loop of grpo_core/rollout/manual.py (auto = manual on CPU), or a
                                   colocated vLLM engine (grpo_core/rollout/vllm.py; CUDA and the gpu extra)
   forward        auto/hf/manual   forward of the reference/old/policy log-prob passes (``train.forward_backend``):
@@ -19,7 +19,7 @@ Each lever is a public setting: a ``train.*`` key (``train_overrides``) or the r
   fused_adamw    true/false       ``train.fused_adamw``: torch's fused AdamW instead of the per-tensor one
   async_rollouts true/false       ``train.async_rollouts``: a sampler worker process samples the next round while
                                   this one trains (grpo_core/train/sampler_worker.py; the worker builds its own
-                                  backend from train.generation_backend)
+                                  backend from generation.backend)
   max_staleness  0/1              ``train.max_staleness`` (async_rollouts)
 
 Two levers belong to the harness, not the trainer, and apply to either side:

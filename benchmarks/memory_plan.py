@@ -215,13 +215,13 @@ class Recipe:
 
     @classmethod
     def from_config(cls, cfg: PipelineConfig) -> Recipe:
-        t = cfg.train
-        if t.max_prompt_length is None:
-            raise ConfigError("train.max_prompt_length: null (any length); the plan needs a prompt length")
+        t, prompt_length = cfg.train, cfg.data.max_prompt_length
+        if prompt_length is None:
+            raise ConfigError("data.max_prompt_length: null (any length); the plan needs a prompt length")
         # A recipe without LoRA is planned at the LoRA recipe's rank (grpo_core.config.LoraConfig's default).
         lora = cfg.model.lora or LoraConfig()
-        return cls(t.per_device_train_batch_size, t.effective_steps_per_generation, t.max_prompt_length,
-                   t.max_completion_length, t.beta, t.gradient_checkpointing, t.mixed_precision, cfg.model.dtype,
+        return cls(t.per_device_train_batch_size, t.effective_steps_per_generation, prompt_length,
+                   cfg.generation.max_completion_length, t.beta, t.gradient_checkpointing, t.mixed_precision, cfg.model.dtype,
                    t.fused_lm_head, lora.r)
 
     @property

@@ -184,12 +184,11 @@ class PromptEncoder:
     truncated_count: int = field(default=0, init=False)
 
     @classmethod
-    def from_config(cls, tokenizer, data: DataConfig, max_prompt_length: int | None) -> PromptEncoder:
-        """The one way every stage builds its encoder: ``data.*`` says how a row becomes a prompt.
-
-        max_prompt_length: ``train.max_prompt_length`` (validate passes None: it counts whole prompts and
-        judges the lengths itself)."""
-        return cls(tokenizer, max_prompt_length, data.system_prompt, data.overlong_prompt, data.prompt_format,
+    def from_config(cls, tokenizer, data: DataConfig, *, truncate: bool = True) -> PromptEncoder:
+        """The one way every stage builds its encoder: ``data.*`` says how a row becomes a prompt, and how long
+        it may be (``data.max_prompt_length``). truncate=False: whole prompts (validate counts them and judges
+        the lengths itself)."""
+        return cls(tokenizer, data.max_prompt_length if truncate else None, data.system_prompt, data.overlong_prompt, data.prompt_format,
                    dict(data.chat_template_kwargs))
 
     def render(self, prompt: Any) -> str:
@@ -218,7 +217,7 @@ class PromptEncoder:
         if self.max_prompt_length is not None and len(ids) > self.max_prompt_length:
             if self.overlong == "error":
                 raise DataError(f"prompt{'' if row is None else f' in row {row}'} has {len(ids)} tokens, over "
-                                f"train.max_prompt_length={self.max_prompt_length} (data.overlong_prompt: error)")
+                                f"data.max_prompt_length={self.max_prompt_length} (data.overlong_prompt: error)")
             self.truncated_count += 1
             if self.truncated_count in (1, 10, 100, 1000):
                 log.warning("%d prompt(s) left-truncated to max_prompt_length=%d so far",

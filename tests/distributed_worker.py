@@ -85,14 +85,15 @@ def main(out_dir: str, model_dir: str, data_file: str, spec_json: str) -> None:
     torch.set_num_threads(1)
     spec = json.loads(spec_json)
     train = {"learning_rate": 1e-2, "num_generations": 4, "per_device_train_batch_size": 16,
-             "max_completion_length": 8, "max_prompt_length": 48, "max_steps": 2, "save_steps": 100,
+             "max_steps": 2, "save_steps": 100,
              "output_dir": "out", "beta": 0.04, "seed": 0,
              # DDP-wrapped and sharded models take the HF forward; the single process must too, or Adam turns the
              # 1e-7 float differences of two forward implementations into visible weight differences
              "forward_backend": "hf", **spec.get("train", {})}
     cfg = config_from_dict({
-        "data": {"train_files": [data_file], "eval_files": [data_file]},
+        "data": {"train_files": [data_file], "eval_files": [data_file], "max_prompt_length": 48},
         "model": {"name_or_path": model_dir},
+        "generation": {"max_completion_length": 8},
         "rewards": [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}],
         "train": train, "guards": spec.get("guards", {})})
     poison_losses(set(spec.get("nan_loss_at", [])))

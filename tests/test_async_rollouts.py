@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from grpo_core.config import ConfigError
 from grpo_core.rewards import RewardFunctionError
 from grpo_core.train.checkpoint import load_checkpoint
-from grpo_core.train.forward import frozen_logprobs
+from grpo_core.train.forward import LogprobOptions, frozen_logprobs
 from grpo_core.train.loop import train
 from grpo_core.train.round import Round
 from grpo_core.train.sampler_worker import SamplerWorkerError
@@ -74,10 +74,10 @@ def test_staleness_1_trains_on_rounds_the_previous_weights_sampled_with_their_lo
         sampler = AutoModelForCausalLM.from_pretrained(sampler_dir, dtype=torch.float32)
         current = AutoModelForCausalLM.from_pretrained(whole.checkpoint_dir / f"checkpoint-{n}", dtype=torch.float32)
         mask = ahead.completion_mask.bool()
-        expected = frozen_logprobs(sampler, ahead, cfg.train)  # the decode loop's own log-probs, within float noise
+        expected = frozen_logprobs(sampler, ahead, LogprobOptions.from_config(cfg))  # the decode loop's own log-probs, within float noise
         torch.testing.assert_close(ahead.old_logps[mask], expected[mask], rtol=0, atol=2e-5)
-        assert (frozen_logprobs(current, ahead, cfg.train)[mask] - ahead.old_logps[mask]).abs().max() > 1e-3
-        reference = frozen_logprobs(base, ahead, cfg.train)  # scored by the worker, off the trainer's path
+        assert (frozen_logprobs(current, ahead, LogprobOptions.from_config(cfg))[mask] - ahead.old_logps[mask]).abs().max() > 1e-3
+        reference = frozen_logprobs(base, ahead, LogprobOptions.from_config(cfg))  # scored by the worker, off the trainer's path
         torch.testing.assert_close(ahead.ref_logps[mask], reference[mask], rtol=0, atol=1e-6)
 
     train(tiny_config(model_dir, data, DIGITS, max_steps=2, **knobs), root=tmp_path / "split", progress=False)
@@ -131,7 +131,7 @@ def test_a_worker_killed_mid_round_is_an_error_not_a_hang(assets, tmp_path, monk
 
 @pytest.mark.parametrize(("knobs", "message"), [
     ({"num_processes": 2}, "one training process"),
-    ({"generation_backend": "vllm"}, "generation_backend vllm"),
+    ({"generation_backend": "vllm"}, "generation.backend auto, hf or manual; vllm"),
     ({"dynamic_sampling": True}, "dynamic_sampling"),
     ({"max_staleness": 2}, "train.max_staleness: 2 is out of range"),
 ])

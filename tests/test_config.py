@@ -7,6 +7,8 @@ import yaml
 
 from grpo_core.config import (
     ConfigError,
+    DataConfig,
+    GenerationConfig,
     TrainConfig,
     config_from_dict,
     describe,
@@ -113,13 +115,18 @@ def test_every_train_field_is_documented():
     names = {r[0] for r in rows}
     # TRL GRPOConfig names the contract promises
     for trl_name in ["learning_rate", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
-                     "max_completion_length", "max_prompt_length", "temperature", "top_p", "top_k", "beta", "epsilon",
+                     "beta", "epsilon",
                      "epsilon_high", "delta", "loss_type", "scale_rewards", "num_iterations", "reward_weights",
                      "multi_objective_aggregation", "mask_truncated_completions", "max_steps", "save_steps",
                      "logging_steps", "seed", "warmup_ratio", "lr_scheduler_type", "weight_decay", "adam_beta1",
                      "adam_beta2", "max_grad_norm", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
                      "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold"]:
         assert trl_name in names
+    generation = {r[0] for r in describe(GenerationConfig) if r[3]}
+    assert {"max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+            "generation_kwargs", "generation_batch_size", "cache_implementation", "vllm_gpu_memory_utilization",
+            "vllm_enable_sleep_mode"} <= generation   # GRPOConfig's names, each documented
+    assert "max_prompt_length" in {r[0] for r in describe(DataConfig) if r[3]}
     import typing
 
     assert set(typing.get_args(typing.get_type_hints(TrainConfig)["loss_type"])) == {
@@ -149,19 +156,66 @@ def test_params_are_read_as_yaml_1_2_like_dvc_writes_them(tmp_path):
     assert cfg.train.mixed_precision == "no"
 
 
-def test_generation_options_reach_training_sampling_and_bad_generation_kwargs_name_the_key():
-    from grpo_core.train.rollouts import training_sampling
+def test_generation_options_reach_sampling_and_bad_generation_kwargs_name_the_key():
+    from grpo_core.rollout import sampling_params
 
     base = {"rewards": [{"name": "c", "function": "correctness"}], "data": {"train_files": ["t.jsonl"]}}
-    cfg = config_from_dict({**base, "train": {"min_p": 0.05, "repetition_penalty": 1.2,
-                                              "generation_kwargs": {"suppress_tokens": [7]}}})
-    sampling = training_sampling(cfg.train)
-    assert (sampling.min_p, sampling.repetition_penalty, sampling.generation_kwargs) == (0.05, 1.2, {"suppress_tokens": [7]})
-    assert training_sampling(config_from_dict(base).train).min_p == 0.0
-    for train, match in [({"generation_kwargs": {"max_new_tokens": 9}}, r"\['max_new_tokens'\] are set by the trainer"),
-                         ({"generation_kwargs": {"n": 2}, "generation_backend": "vllm"}, r"\['n'\]"),
-                         ({"generation_kwargs": {"suppress_tokens": [1]}, "generation_backend": "manual"},
-                          "train.generation_kwargs: the hand-written decode loop"),
-                         ({"min_p": 1.5}, "train.min_p"), ({"repetition_penalty": 0}, "train.repetition_penalty")]:
+    cfg = config_from_dict({**base, "generation": {"min_p": 0.05, "repetition_penalty": 1.2, "top_k": 5,
+                                                   "generation_kwargs": {"suppress_tokens": [7]}}})
+    sampling = sampling_params(cfg.generation)
+    assert (sampling.min_p, sampling.repetition_penalty, sampling.top_k, sampling.generation_kwargs) == (
+        0.05, 1.2, 5, {"suppress_tokens": [7]})
+    assert sampling_params(config_from_dict(base).generation).min_p == 0.0
+    # a stage's own overrides replace only what they name; greedy decoding turns sampling off
+    calib = sampling_params(cfg.generation, temperature=0.7, max_completion_length=99, greedy=True)
+    assert (calib.temperature, calib.max_new_tokens, calib.do_sample, calib.min_p) == (0.7, 99, False, 0.05)
+    for generation, match in [
+            ({"generation_kwargs": {"max_new_tokens": 9}}, r"\['max_new_tokens'\] are set by the pipeline"),
+            ({"generation_kwargs": {"n": 2}, "backend": "vllm"}, r"\['n'\]"),
+            ({"generation_kwargs": {"suppress_tokens": [1]}, "backend": "manual"},
+             "generation.generation_kwargs: the hand-written decode loop"),
+            ({"min_p": 1.5}, "generation.min_p"), ({"repetition_penalty": 0}, "generation.repetition_penalty")]:
         with pytest.raises(ConfigError, match=match):
-            config_from_dict({**base, "train": train})
+            config_from_dict({**base, "generation": generation})
+
+
+@pytest.mark.parametrize("old,new", [("train.temperature", "generation.temperature"),
+                                     ("train.generation_backend", "generation.backend"),
+                                     ("train.min_p", "generation.min_p"),
+                                     ("train.vllm_gpu_memory_utilization", "generation.vllm_gpu_memory_utilization"),
+                                     ("train.max_prompt_length", "data.max_prompt_length")])
+def test_a_moved_key_is_an_error_naming_its_new_place(old, new):
+    base = {"rewards": [{"name": "c", "function": "correctness"}], "data": {"train_files": ["t.jsonl"]}}
+    section, leaf = old.split(".")
+    with pytest.raises(ConfigError, match=rf"^{old}: moved to {new} "):
+        config_from_dict({**base, section: {leaf: 1}})
+    with pytest.raises(ConfigError, match=rf"^{old}: moved to {new} "):   # as `dvc exp run -S` would set it
+        config_from_dict(base, {old: 1})
+
+
+def test_generation_batch_size_sets_steps_per_generation_as_in_trl():
+    base = {"rewards": [{"name": "c", "function": "correctness"}], "data": {"train_files": ["t.jsonl"]},
+            "train": {"per_device_train_batch_size": 8, "num_generations": 4}}
+    cfg = config_from_dict({**base, "generation": {"generation_batch_size": 32}})
+    assert cfg.train.steps_per_generation == 4 and cfg.train.generation_batch_size == 32   # 32 / (8 x 1 process)
+    assert config_from_dict(base).train.generation_batch_size == 8    # null: per_device x processes x ga
+    with pytest.raises(ConfigError, match="generation.generation_batch_size: 20 is not a multiple of"):
+        config_from_dict({**base, "generation": {"generation_batch_size": 20}})
+    with pytest.raises(ConfigError, match="set together with train.steps_per_generation"):
+        config_from_dict({**base, "generation": {"generation_batch_size": 32},
+                          "train": {**base["train"], "steps_per_generation": 2}})
+
+
+def test_train_keys_are_grouped_by_owner_and_every_key_has_one_group():
+    """The views of `train:` (t.loss, t.optim, ...) together hold every train key but reward_weights (read by
+    calibration.training_reward_weights beside them), each under its own name."""
+    import dataclasses
+
+    from grpo_core.config import TRAIN_VIEWS, TrainConfig
+
+    t = TrainConfig()
+    grouped = {f.name for view in TRAIN_VIEWS for f in dataclasses.fields(view)}
+    assert {f.name for f in dataclasses.fields(TrainConfig)} - grouped == {"reward_weights"}
+    assert grouped <= {f.name for f in dataclasses.fields(TrainConfig)}
+    assert t.loss.epsilon == t.epsilon and t.optim.learning_rate == t.learning_rate
+    assert t.batch.steps_per_round == t.effective_steps_per_generation

@@ -71,5 +71,5 @@ def test_overlong_prompts_are_left_truncated_and_counted_or_rejected(tokenizer):
     enc.encode(text)
     assert enc.truncated_count == 2
     strict = PromptEncoder(tokenizer, max_prompt_length=4, overlong="error")
-    with pytest.raises(DataError, match=f"row 7 has {len(full)} tokens, over train.max_prompt_length=4"):
+    with pytest.raises(DataError, match=f"row 7 has {len(full)} tokens, over data.max_prompt_length=4"):
         strict.encode(text, row=7)

@@ -161,7 +161,7 @@ def test_min_p_one_keeps_only_the_top_token():
 
 def test_generation_kwargs_reach_hf_generate_and_the_manual_loop_refuses_them():
     from grpo_core.rollout import backend_for
-    from tests.tiny import train_options
+    from tests.tiny import generation_options
 
     model = qwen2()
     plain = HFGenerateBackend(model, TOK).generate(PROMPTS, 1, GREEDY)
@@ -171,8 +171,9 @@ def test_generation_kwargs_reach_hf_generate_and_the_manual_loop_refuses_them():
     assert not (kept.completion_ids == banned).any() and (plain.completion_ids == banned).any()
     with pytest.raises(ValueError, match="takes no generation_kwargs"):
         ManualDecodeBackend(model, TOK).generate(PROMPTS, 1, SamplingParams(8, generation_kwargs={"suppress_tokens": [3]}))
-    assert isinstance(backend_for(model, TOK, train_options()), ManualDecodeBackend)
-    chosen = backend_for(model, TOK, train_options(generation_kwargs={"suppress_tokens": [3]}))
+    assert isinstance(backend_for(model, TOK, generation_options(), seed=0, max_prompt_length=None), ManualDecodeBackend)
+    chosen = backend_for(model, TOK, generation_options(generation_kwargs={"suppress_tokens": [3]}), seed=0,
+                         max_prompt_length=None)
     assert isinstance(chosen, HFGenerateBackend)
 
 

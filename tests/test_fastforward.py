@@ -11,7 +11,7 @@ from grpo_core.model import fastforward
 from grpo_core.model.logprobs import token_logprobs_and_entropy
 from grpo_core.train.forward import policy_logprobs
 from tests.test_decode import llama, qwen2
-from tests.tiny import as_round, random_qwen2, train_options
+from tests.tiny import as_round, logprob_options, random_qwen2
 
 PAD = 0
 
@@ -38,7 +38,7 @@ def grpo_batch(G: int = 3, completion: int = 7, seed: int = 0):
 def scored(model, mb, forward, grad=True, temperature=0.7, padding_free=True):
     model.zero_grad(set_to_none=True)
     with torch.set_grad_enabled(grad):
-        logps, entropy, mask = policy_logprobs(model, as_round(mb), train_options(
+        logps, entropy, mask = policy_logprobs(model, as_round(mb), logprob_options(
             temperature=temperature, forward_backend=forward, padding_free=padding_free), compute_entropy=True)
         if grad:
             weights = torch.linspace(-1.0, 1.0, logps.numel()).view_as(logps)
@@ -145,7 +145,7 @@ def test_padding_tokens_never_reach_the_dense_layers(monkeypatch):
 
     monkeypatch.setattr(fastforward, "run_layers", counting)
     with torch.no_grad():
-        logps, _, mask = policy_logprobs(model, as_round(mb), train_options(temperature=1.0, forward_backend="manual"),
+        logps, _, mask = policy_logprobs(model, as_round(mb), logprob_options(temperature=1.0, forward_backend="manual"),
                                          compute_entropy=False)
     width = mask.shape[1]
     later = int(mb["completion_mask"][:, :width - 1].sum())  # the last completion column is never an input

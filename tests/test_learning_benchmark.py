@@ -23,10 +23,12 @@ def test_trl_gets_the_recipe_of_params_yaml_value_for_value(tmp_path):
 
     from grpo_core.config import load_config
 
-    t = load_config(REPO / "params.yaml").train
-    args = GRPOConfig(**learning.trl_args(t, tmp_path, [0.6, 0.4]))
-    for name in ("learning_rate", "num_generations", "per_device_train_batch_size", "max_completion_length",
-                 "temperature", "top_p", "top_k", "beta", "epsilon", "loss_type", "scale_rewards", "num_iterations",
+    cfg = load_config(REPO / "params.yaml", {"generation.min_p": 0.05, "generation.repetition_penalty": 1.1})
+    t, g = cfg.train, cfg.generation
+    args = GRPOConfig(**learning.trl_args(cfg, tmp_path, [0.6, 0.4]))
+    for name in ("max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        assert getattr(args, name) == getattr(g, name), name
+    for name in ("learning_rate", "num_generations", "per_device_train_batch_size", "beta", "epsilon", "loss_type", "scale_rewards", "num_iterations",
                  "max_steps", "seed", "adam_beta1", "adam_beta2", "weight_decay", "max_grad_norm",
                  "mask_truncated_completions", "multi_objective_aggregation", "gradient_checkpointing"):
         assert getattr(args, name) == getattr(t, name), name
@@ -71,8 +73,8 @@ def tiny_root(root: Path) -> Path:
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["embedded"] = None
     params["data"].update(train_files="data/validated/train.parquet", eval_files="data/validated/eval.parquet")
-    params["train"].update(per_device_train_batch_size=16, num_generations=4, max_completion_length=6,
-                           reward_weights=[0.5, 0.5])
+    params["train"].update(per_device_train_batch_size=16, num_generations=4, reward_weights=[0.5, 0.5])
+    params["generation"]["max_completion_length"] = 6
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     return root
 

@@ -22,8 +22,9 @@ DATA_DIR = "data/gsm8k"
 # What the end-to-end runs scale down (sizes only: the recipe's algorithm, precision and format stay).
 OVERLAY = {
     "calibrate": {"num_prompts": 4, "num_generations": 4},
+    "generation": {"max_completion_length": 24},
     "train": {"num_generations": 4, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 2,
-              "max_completion_length": 24, "max_steps": 3, "save_steps": 2},
+              "max_steps": 3, "save_steps": 2},
     "evaluate": {"max_samples": 4, "num_generations": 4, "pass_k": [1, 4], "max_completion_length": 24,
                  "batch_size": 8},
 }

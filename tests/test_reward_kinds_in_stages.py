@@ -46,7 +46,8 @@ def repo(tmp_path, monkeypatch):
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
     raw["embedded"] = None
     raw["calibrate"].update(num_prompts=4, num_generations=3)
-    raw["train"].update(max_completion_length=6, num_generations=4, per_device_train_batch_size=8)
+    raw["train"].update(num_generations=4, per_device_train_batch_size=8)
+    raw["generation"]["max_completion_length"] = 6
     raw["rewards"] = [
         {"name": "math", "function": "math_verify"},
         {"name": "code", "function": "code_execution", "kwargs": {"timeout_s": 3, "require_block": False}},

@@ -19,7 +19,7 @@ from grpo_core.rollout import (
     pad_and_eos_ids,
 )
 from grpo_core.train.forward import policy_logprobs
-from tests.tiny import as_round, make_tiny_model, train_options
+from tests.tiny import as_round, logprob_options, make_tiny_model
 
 EOS = 9
 
@@ -95,7 +95,7 @@ def test_training_logprobs_equal_sampling_logprobs_with_left_padding(policy):
     mb = {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion,
           "completion_mask": torch.ones_like(completion)}
     with torch.no_grad():
-        train_logps, _, _ = policy_logprobs(model, as_round(mb), train_options(temperature=1.0),
+        train_logps, _, _ = policy_logprobs(model, as_round(mb), logprob_options(temperature=1.0),
                                             compute_entropy=False)
     torch.testing.assert_close(train_logps, sampler_logps, atol=1e-4, rtol=0)
 

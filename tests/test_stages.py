@@ -168,7 +168,7 @@ def test_difficulty_kept_indices_drop_only_sampled_extremes():
                                                                  drop_never_solved=True))
     out = {"difficulty": {"correctness_function": "correctness", "pass_rate_per_prompt": [1.0, 0.0, 0.5, None],
                           "mean_pass_rate": 0.5, "always_solved": 1, "never_solved": 1, "histogram": {}}}
-    doc = difficulty_doc(out, [1, 3, 5, 7], num_train=9, cfg=cfg)
+    doc = difficulty_doc(out, [1, 3, 5, 7], num_train=9, c=cfg.calibrate)
     assert doc["kept_indices"] == [0, 2, 4, 5, 6, 7, 8]  # 1 (always) and 3 (never) dropped; unsampled kept
     assert doc["num_dropped"] == 2
 
@@ -189,7 +189,8 @@ def tiny_repo(tmp_path, monkeypatch):
     pd.DataFrame(rows).to_parquet(tmp_path / "data/validated/train.parquet", index=False)
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
     raw["calibrate"].update(num_prompts=5, num_generations=3)
-    raw["train"].update(max_completion_length=6, num_generations=4, per_device_train_batch_size=8)
+    raw["train"].update(num_generations=4, per_device_train_batch_size=8)
+    raw["generation"]["max_completion_length"] = 6
     raw["rewards"] = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction", "target_share": 0.5},
                       {"name": "correctness", "function": "correctness", "target_share": 0.5}]
     return in_stage_repo(tmp_path, raw, monkeypatch, "test-calibrate")
@@ -290,7 +291,7 @@ def test_every_module_a_stage_runs_is_its_dvc_dep(stage):
 
 
 def test_calibrate_samples_through_the_backend_train_names(tiny_repo, monkeypatch):
-    """train.generation_backend reaches calibrate (as it reaches train and evaluate through rollout.backend_for)."""
+    """generation.backend reaches calibrate (as it reaches train and evaluate through rollout.backend_for)."""
     import yaml
 
     import grpo_core.rollout as rollout
@@ -305,7 +306,7 @@ def test_calibrate_samples_through_the_backend_train_names(tiny_repo, monkeypatc
 
     monkeypatch.setattr(rollout, "default_backend", spy)
     raw = yaml.safe_load((tiny_repo / "params.yaml").read_text())
-    raw["train"]["generation_backend"] = "hf"
+    raw["generation"]["backend"] = "hf"
     (tiny_repo / "params.yaml").write_text(yaml.safe_dump(raw))
     assert main(["calibrate"]) == 0
     assert chosen == ["hf"]

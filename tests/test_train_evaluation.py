@@ -60,7 +60,7 @@ def test_eval_metrics_equal_a_greedy_decode_by_hand(assets, tmp_path):
     assert [r["eval/accuracy"] != "" for r in log] == [False, True, True]  # steps 2 and 3 (the last)
     assert "eval/pass@1" not in log[0]  # greedy only
     prompts = [json.loads(line)["prompt"] for line in data.read_text().splitlines()[:10]]
-    by_hand = greedy_by_hand(result.model_dir, prompts, cfg.train.max_completion_length)
+    by_hand = greedy_by_hand(result.model_dir, prompts, cfg.generation.max_completion_length)
     last = result.last_metrics
     assert last["eval/rewards/digits/mean"] == pytest.approx(sum(d for d, _ in by_hand) / 10, rel=1e-9)
     assert last["eval/mean_completion_length"] == pytest.approx(sum(n for _, n in by_hand) / 10, rel=1e-12)
@@ -151,4 +151,5 @@ def test_evaluation_needs_held_out_data():
     cfg = config_from_dict({"rewards": REWARDS, "data": {"train_files": ["t.jsonl"], "eval_files": ["e.jsonl"]},
                             "train": {"eval_strategy": "steps", "load_best_model_at_end": True, "eval_steps": 10,
                                       "save_steps": 30, "num_generations": 4}})
-    assert cfg.train.best_metric == "eval/accuracy" and math.isclose(cfg.train.effective_num_generations_eval, 4)
+    e = cfg.train.evaluation
+    assert e.best_metric == "eval/accuracy" and math.isclose(e.effective_num_generations_eval, 4)

@@ -88,8 +88,8 @@ def test_trim_padding_drops_all_padding_columns_on_both_sides():
 
 def test_fused_adamw_is_a_train_key():
     model = torch.nn.Linear(3, 2)
-    fused, _ = build_optimizer_and_scheduler(model, train_options())
-    plain, _ = build_optimizer_and_scheduler(model, train_options(fused_adamw=False))
+    fused, _ = build_optimizer_and_scheduler(model, train_options().optim)
+    plain, _ = build_optimizer_and_scheduler(model, train_options(fused_adamw=False).optim)
     assert fused.defaults["fused"] is True and not plain.defaults["fused"]
 
 

@@ -26,11 +26,12 @@ def assets(tmp_path_factory):
 def cfg_with(assets, guards: dict, **train):
     model_dir, data = assets
     return config_from_dict({
-        "data": {"train_files": [str(data)], "eval_files": [str(data)]},
+        "data": {"train_files": [str(data)], "eval_files": [str(data)], "max_prompt_length": 48},
         "model": {"name_or_path": str(model_dir)},
+        "generation": {"max_completion_length": 8},
         "rewards": DIGITS,
         "train": {"learning_rate": 3e-3, "num_generations": 4, "per_device_train_batch_size": 16,
-                  "max_completion_length": 8, "max_prompt_length": 48, "output_dir": "out", "save_steps": 100,
+                  "output_dir": "out", "save_steps": 100,
                   **train},
         "guards": guards,
     })
@@ -96,12 +97,13 @@ def test_length_blow_up_guard_stops_on_completions_hitting_the_limit(assets, tmp
 def test_reward_hacking_guard_fires_when_format_rises_while_correctness_falls(assets, tmp_path):
     model_dir, data = assets
     cfg = config_from_dict({
-        "data": {"train_files": [str(data)], "eval_files": [str(data)]},
+        "data": {"train_files": [str(data)], "eval_files": [str(data)], "max_prompt_length": 48},
         "model": {"name_or_path": str(model_dir)},
+        "generation": {"max_completion_length": 8},
         "rewards": [{"name": "format", "function": "tests.reward_helpers:format_rising"},
                     {"name": "correctness", "function": "tests.reward_helpers:correctness_falling"}],
         "train": {"learning_rate": 3e-3, "num_generations": 4, "per_device_train_batch_size": 16,
-                  "max_completion_length": 8, "max_prompt_length": 48, "output_dir": "out", "save_steps": 100,
+                  "output_dir": "out", "save_steps": 100,
                   "max_steps": 10},
         "guards": {"reward_hacking": {"format_reward": "format", "correctness_reward": "correctness", "window": 2,
                                       "format_rise": 0.1, "correctness_drop": 0.1, "action": "stop"}},

@@ -290,11 +290,11 @@ def test_clear_errors_where_vllm_cannot_run(assets, monkeypatch, tmp_path):
 @pytest.mark.parametrize("key,value,message", [
     ("vllm_gpu_memory_utilization", 0.0, "vllm_gpu_memory_utilization"),
     ("vllm_gpu_memory_utilization", 1.5, "vllm_gpu_memory_utilization"),
-    ("generation_backend", "sglang", "generation_backend"),
+    ("backend", "sglang", "generation.backend"),
 ])
 def test_config_validates_the_vllm_keys(key, value, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(PARAMS, {f"train.{key}": value})
-    cfg = load_config(PARAMS, {"train.generation_backend": "vllm", "train.vllm_gpu_memory_utilization": 0.5})
-    assert (cfg.train.generation_backend, cfg.train.vllm_gpu_memory_utilization, cfg.train.vllm_enable_sleep_mode) == (
-        "vllm", 0.5, True)
+        load_config(PARAMS, {f"generation.{key}": value})
+    cfg = load_config(PARAMS, {"generation.backend": "vllm", "generation.vllm_gpu_memory_utilization": 0.5})
+    g = cfg.generation
+    assert (g.backend, g.vllm_gpu_memory_utilization, g.vllm_enable_sleep_mode) == ("vllm", 0.5, True)

@@ -7,7 +7,7 @@ import json
 import random
 from pathlib import Path
 
-from grpo_core.config import config_from_dict
+from grpo_core.config import MOVED_KEYS, config_from_dict
 from grpo_core.embedded.model import build_model
 from grpo_core.embedded.tasks import vocabulary_words
 from grpo_core.embedded.tokenizer import build_tokenizer
@@ -39,15 +39,20 @@ def make_prompts(path: Path, n: int = 64, seed: int = 0) -> Path:
     return path
 
 
-def tiny_config(model_dir: Path, data_file: Path, rewards: list[dict], **train):
+def tiny_config(model_dir: Path, data_file: Path, rewards: list[dict], **knobs):
+    """A trainer config; ``knobs`` by leaf name: train.* keys, and those of generation (temperature, backend, ...)
+    and data.max_prompt_length, which go to their own section."""
     raw = {
-        "data": {"train_files": [str(data_file)], "eval_files": [str(data_file)]},
+        "data": {"train_files": [str(data_file)], "eval_files": [str(data_file)], "max_prompt_length": 48},
         "model": {"name_or_path": str(model_dir)},
+        "generation": {"max_completion_length": 8},
         "rewards": rewards,
         "train": {"learning_rate": 3e-3, "num_generations": 4, "per_device_train_batch_size": 16,
-                  "max_completion_length": 8, "max_prompt_length": 48, "max_steps": 4, "save_steps": 100,
-                  "output_dir": "out", "beta": 0.0, "seed": 0, **train},
+                  "max_steps": 4, "save_steps": 100, "output_dir": "out", "beta": 0.0, "seed": 0},
     }
+    for key, value in knobs.items():
+        section, leaf = MOVED_KEYS.get(f"train.{key}", f"train.{key}").split(".")
+        raw[section][leaf] = value
     return config_from_dict(raw)
 
 
@@ -89,12 +94,26 @@ def as_round(mb: dict):
 
 
 def train_options(**overrides):
-    """``train.*`` defaults with ``overrides``: the options the trainer's log-prob passes read."""
+    """``train.*`` defaults with ``overrides``."""
     import dataclasses
 
     from grpo_core.config import TrainConfig
 
     return dataclasses.replace(TrainConfig(), **overrides)
+
+
+def logprob_options(temperature: float = 1.0, batch_size: int = 8, **forward):
+    """The trainer's log-prob options: train's forward keys (``forward``) and the sampling temperature."""
+    from grpo_core.train.forward import LogprobOptions
+
+    return LogprobOptions(train_options(**forward).forward, temperature, batch_size)
+
+
+def generation_options(**overrides):
+    """params.yaml ``generation`` defaults with ``overrides``."""
+    from grpo_core.config import GenerationConfig
+
+    return GenerationConfig(**overrides)
 
 
 def nan_loss_at(monkeypatch, calls_to_poison: set[int]) -> None:

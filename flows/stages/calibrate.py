@@ -1,8 +1,9 @@
 """`calibrate`: sample the base policy on training prompts, score, and derive the reward weights.
 
 ``calibrate.num_prompts`` training prompts (seeded choice from data/validated/train.parquet) x
-``calibrate.num_generations`` completions at ``calibrate.temperature`` (length, top_p and top_k as in
-training) -> reward matrix -> ``grpo_core.calibration.calibrate_weights`` (the rule is documented there).
+``calibrate.num_generations`` completions sampled as training samples (params.yaml ``generation``: backend,
+temperature, top_p, top_k, min_p, repetition_penalty, length, generation_kwargs), except for the
+``calibrate.temperature`` override when set -> reward matrix -> ``grpo_core.calibration.calibrate_weights`` (the rule is documented there).
 
 Outputs
   artifacts/calibration/reward_weights.json  weights (``weights``, ``weights_list``), the rule, target and
@@ -22,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +40,36 @@ from grpo_core.files import jsonable, write_json_atomic, write_text_atomic
 from grpo_core.rewards.judges import CORRECTNESS_FUNCTIONS, reward_index
 
 REPORT = "reports/calibration.md"
+
+
+@dataclass(frozen=True)
+class CalibrateInputs:
+    """Everything calibrate reads of params.yaml: whole sections, and the views of `train:` it needs
+    (tests/test_dvc_params.py checks dvc.yaml lists each)."""
+
+    calibrate: Any
+    generation: Any
+    model: Any
+    rewards: list
+    data: Any
+    round_size: Any       # train.per_device_train_batch_size, ...: as many sequences at once as a training round
+    reward_calls: Any     # train.reward_errors, reward_timeout_s
+
+
+def stage_inputs(cfg) -> CalibrateInputs:
+    return CalibrateInputs(cfg.calibrate, cfg.generation, cfg.model, cfg.rewards, cfg.data, cfg.train.round_size,
+                           cfg.train.reward_calls)
+
+
+def sampling_rows(inp: CalibrateInputs) -> list[tuple[str, Any, str]]:
+    """(setting, value, where it comes from) of how calibration samples: for the report and the weights file."""
+    g, c = inp.generation, inp.calibrate
+    rows = [("backend", g.backend, "generation"),
+            ("temperature", c.temperature if c.temperature is not None else g.temperature,
+             "calibrate (override)" if c.temperature is not None else "generation")]
+    rows += [(k, getattr(g, k), "generation") for k in ("top_p", "top_k", "min_p", "repetition_penalty",
+                                                        "max_completion_length", "generation_kwargs")]
+    return rows
 
 
 def _fmt(x, spec: str = ".3f") -> str:
@@ -56,8 +89,7 @@ def disabled_outputs(names: list[str], num_train: int, drop: tuple[bool, bool]) 
     return weights, difficulty, report
 
 
-def difficulty_doc(out: dict, indices: list[int], num_train: int, cfg) -> dict:
-    c = cfg.calibrate
+def difficulty_doc(out: dict, indices: list[int], num_train: int, c) -> dict:
     diff = out.get("difficulty")
     doc = {"enabled": True, "num_train_prompts": num_train, "prompt_indices": indices,
            "correctness_function": diff["correctness_function"] if diff else None,
@@ -81,13 +113,15 @@ def difficulty_doc(out: dict, indices: list[int], num_train: int, cfg) -> dict:
     return doc
 
 
-def report_markdown(out: dict, difficulty: dict, cfg, samples: list[dict]) -> str:
-    c = cfg.calibrate
+def report_markdown(out: dict, difficulty: dict, inp: CalibrateInputs, samples: list[dict]) -> str:
+    c = inp.calibrate
     cal = out["calibration"]
     lines = ["# Reward calibration", "",
-             f"Base policy `{cfg.model.name_or_path}`: {cal['num_prompts']} training prompts x "
-             f"{cal['num_generations']} completions (temperature {c.temperature}, seed {c.seed}); mean completion "
+             f"Base policy `{inp.model.name_or_path}`: {cal['num_prompts']} training prompts x "
+             f"{cal['num_generations']} completions (seed {c.seed}); mean completion "
              f"length {_fmt(cal['mean_completion_length'], '.1f')}, truncated {_fmt(cal['truncated_ratio'], '.1%')}.",
+             "", "Sampling:", "", "| setting | value | from |", "| --- | --- | --- |",
+             *(f"| {k} | {json.dumps(v) if isinstance(v, dict) else v} | {src} |" for k, v, src in sampling_rows(inp)),
              "", "| reward | weight | target share | realised share | mean | within-group std | None | flags |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     per = out["stats"]["per_function"]
@@ -125,74 +159,20 @@ def report_markdown(out: dict, difficulty: dict, cfg, samples: list[dict]) -> st
 
 def run(ctx) -> int:
     from flows.stages.common import quiet_libraries
-    from grpo_core.calibration import calibrate_weights
-    from grpo_core.data import PromptEncoder, load_split
-    from grpo_core.model.loading import load_for_inference
-    from grpo_core.rewards import build_reward_functions
-    from grpo_core.rollout import SamplingParams, backend_for
-    from grpo_core.sampling import sample_and_score
+    from grpo_core.data import load_split
 
     quiet_libraries()
-    cfg = with_validated_data(ctx.cfg)
-    c = cfg.calibrate
-    names = [r.name for r in cfg.rewards]
+    inp = stage_inputs(with_validated_data(ctx.cfg))
+    c, names = inp.calibrate, [r.name for r in inp.rewards]
     require_file(ctx.path(VALIDATED_TRAIN), "validate")
     with StageRun(ctx) as run:
-        dataset = load_split(cfg.data, "train", ctx.root)
-        num_train = len(dataset)
+        num_train = len(load_split(inp.data, "train", ctx.root))
         run.log_data_hashes([VALIDATED_TRAIN])
         if not c.enabled:
             weights, difficulty, report = disabled_outputs(names, num_train, (c.drop_always_solved,
                                                                                c.drop_never_solved))
         else:
-            rng = np.random.default_rng(c.seed)
-            indices = sorted(int(i) for i in rng.choice(num_train, size=min(c.num_prompts, num_train), replace=False))
-            rows = [dataset[i] for i in indices]
-            # the base policy as loaded: LoRA adapters (model.lora) would only add zero-initialised weights
-            model, tokenizer = load_for_inference(dataclasses.replace(cfg.model, lora=None), ctx.root)
-            encoder = PromptEncoder.from_config(tokenizer, cfg.data, cfg.train.max_prompt_length)
-            G = c.num_generations
-            sampling = SamplingParams(max_new_tokens=cfg.train.max_completion_length, temperature=c.temperature,
-                                      top_p=cfg.train.top_p, top_k=cfg.train.top_k)
-            # prompts per generate call: as many sequences at once as one training generation round
-            batch_size = max(1, cfg.train.generation_batch_size // G)
-            res = sample_and_score(model, tokenizer, rows, encoder, build_reward_functions(cfg.rewards),
-                                   num_generations=G, sampling=sampling, batch_size=batch_size,
-                                   on_error=cfg.train.reward_errors, seed=c.seed,
-                                   reward_timeout_s=cfg.train.reward_timeout_s,
-                                   backend=backend_for(model, tokenizer, cfg.train))
-            out = calibrate_weights(res.rewards, G, names, [r.target_share for r in cfg.rewards],
-                                    dead_std_threshold=c.dead_std_threshold, dominant_share=c.dominant_share,
-                                    correctness_index=reward_index(cfg.rewards, CORRECTNESS_FUNCTIONS))
-            out["calibration"] = {
-                "enabled": True, "num_prompts": len(indices), "num_generations": G, "temperature": c.temperature,
-                "seed": c.seed, "prompt_indices": indices, "base_model": cfg.model.name_or_path,
-                "mean_completion_length": float(res.completion_lengths.mean()),
-                "truncated_ratio": float(res.truncated.mean()), "reward_errors": res.error_counts,
-                "reward_timeouts": res.timeout_counts}
-            weights = jsonable(out)
-            difficulty = jsonable(difficulty_doc(out, indices, num_train, cfg))
-            samples = [{"prompt_index": indices[res.prompt_of(r)], "sample": r % G, "prompt": rows[res.prompt_of(r)]["prompt"],
-                        "completion": res.texts[r], "length": int(res.completion_lengths[r]),
-                        "truncated": bool(res.truncated[r]),
-                        "rewards": {n: jsonable(float(res.rewards[r, k])) for k, n in enumerate(names)}}
-                       for r in range(len(res.texts))]
-            shown = [s for s in samples if s["sample"] < 2][:6]
-            report = report_markdown(weights, difficulty, cfg, shown)
-            run.log_text("".join(json.dumps(jsonable(s)) + "\n" for s in samples), "calibration_samples.jsonl",
-                         "samples")
-            metrics = {f"calibration/weight/{n}": w for n, w in weights["weights"].items()}
-            metrics.update({f"calibration/realised_share/{n}": v for n, v in weights["shares"]["realised_chosen"].items()
-                            if v is not None})
-            metrics["calibration/mean_completion_length"] = out["calibration"]["mean_completion_length"]
-            if difficulty.get("mean_pass_rate") is not None:
-                metrics.update({"calibration/mean_pass_rate": difficulty["mean_pass_rate"],
-                                "calibration/always_solved": difficulty["always_solved"],
-                                "calibration/never_solved": difficulty["never_solved"]})
-            run.log_metrics(metrics)
-            for w in weights["warnings"]:
-                print(f"calibrate: warning: {w}", file=sys.stderr)
-
+            weights, difficulty, report = calibrate_base_policy(inp, ctx, run)
         write_json_atomic(ctx.path(CALIBRATION_WEIGHTS), weights)
         write_json_atomic(ctx.path(CALIBRATION_DIFFICULTY), difficulty)
         write_text_atomic(ctx.path(REPORT), report)
@@ -202,3 +182,74 @@ def run(ctx) -> int:
             run.log_artifact(ctx.path(path), where)
         print(f"calibrate: weights {json.dumps(weights['weights'])}", file=sys.stderr)
     return 0
+
+
+def calibrate_base_policy(inp: CalibrateInputs, ctx, run) -> tuple[dict, dict, str]:
+    """Sample the base policy on calibrate.num_prompts training prompts and derive the weights: the weights file,
+    the difficulty file and the report (the samples and metrics go to the tracker)."""
+    from grpo_core.calibration import calibrate_weights
+    from grpo_core.data import load_split
+
+    c, G, names = inp.calibrate, inp.calibrate.num_generations, [r.name for r in inp.rewards]
+    dataset = load_split(inp.data, "train", ctx.root)
+    rng = np.random.default_rng(c.seed)
+    indices = sorted(int(i) for i in rng.choice(len(dataset), size=min(c.num_prompts, len(dataset)), replace=False))
+    rows = [dataset[i] for i in indices]
+    res = sample_base_policy(inp, ctx, rows)
+    out = calibrate_weights(res.rewards, G, names, [r.target_share for r in inp.rewards],
+                            dead_std_threshold=c.dead_std_threshold, dominant_share=c.dominant_share,
+                            correctness_index=reward_index(inp.rewards, CORRECTNESS_FUNCTIONS))
+    out["calibration"] = {
+        "enabled": True, "num_prompts": len(indices), "num_generations": G,
+        "sampling": {k: v for k, v, _ in sampling_rows(inp)}, "seed": c.seed, "prompt_indices": indices,
+        "base_model": inp.model.name_or_path, "mean_completion_length": float(res.completion_lengths.mean()),
+        "truncated_ratio": float(res.truncated.mean()), "reward_errors": res.error_counts,
+        "reward_timeouts": res.timeout_counts}
+    weights = jsonable(out)
+    difficulty = jsonable(difficulty_doc(out, indices, len(dataset), c))
+    samples = [{"prompt_index": indices[res.prompt_of(r)], "sample": r % G, "prompt": rows[res.prompt_of(r)]["prompt"],
+                "completion": res.texts[r], "length": int(res.completion_lengths[r]),
+                "truncated": bool(res.truncated[r]),
+                "rewards": {n: jsonable(float(res.rewards[r, k])) for k, n in enumerate(names)}}
+               for r in range(len(res.texts))]
+    report = report_markdown(weights, difficulty, inp, [s for s in samples if s["sample"] < 2][:6])
+    run.log_text("".join(json.dumps(jsonable(s)) + "\n" for s in samples), "calibration_samples.jsonl", "samples")
+    run.log_metrics(calibration_metrics(weights, difficulty))
+    for w in weights["warnings"]:
+        print(f"calibrate: warning: {w}", file=sys.stderr)
+    return weights, difficulty, report
+
+
+def sample_base_policy(inp: CalibrateInputs, ctx, rows: list[dict]):
+    """calibrate.num_generations completions of each row, sampled as training samples (``generation``, with
+    calibrate's temperature override) by the base policy, scored by the rewards."""
+    from grpo_core.data import PromptEncoder
+    from grpo_core.model.loading import load_for_inference
+    from grpo_core.rewards import build_reward_functions
+    from grpo_core.rollout import backend_for, sampling_params
+    from grpo_core.sampling import sample_and_score
+
+    c, G = inp.calibrate, inp.calibrate.num_generations
+    # the base policy as loaded: LoRA adapters (model.lora) would only add zero-initialised weights
+    model, tokenizer = load_for_inference(dataclasses.replace(inp.model, lora=None), ctx.root)
+    encoder = PromptEncoder.from_config(tokenizer, inp.data)
+    # prompts per generate call: as many sequences at once as one training generation round
+    batch_size = max(1, inp.round_size.generation_batch_size // G)
+    return sample_and_score(model, tokenizer, rows, encoder, build_reward_functions(inp.rewards),
+                            num_generations=G, sampling=sampling_params(inp.generation, temperature=c.temperature),
+                            batch_size=batch_size, on_error=inp.reward_calls.reward_errors, seed=c.seed,
+                            reward_timeout_s=inp.reward_calls.reward_timeout_s,
+                            backend=backend_for(model, tokenizer, inp.generation, seed=c.seed,
+                                                max_prompt_length=inp.data.max_prompt_length))
+
+
+def calibration_metrics(weights: dict, difficulty: dict) -> dict[str, float]:
+    metrics = {f"calibration/weight/{n}": w for n, w in weights["weights"].items()}
+    metrics.update({f"calibration/realised_share/{n}": v for n, v in weights["shares"]["realised_chosen"].items()
+                    if v is not None})
+    metrics["calibration/mean_completion_length"] = weights["calibration"]["mean_completion_length"]
+    if difficulty.get("mean_pass_rate") is not None:
+        metrics.update({"calibration/mean_pass_rate": difficulty["mean_pass_rate"],
+                        "calibration/always_solved": difficulty["always_solved"],
+                        "calibration/never_solved": difficulty["never_solved"]})
+    return metrics

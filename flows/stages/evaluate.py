@@ -4,8 +4,10 @@ Prompts: the first ``evaluate.max_samples`` rows of data/validated/eval.parquet.
 (``model.name_or_path`` and ``<train.output_dir>/model``):
   greedy   one completion per prompt, no sampling -> ``accuracy`` (pass@1), per-reward means,
            ``format_compliance``, ``mean_completion_length``;
-  sampled  ``evaluate.num_generations`` completions at ``evaluate.temperature`` (top_p 1, top_k off,
-           seed ``evaluate.seed``) -> unbiased ``pass@k`` for ``evaluate.pass_k`` and ``sampled/...`` means.
+  sampled  ``evaluate.num_generations`` completions sampled as training samples (params.yaml ``generation``),
+           at ``evaluate.temperature`` when that override is set (seed ``evaluate.seed``) -> unbiased ``pass@k``
+           for ``evaluate.pass_k`` and ``sampled/...`` means.
+Both at most ``evaluate.max_completion_length`` new tokens when set, else ``generation.max_completion_length``.
 Batching: ``evaluate.batch_size`` prompts per generate call for greedy decoding, and
 ``batch_size // num_generations`` prompts for sampling, so every call holds about ``batch_size`` sequences.
 ``correct`` = the first configured correctness reward (correctness / numeric / multiple_choice) scores its
@@ -30,6 +32,7 @@ import dataclasses
 import gc
 import math
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +52,37 @@ COMPLETIONS = "artifacts/eval/completions.parquet"
 PLOT = "plots/evaluation.png"
 REPORT = "reports/evaluation.md"
 CHAMPION = "champion"
+
+
+@dataclass(frozen=True)
+class EvaluateInputs:
+    """Everything evaluate reads of params.yaml: whole sections, views of `train:`, and single keys (named in
+    their field's ``param``); tests/test_dvc_params.py checks dvc.yaml lists each."""
+
+    evaluate: Any
+    generation: Any
+    model: Any
+    rewards: list
+    data: Any
+    tracking: Any
+    reward_calls: Any     # train.reward_errors, reward_timeout_s
+    output_dir: str = field(metadata={"param": "train.output_dir"})   # where train wrote the model
+
+
+def stage_inputs(cfg) -> EvaluateInputs:
+    return EvaluateInputs(cfg.evaluate, cfg.generation, cfg.model, cfg.rewards, cfg.data, cfg.tracking,
+                          cfg.train.reward_calls, cfg.train.output_dir)
+
+
+def sampling_rows(inp) -> list[tuple[str, Any, str]]:
+    """(setting, value, where it comes from) of evaluate's sampled completions, for the report."""
+    g, e = inp.generation, inp.evaluate
+    own = {"temperature": e.temperature, "max_completion_length": e.max_completion_length}
+    rows = [("backend", g.backend, "generation")]
+    for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length",
+              "generation_kwargs"):
+        rows.append((k, own[k], "evaluate (override)") if own.get(k) is not None else (k, getattr(g, k), "generation"))
+    return rows
 
 
 # --------------------------------------------------------------------------------------------------
@@ -86,8 +120,9 @@ def known_metric_names(cfg) -> list[str]:
 # sampling both policies
 
 
-def sample_policy(policy: str, model_cfg, cfg, ctx, rows: list[dict], indices: list[int]) -> list[dict]:
-    """Greedy and sampled completions of one policy as per-sample records (evaluation's frame layout)."""
+def sample_policy(policy: str, model_cfg, inp: EvaluateInputs, ctx, rows: list[dict], indices: list[int]) -> list[dict]:
+    """Greedy and sampled completions of one policy as per-sample records (evaluation's frame layout), sampled as
+    training samples (``generation``) but for evaluate's overrides."""
     import torch
 
     from grpo_core.data import PromptEncoder
@@ -95,23 +130,22 @@ def sample_policy(policy: str, model_cfg, cfg, ctx, rows: list[dict], indices: l
     from grpo_core.model.loading import load_for_inference
     from grpo_core.rewards import build_reward_functions
     from grpo_core.rewards.judges import build_judges
-    from grpo_core.rollout import SamplingParams, backend_for
+    from grpo_core.rollout import backend_for, sampling_params
 
-    e = cfg.evaluate
+    e, g = inp.evaluate, inp.generation
+    length = e.max_completion_length or g.max_completion_length
     model, tokenizer = load_for_inference(model_cfg, ctx.root)
-    encoder = PromptEncoder.from_config(tokenizer, cfg.data, cfg.train.max_prompt_length)
-    # sampled as train samples (train.generation_backend, on the trainer's device); a vLLM engine sized for
-    # the longer of the two completion lengths
-    backend = backend_for(model, tokenizer, dataclasses.replace(
-        cfg.train, max_completion_length=max(cfg.train.max_completion_length, e.max_completion_length)))
-    modes = eval_modes(max_new_tokens=e.max_completion_length, num_generations=e.num_generations,
-                       sampling=SamplingParams(e.max_completion_length, temperature=e.temperature, top_p=1.0, top_k=0),
+    encoder = PromptEncoder.from_config(tokenizer, inp.data)
+    backend = backend_for(model, tokenizer, g, seed=e.seed, max_prompt_length=inp.data.max_prompt_length,
+                          max_completion_length=length)
+    modes = eval_modes(max_new_tokens=length, num_generations=e.num_generations,
+                       sampling=sampling_params(g, temperature=e.temperature, max_completion_length=length),
                        sequences_per_call=e.batch_size, seed=e.seed)
     try:
-        return score_policy(tokenizer, rows, indices, encoder, build_reward_functions(cfg.rewards),
-                            [r.name for r in cfg.rewards], build_judges(cfg.rewards), modes, backend=backend,
-                            on_error=cfg.train.reward_errors, reward_timeout_s=cfg.train.reward_timeout_s,
-                            policy=policy)
+        return score_policy(tokenizer, rows, indices, encoder, build_reward_functions(inp.rewards),
+                            [r.name for r in inp.rewards], build_judges(inp.rewards), modes, backend=backend,
+                            on_error=inp.reward_calls.reward_errors,
+                            reward_timeout_s=inp.reward_calls.reward_timeout_s, policy=policy)
     finally:
         del model, backend
         gc.collect()
@@ -216,12 +250,13 @@ def _cell(text: str, limit: int = 160) -> str:
     return (text or "(empty)").replace("|", "\\|")
 
 
-def report_markdown(metrics: dict, registry: dict, cfg, n_prompts: int, examples: list[dict]) -> str:
-    e = cfg.evaluate
+def report_markdown(metrics: dict, registry: dict, inp: EvaluateInputs, n_prompts: int, examples: list[dict]) -> str:
+    e = inp.evaluate
     keys = [k for k in metrics["trained"] if k not in ("num_prompts", "num_samples_per_prompt")]
     lines = ["# Evaluation", "",
-             f"{n_prompts} held-out prompts; greedy decoding for accuracy, {e.num_generations} samples per prompt at "
-             f"temperature {e.temperature} (seed {e.seed}) for pass@k; max {e.max_completion_length} new tokens.",
+             f"{n_prompts} held-out prompts; greedy decoding for accuracy, {e.num_generations} samples per prompt "
+             f"(seed {e.seed}) for pass@k, sampled with:", "", "| setting | value | from |", "| --- | --- | --- |",
+             *(f"| {k} | {v} | {src} |" for k, v, src in sampling_rows(inp)),
              "", "| metric | base | trained | delta |", "| --- | ---: | ---: | ---: |"]
     for k in keys:
         lines.append(f"| {k} | {_f(metrics['base'].get(k))} | {_f(metrics['trained'].get(k))} | "
@@ -254,27 +289,27 @@ def run(ctx) -> int:
     from grpo_core.evaluation import eval_report, summarize_evaluation
 
     quiet_libraries()
-    cfg = with_validated_data(ctx.cfg)
-    e = cfg.evaluate
-    if cfg.tracking.promotion_metric not in known_metric_names(cfg):
-        raise StageConfigError(f"tracking.promotion_metric: '{cfg.tracking.promotion_metric}' is not an evaluation "
-                               f"metric; choose one of {', '.join(known_metric_names(cfg))}")
+    inp = stage_inputs(with_validated_data(ctx.cfg))
+    e = inp.evaluate
+    if inp.tracking.promotion_metric not in known_metric_names(inp):
+        raise StageConfigError(f"tracking.promotion_metric: '{inp.tracking.promotion_metric}' is not an evaluation "
+                               f"metric; choose one of {', '.join(known_metric_names(inp))}")
     require_file(ctx.path(VALIDATED_EVAL), "validate")
-    model_dir = require_file(ctx.path(cfg.train.output_dir) / "model", "train")
-    names = [r.name for r in cfg.rewards]
+    model_dir = require_file(ctx.path(inp.output_dir) / "model", "train")
+    names = [r.name for r in inp.rewards]
     with StageRun(ctx) as run:
-        dataset = load_split(cfg.data, "eval", ctx.root)
+        dataset = load_split(inp.data, "eval", ctx.root)
         n = len(dataset) if e.max_samples is None else min(e.max_samples, len(dataset))
         indices = list(range(n))
         rows = [dataset[i] for i in indices]
         run.log_data_hashes([VALIDATED_EVAL])
         run.log_datasets([("eval", VALIDATED_EVAL, "evaluation")])
         records = []
-        policies = {"base": dataclasses.replace(cfg.model, lora=None),
-                    "trained": dataclasses.replace(cfg.model, name_or_path=str(model_dir), lora=None)}
+        policies = {"base": dataclasses.replace(inp.model, lora=None),
+                    "trained": dataclasses.replace(inp.model, name_or_path=str(model_dir), lora=None)}
         for policy, model_cfg in policies.items():
             print(f"evaluate: {policy} policy ({model_cfg.name_or_path}) on {n} prompts", file=sys.stderr, flush=True)
-            records += sample_policy(policy, model_cfg, cfg, ctx, rows, indices)
+            records += sample_policy(policy, model_cfg, inp, ctx, rows, indices)
         frame = pd.DataFrame.from_records(records)
         summaries = {p: summarize_evaluation(frame[frame["policy"] == p], e.pass_k, names) for p in policies}
         metrics = jsonable(eval_report(summaries["base"], summaries["trained"]))
@@ -290,7 +325,7 @@ def run(ctx) -> int:
                 if isinstance(v, int | float) and not isinstance(v, bool)}
         run.log_metrics(flat)
         try:
-            registry = register_and_gate(run, cfg, model_dir, metrics["base"], metrics["trained"])
+            registry = register_and_gate(run, inp, model_dir, metrics["base"], metrics["trained"])
         except Exception as exc:  # noqa: BLE001 - the registry is a side effect; the evaluation stands
             registry = {"registered": False, "reason": f"registry error: {type(exc).__name__}: {exc}"}
             print(f"evaluate: warning: {registry['reason']}", file=sys.stderr)
@@ -305,7 +340,7 @@ def run(ctx) -> int:
             by = {p: g[g["policy"] == p]["completion"].tolist() for p in policies}
             examples.append({"prompt": g["prompt"].iloc[0], "answer": g["answer"].iloc[0],
                              "base": (by["base"] or [""])[0], "trained": (by["trained"] or [""])[0]})
-        write_text_atomic(ctx.path(REPORT), report_markdown(metrics, registry, cfg, n, examples))
+        write_text_atomic(ctx.path(REPORT), report_markdown(metrics, registry, inp, n, examples))
         for path, where in ((METRICS, "metrics"), (COMPLETIONS, "eval"), (PLOT, "plots"), (REPORT, "reports")):
             run.log_artifact(ctx.path(path), where)
         run.log_to_parent(pipeline_summary(ctx.root, eval_path=METRICS, train_log=TRAIN_LOG))

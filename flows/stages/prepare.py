@@ -15,11 +15,22 @@ from flows.stages.runs import StageRun
 from grpo_core.embedded.config import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR
 
 
+@dataclasses.dataclass(frozen=True)
+class PrepareInputs:
+    """What prepare reads of params.yaml (tests/test_dvc_params.py checks dvc.yaml lists it)."""
+
+    embedded: object
+
+
+def stage_inputs(cfg) -> PrepareInputs:
+    return PrepareInputs(cfg.embedded)
+
+
 def run(ctx) -> int:
     from flows.stages.common import quiet_libraries
     from grpo_core.embedded.build import prepare
 
-    emb = ctx.cfg.embedded
+    emb = stage_inputs(ctx.cfg).embedded
     if emb is None:
         for folder in (EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR):
             shutil.rmtree(ctx.path(folder), ignore_errors=True)

@@ -29,8 +29,9 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from flows.comparison import pipeline_summary
 from flows.stages.common import (
@@ -54,20 +55,41 @@ LAUNCH_MARKER = "launch.json"  # beside the checkpoints: machine 0's go for the 
 PLOT = "plots/training.png"
 
 
+@dataclass(frozen=True)
+class TrainInputs:
+    """Everything train reads of params.yaml (tests/test_dvc_params.py checks dvc.yaml lists each): the sections the
+    trainer is handed - it gets a config holding only those (``only_sections``) - and calibration's drop flags."""
+
+    train: Any
+    generation: Any
+    model: Any
+    rewards: list
+    data: Any
+    guards: Any
+    drop_prompts: tuple[bool, bool] = field(
+        metadata={"param": ("calibrate.drop_always_solved", "calibrate.drop_never_solved")})
+
+
+TRAINER_SECTIONS = ("train", "generation", "model", "rewards", "data", "guards")
+
+
+def stage_inputs(cfg) -> TrainInputs:
+    c = cfg.calibrate
+    return TrainInputs(*(getattr(cfg, name) for name in TRAINER_SECTIONS),
+                       drop_prompts=(c.drop_always_solved, c.drop_never_solved))
+
+
 def reward_weights(ctx, cfg) -> tuple[list[float], str]:
-    """(weights, where they came from)."""
-    names = [r.name for r in cfg.rewards]
-    if cfg.train.reward_weights is not None:
-        return list(cfg.train.reward_weights), "train.reward_weights"
-    doc = read_json(ctx.path(CALIBRATION_WEIGHTS), "calibrate")
-    if doc.get("names") != names:
-        raise StageConfigError(f"{CALIBRATION_WEIGHTS}: calibrated for rewards {doc.get('names')}, but params.yaml "
-                               f"names {names}; re-run `dvc repro calibrate`")
-    return [float(w) for w in doc["weights_list"]], CALIBRATION_WEIGHTS
+    """(weights, where they came from): grpo_core's own rule (the one train() applies), calibration required."""
+    from grpo_core.train.reward_weights import training_reward_weights
+
+    return training_reward_weights([r.name for r in cfg.rewards], cfg.train.reward_weights, ctx.root,
+                                   calibration_required=True)
 
 
-def allowed_prompts(ctx, cfg) -> list[int] | None:
-    if not (cfg.calibrate.drop_always_solved or cfg.calibrate.drop_never_solved):
+def allowed_prompts(ctx, drop_prompts: tuple[bool, bool]) -> list[int] | None:
+    """calibrate.drop_always_solved / drop_never_solved: the training prompts calibration kept (None = all)."""
+    if not any(drop_prompts):
         return None
     doc = read_json(ctx.path(CALIBRATION_DIFFICULTY), "calibrate")
     kept = doc.get("kept_indices")
@@ -253,14 +275,16 @@ def _relaunch(ctx, cfg) -> int:
 
 def run(ctx) -> int:
     from flows.stages.common import quiet_libraries
+    from grpo_core.config import only_sections
 
-    cfg = with_validated_data(ctx.cfg)
+    drop_prompts = stage_inputs(ctx.cfg).drop_prompts
+    cfg = only_sections(with_validated_data(ctx.cfg), TRAINER_SECTIONS)
     machine = Machine.from_environment(cfg.train.num_machines)
     if machine.rank > 0 and not _launched():
         wait_for_machine_zero(ctx, cfg)  # its stages before train write what this one reads
     require_file(ctx.path(VALIDATED_TRAIN), "validate")
     weights, weights_source = reward_weights(ctx, cfg)
-    allowed = allowed_prompts(ctx, cfg)
+    allowed = allowed_prompts(ctx, drop_prompts)
     if not _launched():
         # machine 0 alone decides resume-or-fresh: the others reach the checkpoints through the shared
         # filesystem only after machine 0's processes have joined the rendezvous, i.e. after this
@@ -300,7 +324,7 @@ def run(ctx) -> int:
                           "train.exported_step": str(result.exported_step)})
             if result.best_step is not None:
                 run.set_tags({"train.best_step": str(result.best_step),
-                              f"train.best.{cfg.train.best_metric}": f"{result.best_value:.6g}"})
+                              f"train.best.{cfg.train.evaluation.best_metric}": f"{result.best_value:.6g}"})
             run.log_artifact(ctx.path(TRAIN_LOG), "metrics")
             run.log_artifact(ctx.path(PLOT), "plots")
             if weights_source == CALIBRATION_WEIGHTS:

@@ -18,7 +18,9 @@ failure). ``dvc status`` then shows validate as changed until the data is fixed.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from flows.stages.common import (
     VALIDATED_EVAL,
@@ -29,6 +31,23 @@ from flows.stages.runs import StageRun
 from grpo_core.errors import ValidationFailure
 from grpo_core.files import atomic_path, write_json_atomic, write_text_atomic
 from grpo_core.rewards.judges import CORRECTNESS_FUNCTIONS
+
+#: what validate reads of params.yaml (tests/test_dvc_params.py checks dvc.yaml lists each); its code is handed a
+#: config holding only these sections
+VALIDATE_SECTIONS = ("data", "rewards", "validate", "model")
+
+
+@dataclass(frozen=True)
+class ValidateInputs:
+    data: Any
+    rewards: list
+    validate: Any
+    model: Any
+
+
+def stage_inputs(cfg) -> ValidateInputs:
+    return ValidateInputs(*(getattr(cfg, name) for name in VALIDATE_SECTIONS))
+
 
 REPORT_JSON = "reports/validation.json"
 REPORT_TXT = "reports/validation.txt"
@@ -128,21 +147,23 @@ def run(ctx) -> int:
     from grpo_core.validation import validate_frames
 
     quiet_libraries()
-    cfg = ctx.cfg
+    from grpo_core.config import only_sections
+
+    cfg = only_sections(ctx.cfg, VALIDATE_SECTIONS)
     # fail fast on what would fail later: every reward must import (exit 2), the model folder must load (5)
     reward_fns = build_reward_functions(cfg.rewards)
     with StageRun(ctx) as run:
         model_checked = check_model_folder(cfg.model, ctx.root)
         train_df, eval_df, sources = load_frames(ctx)
         tokenizer = load_tokenizer(cfg.model, ctx.root)
-        encoder = PromptEncoder.from_config(tokenizer, cfg.data, None)
+        encoder = PromptEncoder.from_config(tokenizer, cfg.data, truncate=False)
         check_prompts_render(encoder, train_df, cfg)
         correctness = [fn for fn, spec in zip(reward_fns, cfg.rewards) if spec.function in CORRECTNESS_FUNCTIONS]
         gold_fns = correctness if cfg.validate.check_gold_reward and correctness else None
         report = validate_frames(
             train_df, eval_df, require_answer=bool(correctness), reward_fns_for_gold=gold_fns,
             count_tokens=lambda prompt: len(encoder.encode(prompt)),
-            max_prompt_length=cfg.train.max_prompt_length, overlong_policy=cfg.data.overlong_prompt,
+            max_prompt_length=cfg.data.max_prompt_length, overlong_policy=cfg.data.overlong_prompt,
             max_report_rows=cfg.validate.max_report_rows, reward_fns_for_smoke=reward_fns,
             parse_gold=gold_parser(cfg) if correctness else None)
 

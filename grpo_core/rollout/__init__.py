@@ -32,28 +32,48 @@ from grpo_core.rollout.types import (
 from grpo_core.rollout.vllm import VLLMBackend  # light: vllm itself is imported when an engine is built
 
 __all__ = ["HFGenerateBackend", "ManualDecodeBackend", "VLLMBackend", "RolloutBackend", "RolloutBatch", "SamplingParams",
-           "assemble_batch", "backend_for", "completion_mask_from_eos", "decode_completions", "default_backend",
+           "assemble_batch", "backend_for", "sampling_params", "completion_mask_from_eos", "decode_completions", "default_backend",
            "left_pad", "pad_and_eos_ids"]
 
 log = logging.getLogger(__name__)
 
 
-def backend_for(model: torch.nn.Module, tokenizer, t, *, rank: int = 0, local_rank: int = 0, world_size: int = 1):
-    """The rollout backend ``train.generation_backend`` names, with its options from ``t`` (a TrainConfig):
-    the trainer, calibrate and evaluate all sample through this, so they sample the same way."""
-    if t.generation_backend != "vllm":  # generation_kwargs: HF generate's, which the hand-written loop cannot take
-        choice = "hf" if t.generation_backend == "auto" and t.generation_kwargs else t.generation_backend
-        return default_backend(model, tokenizer, choice)
+def sampling_params(g, *, temperature: float | None = None, max_completion_length: int | None = None,
+                    greedy: bool = False) -> SamplingParams:
+    """How a stage samples: params.yaml ``generation`` (a GenerationConfig), with the stage's own overrides
+    (calibrate.temperature, evaluate.temperature / max_completion_length; None keeps generation's) and greedy
+    decoding for accuracy. The one place calibrate, train and evaluate turn the section into sampling."""
+    return SamplingParams(
+        max_new_tokens=max_completion_length or g.max_completion_length,
+        temperature=g.temperature if temperature is None else temperature,
+        top_p=g.top_p, top_k=g.top_k, do_sample=not greedy, min_p=g.min_p or 0.0,
+        repetition_penalty=g.repetition_penalty, generation_kwargs=dict(g.generation_kwargs))
+
+
+def backend_for(model: torch.nn.Module, tokenizer, g, *, seed: int, max_prompt_length: int | None,
+                max_completion_length: int | None = None, return_logprobs: bool = False, rank: int = 0,
+                local_rank: int = 0, world_size: int = 1):
+    """The rollout backend params.yaml ``generation`` (a GenerationConfig) names, with its engine options: the
+    trainer, calibrate and evaluate all sample through this, so they sample the same way.
+
+    seed: the engine's (vLLM). max_prompt_length, max_completion_length (None = generation's): the longest
+    sequence a vLLM engine is sized for. return_logprobs: vLLM batches carry the engine's log-probs (the
+    trainer's importance-sampling correction and OPSM need them)."""
+    if g.backend != "vllm":  # generation_kwargs: HF generate's, which the hand-written loop cannot take
+        choice = "hf" if g.backend == "auto" and g.generation_kwargs else g.backend
+        static = None if g.cache_implementation is None else g.cache_implementation == "static"
+        return default_backend(model, tokenizer, choice, static_cache=static)
+    longest = max_completion_length or g.max_completion_length
     return default_backend(
-        model, tokenizer, "vllm", gpu_memory_utilization=t.vllm_gpu_memory_utilization,
-        enable_sleep_mode=t.vllm_enable_sleep_mode, seed=t.seed, rank=rank, local_rank=local_rank,
-        world_size=world_size,
-        return_logprobs=t.vllm_importance_sampling_correction or t.off_policy_mask_threshold is not None,
-        max_model_length=t.max_prompt_length and t.max_prompt_length + t.max_completion_length)
+        model, tokenizer, "vllm", gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+        enable_sleep_mode=g.vllm_enable_sleep_mode, seed=seed, rank=rank, local_rank=local_rank,
+        world_size=world_size, return_logprobs=return_logprobs,
+        max_model_length=max_prompt_length and max_prompt_length + longest)
 
 
-def default_backend(model: torch.nn.Module, tokenizer, choice: str = "auto", **vllm_options):
-    """The rollout backend for ``model``, chosen in one place (``train.generation_backend``).
+def default_backend(model: torch.nn.Module, tokenizer, choice: str = "auto", static_cache: bool | None = None,
+                    **vllm_options):
+    """The rollout backend for ``model``, chosen in one place (``generation.backend``).
 
     "auto": the hand-written decode loop (``rollout.manual.ManualDecodeBackend``) for a plain Qwen2/Llama
     model on CPU, where HF ``generate`` costs per-op overhead; ``HFGenerateBackend`` otherwise (on CUDA it
@@ -74,4 +94,4 @@ def default_backend(model: torch.nn.Module, tokenizer, choice: str = "auto", **v
         if reason is None:
             return ManualDecodeBackend(model, tokenizer)
         log.debug("generation with HF generate (%s)", reason)
-    return HFGenerateBackend(model, tokenizer)
+    return HFGenerateBackend(model, tokenizer, static_cache=static_cache)

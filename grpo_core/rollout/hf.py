@@ -1,4 +1,4 @@
-"""Rollouts with HF ``generate`` (``train.generation_backend: hf``, and ``auto`` on CUDA or for models the
+"""Rollouts with HF ``generate`` (``generation.backend: hf``, and ``auto`` on CUDA or for models the
 hand-written loop cannot run)."""
 
 from __future__ import annotations

@@ -217,7 +217,7 @@ class ManualDecodeBackend:
                  sampling: SamplingParams) -> RolloutBatch:
         if sampling.generation_kwargs:
             raise ValueError(f"the hand-written decode loop takes no generation_kwargs ({sorted(sampling.generation_kwargs)}); "
-                             "sample with train.generation_backend hf (auto picks it when generation_kwargs are set)")
+                             "sample with generation.backend hf (auto picks it when generation_kwargs are set)")
         repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
         device = self.model.model.embed_tokens.weight.device
         ids, mask = left_pad(repeated, self.pad_id)

@@ -1,4 +1,4 @@
-"""Rollouts through a vLLM engine colocated with the policy (``train.generation_backend: vllm``; GPU only).
+"""Rollouts through a vLLM engine colocated with the policy (``generation.backend: vllm``; GPU only).
 
 One engine per training process, on that process's GPU, in the same process (vLLM's
 ``external_launcher`` executor: no server, no weight broadcast). A generation round is
@@ -45,15 +45,15 @@ class VLLMUnavailable(ConfigurationError, RuntimeError):
 def check_can_run(model: torch.nn.Module) -> None:
     """Raise VLLMUnavailable naming what is missing; the trainer calls it before any work is done."""
     if hasattr(model, "peft_config"):
-        raise VLLMUnavailable("train.generation_backend: vllm does not take a LoRA-wrapped policy (the engine "
+        raise VLLMUnavailable("generation.backend: vllm does not take a LoRA-wrapped policy (the engine "
                               "would need merged weights every step); use hf")
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
-        raise VLLMUnavailable("train.generation_backend: vllm needs whole parameters; under FSDP2 the trainer "
+        raise VLLMUnavailable("generation.backend: vllm needs whole parameters; under FSDP2 the trainer "
                               "hands the engine the whole copy it samples from (grpo_core/train/replica.py), not "
                               "the sharded policy")
     device = next(model.parameters()).device
     if device.type != "cuda":
-        raise VLLMUnavailable(f"train.generation_backend: vllm needs the policy on a CUDA GPU (it is on "
+        raise VLLMUnavailable(f"generation.backend: vllm needs the policy on a CUDA GPU (it is on "
                               f"{device.type}); use auto, hf or manual here")
 
 
@@ -69,11 +69,11 @@ def build_engine(model: torch.nn.Module, *, gpu_memory_utilization: float, enabl
     try:
         from vllm import LLM
     except ImportError as err:
-        raise VLLMUnavailable("train.generation_backend: vllm needs the vllm package: "
+        raise VLLMUnavailable("generation.backend: vllm needs the vllm package: "
                               "pip install 'grpo-pipeline[gpu]'") from err
     source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
     if not source:
-        raise VLLMUnavailable("train.generation_backend: vllm builds its engine from the policy's files, but the "
+        raise VLLMUnavailable("generation.backend: vllm builds its engine from the policy's files, but the "
                               "policy has no name_or_path (it was not loaded with from_pretrained)")
     # external_launcher runs the engine inside this process (its model is then reachable for load_weights)
     # and reads the torch.distributed rendezvous from the environment, as under `accelerate launch`.

@@ -6,6 +6,7 @@
     rollouts.py    a new round: sample and score (grpo_core/sampling.py), advantages, reward metrics
     forward.py     the policy's and the frozen models' log-prob passes over micro-batches
     optim.py       AdamW and the learning-rate schedule
+    reward_weights.py  the weights a run trains with: pinned, calibrated, or 1 each (the stage's rule too)
     guards.py      guards that warn, skip the update, roll back or stop
     step_log.py    the per-step CSV log
     checkpoint.py  atomic checkpoint folders: write, list, read, load weights

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from grpo_core.config import TrainConfig
+from grpo_core.config import AdvantageConfig
 from grpo_core.train.rollouts import assign_advantages, gather_rows, length_metrics, reward_metrics
 from grpo_core.train.round import Round
 
@@ -48,16 +48,17 @@ class Filled:
     metrics: dict[str, float]  # the round's metrics: rewards over everything sampled, and the dynamic/* counts
 
 
-def fill_round(sample, pending: Round | None, *, quota: int, weights: torch.Tensor, t: TrainConfig,
-               accelerator, reward_names: list[str]) -> Filled:
+def fill_round(sample, pending: Round | None, *, quota: int, weights: torch.Tensor, a: AdvantageConfig,
+               max_rounds: int, accelerator, reward_names: list[str]) -> Filled:
     """Sample with ``sample()`` (-> ``sample_round``'s Round, rewards kept) until this process holds ``quota``
-    non-tied groups, or ``t.dynamic_sampling_max_rounds`` samplings were made; see the module docstring."""
-    G = t.num_generations
+    non-tied groups, or ``max_rounds`` (train.dynamic_sampling_max_rounds) samplings were made; see the module
+    docstring."""
+    G = a.num_generations
     kept, tied, attempts = [pending] if pending is not None else [], [], []
-    while len(attempts) < t.dynamic_sampling_max_rounds and _any_process(accelerator, _groups(kept, G) < quota):
+    while len(attempts) < max_rounds and _any_process(accelerator, _groups(kept, G) < quota):
         attempt = sample()
         attempts.append(attempt)
-        rows = tied_groups(attempt.rewards, weights, G, t.multi_objective_aggregation).repeat_interleave(G)
+        rows = tied_groups(attempt.rewards, weights, G, a.multi_objective_aggregation).repeat_interleave(G)
         kept.append(attempt.rows(torch.nonzero(~rows).squeeze(1)))
         tied.append(attempt.rows(torch.nonzero(rows).squeeze(1)))
     kept = [r for r in kept if len(r)]
@@ -70,7 +71,7 @@ def fill_round(sample, pending: Round | None, *, quota: int, weights: torch.Tens
     metrics = _round_metrics(accelerator, attempts, round_, weights, G, reward_names)
     metrics.update(_counts(accelerator, dropped=sum(len(r) for r in tied) // G, rounds=len(attempts),
                            filled_with_tied=short))
-    return Filled(assign_advantages(replace(round_, metrics=metrics), weights, t, accelerator), rest, metrics)
+    return Filled(assign_advantages(replace(round_, metrics=metrics), weights, a, accelerator), rest, metrics)
 
 
 def _round_metrics(accelerator, attempts: list[Round], round_: Round, weights: torch.Tensor, G: int,

@@ -18,13 +18,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_core.config import PipelineConfig, TrainConfig, eval_metric_names
+from grpo_core.config import EvalDuringTrainingConfig, PipelineConfig, eval_metric_names
 from grpo_core.data import PromptEncoder, load_split
 from grpo_core.evaluation import summarize_evaluation
 from grpo_core.held_out import EvalMode, eval_modes, score_policy
 from grpo_core.rewards.judges import Judges, build_judges
+from grpo_core.rollout import sampling_params
 from grpo_core.train.checkpoint import load_weights, rng_state, set_rng_state
-from grpo_core.train.rollouts import training_sampling
 from grpo_core.train.state import TrainingRun, TrainState
 
 
@@ -43,35 +43,36 @@ class HeldOutPrompts:
 def load_held_out(cfg: PipelineConfig, root: str | Path, encoder: PromptEncoder, reward_fns: list,
                   reward_names: list[str]) -> HeldOutPrompts | None:
     """The held-out prompts when ``train.eval_strategy`` is steps, else None."""
-    t = cfg.train
-    if t.eval_strategy == "no":
+    e, g = cfg.train.evaluation, cfg.generation
+    if e.eval_strategy == "no":
         return None
     dataset = load_split(cfg.data, "eval", root)
-    n = len(dataset) if t.eval_max_samples is None else min(t.eval_max_samples, len(dataset))
-    modes = eval_modes(max_new_tokens=t.max_completion_length, num_generations=t.effective_num_generations_eval,
-                       sampling=training_sampling(t), sequences_per_call=t.per_device_eval_batch_size, seed=t.seed)
+    n = len(dataset) if e.eval_max_samples is None else min(e.eval_max_samples, len(dataset))
+    modes = eval_modes(max_new_tokens=g.max_completion_length, num_generations=e.effective_num_generations_eval,
+                       sampling=sampling_params(g), sequences_per_call=e.per_device_eval_batch_size,
+                       seed=cfg.train.seed)
     return HeldOutPrompts([dataset[i] for i in range(n)], encoder, reward_fns, reward_names, build_judges(cfg.rewards),
                           modes)
 
 
-def evaluation_due(t: TrainConfig, step: int) -> bool:
-    return t.eval_strategy == "steps" and (step % t.effective_eval_steps == 0 or step == t.max_steps)
+def evaluation_due(e: EvalDuringTrainingConfig, step: int) -> bool:
+    return e.eval_strategy == "steps" and (step % e.effective_eval_steps == 0 or step == e.max_steps)
 
 
 def evaluate_held_out(run: TrainingRun, held_out: HeldOutPrompts) -> dict[str, float]:
     """The eval/* metrics of the policy as it is now (NaN where a mean has no value), on every process."""
-    t, acc = run.t, run.accelerator
+    calls, acc = run.t.reward_calls, run.accelerator
     metrics: dict[str, float] | None = None
     if acc.is_main_process:
         start, saved = time.perf_counter(), rng_state()
         try:
             records = score_policy(run.tokenizer, held_out.rows, range(len(held_out.rows)), held_out.encoder,
                                    held_out.reward_fns, held_out.reward_names, held_out.judges, held_out.modes,
-                                   backend=run.backend, on_error=t.reward_errors,
-                                   reward_timeout_s=t.reward_timeout_s)
+                                   backend=run.backend, on_error=calls.reward_errors,
+                                   reward_timeout_s=calls.reward_timeout_s)
         finally:
             set_rng_state(saved)
-        metrics = _eval_metrics(records, t, held_out.reward_names)
+        metrics = _eval_metrics(records, run.t.evaluation, held_out.reward_names)
         metrics["eval/runtime"] = time.perf_counter() - start
     if acc.num_processes > 1:
         from accelerate.utils import broadcast_object_list
@@ -80,26 +81,26 @@ def evaluate_held_out(run: TrainingRun, held_out: HeldOutPrompts) -> dict[str, f
     return metrics
 
 
-def _eval_metrics(records: list[dict], t: TrainConfig, reward_names: list[str]) -> dict[str, float]:
+def _eval_metrics(records: list[dict], e: EvalDuringTrainingConfig, reward_names: list[str]) -> dict[str, float]:
     import pandas as pd
 
-    G = t.effective_num_generations_eval
+    G = e.effective_num_generations_eval
     summary = summarize_evaluation(pd.DataFrame.from_records(records), sorted({1, G}) if G else [], reward_names)
     out = {}
-    for key in eval_metric_names(t, reward_names):
+    for key in eval_metric_names(e, reward_names):
         value = summary.get(key.removeprefix("eval/"))
         out[key] = float("nan") if value is None else float(value)
     return out
 
 
-def update_best(t: TrainConfig, state: TrainState, metrics: dict) -> None:
+def update_best(e: EvalDuringTrainingConfig, state: TrainState, metrics: dict) -> None:
     """Before a checkpoint is written: its step becomes the best when its metric_for_best_model beats the best so
     far (strictly: a tie keeps the earlier checkpoint, as transformers' Trainer does)."""
-    key = t.best_metric
+    key = e.best_metric
     value = metrics.get(key) if key is not None else None
     if value is None or not math.isfinite(value):
         return
-    if state.best_value is None or (value > state.best_value if t.greater_is_better else value < state.best_value):
+    if state.best_value is None or (value > state.best_value if e.greater_is_better else value < state.best_value):
         state.best_step, state.best_value = state.step, float(value)
 
 

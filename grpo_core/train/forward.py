@@ -1,19 +1,35 @@
 """The log-prob passes of training: the policy's (with gradients) on a micro-batch, and a frozen model's (old
-policy, reference) over a whole round. Options come from ``train.*``: temperature, ``forward_backend``,
-``fused_lm_head``, ``padding_free``, ``trim_padding``."""
+policy, reference) over a whole round. Options: ``LogprobOptions`` (train's forward keys, generation.temperature, and
+the rows per frozen pass)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from grpo_core.config import TrainConfig
+from grpo_core.config import ForwardConfig
 from grpo_core.microbatch import trim_padding
 from grpo_core.model.loading import model_device
 from grpo_core.model.logprobs import token_logprobs_and_entropy
 from grpo_core.train.round import Round
 
 
-def policy_logprobs(model, mb: Round, t: TrainConfig, compute_entropy: bool):
+@dataclass(frozen=True)
+class LogprobOptions:
+    """How the trainer computes log-probs."""
+
+    forward: ForwardConfig   # train.forward_backend, fused_lm_head, padding_free, trim_padding, ...
+    temperature: float       # generation.temperature: the log-probs of the distribution that was sampled
+    batch_size: int          # rows per frozen pass (train.per_device_train_batch_size)
+
+    @classmethod
+    def from_config(cls, cfg) -> LogprobOptions:
+        """The options of a PipelineConfig's train and generation sections."""
+        return cls(cfg.train.forward, cfg.generation.temperature, cfg.train.per_device_train_batch_size)
+
+
+def policy_logprobs(model, mb: Round, opts: LogprobOptions, compute_entropy: bool):
     """Per-token log-probs and entropies of a micro-batch's completion tokens.
 
     Returns logps (B, C'), entropy (B, C') or None, and the completion mask (B, C'): C' is the trimmed width
@@ -21,7 +37,8 @@ def policy_logprobs(model, mb: Round, t: TrainConfig, compute_entropy: bool):
     mask (as ``generate`` does with left padding), so a padded prompt sees the same positions at training time
     as at sampling time.
     """
-    if t.trim_padding:  # trimmed on the host: no device sync
+    f = opts.forward
+    if f.trim_padding:  # trimmed on the host: no device sync
         input_ids, attention, mask = trim_padding(mb.prompt_ids, mb.prompt_mask, mb.completion_ids,
                                                   mb.completion_mask)
     else:
@@ -31,20 +48,20 @@ def policy_logprobs(model, mb: Round, t: TrainConfig, compute_entropy: bool):
     input_ids, attention = input_ids.to(device, non_blocking=True), attention.to(device, non_blocking=True)
     position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
     logps, entropy = token_logprobs_and_entropy(model, input_ids, attention, logits_to_keep=mask.shape[1],
-                                                temperature=t.temperature, compute_entropy=compute_entropy,
-                                                position_ids=position_ids, forward=t.forward_backend,
-                                                fused_head=t.fused_lm_head, padding_free=t.padding_free)
+                                                temperature=opts.temperature, compute_entropy=compute_entropy,
+                                                position_ids=position_ids, forward=f.forward_backend,
+                                                fused_head=f.fused_lm_head, padding_free=f.padding_free)
     return logps, entropy, mask
 
 
 @torch.no_grad()
-def frozen_logprobs(model, round_: Round, t: TrainConfig) -> torch.Tensor:
+def frozen_logprobs(model, round_: Round, opts: LogprobOptions) -> torch.Tensor:
     """(N, C) float32 on the CPU: the round's completion log-probs under a frozen model (old policy or reference),
     micro-batch by micro-batch, 0 past each micro-batch's trimmed width."""
     n, width = round_.completion_ids.shape
     out = torch.zeros(n, width)
-    bs = t.per_device_train_batch_size
+    bs = opts.batch_size
     for start in range(0, n, bs):
-        logps, _, _ = policy_logprobs(model, round_.rows(slice(start, min(start + bs, n))), t, compute_entropy=False)
+        logps, _, _ = policy_logprobs(model, round_.rows(slice(start, min(start + bs, n))), opts, compute_entropy=False)
         out[start:start + logps.shape[0], :logps.shape[1]] = logps.float().cpu()
     return out

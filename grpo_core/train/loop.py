@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from grpo_core.config import GuardsConfig, PipelineConfig, TrainConfig, training_params_hash
+from grpo_core.config import BatchConfig, GuardsConfig, PipelineConfig, training_params_hash
 from grpo_core.data import PromptEncoder, load_split
 from grpo_core.loss import (
     TOKEN_SUM_LOSS_TYPES,
@@ -55,7 +55,7 @@ from grpo_core.model.loading import (
 )
 from grpo_core.model.sharding import clip_gradients, is_sharded, shard_model
 from grpo_core.rewards import build_reward_functions
-from grpo_core.rollout import backend_for
+from grpo_core.rollout import backend_for, sampling_params
 from grpo_core.train.checkpoint import latest_checkpoint, remove_stale_temp_dirs
 from grpo_core.train.completions import CompletionLog, as_table, completion_rows
 from grpo_core.train.dynamic import fill_round
@@ -68,14 +68,15 @@ from grpo_core.train.evaluation import (
     update_best,
 )
 from grpo_core.train.export import export_model
-from grpo_core.train.forward import frozen_logprobs, policy_logprobs
+from grpo_core.train.forward import LogprobOptions, frozen_logprobs, policy_logprobs
 from grpo_core.train.guards import GuardEvent, GuardMonitor, GuardStop, decide
 from grpo_core.train.optim import build_optimizer_and_scheduler, scale_learning_rate
 from grpo_core.train.parallel import ParallelConfigError, check_parallelism, read_parallelism
 from grpo_core.train.replica import ReplicaRollouts
-from grpo_core.train.rollouts import assign_advantages, sample_round
+from grpo_core.train.reward_weights import training_reward_weights
+from grpo_core.train.rollouts import RoundSpec, assign_advantages, sample_round
 from grpo_core.train.round import Round
-from grpo_core.train.sampler_worker import ADAPTERS_OFF, SampleRequest, SamplerWorker
+from grpo_core.train.sampler_worker import ADAPTERS_OFF, SampleRequest, SamplerWorker, WorkerRecipe
 from grpo_core.train.state import (
     PromptSampler,
     TrainingError,
@@ -136,10 +137,11 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
           sampler_worker: SamplerWorker | None = None) -> TrainResult:
     """Run GRPO per ``cfg.train``; write checkpoints, the final model and the per-step log.
 
-    reward_weights: one per reward function (None = all 1). tracker: an object with ``log_metrics(dict,
-    step)`` and optionally ``set_tags(dict)`` (e.g. MLflow). allowed_prompts: dataset indices to train on
+    reward_weights: one per reward function (None = what ``dvc repro`` uses: train.reward_weights when pinned, else
+    calibrate's <root>/artifacts/calibration/reward_weights.json, else 1 each; ``train.reward_weights`` module).
+    tracker: an object with ``log_metrics(dict, step)`` and optionally ``set_tags(dict)`` (e.g. MLflow). allowed_prompts: dataset indices to train on
     (calibration may drop always/never-solved prompts). backend_factory: ``(policy, tokenizer) -> backend``
-    instead of ``train.generation_backend``'s. export: write the final model (benchmarks leave it out).
+    instead of ``generation.backend``'s. export: write the final model (benchmarks leave it out).
     sampler_worker: under train.async_rollouts, a ``SamplerWorker`` the caller spawned earlier (so its imports
     overlap the caller's own set-up); train() spawns one otherwise, and stops it at its end either way.
     Resumes from the newest complete checkpoint unless train.resume=never.
@@ -159,14 +161,14 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
         metrics: dict[str, Any] = {}
         run.model.train()
         if worker is not None:
-            start_sampler(run, cfg, prompts, worker, backend_factory)
+            start_sampler(run, cfg.rewards, prompts, worker, backend_factory)
         while state.step < t.max_steps:
             step_start = time.perf_counter()
-            if not _inside_round(state, t):
+            if not _inside_round(state, t.batch):
                 state.round = new_round(run, prompts, state)
             entropy_coef = applied_entropy_coef(state.entropy_coef, state.last_entropy, adaptive=t.use_adaptive_entropy,
                                                 target=t.entropy_target)
-            grads = accumulate_gradients(run, step_micro_batches(state, t), entropy_coef)
+            grads = accumulate_gradients(run, step_micro_batches(state, t.batch), entropy_coef)
             metrics = step_metrics(run, state, grads)
             event = guard_decision(run, cfg.guards, monitor, state, metrics, tracker)
             if event is not None and event.action == "rollback":
@@ -185,7 +187,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
                             "learning_rate": run.scheduler.get_last_lr()[0],
                             "num_tokens": grads.num_items * run.accelerator.num_processes,
                             "step_time": time.perf_counter() - step_start})  # generation included when it sampled
-            if prompts.held_out is not None and evaluation_due(t, state.step):
+            if prompts.held_out is not None and evaluation_due(t.evaluation, state.step):
                 with record_function("grpo/evaluate"):
                     metrics.update(evaluate_held_out(run, prompts.held_out))
             log_step(run, state, metrics, step_log, tracker, bar)
@@ -196,7 +198,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
 
     best = load_best_weights(run, state)
     if best is not None:
-        log.info("load_best_model_at_end: exporting %s (%s %.4g)", best, t.best_metric, state.best_value)
+        log.info("load_best_model_at_end: exporting %s (%s %.4g)", best, t.evaluation.best_metric, state.best_value)
     if export and run.accelerator.is_main_process:
         with record_function("grpo/export"):
             # sharded: the whole copy holds the final weights (synced after the last step) in model.dtype
@@ -238,14 +240,19 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
         if module is not None and t.cast_lm_head_to_fp32 and owns_weights(module):  # LoRA: one head for both
             cast_lm_head_to_fp32(module)
     dataset = load_split(cfg.data, "train", root)
-    encoder = PromptEncoder.from_config(tokenizer, cfg.data, t.max_prompt_length)
+    encoder = PromptEncoder.from_config(tokenizer, cfg.data)
     reward_fns = build_reward_functions(cfg.rewards)
     reward_names = [r.name for r in cfg.rewards]
-    weights = torch.tensor(reward_weights if reward_weights is not None else [1.0] * len(reward_fns))
+    if reward_weights is None:  # as `dvc repro` does: pinned, else calibrate's file, else 1 each
+        reward_weights, source = training_reward_weights(reward_names, cfg.train.reward_weights, root)
+        log.info("reward weights %s from %s", reward_weights, source)
+    weights = torch.tensor(reward_weights, dtype=torch.float32)
     if len(weights) != len(reward_fns):
         raise TrainingError(f"{len(weights)} reward weights for {len(reward_fns)} reward functions {reward_names}")
     make_backend = backend_factory or (lambda m, tok: backend_for(
-        m, tok, t, rank=accelerator.process_index, local_rank=accelerator.local_process_index,
+        m, tok, cfg.generation, seed=t.seed, max_prompt_length=cfg.data.max_prompt_length,
+        return_logprobs=t.vllm_importance_sampling_correction or t.off_policy_mask_threshold is not None,
+        rank=accelerator.process_index, local_rank=accelerator.local_process_index,
         world_size=accelerator.num_processes))
     replica = None
     if parallelism.fsdp is not None and accelerator.num_processes > 1:
@@ -253,17 +260,20 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
         shard_model(model.to(accelerator.device), parallelism.fsdp, t.mixed_precision)
         if ref_model is not None:
             shard_model(ref_model.to(accelerator.device), parallelism.fsdp)
-        optimizer, scheduler = build_optimizer_and_scheduler(model, t)  # over the shards
+        optimizer, scheduler = build_optimizer_and_scheduler(model, t.optim)  # over the shards
         policy = model
         backend = ReplicaRollouts(replica, lambda m: make_backend(m, tokenizer))
     else:
-        optimizer, scheduler = build_optimizer_and_scheduler(model, t)
+        optimizer, scheduler = build_optimizer_and_scheduler(model, t.optim)
         model, optimizer = accelerator.prepare(model, optimizer)
         if ref_model is not None and owns_weights(ref_model):
             ref_model.to(accelerator.device)
         policy = accelerator.unwrap_model(model)
         backend = make_backend(policy, tokenizer)
-    run = TrainingRun(t=t, accelerator=accelerator, model=model, policy=policy, ref_model=ref_model,
+    run = TrainingRun(t=t, generation=cfg.generation, round_spec=RoundSpec(sampling_params(cfg.generation),
+                                                                         t.num_generations, t.reward_calls),
+                      logprobs=LogprobOptions.from_config(cfg),
+                      accelerator=accelerator, model=model, policy=policy, ref_model=ref_model,
                       tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, backend=backend,
                       params_hash=training_params_hash(cfg, weights.tolist()),
                       checkpoint_dir=root / t.output_dir / "checkpoints", replica=replica)
@@ -271,7 +281,7 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
     return run, Prompts(dataset, encoder, reward_fns, reward_names, weights, held_out)
 
 
-def start_sampler(run: TrainingRun, cfg: PipelineConfig, prompts: Prompts, worker: SamplerWorker,
+def start_sampler(run: TrainingRun, reward_specs: list, prompts: Prompts, worker: SamplerWorker,
                   backend_factory) -> None:
     """train.async_rollouts: set the sampler worker up with a copy of the policy and the reference it scores rounds
     sampled ahead with (``run.sampler``)."""
@@ -280,7 +290,8 @@ def start_sampler(run: TrainingRun, cfg: PipelineConfig, prompts: Prompts, worke
         reference = None
     elif not owns_weights(reference):
         reference = ADAPTERS_OFF
-    worker.start(run.policy, run.tokenizer, run.t, prompts.encoder, cfg.rewards, prompts.reward_names,
+    recipe = WorkerRecipe(run.round_spec, run.logprobs, run.generation)
+    worker.start(run.policy, run.tokenizer, recipe, prompts.encoder, reward_specs, prompts.reward_names,
                  prompts.weights, make_backend=backend_factory, reference=reference)
     run.sampler = worker
 
@@ -309,7 +320,7 @@ def open_step_log(run: TrainingRun, path: Path, reward_names: list[str], step: i
     """Rank 0 alone owns the log (two ranks rewriting one file race on its temp name)."""
     if not run.accelerator.is_main_process:
         return None
-    return StepLog(path, metric_columns(reward_names, run.t), step)
+    return StepLog(path, metric_columns(reward_names, run.t, run.generation.backend), step)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -333,17 +344,19 @@ def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
         return sample_round(backend=run.backend, tokenizer=run.tokenizer, rows=[prompts.dataset[i] for i in indices],
                             row_ids=indices,
                             encoder=prompts.encoder, reward_fns=prompts.reward_fns, reward_names=prompts.reward_names,
-                            weights=prompts.weights, t=t, accelerator=acc)
+                            weights=prompts.weights, spec=run.round_spec, accelerator=acc)
 
     with record_function("grpo/generate_round"):
         if run.sampler is not None:
-            round_ = assign_advantages(take_round_ahead(run, prompts, state, per_process), prompts.weights, t, acc)
+            round_ = assign_advantages(take_round_ahead(run, prompts, state, per_process), prompts.weights,
+                                       t.advantage, acc)
         elif t.dynamic_sampling:
-            filled = fill_round(sample, state.pending, quota=per_process, weights=prompts.weights, t=t,
-                                accelerator=acc, reward_names=prompts.reward_names)
+            filled = fill_round(sample, state.pending, quota=per_process, weights=prompts.weights, a=t.advantage,
+                                max_rounds=t.dynamic_sampling_max_rounds, accelerator=acc,
+                                reward_names=prompts.reward_names)
             round_, state.pending = filled.round, filled.pending
         else:
-            round_ = assign_advantages(sample(), prompts.weights, t, acc)
+            round_ = assign_advantages(sample(), prompts.weights, t.advantage, acc)
     ga = t.gradient_accumulation_steps
     if t.group_by_length and ga > 1:  # one micro-batch per step: nothing to regroup
         order = length_grouped_order(round_.prompt_mask.sum(1), round_.completion_mask.sum(1), t.num_generations,
@@ -354,7 +367,7 @@ def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
     outlives = t.num_iterations > 1 or t.effective_steps_per_generation > ga or corrected
     if outlives and round_.old_logps is None:  # the round outlives this policy, or the sampler is not it (a round
         with record_function("grpo/old_logprobs"):  # sampled ahead brings the sampling weights' own)
-            round_.old_logps = frozen_logprobs(run.model, round_, t)
+            round_.old_logps = frozen_logprobs(run.model, round_, run.logprobs)
     if corrected:
         round_.sampler_ratio = sampler_correction(round_.old_logps, round_.sampling_logps, round_.completion_mask,
                                                   t.vllm_importance_sampling_mode, t.vllm_importance_sampling_clip_min,
@@ -362,7 +375,7 @@ def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
         round_.metrics.update(sampler_metrics(acc, round_))
     if run.ref_model is not None and round_.ref_logps is None:  # a round sampled ahead brings them
         with record_function("grpo/ref_logprobs"):
-            round_.ref_logps = frozen_logprobs(run.ref_model, round_, t)
+            round_.ref_logps = frozen_logprobs(run.ref_model, round_, run.logprobs)
     return round_
 
 
@@ -429,10 +442,10 @@ def sampler_metrics(accelerator, round_: Round) -> dict[str, float]:
             "sampling/importance_sampling_ratio/max": stat(ratio, torch.max)}
 
 
-def step_micro_batches(state: TrainState, t: TrainConfig) -> list[Round]:
+def step_micro_batches(state: TrainState, b: BatchConfig) -> list[Round]:
     """The ga micro-batches (B rows each) of this optimizer step: slices (micro_step + j) % spg of the round."""
-    spg, bs = t.effective_steps_per_generation, t.per_device_train_batch_size
-    slices = [(state.micro_step + j) % spg for j in range(t.gradient_accumulation_steps)]
+    spg, bs = b.steps_per_round, b.per_device_train_batch_size
+    slices = [(state.micro_step + j) % spg for j in range(b.gradient_accumulation_steps)]
     return [state.round.rows(slice(s * bs, (s + 1) * bs)) for s in slices]
 
 
@@ -487,7 +500,7 @@ def micro_batch_loss(run: TrainingRun, mb: Round, loss_mask: torch.Tensor, *, nu
     """One micro-batch's loss: logps (B, C') with grad, old/ref logps cut to C', advantages (B,), loss mask
     (B, C'); the high-entropy token mask (``top_entropy_quantile``) and the entropy bonus (``entropy_coef``)."""
     t, acc = run.t, run.accelerator
-    logps, entropy, _ = policy_logprobs(run.model, mb, t, compute_entropy=True)
+    logps, entropy, _ = policy_logprobs(run.model, mb, run.logprobs, compute_entropy=True)
     width, device = logps.shape[1], logps.device
     mask = loss_mask[:, :width].to(device)
     trained = None
@@ -497,7 +510,7 @@ def micro_batch_loss(run: TrainingRun, mb: Round, loss_mask: torch.Tensor, *, nu
     loss, stats = grpo_loss(
         logps, _cut(mb.old_logps, width, device), _cut(mb.ref_logps, width, device), mb.advantages.to(device), mask,
         loss_type=t.loss_type, beta=t.beta, epsilon_low=t.epsilon, epsilon_high=t.epsilon_high, delta=t.delta,
-        importance_sampling_level=t.importance_sampling_level, max_completion_length=t.max_completion_length,
+        importance_sampling_level=t.importance_sampling_level, max_completion_length=run.generation.max_completion_length,
         num_items=max(num_items, 1.0), sapo_temperature_pos=t.sapo_temperature_pos,
         sapo_temperature_neg=t.sapo_temperature_neg, vespo_k_pos=t.vespo_k_pos, vespo_lambda_pos=t.vespo_lambda_pos,
         vespo_k_neg=t.vespo_k_neg, vespo_lambda_neg=t.vespo_lambda_neg,
@@ -662,12 +675,12 @@ def save_if_due(run: TrainingRun, state: TrainState, metrics: dict) -> None:
     t = run.t
     if t.save_strategy == "no":
         return
-    mid_round = _inside_round(state, t)
+    mid_round = _inside_round(state, t.batch)
     multi = run.accelerator.num_processes > 1
     if multi and mid_round:
         return
-    if state.step % t.save_steps == 0 or state.step == t.max_steps or (multi and _passed_save_step(state.step, t)):
-        update_best(t, state, metrics)
+    if state.step % t.save_steps == 0 or state.step == t.max_steps or (multi and _passed_save_step(state.step, t.batch, t.save_steps)):
+        update_best(t.evaluation, state, metrics)
         if run.sampler is not None and run.sampler.in_flight:
             receive_round(run, state)  # the round in flight is part of the state: saved, not regenerated
         with record_function("grpo/save"):
@@ -678,10 +691,10 @@ def save_if_due(run: TrainingRun, state: TrainState, metrics: dict) -> None:
 # Helpers of the phases
 
 
-def _inside_round(state: TrainState, t: TrainConfig) -> bool:
+def _inside_round(state: TrainState, b: BatchConfig) -> bool:
     """Whether the micro-steps taken so far end inside a generation round (spg micro-batches, num_iterations
     times over): a new step trains on the round in hand, and a checkpoint must keep it."""
-    return state.micro_step % (t.effective_steps_per_generation * t.num_iterations) != 0
+    return state.micro_step % (b.steps_per_round * b.num_iterations) != 0
 
 
 def _cut(x: torch.Tensor | None, width: int, device) -> torch.Tensor | None:
@@ -729,10 +742,10 @@ def _reduce_metrics(accelerator, metrics: dict, local_tokens: float) -> dict:
     return out
 
 
-def _passed_save_step(step: int, t: TrainConfig) -> bool:
+def _passed_save_step(step: int, b: BatchConfig, save_steps: int) -> bool:
     """Multi-process: a save step skipped inside a generation round is caught up at the round's end."""
-    steps_per_round = t.effective_steps_per_generation // t.gradient_accumulation_steps * t.num_iterations
-    return any((step - j) % t.save_steps == 0 for j in range(1, max(steps_per_round, 1)))
+    steps_per_round = b.steps_per_round // b.gradient_accumulation_steps * b.num_iterations
+    return any((step - j) % save_steps == 0 for j in range(1, max(steps_per_round, 1)))
 
 
 @torch.no_grad()

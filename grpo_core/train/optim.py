@@ -6,20 +6,20 @@ import math
 
 import torch
 
-from grpo_core.config import TrainConfig
+from grpo_core.config import OptimizerConfig
 
 
-def build_optimizer_and_scheduler(model: torch.nn.Module, t: TrainConfig):
-    """AdamW over the trainable parameters and the schedule of ``t.lr_scheduler_type`` over ``t.max_steps``."""
+def build_optimizer_and_scheduler(model: torch.nn.Module, o: OptimizerConfig):
+    """AdamW over the trainable parameters and the schedule of ``o.lr_scheduler_type`` over ``o.max_steps``."""
     from transformers import get_scheduler
 
     params = [p for p in model.parameters() if p.requires_grad]
     # fused: one kernel per step instead of per-tensor ops (and no foreach temporaries the size of the model)
-    optimizer = torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
-                                  weight_decay=t.weight_decay, fused=t.fused_adamw)
-    warmup = math.ceil(t.warmup_ratio * t.max_steps)
-    name = "constant_with_warmup" if t.lr_scheduler_type == "constant" else t.lr_scheduler_type
-    scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=t.max_steps)
+    optimizer = torch.optim.AdamW(params, lr=o.learning_rate, betas=(o.adam_beta1, o.adam_beta2),
+                                  weight_decay=o.weight_decay, fused=o.fused_adamw)
+    warmup = math.ceil(o.warmup_ratio * o.max_steps)
+    name = "constant_with_warmup" if o.lr_scheduler_type == "constant" else o.lr_scheduler_type
+    scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=o.max_steps)
     return optimizer, scheduler
 
 

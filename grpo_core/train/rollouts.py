@@ -8,31 +8,40 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from grpo_core.advantages import compute_advantages, nanstd
-from grpo_core.config import TrainConfig
+from grpo_core.config import AdvantageConfig, RewardCallConfig
 from grpo_core.data import PromptEncoder
 from grpo_core.rollout import RolloutBackend, SamplingParams
 from grpo_core.sampling import sample_and_score
 from grpo_core.train.round import Round
 
 
+@dataclass(frozen=True)
+class RoundSpec:
+    """How a round is sampled and scored."""
+
+    sampling: SamplingParams          # generation.* (grpo_core.rollout.sampling_params)
+    num_generations: int              # G
+    reward_calls: RewardCallConfig    # train.reward_errors, reward_timeout_s
+
+
 def sample_round(*, backend: RolloutBackend, tokenizer, rows: list[dict], row_ids: list[int], encoder: PromptEncoder,
-                 reward_fns, reward_names: list[str], weights: torch.Tensor, t: TrainConfig, accelerator) -> Round:
+                 reward_fns, reward_names: list[str], weights: torch.Tensor, spec: RoundSpec, accelerator) -> Round:
     """Sampled and scored rows with their rewards (N, K) and the round's metrics; advantages still zero.
 
     rows: the dataset rows of this process's prompts, row_ids their dataset indices (named in errors).
     weights: (K,) one per reward function. Whole groups live on one process; the metrics see the global batch
     (gathered over processes).
     """
-    G = t.num_generations
-    sampling = training_sampling(t)
+    G = spec.num_generations
     sampled = sample_and_score(None, tokenizer, rows, encoder, reward_fns,
-                               num_generations=G, sampling=sampling, batch_size=len(rows),
-                               on_error=t.reward_errors, backend=backend, reward_timeout_s=t.reward_timeout_s,
+                               num_generations=G, sampling=spec.sampling, batch_size=len(rows),
+                               on_error=spec.reward_calls.reward_errors, backend=backend,
+                               reward_timeout_s=spec.reward_calls.reward_timeout_s,
                                row_ids=row_ids, keep_batches=True)
     (batch,) = sampled.batches
     rewards = torch.as_tensor(sampled.rewards, dtype=torch.float32)                     # (N, K)
@@ -49,19 +58,12 @@ def sample_round(*, backend: RolloutBackend, tokenizer, rows: list[dict], row_id
                  sampling_logps=batch.sampling_logps)
 
 
-def training_sampling(t: TrainConfig) -> SamplingParams:
-    """How training samples (train.temperature, top_p, top_k, min_p, repetition_penalty, generation_kwargs)."""
-    return SamplingParams(max_new_tokens=t.max_completion_length, temperature=t.temperature, top_p=t.top_p,
-                          top_k=t.top_k, min_p=t.min_p or 0.0, repetition_penalty=t.repetition_penalty,
-                          generation_kwargs=dict(t.generation_kwargs))
-
-
-def assign_advantages(round_: Round, weights: torch.Tensor, t: TrainConfig, accelerator) -> Round:
+def assign_advantages(round_: Round, weights: torch.Tensor, a: AdvantageConfig, accelerator) -> Round:
     """The round with its group-relative advantages (N,), computed over every process's rewards (so
     ``scale_rewards="batch"`` and the groups see the global batch)."""
     all_rewards = gather_rows(accelerator, round_.rewards)                                    # (world * N, K)
-    advantages = compute_advantages(all_rewards, weights, t.num_generations, scale=t.scale_rewards,
-                                    aggregation=t.multi_objective_aggregation)
+    advantages = compute_advantages(all_rewards, weights, a.num_generations, scale=a.scale_rewards,
+                                    aggregation=a.multi_objective_aggregation)
     if accelerator.num_processes > 1:
         n = len(round_)
         advantages = advantages[accelerator.process_index * n:(accelerator.process_index + 1) * n]

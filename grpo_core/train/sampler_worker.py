@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
-from grpo_core.config import TrainConfig
+from grpo_core.config import GenerationConfig
 from grpo_core.errors import TrainingFailure
 from grpo_core.model.loading import AdapterDisabledReference
 from grpo_core.rewards import build_reward_functions
-from grpo_core.train.forward import frozen_logprobs
-from grpo_core.train.rollouts import sample_round
+from grpo_core.train.forward import LogprobOptions, frozen_logprobs
+from grpo_core.train.rollouts import RoundSpec, sample_round
 from grpo_core.train.round import Round
 
 ADAPTERS_OFF = "adapters-off"  # the reference a LoRA worker builds from its own copy
@@ -48,6 +48,15 @@ _POLL_S = 1.0             # how often a waiting trainer checks that the worker i
 
 class SamplerWorkerError(TrainingFailure, RuntimeError):
     """The sampler worker could not start, died, or (with the worker's traceback as the cause) raised."""
+
+
+@dataclass(frozen=True)
+class WorkerRecipe:
+    """What the worker samples, scores and computes log-probs with (the trainer's own, sent once)."""
+
+    round: RoundSpec
+    logprobs: LogprobOptions
+    generation: GenerationConfig   # the backend it builds when the trainer gives no make_backend
 
 
 @dataclass
@@ -101,14 +110,15 @@ def _serve(conn) -> None:
     if setup is None:
         return
     try:
-        model, reference, tokenizer, t, encoder, reward_specs, reward_names, weights, threads, make_backend = setup
+        model, reference, tokenizer, recipe, encoder, reward_specs, reward_names, weights, threads, make_backend = setup
         torch.set_num_threads(threads)
         if reference == ADAPTERS_OFF:  # LoRA: the reference is this copy with its adapters switched off
             reference = AdapterDisabledReference(model)
         if make_backend is None:
             from grpo_core.rollout import backend_for
 
-            backend = backend_for(model, tokenizer, t)
+            # generation.backend auto / hf / manual (vllm is refused with async rollouts): no engine seed or size
+            backend = backend_for(model, tokenizer, recipe.generation, seed=0, max_prompt_length=None)
         else:
             backend = make_backend(model, tokenizer)
         reward_fns = build_reward_functions(reward_specs)
@@ -125,7 +135,7 @@ def _serve(conn) -> None:
             return
         try:
             round_ = _sample(request, model, reference, backend, tokenizer, encoder, reward_fns, reward_names, weights,
-                             t)
+                             recipe)
             answer = _pack(SampledRound(round_, torch.get_rng_state(), request.policy_step))
         except BaseException as exc:  # noqa: BLE001 - a failing round is the trainer's to raise
             _send_error(conn, exc)
@@ -137,7 +147,7 @@ def _serve(conn) -> None:
 
 
 def _sample(request: SampleRequest, model, reference, backend, tokenizer, encoder, reward_fns, reward_names, weights,
-            t: TrainConfig) -> Round:
+            recipe: WorkerRecipe) -> Round:
     """One round: sampled and scored, with the sampling weights' and the reference's log-probs when asked."""
     model.train(request.training)
     torch.set_rng_state(request.rng_state)
@@ -145,14 +155,14 @@ def _sample(request: SampleRequest, model, reference, backend, tokenizer, encode
     if reports_logps:
         backend.return_logprobs = request.old_logps
     round_ = sample_round(backend=backend, tokenizer=tokenizer, rows=request.rows, row_ids=request.row_ids,
-                          encoder=encoder, reward_fns=reward_fns, reward_names=reward_names, weights=weights, t=t,
+                          encoder=encoder, reward_fns=reward_fns, reward_names=reward_names, weights=weights, spec=recipe.round,
                           accelerator=_OneProcess())
     if request.old_logps:  # the sampler's own log-probs: the importance ratio's denominator
         reported = round_.sampling_logps
-        round_.old_logps = reported if reported is not None else frozen_logprobs(model, round_, t)
+        round_.old_logps = reported if reported is not None else frozen_logprobs(model, round_, recipe.logprobs)
     round_.sampling_logps = None  # not an engine's to correct for (train.vllm_importance_sampling_correction)
     if request.ref_logps:
-        round_.ref_logps = frozen_logprobs(reference, round_, t)
+        round_.ref_logps = frozen_logprobs(reference, round_, recipe.logprobs)
     return round_
 
 
@@ -172,7 +182,7 @@ class SamplerWorker:
     trainable tensors, no transfer. reference: the frozen reference the worker scores rounds sampled ahead with
     (shared in place), ``ADAPTERS_OFF`` under LoRA, or None (the trainer scores them). make_backend: ``(model,
     tokenizer) -> RolloutBackend`` (a module-level callable: the worker is spawned), else
-    ``train.generation_backend``'s. The constructor spawns the process and ``start`` sets it up, so its imports
+    ``generation.backend``'s. The constructor spawns the process and ``start`` sets it up, so its imports
     (seconds) overlap whatever the caller does in between. On GPUs the same calls would front a second device or an
     inference engine; only the CPU worker exists so far.
     """
@@ -189,7 +199,7 @@ class SamplerWorker:
         self._ready = False
         self.in_flight = False
 
-    def start(self, policy: torch.nn.Module, tokenizer, t: TrainConfig, encoder, reward_specs,
+    def start(self, policy: torch.nn.Module, tokenizer, recipe: WorkerRecipe, encoder, reward_specs,
               reward_names: list[str], weights: torch.Tensor, make_backend: Callable | None = None,
               reference: torch.nn.Module | str | None = None) -> None:
         """Hand the worker its copy of ``policy`` (in shared memory) and what it samples and scores with."""
@@ -203,7 +213,7 @@ class SamplerWorker:
         self.scores_reference = reference is not None
         trained = {name for name, p in policy.named_parameters() if p.requires_grad}
         self._trained = {name: p for name, p in self.copy.named_parameters() if name in trained}  # name -> copy's
-        self._conn.send((self.copy, reference, tokenizer, t, encoder, reward_specs, list(reward_names), weights,
+        self._conn.send((self.copy, reference, tokenizer, recipe, encoder, reward_specs, list(reward_names), weights,
                          torch.get_num_threads(), make_backend))
 
     @torch.no_grad()

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from grpo_core.config import TrainConfig
+from grpo_core.config import GenerationConfig, TrainConfig
 from grpo_core.errors import TrainingFailure
 from grpo_core.model.sharding import gather_optimizer_state, gather_weights, is_sharded, load_optimizer_state
 from grpo_core.train.checkpoint import (
@@ -27,6 +27,10 @@ from grpo_core.train.checkpoint import (
     set_rng_state,
 )
 from grpo_core.train.round import Round
+
+if TYPE_CHECKING:
+    from grpo_core.train.forward import LogprobOptions
+    from grpo_core.train.rollouts import RoundSpec
 
 
 class TrainingError(TrainingFailure, RuntimeError):
@@ -90,6 +94,9 @@ class TrainingRun:
     """The long-lived objects of one ``train()`` call, built once by its set-up phase."""
 
     t: TrainConfig
+    generation: GenerationConfig   # params.yaml generation: how rounds are sampled
+    round_spec: RoundSpec          # sampling, G and reward calls of a round (built from t and generation)
+    logprobs: LogprobOptions       # the trainer's log-prob passes (train's forward keys, generation.temperature)
     accelerator: Any
     model: Any               # what the optimizer steps: DDP-wrapped on N processes, fully_shard-ed under FSDP2
     policy: Any              # the same model unwrapped (under FSDP2 the sharded model itself): save and sync this
