@@ -85,15 +85,16 @@ def run_ours(cfg: BenchConfig, assets: dict, workdir: Path, variant: dict) -> di
     from grpo_core.train.loop import train
 
     raw = {
-        "data": {"train_files": [assets["data"]], "eval_files": [assets["data"]]},
+        "data": {"train_files": [assets["data"]], "eval_files": [assets["data"]],
+                 "max_prompt_length": cfg.max_prompt_length},
         "model": {"name_or_path": assets["model_dir"], "dtype": cfg.dtype},
+        "generation": {"max_completion_length": cfg.max_completion_length, "temperature": cfg.temperature},
         "rewards": [{"name": "bench", "function": REWARD}],
         "calibrate": {"enabled": False},
         "train": {
             "output_dir": "out", "learning_rate": cfg.learning_rate, "num_generations": cfg.num_generations,
             "per_device_train_batch_size": cfg.batch_size, "gradient_accumulation_steps": 1,
-            "max_prompt_length": cfg.max_prompt_length, "max_completion_length": cfg.max_completion_length,
-            "temperature": cfg.temperature, "beta": cfg.beta, "loss_type": cfg.loss_type,
+            "beta": cfg.beta, "loss_type": cfg.loss_type,
             "num_iterations": cfg.num_iterations, "max_steps": cfg.steps, "save_total_limit": 1,
             "logging_steps": 1, "seed": cfg.seed, "lr_scheduler_type": "constant",
             "mixed_precision": cfg.mixed_precision, "gradient_checkpointing": False, "resume": "never",
