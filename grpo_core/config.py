@@ -55,6 +55,8 @@ class DataConfig:
                                     "e.g. {enable_thinking: false}")
     prompt_format: Literal["auto", "chat"] = _f(
         "auto", "auto: chat messages use the chat template, strings stay plain text; chat: wrap strings as a user message")
+    max_prompt_length: int | None = _f(512, "prompt tokens kept (left-truncated, as overlong_prompt says) or "
+                                       "allowed; None = any length (TRL's name)", ge=1)
     overlong_prompt: Literal["truncate", "error"] = _f(
         "truncate", "a prompt over max_prompt_length: left-truncate with a counted warning, or error")
 
@@ -107,12 +109,48 @@ class CalibrateConfig:
     enabled: bool = _f(True, "sample the base policy and derive reward weights; off = equal weights")
     num_prompts: int = _f(64, "training prompts sampled for calibration", ge=1)
     num_generations: int = _f(8, "completions per calibration prompt", ge=2)
-    temperature: float = _f(1.0, "sampling temperature for calibration", gt=0)
+    temperature: float | None = _f(None, "override of generation.temperature for calibration (None = sample as "
+                                   "training samples); shown in reports/calibration.md", gt=0)
     dead_std_threshold: float = _f(1e-6, "mean within-group std below this marks a reward dead", ge=0)
     dominant_share: float = _f(0.9, "flag a reward above this share of advantage variance", gt=0, le=1)
     drop_always_solved: bool = _f(False, "drop prompts the base policy always solves (zero advantage)")
     drop_never_solved: bool = _f(False, "drop prompts the base policy never solves (zero advantage)")
     seed: int = _f(0, "seed for prompt choice and sampling")
+
+
+@dataclass
+class GenerationConfig:
+    """params.yaml `generation:` - how completions are sampled and by which engine, for every stage that samples
+    (calibrate, train, evaluate; grpo_core/rollout/__init__.py ``sampling_params`` and ``backend_for``). A stage
+    that samples differently on purpose says so in its own section (calibrate.temperature,
+    evaluate.temperature / max_completion_length) and in its report. Leaf names are TRL GRPOConfig's."""
+
+    backend: Literal["auto", "hf", "manual", "vllm"] = _f(
+        "auto", "hf = HF generate; manual = the hand-written Qwen2/Llama decode loop (grpo_core/rollout/manual.py); "
+        "vllm = a vLLM engine colocated on each process's GPU (grpo_core/rollout/vllm.py; the gpu extra); "
+        "auto = manual on CPU for a model it supports, hf otherwise (and whenever generation_kwargs are set)")
+    temperature: float = _f(1.0, "sampling temperature (training's log-probs use the same scaling)", gt=0)
+    top_p: float = _f(1.0, "nucleus sampling mass", gt=0, le=1)
+    top_k: int = _f(0, "top-k sampling (0 = off)", ge=0)
+    min_p: float | None = _f(None, "min-p sampling: drop tokens below min_p x the most likely token's probability "
+                             "(None = off)", ge=0, le=1)
+    repetition_penalty: float = _f(1.0, "HF's repetition penalty on tokens already in the prompt or completion (> 1 "
+                                   "discourages repeats; 1 = off)", gt=0)
+    max_completion_length: int = _f(256, "completion tokens sampled at most", ge=1)
+    generation_kwargs: dict = _f({}, "more keyword arguments for HF generate (backend hf; auto picks hf when these "
+                                 "are set) or vLLM's SamplingParams, e.g. {suppress_tokens: [151643]}; those the "
+                                 "pipeline sets itself are refused")
+    generation_batch_size: int | None = _f(
+        None, "completions sampled per generation round over all processes (TRL's name; None = "
+        "train.per_device_train_batch_size x train.num_processes x train.steps_per_generation); when set, "
+        "train.steps_per_generation follows from it and must be left null. calibrate samples this many at once", ge=1)
+    cache_implementation: Literal["static", "dynamic"] | None = _f(
+        None, "HF generate's KV cache: static compiles the decode step (CUDA graphs), dynamic never does (None = "
+        "static on CUDA, dynamic on CPU)")
+    vllm_gpu_memory_utilization: float = _f(0.3, "backend vllm: share of the GPU the engine's weights and KV cache "
+                                            "may take (the rest is training's)", gt=0, le=1)
+    vllm_enable_sleep_mode: bool = _f(True, "backend vllm: release the engine's weights and KV cache between "
+                                      "generation rounds (reloaded from the policy each round)")
 
 
 @dataclass
@@ -123,18 +161,6 @@ class TrainConfig:
     per_device_train_batch_size: int = _f(8, "completions per micro-batch per process", ge=1)
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step", ge=1)
     steps_per_generation: int | None = _f(None, "optimizer steps one generation batch feeds (None = grad accum)", ge=1)
-    max_prompt_length: int | None = _f(512, "prompt tokens kept (left-truncated) or allowed", ge=1)
-    max_completion_length: int = _f(256, "completion tokens sampled at most", ge=1)
-    temperature: float = _f(1.0, "sampling temperature (log-probs use the same scaling)", gt=0)
-    top_p: float = _f(1.0, "nucleus sampling mass", gt=0, le=1)
-    top_k: int = _f(0, "top-k sampling (0 = off)", ge=0)
-    min_p: float | None = _f(None, "min-p sampling: drop tokens below min_p x the most likely token's probability "
-                             "(None = off)", ge=0, le=1)
-    repetition_penalty: float = _f(1.0, "HF's repetition penalty on tokens already in the prompt or completion (> 1 "
-                                   "discourages repeats; 1 = off)", gt=0)
-    generation_kwargs: dict = _f({}, "more keyword arguments for HF generate (generation_backend hf; auto picks hf "
-                                 "when these are set) or vLLM's SamplingParams (TRL's name), e.g. {suppress_tokens: "
-                                 "[151643]}; those the trainer sets itself are refused")
     beta: float = _f(0.0, "KL coefficient against the reference model (0 = no reference model)", ge=0)
     epsilon: float = _f(0.2, "lower clip range: ratio >= 1 - epsilon", gt=0, lt=1)
     epsilon_high: float | None = _f(None, "upper clip range: ratio <= 1 + epsilon_high (None = epsilon); cispo: "
@@ -224,22 +250,16 @@ class TrainConfig:
     ref_model_sync_steps: int = _f(512, "steps between reference syncs", ge=1)
     mixed_precision: Literal["no", "bf16", "fp16"] = _f("no", "accelerate mixed precision")
     gradient_checkpointing: bool = _f(False, "trade compute for activation memory")
-    generation_backend: Literal["auto", "hf", "manual", "vllm"] = _f(
-        "auto", "rollouts: hf = HF generate; manual = the hand-written Qwen2/Llama decode loop (grpo_core/rollout/manual.py); "
-        "vllm = a vLLM engine colocated on each process's GPU (grpo_core/rollout/vllm.py; the gpu extra); "
-        "auto = manual on CPU for a model it supports, else hf")
     async_rollouts: bool = _f(
         False, "sample the next round in a sampler worker process (its own copy of the policy, fed the new weights "
         "after each optimizer step, as many torch threads as this process) while this process trains on the current "
-        "round (grpo_core/train/sampler_worker.py); one training process, CPU, generation_backend auto/hf/manual")
+        "round (grpo_core/train/sampler_worker.py); one training process, CPU, generation.backend auto/hf/manual")
     max_staleness: int = _f(
         1, "async_rollouts: generation rounds the sampler may run ahead of training. 1: one-step off-policy, the "
         "clipped ratio takes the sampler's log-probs as old log-probs; 0: the worker samples with the current "
         "weights (the synchronous run, for checking)", ge=0, le=1)
-    vllm_gpu_memory_utilization: float = _f(0.3, "generation_backend vllm: share of the GPU the engine's weights "
-                                            "and KV cache may take (the rest is training's)", gt=0, le=1)
     vllm_importance_sampling_correction: bool = _f(
-        True, "generation_backend vllm: weight each token's loss by pi_old / pi_sampler, the trainer's to the "
+        True, "generation.backend vllm: weight each token's loss by pi_old / pi_sampler, the trainer's to the "
         "engine's log-probs, which differ by kernels and precision (TRL's name and default)")
     vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = _f(
         "sequence_mask", "that ratio per token or per sequence; truncate = clamp to the clip range, mask = 0 outside")
@@ -247,8 +267,6 @@ class TrainConfig:
                                                          ge=0)
     vllm_importance_sampling_clip_max: float | None = _f(3.0, "upper end of the ratio's range (None = unbounded)",
                                                          gt=0)
-    vllm_enable_sleep_mode: bool = _f(True, "generation_backend vllm: release the engine's weights and KV cache "
-                                      "between generation rounds (reloaded from the policy each round)")
     forward_backend: Literal["auto", "hf", "manual"] = _f(
         "auto", "log-prob passes (reference, old, policy forward/backward): hf = the model's forward; manual = the "
         "hand-written Qwen2/Llama forward (grpo_core/model/fastforward.py, a shared prompt computed once per group); "
@@ -270,9 +288,239 @@ class TrainConfig:
                                  "for its samples and is counted (0 = no limit)", ge=0)
     resume: Literal["auto", "never"] = _f("auto", "resume from the latest valid checkpoint, or start fresh")
 
+    # The flat keys above, grouped by the code that reads them: each function receives its group (a frozen view,
+    # ``_view``), so a reader - and tests/test_dvc_params.py - can tell what it depends on.
+    @property
+    def loss(self) -> LossConfig:
+        return _view(LossConfig, self)
+
+    @property
+    def entropy(self) -> EntropyConfig:
+        return _view(EntropyConfig, self)
+
+    @property
+    def optim(self) -> OptimizerConfig:
+        return _view(OptimizerConfig, self)
+
+    @property
+    def batch(self) -> BatchConfig:
+        return _view(BatchConfig, self)
+
+    @property
+    def round_size(self) -> RoundSizeConfig:
+        return _view(RoundSizeConfig, self)
+
+    @property
+    def advantage(self) -> AdvantageConfig:
+        return _view(AdvantageConfig, self)
+
+    @property
+    def reward_calls(self) -> RewardCallConfig:
+        return _view(RewardCallConfig, self)
+
+    @property
+    def forward(self) -> ForwardConfig:
+        return _view(ForwardConfig, self)
+
+    @property
+    def reference(self) -> ReferenceConfig:
+        return _view(ReferenceConfig, self)
+
+    @property
+    def sampler_correction(self) -> SamplerCorrectionConfig:
+        return _view(SamplerCorrectionConfig, self)
+
+    @property
+    def checkpointing(self) -> CheckpointConfig:
+        return _view(CheckpointConfig, self)
+
+    @property
+    def evaluation(self) -> EvalDuringTrainingConfig:
+        return _view(EvalDuringTrainingConfig, self)
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return _view(ParallelConfig, self)
+
+    @property
+    def rollouts(self) -> RolloutConfig:
+        return _view(RolloutConfig, self)
+
     @property
     def effective_steps_per_generation(self) -> int:
+        return self.batch.steps_per_round
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Completions sampled per generation round, over all processes."""
+        return self.batch.generation_batch_size
+
+
+def _view(cls: type, source: Any) -> Any:
+    """``cls`` filled from the same-named attributes of ``source`` (a section view of a flat config)."""
+    return cls(**{f.name: getattr(source, f.name) for f in dataclasses.fields(cls)})
+
+
+# ----------------------------------------------------------------------------------------------------
+# Views of `train:` by owner (TRL leaf names; documented on TrainConfig's fields)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """grpo_core/loss.py ``GRPOLoss``: the policy term, its clipping and aggregation, the KL term."""
+    loss_type: str
+    beta: float
+    epsilon: float
+    epsilon_high: float | None
+    delta: float | None
+    importance_sampling_level: str
+    sapo_temperature_pos: float
+    sapo_temperature_neg: float
+    vespo_k_pos: float
+    vespo_lambda_pos: float
+    vespo_k_neg: float
+    vespo_lambda_neg: float
+    off_policy_mask_threshold: float | None
+
+
+@dataclass(frozen=True)
+class EntropyConfig:
+    """The entropy bonus and the high-entropy token mask (grpo_core/loss.py's entropy helpers)."""
+    top_entropy_quantile: float
+    entropy_coef: float
+    use_adaptive_entropy: bool
+    entropy_target: float
+    entropy_coef_min: float
+    entropy_coef_max: float
+    entropy_coef_delta: float
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW, gradient clipping and the learning-rate schedule (grpo_core/train/optim.py)."""
+    learning_rate: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    max_grad_norm: float
+    fused_adamw: bool
+    warmup_ratio: float
+    lr_scheduler_type: str
+    max_steps: int
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Groups, micro-batches and rounds: what one step and one generation round hold."""
+    num_generations: int
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    steps_per_generation: int | None
+    num_iterations: int
+    num_processes: int
+    group_by_length: bool
+    shuffle_dataset: bool
+    seed: int
+
+    @property
+    def steps_per_round(self) -> int:
+        """Optimizer steps one generation round feeds (steps_per_generation, else gradient_accumulation_steps)."""
         return self.steps_per_generation or self.gradient_accumulation_steps
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Completions sampled per generation round, over all processes."""
+        return self.per_device_train_batch_size * self.num_processes * self.steps_per_round
+
+
+@dataclass(frozen=True)
+class RoundSizeConfig:
+    """How many completions one generation round samples (calibrate samples as many at once)."""
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    steps_per_generation: int | None
+    num_processes: int
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Completions per generation round over all processes (generation.generation_batch_size when set: it is
+        resolved into steps_per_generation at load)."""
+        return self.per_device_train_batch_size * self.num_processes * (self.steps_per_generation
+                                                                         or self.gradient_accumulation_steps)
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    """grpo_core/advantages.py: rewards of a group -> advantages."""
+    num_generations: int
+    scale_rewards: str
+    multi_objective_aggregation: str
+
+
+@dataclass(frozen=True)
+class RewardCallConfig:
+    """How reward functions are called, in every stage that scores (calibrate, train, evaluate)."""
+    reward_errors: str
+    reward_timeout_s: float
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    """Log-prob passes of policy and reference (grpo_core/train/forward.py, grpo_core/model/)."""
+    forward_backend: str
+    padding_free: bool
+    fused_lm_head: bool
+    trim_padding: bool
+    mixed_precision: str
+    gradient_checkpointing: bool
+    cast_lm_head_to_fp32: bool
+    disable_dropout: bool
+
+
+@dataclass(frozen=True)
+class ReferenceConfig:
+    """The frozen reference (beta > 0) and TR-DPO's syncing of it."""
+    beta: float
+    sync_ref_model: bool
+    ref_model_mixup_alpha: float
+    ref_model_sync_steps: int
+
+
+@dataclass(frozen=True)
+class SamplerCorrectionConfig:
+    """The trainer-vs-engine importance weight of vLLM samples (grpo_core/loss.py ``sampler_correction``)."""
+    vllm_importance_sampling_correction: bool
+    vllm_importance_sampling_mode: str
+    vllm_importance_sampling_clip_min: float | None
+    vllm_importance_sampling_clip_max: float | None
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints: where, how often, how many, and resuming (grpo_core/train/checkpoint.py)."""
+    output_dir: str
+    save_strategy: str
+    save_steps: int
+    save_total_limit: int
+    resume: str
+    max_steps: int
+    logging_steps: int
+
+
+@dataclass(frozen=True)
+class EvalDuringTrainingConfig:
+    """Evaluation on held-out prompts during training and the best checkpoint (grpo_core/train/evaluation.py)."""
+    eval_strategy: str
+    eval_steps: int | None
+    eval_max_samples: int | None
+    num_generations_eval: int | None
+    per_device_eval_batch_size: int
+    metric_for_best_model: str | None
+    greater_is_better: bool
+    load_best_model_at_end: bool
+    num_generations: int
+    logging_steps: int
+    max_steps: int
 
     @property
     def effective_eval_steps(self) -> int:
@@ -290,10 +538,25 @@ class TrainConfig:
             return None
         return name if name.startswith("eval/") else f"eval/{name}"
 
-    @property
-    def generation_batch_size(self) -> int:
-        """Completions sampled per generation round, over all processes."""
-        return self.per_device_train_batch_size * self.num_processes * self.effective_steps_per_generation
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Processes and machines (flows/stages/train.py launches them; grpo_core/train/parallel.py)."""
+    num_processes: int
+    num_machines: int
+    accelerate_config: str | None
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How rounds are produced and logged: ahead in a sampler worker, refilled by dynamic sampling."""
+    async_rollouts: bool
+    max_staleness: int
+    dynamic_sampling: bool
+    dynamic_sampling_max_rounds: int
+    mask_truncated_completions: bool
+    log_completions_steps: int
+    num_completions_to_log: int | None
 
 
 @dataclass
@@ -301,8 +564,11 @@ class EvaluateConfig:
     max_samples: int | None = _f(500, "held-out prompts evaluated (None = all)", ge=1)
     num_generations: int = _f(8, "n: samples per prompt for pass@k", ge=1)
     pass_k: list[int] = _f([1, 4, 8], "k values for the unbiased pass@k")
-    temperature: float = _f(1.0, "sampling temperature for pass@k (greedy accuracy is separate)", gt=0)
-    max_completion_length: int = _f(256, "completion tokens at most", ge=1)
+    temperature: float | None = _f(None, "override of generation.temperature for the sampled pass@k (None = "
+                                   "training's; greedy accuracy decodes greedily); shown in reports/evaluation.md",
+                                   gt=0)
+    max_completion_length: int | None = _f(None, "override of generation.max_completion_length for both greedy "
+                                           "and sampled completions (None = training's)", ge=1)
     batch_size: int = _f(64, "prompts per generate call", ge=1)
     seed: int = _f(0, "seed for sampling")
 
@@ -369,6 +635,7 @@ class PipelineConfig:
                                          "null when params.yaml names your own data and model")
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
     rewards: list[RewardSpec] = field(default_factory=list)
     validate: ValidateConfig = field(default_factory=ValidateConfig)
     calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
@@ -466,6 +733,17 @@ def _check_range(value: Any, meta: typing.Mapping, key: str) -> None:
             raise ConfigError(f"{key}: {value!r} is out of range; allowed: {allowed}")
 
 
+# Keys that moved out of `train:` (issue 29: one `generation:` section for every stage that samples); an old
+# params.yaml gets an error naming the new place instead of "unknown key".
+MOVED_KEYS = {
+    **{f"train.{k}": f"generation.{k}" for k in (
+        "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length", "generation_kwargs",
+        "generation_batch_size", "cache_implementation", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode")},
+    "train.generation_backend": "generation.backend",
+    "train.max_prompt_length": "data.max_prompt_length",
+}
+
+
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if data is None:
         data = {}
@@ -474,6 +752,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
+        if f"{prefix}.{key}" in MOVED_KEYS:
+            raise ConfigError(f"{prefix}.{key}: moved to {MOVED_KEYS[f'{prefix}.{key}']} (the generation section "
+                              f"is shared by calibrate, train and evaluate); set it there")
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.5)
             hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
@@ -502,7 +783,7 @@ def _check_consistency(cfg: PipelineConfig) -> None:
     if t.num_processes % t.num_machines:
         raise ConfigError(f"train.num_machines: {t.num_processes} processes do not split evenly over "
                           f"{t.num_machines} machines")
-    if (t.loss_type == "vespo" and t.generation_backend == "vllm" and t.vllm_importance_sampling_correction
+    if (t.loss_type == "vespo" and cfg.generation.backend == "vllm" and t.vllm_importance_sampling_correction
             and not t.vllm_importance_sampling_mode.startswith("token")):
         raise ConfigError(f"train.vllm_importance_sampling_mode: vespo folds the correction into its sequence weight "
                           f"token by token; use token_truncate or token_mask (got {t.vllm_importance_sampling_mode})")
@@ -541,15 +822,15 @@ def _check_consistency(cfg: PipelineConfig) -> None:
                                   f"prepare's output, so leave the key out (point data.* / model.name_or_path at "
                                   f"your own files instead)")
     _check_eval(cfg)
-    _check_generation_kwargs(t)
-    _check_async_rollouts(t)
+    _check_generation_kwargs(cfg.generation)
+    _check_async_rollouts(t, cfg.generation)
     if t.sync_ref_model and cfg.model.lora is not None:
         raise ConfigError("train.sync_ref_model: not with model.lora; under LoRA the reference is the base model with "
                           "the adapters switched off, so there is no separate reference to mix the policy into "
                           "(TRL raises the same)")
 
 
-def eval_metric_names(t: TrainConfig, reward_names: typing.Sequence[str]) -> list[str]:
+def eval_metric_names(t: EvalDuringTrainingConfig, reward_names: typing.Sequence[str]) -> list[str]:
     """The step-log keys of one evaluation during training (train.eval_strategy steps) a best model can be
     chosen by (``eval/runtime``, seconds, is logged besides)."""
     G = t.effective_num_generations_eval
@@ -568,29 +849,29 @@ _RESERVED_GENERATION_KWARGS = {
 }
 
 
-def _check_generation_kwargs(t: TrainConfig) -> None:
-    if not t.generation_kwargs:
+def _check_generation_kwargs(g: GenerationConfig) -> None:
+    if not g.generation_kwargs:
         return
-    if t.generation_backend == "manual":
-        raise ConfigError(f"train.generation_kwargs: the hand-written decode loop (generation_backend manual) takes "
-                          f"none ({sorted(t.generation_kwargs)}); use generation_backend hf or auto")
-    reserved = _RESERVED_GENERATION_KWARGS["vllm" if t.generation_backend == "vllm" else "hf"]
-    clash = sorted(set(t.generation_kwargs) & reserved)
+    if g.backend == "manual":
+        raise ConfigError(f"generation.generation_kwargs: the hand-written decode loop (generation.backend manual) "
+                          f"takes none ({sorted(g.generation_kwargs)}); use generation.backend hf or auto")
+    reserved = _RESERVED_GENERATION_KWARGS["vllm" if g.backend == "vllm" else "hf"]
+    clash = sorted(set(g.generation_kwargs) & reserved)
     if clash:
-        raise ConfigError(f"train.generation_kwargs: {clash} are set by the trainer (use the train.* keys "
+        raise ConfigError(f"generation.generation_kwargs: {clash} are set by the pipeline (use the generation.* keys "
                           f"temperature, top_p, top_k, min_p, repetition_penalty, max_completion_length where they "
                           f"exist); the rest of {sorted(reserved)} decides shapes and stopping")
 
 
-def _check_async_rollouts(t: TrainConfig) -> None:
+def _check_async_rollouts(t: TrainConfig, g: GenerationConfig) -> None:
     if not t.async_rollouts:
         return
     if t.num_processes > 1:
         raise ConfigError(f"train.async_rollouts: one training process with one sampler worker; "
                           f"train.num_processes is {t.num_processes}")
-    if t.generation_backend == "vllm":
-        raise ConfigError("train.async_rollouts: the sampler worker samples with auto, hf or manual; "
-                          "generation_backend vllm colocates its engine in the training process")
+    if g.backend == "vllm":
+        raise ConfigError("train.async_rollouts: the sampler worker samples with generation.backend auto, hf or "
+                          "manual; vllm colocates its engine in the training process")
     if t.dynamic_sampling:
         raise ConfigError("train.async_rollouts: not with train.dynamic_sampling (a round's size is only known "
                           "once its groups are scored, so it cannot be requested one step ahead)")
@@ -607,17 +888,17 @@ def _check_eval(cfg: PipelineConfig) -> None:
     if cfg.data.hub_dataset is None and not cfg.data.paths("eval"):
         raise ConfigError("train.eval_strategy: steps scores held-out prompts, but data.eval_files is empty; name "
                           "held-out data or set data.hub_dataset")
-    names = eval_metric_names(t, [r.name for r in cfg.rewards])
-    if t.best_metric is not None and t.best_metric not in names:
+    names = eval_metric_names(t.evaluation, [r.name for r in cfg.rewards])
+    if t.evaluation.best_metric is not None and t.evaluation.best_metric not in names:
         raise ConfigError(f"train.metric_for_best_model: {t.metric_for_best_model!r} is not an eval metric; choose "
                           f"one of {', '.join(names)}")
     if t.load_best_model_at_end:
         if t.save_strategy != "steps":
             raise ConfigError("train.load_best_model_at_end: needs checkpoints to choose from; set "
                               "train.save_strategy: steps")
-        if t.save_steps % t.effective_eval_steps:
+        if t.save_steps % t.evaluation.effective_eval_steps:
             raise ConfigError(f"train.save_steps: {t.save_steps} is not a multiple of the evaluation interval "
-                              f"({t.effective_eval_steps}, train.eval_steps), so some checkpoints would have no "
+                              f"({t.evaluation.effective_eval_steps}, train.eval_steps), so some checkpoints would have no "
                               f"evaluation to be judged by (train.load_best_model_at_end)")
 
 
@@ -650,8 +931,26 @@ def config_from_dict(raw: dict, overrides: typing.Mapping[str, Any] | None = Non
     for name, value in raw.items():
         kwargs[name] = _convert(value, hints[name], name)
     cfg = PipelineConfig(**kwargs)
+    _resolve_generation_batch_size(cfg)
     _check_consistency(cfg)
     return cfg
+
+
+def _resolve_generation_batch_size(cfg: PipelineConfig) -> None:
+    """generation.generation_batch_size (TRL's alternative to train.steps_per_generation) -> steps_per_generation,
+    the one the trainer reads; both set is an error, as in TRL."""
+    g, t = cfg.generation, cfg.train
+    if g.generation_batch_size is None:
+        return
+    if t.steps_per_generation is not None:
+        raise ConfigError(f"generation.generation_batch_size: set together with train.steps_per_generation "
+                          f"({t.steps_per_generation}); set one of them (TRL refuses both too)")
+    per_step = t.per_device_train_batch_size * t.num_processes
+    if g.generation_batch_size % per_step:
+        raise ConfigError(f"generation.generation_batch_size: {g.generation_batch_size} is not a multiple of "
+                          f"train.per_device_train_batch_size x train.num_processes ({per_step}), the completions "
+                          f"one optimizer step trains on")
+    t.steps_per_generation = g.generation_batch_size // per_step
 
 
 def load_config(path: str | Path = "params.yaml", overrides: typing.Mapping[str, Any] | None = None) -> PipelineConfig:
