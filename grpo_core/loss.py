@@ -3,8 +3,9 @@
 Same numbers and gradients as TRL 1.16 ``GRPOTrainer._compute_loss`` for every loss type (grpo, bnpo, dr_grpo,
 dapo, luspo: the clipped surrogate; cispo, sapo, vespo: their own policy terms), token- and sequence-level (GSPO)
 importance sampling, two-sided clipping (``delta``), the off-policy sequence mask (OPSM) and the importance-ratio
-corrected KL (``use_bias_correction_kl``). Gradient accumulation is the caller's business: this function never
-divides by the number of accumulation steps (TRL does, for every loss type except ``TOKEN_SUM_LOSS_TYPES``, whose
+corrected KL (``use_bias_correction_kl``). ``GRPOLoss`` is built once from the run's ``LossConfig`` (TRL's names)
+and called per micro-batch; ``grpo_loss`` is its functional form, every option a keyword. Gradient accumulation
+is the caller's business: the loss never divides by the number of accumulation steps (TRL does, for every loss type except ``TOKEN_SUM_LOSS_TYPES``, whose
 ``num_items`` already spans the whole generation batch).
 
 Per token t of completion i (shapes: (B, T) per token, (B, 1) per sequence):
@@ -28,11 +29,175 @@ import math
 
 import torch
 
+from grpo_core.config import LossConfig
+
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 _CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the PPO-clip surrogate; the others have their own term
 # Normalised by num_items, the token count of the step's whole batch: never divided again for accumulation.
 TOKEN_SUM_LOSS_TYPES = ("dapo", "cispo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+class GRPOLoss:
+    """The GRPO objective of a run: built once from its ``LossConfig`` (TRL ``GRPOConfig`` names), called per
+    micro-batch with tensors.
+
+        loss_fn = GRPOLoss(train_config.loss, max_completion_length=generation.max_completion_length)
+        loss, stats = loss_fn(logps, old_logps, ref_logps, advantages, mask, num_items=...)
+
+    Construction checks the options (a ValueError naming the first bad one); a call checks its tensors, num_items
+    and, for dr_grpo, max_completion_length against their T.
+    A call, phase by phase (B completions, T completion tokens; per-sequence values are (B, 1)):
+
+        inputs      padding neutralised: logp 0 there, old and ref = logp                (B, T)
+        logratio    logp - old                                                            (B, T)
+        ratio       exp(logratio) per token, or exp(masked mean logratio) per sequence    (B, T) | (B, 1)
+        policy      the loss type's term: max(pg_loss1, pg_loss2) for the clipped family  (B, T) | (B, 1)
+        weights     OPSM's keep mask (B, 1), the entropy mask (B, T), the sampler ratio
+        kl          beta * k3, times the ratio when kl_ratio_correction                  (B, T)
+        aggregate   the loss type's normaliser                                            ()
+        stats       detached 0-dim diagnostics
+
+    max_completion_length: dr_grpo's constant normaliser L (None = the micro-batch's T); the generation section's
+    ``max_completion_length`` in a run. The other loss types ignore it.
+    """
+
+    def __init__(self, config: LossConfig, max_completion_length: int | None = None) -> None:
+        _check_options(config.loss_type, config.importance_sampling_level, config.beta, config.epsilon,
+                       config.epsilon_high, config.delta)
+        _check_shape_options(config.sapo_temperature_pos, config.sapo_temperature_neg, config.vespo_k_pos,
+                             config.vespo_lambda_pos, config.vespo_k_neg, config.vespo_lambda_neg,
+                             config.off_policy_mask_threshold)
+        self.config = config
+        self.max_completion_length = max_completion_length
+        self.epsilon_low = config.epsilon
+        self.epsilon_high = config.epsilon if config.epsilon_high is None else config.epsilon_high
+
+    def __repr__(self) -> str:
+        return f"GRPOLoss({self.config!r}, max_completion_length={self.max_completion_length!r})"
+
+    def __call__(
+        self,
+        logps: torch.Tensor,
+        old_logps: torch.Tensor | None,
+        ref_logps: torch.Tensor | None,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        *,
+        num_items: int | float | torch.Tensor | None = None,
+        sampling_logps: torch.Tensor | None = None,
+        entropy_mask: torch.Tensor | None = None,
+        sampler_ratio: torch.Tensor | None = None,
+        kl_ratio_correction: bool = True,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss of one micro-batch and its statistics; the arguments and the result are ``grpo_loss``'s."""
+        self._check_inputs(logps, old_logps, ref_logps, advantages, mask, num_items=num_items,
+                           sampling_logps=sampling_logps, entropy_mask=entropy_mask, sampler_ratio=sampler_ratio)
+        present = mask > 0                                                     # (B, T) bool, the real tokens
+        mask = mask.to(logps.dtype)                                            # (B, T)
+        logps, old_logps, ref_logps = _neutralise_padding(present, logps, old_logps, ref_logps)  # (B, T) each
+        advantages = advantages.unsqueeze(1)                                   # (B, 1), broadcast over tokens
+        logratio = logps - old_logps                                           # (B, T)
+        ratio = ratio_from_logratio(logratio, mask, self.config.importance_sampling_level)  # (B, T) | (B, 1)
+        per_token_loss, stats = self.policy_term(ratio, logratio, logps, advantages, mask, sampler_ratio)
+        per_token_loss = self.weighted(per_token_loss, advantages, logps, old_logps, present, mask,
+                                       sampling_logps=sampling_logps, entropy_mask=entropy_mask,
+                                       sampler_ratio=sampler_ratio)            # (B, T) | (B, 1)
+        per_token_kl = None
+        if self.config.beta != 0.0:
+            per_token_kl = self.kl_term(logps, ref_logps, ratio, kl_ratio_correction)  # (B, T)
+            per_token_loss = per_token_loss + self.config.beta * per_token_kl
+        loss = aggregate(per_token_loss, mask, self.config.loss_type, self.max_completion_length, num_items)  # ()
+        return loss, self.stats(stats, ratio, per_token_kl, mask)
+
+    def policy_term(self, ratio: torch.Tensor, logratio: torch.Tensor, logps: torch.Tensor, advantages: torch.Tensor,
+                    mask: torch.Tensor, sampler_ratio: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+        """The loss type's per-token policy loss, (B, T) or (B, 1) as the ratio, and its own stats (TRL's keys).
+
+        ratio (B, T) | (B, 1); logratio, logps, mask (B, T); advantages (B, 1).
+        """
+        c = self.config
+        if c.loss_type in _CLIPPED:
+            pg_loss = clipped_surrogate(ratio, advantages, self.epsilon_low, self.epsilon_high, c.delta)
+            return pg_loss, clip_stats(_capped(ratio, c.delta), advantages, mask, self.epsilon_low, self.epsilon_high)
+        if c.loss_type == "cispo":
+            clipped = ((ratio > self.epsilon_high) & (advantages > 0)).to(mask.dtype)
+            return (cispo_term(ratio, logps, advantages, self.epsilon_high),
+                    {"cispo_clip_ratio": masked_mean(clipped, mask)})
+        if c.loss_type == "sapo":
+            return sapo_term(ratio, advantages, c.sapo_temperature_pos, c.sapo_temperature_neg), {}
+        phi = vespo_weights(logratio, advantages, mask, c.vespo_k_pos, c.vespo_lambda_pos, c.vespo_k_neg,
+                            c.vespo_lambda_neg, sampler_ratio=sampler_ratio)  # (B, 1), detached
+        return -phi * advantages * logps, {"vespo/phi_seq_mean": masked_mean(phi, mask)}
+
+    def weighted(self, per_token_loss: torch.Tensor, advantages: torch.Tensor, logps: torch.Tensor,
+                 old_logps: torch.Tensor, present: torch.Tensor, mask: torch.Tensor, *,
+                 sampling_logps: torch.Tensor | None, entropy_mask: torch.Tensor | None,
+                 sampler_ratio: torch.Tensor | None) -> torch.Tensor:
+        """The policy loss times OPSM's keep mask (B, 1), the entropy mask (B, T) and the sampler ratio (B, T) |
+        (B, 1) - each only when set; vespo has already folded the sampler ratio into its weight."""
+        if self.config.off_policy_mask_threshold is not None:
+            sampled = old_logps if sampling_logps is None else torch.where(present, sampling_logps, logps.detach())
+            keep = off_policy_mask(advantages, logps, sampled, mask, self.config.off_policy_mask_threshold)
+            per_token_loss = per_token_loss * keep
+        if entropy_mask is not None:
+            per_token_loss = per_token_loss * entropy_mask.to(per_token_loss.dtype)
+        if sampler_ratio is not None and self.config.loss_type != "vespo":
+            per_token_loss = per_token_loss * sampler_ratio.to(per_token_loss.dtype)
+        return per_token_loss
+
+    @staticmethod
+    def kl_term(logps: torch.Tensor, ref_logps: torch.Tensor, ratio: torch.Tensor,
+                kl_ratio_correction: bool) -> torch.Tensor:
+        """Per-token k3 KL to the reference (B, T), unscaled by beta."""
+        per_token_kl = k3_kl(logps, ref_logps)
+        if kl_ratio_correction:
+            # Sampled under pi_old, so E_old[r * k3] is the KL of pi_theta (DeepSeek-V3.2); r is not
+            # detached, which changes the KL gradient even on-policy where r == 1.
+            per_token_kl = per_token_kl * ratio
+        return per_token_kl
+
+    @staticmethod
+    def stats(stats: dict[str, torch.Tensor], ratio: torch.Tensor, per_token_kl: torch.Tensor | None,
+              mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The policy term's stats, then "ratio_mean" and (beta != 0 only) "kl": detached 0-dim tensors."""
+        stats["ratio_mean"] = masked_mean(ratio.detach(), mask)
+        if per_token_kl is not None:
+            stats["kl"] = masked_mean(per_token_kl.detach(), mask)
+        return stats
+
+    def _check_inputs(self, logps, old_logps, ref_logps, advantages, mask, *, num_items, sampling_logps,
+                      entropy_mask, sampler_ratio) -> None:
+        """Raise ValueError naming the first tensor (or per-call count) out of contract."""
+        _check_tensors(logps, old_logps, ref_logps, advantages, mask)
+        for name, extra in (("sampling_logps", sampling_logps), ("entropy_mask", entropy_mask)):
+            if extra is not None and tuple(extra.shape) != tuple(logps.shape):
+                raise ValueError(f"{name} must have the shape of logps {tuple(logps.shape)}, got {_describe(extra)}")
+        if sampler_ratio is not None and tuple(sampler_ratio.shape) not in (tuple(logps.shape), (logps.shape[0], 1)):
+            raise ValueError(
+                f"sampler_ratio must be (B, T) {tuple(logps.shape)} or (B, 1), got {_describe(sampler_ratio)}")
+        if (sampler_ratio is not None and self.config.loss_type == "vespo" and sampler_ratio.shape[1] == 1
+                and logps.shape[1] != 1):
+            raise ValueError("sampler_ratio: vespo takes a token-level correction (token_truncate or token_mask)")
+        _check_normalisers(self.config.loss_type, self.max_completion_length, num_items,
+                           completion_length=logps.shape[1])
+        if self.config.beta != 0.0 and ref_logps is None:
+            raise ValueError(f"ref_logps is required when beta != 0 (beta={self.config.beta})")
+
+
+def _neutralise_padding(present: torch.Tensor, logps: torch.Tensor, old_logps: torch.Tensor | None,
+                        ref_logps: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """logps, old_logps, ref_logps (B, T) with the padded positions (``present`` False) set to logp 0, ratio 1, KL 0.
+
+    Padding may hold anything (NaN where vLLM could not score a token, -inf from an ignored label). It is
+    multiplied by 0 later, but 0 * NaN = NaN, in the value and in the gradient. Real tokens are untouched.
+    On-policy (old_logps None): old = logp.detach(), so the ratio is exactly 1 but still carries grad logp.
+    """
+    logps = torch.where(present, logps, torch.zeros_like(logps))
+    old_logps = logps.detach() if old_logps is None else torch.where(present, old_logps, logps.detach())
+    if ref_logps is not None:
+        ref_logps = torch.where(present, ref_logps, logps.detach())
+    return logps, old_logps, ref_logps
 
 
 def grpo_loss(
@@ -62,7 +227,7 @@ def grpo_loss(
     entropy_mask: torch.Tensor | None = None,
     sampler_ratio: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO loss of one micro-batch and its statistics.
+    """GRPO loss of one micro-batch and its statistics: ``GRPOLoss`` built from these options, then called.
 
     Args:
         logps: (B, T) log-probs of the sampled completion tokens under the current policy (with grad).
@@ -101,68 +266,18 @@ def grpo_loss(
         "clip_ratio/region_mean" (the clipped family), "cispo_clip_ratio" (cispo), "vespo/phi_seq_mean"
         (vespo); always "ratio_mean"; "kl" only when beta != 0 (as TRL logs it).
     """
+    # The tensors first, as before the loss was an object: with several bad arguments the same one is named.
     _check_tensors(logps, old_logps, ref_logps, advantages, mask)
-    _check_options(loss_type, importance_sampling_level, beta, epsilon_low, epsilon_high, delta)
-    _check_shape_options(sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
-                         vespo_lambda_neg, off_policy_mask_threshold)
-    for name, extra in (("sampling_logps", sampling_logps), ("entropy_mask", entropy_mask)):
-        if extra is not None and tuple(extra.shape) != tuple(logps.shape):
-            raise ValueError(f"{name} must have the shape of logps {tuple(logps.shape)}, got {_describe(extra)}")
-    if sampler_ratio is not None and tuple(sampler_ratio.shape) not in (tuple(logps.shape), (logps.shape[0], 1)):
-        raise ValueError(f"sampler_ratio must be (B, T) {tuple(logps.shape)} or (B, 1), got {_describe(sampler_ratio)}")
-    if sampler_ratio is not None and loss_type == "vespo" and sampler_ratio.shape[1] == 1 and logps.shape[1] != 1:
-        raise ValueError("sampler_ratio: vespo takes a token-level correction (token_truncate or token_mask)")
-    _check_normalisers(loss_type, max_completion_length, num_items, completion_length=logps.shape[1])
-    if beta != 0.0 and ref_logps is None:
-        raise ValueError(f"ref_logps is required when beta != 0 (beta={beta})")
-    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
-    present = mask > 0
-    mask = mask.to(logps.dtype)
-    # Padding may hold anything (NaN where vLLM could not score a token, -inf from an ignored label).
-    # It is multiplied by 0 below, but 0 * NaN = NaN, in the value and in the gradient; so padded
-    # positions are neutralised first: logp 0, ratio 1, KL 0. Real tokens are untouched.
-    logps = torch.where(present, logps, torch.zeros_like(logps))
-    # On-policy: old = logp.detach(), so the ratio is exactly 1 but still carries grad logp.
-    old_logps = logps.detach() if old_logps is None else torch.where(present, old_logps, logps.detach())
-    if ref_logps is not None:
-        ref_logps = torch.where(present, ref_logps, logps.detach())
-    advantages = advantages.unsqueeze(1)  # (B, 1), broadcast over tokens
-
-    ratio = importance_ratio(logps, old_logps, mask, importance_sampling_level)  # (B, T) or (B, 1)
-    stats: dict[str, torch.Tensor] = {}
-    if loss_type in _CLIPPED:
-        per_token_loss = clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high, delta)
-        stats = clip_stats(_capped(ratio, delta), advantages, mask, epsilon_low, epsilon_high)
-    elif loss_type == "cispo":
-        per_token_loss = cispo_term(ratio, logps, advantages, epsilon_high)
-        stats["cispo_clip_ratio"] = masked_mean(((ratio > epsilon_high) & (advantages > 0)).to(mask.dtype), mask)
-    elif loss_type == "sapo":
-        per_token_loss = sapo_term(ratio, advantages, sapo_temperature_pos, sapo_temperature_neg)
-    else:  # vespo
-        phi = vespo_weights(logps - old_logps, advantages, mask, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
-                            vespo_lambda_neg, sampler_ratio=sampler_ratio)
-        per_token_loss = -phi * advantages * logps
-        stats["vespo/phi_seq_mean"] = masked_mean(phi, mask)
-    if off_policy_mask_threshold is not None:
-        sampled = old_logps if sampling_logps is None else torch.where(present, sampling_logps, logps.detach())
-        per_token_loss = per_token_loss * off_policy_mask(advantages, logps, sampled, mask, off_policy_mask_threshold)
-    if entropy_mask is not None:
-        per_token_loss = per_token_loss * entropy_mask.to(per_token_loss.dtype)
-    if sampler_ratio is not None and loss_type != "vespo":
-        per_token_loss = per_token_loss * sampler_ratio.to(per_token_loss.dtype)
-    if beta != 0.0:
-        per_token_kl = k3_kl(logps, ref_logps)
-        if kl_ratio_correction:
-            # Sampled under pi_old, so E_old[r * k3] is the KL of pi_theta (DeepSeek-V3.2); r is not
-            # detached, which changes the KL gradient even on-policy where r == 1.
-            per_token_kl = per_token_kl * ratio
-        per_token_loss = per_token_loss + beta * per_token_kl
-    loss = aggregate(per_token_loss, mask, loss_type, max_completion_length, num_items)
-
-    stats["ratio_mean"] = masked_mean(ratio.detach(), mask)
-    if beta != 0.0:
-        stats["kl"] = masked_mean(per_token_kl.detach(), mask)
-    return loss, stats
+    config = LossConfig(
+        loss_type=loss_type, beta=beta, epsilon=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+        importance_sampling_level=importance_sampling_level, sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg, off_policy_mask_threshold=off_policy_mask_threshold,
+    )
+    return GRPOLoss(config, max_completion_length)(
+        logps, old_logps, ref_logps, advantages, mask, num_items=num_items, sampling_logps=sampling_logps,
+        entropy_mask=entropy_mask, sampler_ratio=sampler_ratio, kl_ratio_correction=kl_ratio_correction,
+    )
 
 
 def importance_ratio(
@@ -175,11 +290,15 @@ def importance_ratio(
     TRL 1.16 uses the sequence ratio as is (no stop-gradient trick), so each token's gradient is
     r_i * A_i / |o_i| * grad logp_it while unclipped.
     """
-    log_ratio = logps - old_logps
+    return ratio_from_logratio(logps - old_logps, mask, level)
+
+
+def ratio_from_logratio(logratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """``importance_ratio`` of the log-ratio logp - old (B, T): (B, T) at token level, (B, 1) at sequence level."""
     if level == "token":
-        return torch.exp(log_ratio)
-    mean_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # empty row -> 0 -> ratio 1
-    return torch.exp(mean_log_ratio).unsqueeze(-1)
+        return torch.exp(logratio)
+    mean_logratio = (logratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # empty row -> 0 -> ratio 1
+    return torch.exp(mean_logratio).unsqueeze(-1)
 
 
 def clipped_surrogate(
@@ -196,9 +315,9 @@ def clipped_surrogate(
     far enough in the direction A favours. delta (INTELLECT-2) also caps the unclipped branch, which
     bounds the loss of a negative-advantage token whose ratio explodes.
     """
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    unclipped = _capped(ratio, delta)
-    return -torch.min(unclipped * advantages, clipped * advantages)
+    pg_loss1 = -advantages * _capped(ratio, delta)                                # unclipped (capped at delta)
+    pg_loss2 = -advantages * torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)  # clipped
+    return torch.max(pg_loss1, pg_loss2)  # = -min(r A, clip(r) A)
 
 
 def cispo_term(ratio: torch.Tensor, logps: torch.Tensor, advantages: torch.Tensor, epsilon_high: float) -> torch.Tensor:

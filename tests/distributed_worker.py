@@ -21,6 +21,7 @@ import torch
 
 import grpo_core.train.loop as loop
 from grpo_core.config import config_from_dict
+from grpo_core.loss import GRPOLoss
 from grpo_core.rollout import RolloutBatch, completion_mask_from_eos, left_pad
 
 
@@ -55,16 +56,16 @@ class DeterministicBackend:
 
 
 def poison_losses(calls: set[int]) -> None:
-    """Rank 0's grpo_loss calls numbered in ``calls`` return NaN (a guard's trigger on one process only)."""
-    real, count = loop.grpo_loss, {"n": 0}
+    """Rank 0's loss calls (GRPOLoss) numbered in ``calls`` return NaN (a guard's trigger on one process only)."""
+    real, count = GRPOLoss.__call__, {"n": 0}
 
-    def poisoned(*a, **k):
+    def poisoned(self, *a, **k):
         count["n"] += 1
-        loss, stats = real(*a, **k)
+        loss, stats = real(self, *a, **k)
         return (loss * math.nan if count["n"] in calls else loss), stats
 
     if int(os.environ.get("RANK", "0")) == 0:
-        loop.grpo_loss = poisoned
+        GRPOLoss.__call__ = poisoned
 
 
 def launch(out: Path, model: Path, data: Path, processes: int, spec: dict) -> None:

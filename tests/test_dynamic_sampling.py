@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import grpo_core.train.loop as loop
+from grpo_core.loss import GRPOLoss
 from grpo_core.train.dynamic import fill_round, tied_groups
 from grpo_core.train.loop import train
 from grpo_core.train.round import Round
@@ -94,13 +94,13 @@ def assets(tmp_path_factory):
 def test_in_training_tied_groups_never_reach_the_loss(assets, tmp_path, monkeypatch):
     model_dir, data = assets
     seen = []
-    real = loop.grpo_loss
+    real = GRPOLoss.__call__
 
-    def recording(logps, old, ref, advantages, mask, **kw):
+    def recording(self, logps, old, ref, advantages, mask, **kw):
         seen.append(advantages.detach().clone())
-        return real(logps, old, ref, advantages, mask, **kw)
+        return real(self, logps, old, ref, advantages, mask, **kw)
 
-    monkeypatch.setattr(loop, "grpo_loss", recording)
+    monkeypatch.setattr(GRPOLoss, "__call__", recording)
     cfg = tiny_config(model_dir, data, HALF_TIED, max_steps=3, dynamic_sampling=True, dynamic_sampling_max_rounds=8,
                       per_device_train_batch_size=16, num_generations=4)
     train(cfg, root=tmp_path, progress=False)

@@ -584,7 +584,7 @@ def test_training_through_a_mismatched_sampler_corrects_the_loss_as_trl_does(tmp
     import sys
     from types import ModuleType
 
-    import grpo_core.train.loop as loop
+    from grpo_core.loss import GRPOLoss
     from grpo_core.rollout import VLLMBackend
     from grpo_core.train.loop import train
     from tests.test_vllm_backend import StandInLLM, StandInSamplingParams
@@ -595,14 +595,14 @@ def test_training_through_a_mismatched_sampler_corrects_the_loss_as_trl_does(tmp
     monkeypatch.setitem(sys.modules, "vllm", module)
     model_dir, data = make_tiny_model(tmp_path / "model"), make_prompts(tmp_path / "train.jsonl")
     calls = []
-    real = loop.grpo_loss
+    real = GRPOLoss.__call__
 
-    def recording(logps, old, ref, advantages, mask, **kw):
-        loss, stats = real(logps, old, ref, advantages, mask, **kw)
+    def recording(self, logps, old, ref, advantages, mask, **kw):
+        loss, stats = real(self, logps, old, ref, advantages, mask, **kw)
         calls.append((logps.detach().double(), old.double(), advantages.double(), mask.double(), kw, loss.detach()))
         return loss, stats
 
-    monkeypatch.setattr(loop, "grpo_loss", recording)
+    monkeypatch.setattr(GRPOLoss, "__call__", recording)
     shift = lambda row, col: -0.3 * (row % 3)  # noqa: E731 - rows 0, 3, ...: exact; others: the engine is off
     cfg = tiny_config(model_dir, data, [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}],
                       max_steps=1, vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=1.5)

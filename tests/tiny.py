@@ -117,17 +117,18 @@ def generation_options(**overrides):
 
 
 def nan_loss_at(monkeypatch, calls_to_poison: set[int]) -> None:
-    """Make the trainer's grpo_loss return NaN on those calls (1-based; one call per micro-batch), for guard tests."""
+    """Make the trainer's loss (GRPOLoss) return NaN on those calls (1-based; one call per micro-batch), for guard
+    tests."""
     import math
 
-    import grpo_core.train.loop as trainer_mod
+    from grpo_core.loss import GRPOLoss
 
-    real = trainer_mod.grpo_loss
+    real = GRPOLoss.__call__
     count = {"n": 0}
 
-    def poisoned(*a, **k):
+    def poisoned(self, *a, **k):
         count["n"] += 1
-        loss, stats = real(*a, **k)
+        loss, stats = real(self, *a, **k)
         return (loss * math.nan if count["n"] in calls_to_poison else loss), stats
 
-    monkeypatch.setattr(trainer_mod, "grpo_loss", poisoned)
+    monkeypatch.setattr(GRPOLoss, "__call__", poisoned)

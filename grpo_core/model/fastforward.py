@@ -26,6 +26,7 @@ computed once).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -218,89 +219,152 @@ def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     matmuls; the rows are scattered into the padded (sequence, column) layout for attention alone and its
     output gathered back. A padding position costs attention work, not the matmuls'. ``padding_free=False``
     runs every column through them (the same numbers, slower; kept to measure what the saving is worth).
+
+    Phases: the layout (shared prompts, real tokens: ``_Layout``), the packed ids and RoPE, the attention masks,
+    the decoder stack over the packed rows, then each output position's row through the final norm.
     """
     B, L = input_ids.shape
-    P, S = prefix, L - prefix
-    if not 1 <= P <= L:
+    if not 1 <= prefix <= L:
         raise ValueError(f"prefix must be in [1, {L}], got {prefix}")
-    if rows is not None and tuple(rows.shape) != (B, S + 1):
-        raise ValueError(f"rows must be (B, L - prefix + 1) = {(B, S + 1)}, got {tuple(rows.shape)}")
+    if rows is not None and tuple(rows.shape) != (B, L - prefix + 1):
+        raise ValueError(f"rows must be (B, L - prefix + 1) = {(B, L - prefix + 1)}, got {tuple(rows.shape)}")
     layers, final = prepare(model, head=False)
     if position_ids is None:
         position_ids = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
-    device = input_ids.device
-    # Runs of adjacent rows with the same prompt (ids, mask, positions) share it: GRPO's G rows of a group.
-    key = torch.cat([input_ids[:, :P], attention_mask[:, :P].long(), position_ids[:, :P]], dim=1)
-    new_prompt = torch.cat([key.new_ones(1, dtype=torch.bool), (key[1:] != key[:-1]).any(1)])
-    first = new_prompt.nonzero().squeeze(1)                                       # (U,) a row of each prompt
-    inverse = new_prompt.long().cumsum(0) - 1                                     # (B,) its prompt's index
-    U = first.shape[0]
-    # The real tokens: the U distinct prompts' (of their U·P columns), then every row's later ones (of B·S).
-    real_p, real_s = attention_mask[first, :P].reshape(-1).bool(), attention_mask[:, P:].reshape(-1).bool()
-    if not padding_free:
-        real_p, real_s = torch.ones_like(real_p), torch.ones_like(real_s)
-    idx_p, idx_s = real_p.nonzero().squeeze(1), real_s.nonzero().squeeze(1)
-    n_p, n_s = idx_p.shape[0], idx_s.shape[0]
-    ids = torch.cat([input_ids[first, :P].reshape(-1)[idx_p], input_ids[:, P:].reshape(-1)[idx_s]])
-    cos, sin = rope(model, torch.cat([position_ids[first, :P].reshape(-1)[idx_p],
-                                      position_ids[:, P:].reshape(-1)[idx_s]]), final["embed"].dtype)  # (n, 1, d)
-    mask_p = causal_mask(attention_mask[first, :P])                               # (U, 1, P, P)
-    # A later token sees its prompt's real tokens, then causal over the real later tokens and itself.
+    layout = _Layout.of(input_ids, attention_mask, position_ids, prefix, padding_free)
+    where = layout.output_rows(rows)                                      # (B, S + 1), or (rows.sum(),)
+    dtype = final["embed"].dtype
+    cos, sin = rope(model, layout.packed(position_ids), dtype)            # (n, 1, d)
+    attend = _shared_prompt_attention(layers, layout, *_attention_masks(attention_mask, layout, dtype))
+    x = run_layers(embed(layout.packed(input_ids), final), layers, cos, sin, attend)  # (n_p + n_s, D)
+    if rows is None:
+        x = torch.cat([x, x.new_zeros(1, x.shape[1])])                    # the row padding positions point at
+    return final["norm_w"] * _normalize(x.index_select(0, where.reshape(-1)), final["eps"]).view(*where.shape, -1)
+
+
+@dataclass
+class _Layout:
+    """Which tokens ``hidden_states`` runs, and where they sit. The packed rows (N = n_p + n_s) are the U
+    distinct prompts' real tokens (of their U·P columns), then every row's real later tokens (of B·S)."""
+
+    B: int
+    P: int
+    S: int                 # L - P: the later columns
+    first: torch.Tensor    # (U,) a row of each distinct prompt
+    inverse: torch.Tensor  # (B,) each row's prompt
+    idx_p: torch.Tensor    # (n_p,) the real prompt tokens' places in the flattened (U·P) columns
+    idx_s: torch.Tensor    # (n_s,) the real later tokens' places in the flattened (B·S) columns
+    group: int | None      # G when every prompt has G rows (GRPO's groups), else None
+
+    @classmethod
+    def of(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, P: int,
+           padding_free: bool) -> _Layout:
+        # Runs of adjacent rows with the same prompt (ids, mask, positions) share it: GRPO's G rows of a group.
+        key = torch.cat([input_ids[:, :P], attention_mask[:, :P].long(), position_ids[:, :P]], dim=1)
+        new_prompt = torch.cat([key.new_ones(1, dtype=torch.bool), (key[1:] != key[:-1]).any(1)])
+        first = new_prompt.nonzero().squeeze(1)                                   # (U,)
+        inverse = new_prompt.long().cumsum(0) - 1                                 # (B,)
+        real_p, real_s = attention_mask[first, :P].reshape(-1).bool(), attention_mask[:, P:].reshape(-1).bool()
+        if not padding_free:
+            real_p, real_s = torch.ones_like(real_p), torch.ones_like(real_s)
+        counts = torch.bincount(inverse, minlength=first.shape[0])
+        G = int(counts[0])
+        return cls(input_ids.shape[0], P, input_ids.shape[1] - P, first, inverse, real_p.nonzero().squeeze(1),
+                   real_s.nonzero().squeeze(1), G if bool((counts == G).all()) else None)
+
+    @property
+    def U(self) -> int:
+        return self.first.shape[0]
+
+    @property
+    def n_p(self) -> int:
+        return self.idx_p.shape[0]
+
+    @property
+    def n_s(self) -> int:
+        return self.idx_s.shape[0]
+
+    @property
+    def full_p(self) -> bool:  # no prompt padding: nothing to scatter
+        return self.n_p == self.U * self.P
+
+    @property
+    def full_s(self) -> bool:
+        return self.n_s == self.B * self.S
+
+    def packed(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, L) per column -> (N,) per packed row."""
+        return torch.cat([t[self.first, :self.P].reshape(-1)[self.idx_p], t[:, self.P:].reshape(-1)[self.idx_s]])
+
+    def per_row(self, t: torch.Tensor) -> torch.Tensor:
+        """(U, ...) per prompt -> (B, ...) per row. Equal groups (GRPO's G rows each): an expand, whose backward
+        is a sum over G; otherwise index_select (an index_add backward; ``t[inverse]``'s is a slower index_put)."""
+        if self.group is not None:
+            return t[:, None].expand(self.U, self.group, *t.shape[1:]).reshape(self.B, *t.shape[1:])
+        return t.index_select(0, self.inverse)
+
+    def output_rows(self, rows: torch.Tensor | None) -> torch.Tensor:
+        """Where each output position's row is among the N packed rows: a row's last prompt column, then its
+        later columns, (B, S + 1); padding points at N (an extra zero row). With ``rows``: the wanted ones only."""
+        n, device = self.n_p + self.n_s, self.idx_p.device
+        where_p = torch.full((self.U * self.P,), n, dtype=torch.long, device=device).index_copy_(
+            0, self.idx_p, torch.arange(self.n_p, device=device))
+        where_s = torch.full((self.B * self.S,), n, dtype=torch.long, device=device).index_copy_(
+            0, self.idx_s, torch.arange(self.n_p, n, device=device))
+        where = torch.cat([where_p.view(self.U, self.P)[self.inverse, -1:], where_s.view(self.B, self.S)], dim=1)
+        if rows is None:
+            return where
+        where = where[rows.bool()]
+        if bool((where == n).any()):
+            raise ValueError("rows asks for the hidden state of a padding position")
+        return where
+
+
+def _attention_masks(attention_mask: torch.Tensor, layout: _Layout,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Additive masks: the distinct prompts' (U, 1, P, P), causal over their real tokens; the later tokens'
+    (B, 1, S, P + S): a later token sees its prompt's real tokens, then causal over the real later tokens and
+    itself. Additive, not bool: SDPA would convert a bool mask on every call."""
+    B, P, S, device = layout.B, layout.P, layout.S, attention_mask.device
+    mask_p = causal_mask(attention_mask[layout.first, :P])
     later = attention_mask[:, P:].bool()
     own = (torch.ones(S, S, dtype=torch.bool, device=device).tril() & later[:, None, :]) | torch.eye(
         S, dtype=torch.bool, device=device)
     mask_s = torch.cat([attention_mask[:, None, None, :P].bool().expand(B, 1, S, P), own[:, None]], dim=-1)
-    mask_p, mask_s = (_additive(m, final["embed"].dtype) for m in (mask_p, mask_s))  # SDPA converts bool per call
-    full_p, full_s = n_p == U * P, n_s == B * S  # no padding: nothing to scatter
+    return _additive(mask_p, dtype), _additive(mask_s, dtype)
 
-    def padded(t, idx, full, n_seq, width):
-        """(n, h, d) real rows -> (n_seq, h, width, d), zeros at padding (a padding key is masked out; a
-        padding query sees only itself, a zero value)."""
-        if not full:
-            t = t.new_zeros(n_seq * width, *t.shape[1:]).index_copy(0, idx, t)
-        return t.view(n_seq, width, *t.shape[1:]).transpose(1, 2)
 
-    def unpadded(t, idx, full):
-        """(n_seq, H, width, d) -> (n, H·d), the real rows."""
-        t = t.transpose(1, 2).reshape(-1, t.shape[1] * t.shape[3])
-        return t if full else t.index_select(0, idx)
+def _padded(t: torch.Tensor, idx: torch.Tensor, full: bool, n_seq: int, width: int) -> torch.Tensor:
+    """(n, h, d) real rows -> (n_seq, h, width, d), zeros at padding (a padding key is masked out; a padding
+    query sees only itself, a zero value)."""
+    if not full:
+        t = t.new_zeros(n_seq * width, *t.shape[1:]).index_copy(0, idx, t)
+    return t.view(n_seq, width, *t.shape[1:]).transpose(1, 2)
 
-    counts = torch.bincount(inverse, minlength=U)
-    G = int(counts[0])
-    equal_groups = bool((counts == G).all())
 
-    def per_row(t):
-        """(U, ...) per prompt -> (B, ...) per row. Equal groups (GRPO's G rows each): an expand, whose backward
-        is a sum over G; otherwise index_select (an index_add backward; ``t[inverse]``'s is a slower index_put)."""
-        if equal_groups:
-            return t[:, None].expand(U, G, *t.shape[1:]).reshape(B, *t.shape[1:])
-        return t.index_select(0, inverse)
+def _unpadded(t: torch.Tensor, idx: torch.Tensor, full: bool) -> torch.Tensor:
+    """(n_seq, H, width, d) -> (n, H·d), the real rows."""
+    t = t.transpose(1, 2).reshape(-1, t.shape[1] * t.shape[3])
+    return t if full else t.index_select(0, idx)
+
+
+def _shared_prompt_attention(layers: list[dict], layout: _Layout, mask_p: torch.Tensor,
+                             mask_s: torch.Tensor) -> Attend:
+    """``run_layers``' attend over the packed rows: the prompts' queries attend within their prompt; each row's
+    later queries attend its prompt's keys and values (shared by the group's rows), then its own."""
+    lo = layout
 
     def attend(i, q, k, v):
         (H, n_kv, _), scale = layers[i]["heads"], layers[i]["scale"]
-        (qp, qs), (kp, ks), (vp, vs) = (t.split([n_p, n_s]) for t in (q, k, v))
-        qp, kp, vp = (padded(t, idx_p, full_p, U, P) for t in (qp, kp, vp))
-        out = unpadded(F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask_p, scale=scale,
-                                                      enable_gqa=n_kv != H), idx_p, full_p)
-        if S == 0:
+        (qp, qs), (kp, ks), (vp, vs) = (t.split([lo.n_p, lo.n_s]) for t in (q, k, v))
+        qp, kp, vp = (_padded(t, lo.idx_p, lo.full_p, lo.U, lo.P) for t in (qp, kp, vp))  # (U, h, P, d)
+        out = _unpadded(F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask_p, scale=scale,
+                                                       enable_gqa=n_kv != H), lo.idx_p, lo.full_p)
+        if lo.S == 0:
             return out
-        qs, ks, vs = (padded(t, idx_s, full_s, B, S) for t in (qs, ks, vs))
-        ks, vs = torch.cat([per_row(kp), ks], dim=2), torch.cat([per_row(vp), vs], dim=2)
+        qs, ks, vs = (_padded(t, lo.idx_s, lo.full_s, lo.B, lo.S) for t in (qs, ks, vs))  # (B, h, S, d)
+        ks, vs = torch.cat([lo.per_row(kp), ks], dim=2), torch.cat([lo.per_row(vp), vs], dim=2)  # (B, h, P + S, d)
         later_out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask_s, scale=scale, enable_gqa=n_kv != H)
-        return torch.cat([out, unpadded(later_out, idx_s, full_s)])
+        return torch.cat([out, _unpadded(later_out, lo.idx_s, lo.full_s)])
 
-    x = run_layers(embed(ids, final), layers, cos, sin, attend)                  # (n_p + n_s, D)
-    # Where each output position's row is in x: a row's last prompt column, then its later columns; padding
-    # points at an extra zero row.
-    where_p = torch.full((U * P,), n_p + n_s, dtype=torch.long, device=device).index_copy_(
-        0, idx_p, torch.arange(n_p, device=device))
-    where_s = torch.full((B * S,), n_p + n_s, dtype=torch.long, device=device).index_copy_(
-        0, idx_s, torch.arange(n_p, n_p + n_s, device=device))
-    where = torch.cat([where_p.view(U, P)[inverse, -1:], where_s.view(B, S)], dim=1)  # (B, S + 1)
-    if rows is not None:
-        where = where[rows.bool()]
-        if bool((where == n_p + n_s).any()):
-            raise ValueError("rows asks for the hidden state of a padding position")
-    else:
-        x = torch.cat([x, x.new_zeros(1, x.shape[1])])
-    return final["norm_w"] * _normalize(x.index_select(0, where.reshape(-1)), final["eps"]).view(*where.shape, -1)
+    return attend

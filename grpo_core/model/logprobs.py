@@ -108,6 +108,29 @@ def token_logprobs_and_entropy(
         of position L-K+j-1. Computed in float32 for half-precision models (TRL 1.16's fused LM head
         does the same), otherwise in the logits' dtype. 0 where attention_mask is 0, as TRL 1.16.
     """
+    _check_scoring_arguments(input_ids, attention_mask, logits_to_keep, position_ids, temperature)
+    model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if position_ids is not None:
+        model_inputs["position_ids"] = position_ids
+    completion_ids = input_ids[:, -logits_to_keep:]                             # (B, K)
+    scoring = (temperature, compute_entropy, chunk_size)
+    parts = _backbone_and_head(model) if fused_head else None
+    if forward != "hf" and use_manual_forward(model, forward):
+        logps, entropies = _manual_forward_logps(model, input_ids, attention_mask, position_ids, logits_to_keep,
+                                                 scoring, padding_free)
+    elif parts is not None:
+        logps, entropies = _fused_head_logps(*parts, model_inputs, completion_ids, scoring)
+    else:
+        logps, entropies = _full_logits_logps(model, model_inputs, completion_ids, scoring)
+    is_padding = attention_mask[:, -logits_to_keep:] == 0                       # (B, K)
+    logps = logps.masked_fill(is_padding, 0.0)
+    if entropies is not None:
+        entropies = entropies.masked_fill(is_padding, 0.0)
+    return logps, entropies
+
+
+def _check_scoring_arguments(input_ids, attention_mask, logits_to_keep, position_ids, temperature) -> None:
+    """Raise ValueError naming the first argument of ``token_logprobs_and_entropy`` out of contract."""
     if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 1:
         raise ValueError(f"logits_to_keep must be an int >= 1, got {logits_to_keep!r}")
     if input_ids.ndim != 2 or logits_to_keep >= input_ids.shape[1]:
@@ -125,53 +148,52 @@ def token_logprobs_and_entropy(
         )
     _check_positive("temperature", temperature)
 
-    model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-    if position_ids is not None:
-        model_inputs["position_ids"] = position_ids
-    completion_ids = input_ids[:, -logits_to_keep:]
-    parts = _backbone_and_head(model) if fused_head else None
-    if forward != "hf" and use_manual_forward(model, forward):
-        # The hand-written forward gives the final hidden states; the LM head is fused as below.
-        # The last token only predicts beyond the sequence: it is left out. The prompt columns are computed
-        # once per distinct prompt (the G rows of a group share them).
-        # Padding-free: only the real completion positions are scored (packed rows), then put back in place.
-        L = input_ids.shape[1]
-        real = attention_mask[:, -logits_to_keep:].bool() if padding_free else None
-        hidden = hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1],
-                               None if position_ids is None else position_ids[:, :-1], prefix=L - logits_to_keep,
-                               rows=real, padding_free=padding_free)
-        logps, entropies = _chunked_head_logps_and_entropy(
-            hidden, model.lm_head, completion_ids if real is None else completion_ids[real], temperature,
-            compute_entropy, chunk_size
-        )
-        if real is not None:
-            logps, entropies = (None if t is None else t.new_zeros(real.shape).masked_scatter(real, t)
-                                for t in (logps, entropies))
-    elif parts is not None:
-        # Fused LM head: the (B, K, V) logits never exist. Each chunk of rows is projected, scored and
-        # (under autograd) recomputed in backward, so only the (B, K, H) hidden states are kept.
-        backbone, head = parts
-        hidden = backbone(**model_inputs, use_cache=False).last_hidden_state[:, -logits_to_keep - 1:-1]
-        logps, entropies = _chunked_head_logps_and_entropy(
-            hidden, head, completion_ids, temperature, compute_entropy, chunk_size
-        )
-    else:
-        if _accepts_logits_to_keep(model):
-            # One extra position: the logits at L-K-1 predict the first completion token.
-            model_inputs["logits_to_keep"] = logits_to_keep + 1
-        logits = model(**model_inputs).logits  # (B, K+1, V), or (B, L, V) without logits_to_keep
-        # Drop the last position (it predicts the token after the sequence), keep the K that predict completions.
-        logits = logits[:, :-1][:, -logits_to_keep:]  # (B, K, V)
-        # Half-precision logits are upcast one chunk at a time: the per-token numbers match TRL's fused head
-        # (fp32) and the full (B, K, V) float32 copy never exists.
-        logps, entropies = _chunked_logps_and_entropy(
-            logits, completion_ids, temperature, compute_entropy, chunk_size
-        )
-    is_padding = attention_mask[:, -logits_to_keep:] == 0
-    logps = logps.masked_fill(is_padding, 0.0)
-    if entropies is not None:
-        entropies = entropies.masked_fill(is_padding, 0.0)
+
+def _manual_forward_logps(model, input_ids, attention_mask, position_ids, logits_to_keep: int, scoring: tuple,
+                          padding_free: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The hand-written forward's final hidden states through the LM head, fused as in ``_fused_head_logps``.
+
+    The last token only predicts beyond the sequence: it is left out. The prompt columns are computed once per
+    distinct prompt (the G rows of a group share them). Padding-free: only the real completion positions are
+    scored (packed rows), then put back in place. -> (B, K) log-probs, entropies or None.
+    """
+    L = input_ids.shape[1]
+    completion_ids = input_ids[:, -logits_to_keep:]                             # (B, K)
+    real = attention_mask[:, -logits_to_keep:].bool() if padding_free else None  # (B, K)
+    hidden = hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1],
+                           None if position_ids is None else position_ids[:, :-1], prefix=L - logits_to_keep,
+                           rows=real, padding_free=padding_free)                # (B, K, D), or (real.sum(), D)
+    logps, entropies = _chunked_head_logps_and_entropy(
+        hidden, model.lm_head, completion_ids if real is None else completion_ids[real], *scoring
+    )
+    if real is not None:
+        logps, entropies = (None if t is None else t.new_zeros(real.shape).masked_scatter(real, t)
+                            for t in (logps, entropies))
     return logps, entropies
+
+
+def _fused_head_logps(backbone: torch.nn.Module, head: torch.nn.Linear, model_inputs: dict,
+                      completion_ids: torch.Tensor, scoring: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fused LM head: the (B, K, V) logits never exist. Each chunk of rows is projected, scored and (under
+    autograd) recomputed in backward, so only the (B, K, H) hidden states are kept."""
+    logits_to_keep = completion_ids.shape[1]
+    hidden = backbone(**model_inputs, use_cache=False).last_hidden_state[:, -logits_to_keep - 1:-1]  # (B, K, H)
+    return _chunked_head_logps_and_entropy(hidden, head, completion_ids, *scoring)
+
+
+def _full_logits_logps(model: torch.nn.Module, model_inputs: dict, completion_ids: torch.Tensor,
+                       scoring: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The model's own forward and its logits, scored chunk by chunk."""
+    logits_to_keep = completion_ids.shape[1]
+    if _accepts_logits_to_keep(model):
+        # One extra position: the logits at L-K-1 predict the first completion token.
+        model_inputs = {**model_inputs, "logits_to_keep": logits_to_keep + 1}
+    logits = model(**model_inputs).logits  # (B, K+1, V), or (B, L, V) without logits_to_keep
+    # Drop the last position (it predicts the token after the sequence), keep the K that predict completions.
+    logits = logits[:, :-1][:, -logits_to_keep:]  # (B, K, V)
+    # Half-precision logits are upcast one chunk at a time: the per-token numbers match TRL's fused head
+    # (fp32) and the full (B, K, V) float32 copy never exists.
+    return _chunked_logps_and_entropy(logits, completion_ids, *scoring)
 
 
 def _chunked_logps_and_entropy(

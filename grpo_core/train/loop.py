@@ -6,7 +6,7 @@
       round     at a round's start: G completions per prompt, rewards (N, K), advantages (N,),
                 old log-probs (only when a round feeds > 1 step), reference log-probs (beta > 0)   -> Round
                 (async_rollouts: the round the sampler worker sampled ahead, and the next one submitted)
-      gradients ga micro-batches: grpo_loss(logps, old_logps, ref_logps, A, mask); backward; clip
+      gradients ga micro-batches: run.loss_fn(logps, old_logps, ref_logps, A, mask) (GRPOLoss); backward; clip
       guards    the step's metrics decide: apply, skip the update, roll back, or stop
       update    optimizer and schedule step; the rollout engine gets the new weights
       evaluate  every eval_steps: the policy on held-out prompts -> eval/* (grpo_core/train/evaluation.py)
@@ -36,9 +36,9 @@ from grpo_core.config import BatchConfig, GuardsConfig, PipelineConfig, training
 from grpo_core.data import PromptEncoder, load_split
 from grpo_core.loss import (
     TOKEN_SUM_LOSS_TYPES,
+    GRPOLoss,
     applied_entropy_coef,
     entropy_mean,
-    grpo_loss,
     high_entropy_mask,
     next_entropy_coef,
     sampler_correction,
@@ -273,6 +273,7 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
     run = TrainingRun(t=t, generation=cfg.generation, round_spec=RoundSpec(sampling_params(cfg.generation),
                                                                          t.num_generations, t.reward_calls),
                       logprobs=LogprobOptions.from_config(cfg),
+                      loss_fn=GRPOLoss(t.loss, max_completion_length=cfg.generation.max_completion_length),
                       accelerator=accelerator, model=model, policy=policy, ref_model=ref_model,
                       tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, backend=backend,
                       params_hash=training_params_hash(cfg, weights.tolist()),
@@ -507,15 +508,9 @@ def micro_batch_loss(run: TrainingRun, mb: Round, loss_mask: torch.Tensor, *, nu
     if t.top_entropy_quantile < 1.0:  # the threshold is the quantile over every process's tokens, as in TRL
         every = _gather_values(acc, entropy.detach()[mask.bool()].float()) if acc.num_processes > 1 else None
         trained = high_entropy_mask(entropy.detach(), mask, t.top_entropy_quantile, all_entropies=every)
-    loss, stats = grpo_loss(
+    loss, stats = run.loss_fn(
         logps, _cut(mb.old_logps, width, device), _cut(mb.ref_logps, width, device), mb.advantages.to(device), mask,
-        loss_type=t.loss_type, beta=t.beta, epsilon_low=t.epsilon, epsilon_high=t.epsilon_high, delta=t.delta,
-        importance_sampling_level=t.importance_sampling_level, max_completion_length=run.generation.max_completion_length,
-        num_items=max(num_items, 1.0), sapo_temperature_pos=t.sapo_temperature_pos,
-        sapo_temperature_neg=t.sapo_temperature_neg, vespo_k_pos=t.vespo_k_pos, vespo_lambda_pos=t.vespo_lambda_pos,
-        vespo_k_neg=t.vespo_k_neg, vespo_lambda_neg=t.vespo_lambda_neg,
-        off_policy_mask_threshold=t.off_policy_mask_threshold, entropy_mask=trained,
-        sampling_logps=_cut(mb.sampling_logps, width, device),
+        num_items=max(num_items, 1.0), entropy_mask=trained, sampling_logps=_cut(mb.sampling_logps, width, device),
         sampler_ratio=_cut(mb.sampler_ratio, width, device))  # (B, 1) at sequence level stays (B, 1)
     if t.loss_type not in TOKEN_SUM_LOSS_TYPES:  # those already divide by the step's token count
         loss = loss / ga

@@ -29,6 +29,7 @@ from grpo_core.train.checkpoint import (
 from grpo_core.train.round import Round
 
 if TYPE_CHECKING:
+    from grpo_core.loss import GRPOLoss
     from grpo_core.train.forward import LogprobOptions
     from grpo_core.train.rollouts import RoundSpec
 
@@ -97,6 +98,7 @@ class TrainingRun:
     generation: GenerationConfig   # params.yaml generation: how rounds are sampled
     round_spec: RoundSpec          # sampling, G and reward calls of a round (built from t and generation)
     logprobs: LogprobOptions       # the trainer's log-prob passes (train's forward keys, generation.temperature)
+    loss_fn: GRPOLoss              # built once from train.loss (grpo_core/loss.py), called per micro-batch
     accelerator: Any
     model: Any               # what the optimizer steps: DDP-wrapped on N processes, fully_shard-ed under FSDP2
     policy: Any              # the same model unwrapped (under FSDP2 the sharded model itself): save and sync this

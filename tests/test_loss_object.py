@@ -1,0 +1,191 @@
+"""GRPOLoss: built once from a LossConfig (TRL names), called per micro-batch; the same numbers as grpo_loss, bit for
+bit, for every loss type and importance-sampling level; options checked at construction; fed by TrainConfig().loss."""
+
+import ast
+import dataclasses
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_core.config import LossConfig, TrainConfig
+from grpo_core.loss import GRPOLoss, grpo_loss
+
+F64 = torch.float64
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+LEVELS = ["token", "sequence"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def loss_config(**changes) -> LossConfig:
+    """The loss section of the default train config (TRL GRPOConfig's defaults), with ``changes``."""
+    return dataclasses.replace(TrainConfig().loss, **changes)
+
+
+def functional_options(config: LossConfig) -> dict:
+    """The same options as grpo_loss keywords (TRL's ``epsilon`` is grpo_loss's ``epsilon_low``)."""
+    options = dataclasses.asdict(config)
+    options["epsilon_low"] = options.pop("epsilon")
+    return options
+
+
+def micro_batch(B=5, T=7, seed=0, dtype=F64):
+    """Random tensors off-policy, with padding holding NaN, an empty row, OPSM's sampler log-probs, an entropy mask
+    and a token-level sampler ratio."""
+    g = torch.Generator().manual_seed(seed)
+    logps = torch.randn(B, T, generator=g, dtype=dtype) - 1.5
+    mask = (torch.rand(B, T, generator=g) > 0.25).to(dtype)
+    mask[0] = 0
+    tensors = {
+        "old_logps": logps + 0.3 * torch.randn(B, T, generator=g, dtype=dtype),
+        "ref_logps": logps + 0.2 * torch.randn(B, T, generator=g, dtype=dtype),
+        "advantages": torch.randn(B, generator=g, dtype=dtype),
+        "mask": mask,
+    }
+    extras = {
+        "sampling_logps": tensors["old_logps"] + 0.4 * torch.randn(B, T, generator=g, dtype=dtype),
+        "entropy_mask": torch.rand(B, T, generator=g) > 0.4,
+        "sampler_ratio": torch.rand(B, T, generator=g, dtype=dtype) + 0.5,
+        "num_items": 23,
+    }
+    return logps.masked_fill(mask == 0, float("nan")), tensors, extras
+
+
+def run(fn, logps, tensors, **keywords):
+    """loss, stats and d loss / d logps of one call."""
+    leaf = logps.clone().requires_grad_(True)
+    loss, stats = fn(leaf, tensors["old_logps"], tensors["ref_logps"], tensors["advantages"], tensors["mask"],
+                     **keywords)
+    (grad,) = torch.autograd.grad(loss, leaf)
+    return loss.detach(), stats, grad
+
+
+def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str):
+    """Equal bit for bit: same dtype and shape, same bits (signed zeros and NaN included)."""
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    as_int = {8: torch.int64, 4: torch.int32}[a.element_size()]
+    assert torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int)), f"{what}: {a} != {b}"
+
+
+def assert_same_results(ours, theirs):
+    (loss, stats, grad), (loss_f, stats_f, grad_f) = ours, theirs
+    assert_bitwise(loss, loss_f, "loss")
+    assert_bitwise(grad, grad_f, "gradient")
+    assert list(stats) == list(stats_f)
+    for key in stats:
+        assert not stats[key].requires_grad, key
+        assert_bitwise(stats[key], stats_f[key], key)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_the_object_equals_grpo_loss_bit_for_bit(loss_type, level, dtype):
+    config = loss_config(loss_type=loss_type, importance_sampling_level=level, beta=0.04, delta=1.5,
+                         epsilon_high=5.0 if loss_type == "cispo" else 0.28, off_policy_mask_threshold=0.05,
+                         sapo_temperature_pos=0.9, vespo_k_neg=2.5)
+    loss_fn = GRPOLoss(config, max_completion_length=10)  # built once ...
+    for seed, T in ((0, 7), (1, 4)):  # ... called on micro-batches of different widths
+        logps, tensors, extras = micro_batch(T=T, seed=seed, dtype=dtype)
+        for keywords in ({}, extras, {**extras, "kl_ratio_correction": False, "num_items": torch.tensor(31.0)}):
+            ours = run(loss_fn, logps, tensors, **keywords)
+            theirs = run(grpo_loss, logps, tensors, max_completion_length=10, **functional_options(config),
+                         **keywords)
+            assert_same_results(ours, theirs)
+            assert torch.isfinite(ours[0]) and ours[2].abs().sum() > 0
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_on_policy_without_kl_equals_grpo_loss(loss_type):
+    """old_logps and ref_logps None (ratio 1, no reference), TRL's defaults otherwise."""
+    config = loss_config(loss_type=loss_type, epsilon_high=5.0 if loss_type == "cispo" else None)
+    logps, tensors, _ = micro_batch()
+    tensors = tensors | {"old_logps": None, "ref_logps": None}
+    ours = run(GRPOLoss(config), logps, tensors)
+    theirs = run(grpo_loss, logps, tensors, **functional_options(config))
+    assert_same_results(ours, theirs)
+    assert "kl" not in ours[1] and ours[1]["ratio_mean"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"loss_type": "x"}, "loss_type"),
+        ({"importance_sampling_level": "tokens"}, "importance_sampling_level"),
+        ({"beta": -0.1}, "beta"),
+        ({"epsilon": 1.5}, "epsilon"),
+        ({"epsilon": "0.2"}, "epsilon"),
+        ({"epsilon_high": -0.1}, "epsilon_high"),
+        ({"delta": 0.0}, "delta"),
+        ({"sapo_temperature_pos": 0.0}, "sapo_temperature_pos"),
+        ({"sapo_temperature_neg": -1.0}, "sapo_temperature_neg"),
+        ({"vespo_k_pos": -1.0}, "vespo_k_pos"),
+        ({"vespo_lambda_pos": float("nan")}, "vespo_lambda_pos"),
+        ({"vespo_k_neg": -1.0}, "vespo_k_neg"),
+        ({"vespo_lambda_neg": float("inf")}, "vespo_lambda_neg"),
+        ({"off_policy_mask_threshold": -0.1}, "off_policy_mask_threshold"),
+    ],
+)
+def test_a_bad_option_raises_at_construction_naming_it(changes, named):
+    with pytest.raises(ValueError, match=named):
+        GRPOLoss(loss_config(**changes), max_completion_length=32)  # no tensor in sight yet
+
+
+def test_a_call_checks_only_what_comes_with_it():
+    """Tensors and per-call counts are checked per call, with the messages grpo_loss gives."""
+    loss_fn = GRPOLoss(loss_config(loss_type="dr_grpo", beta=0.1), max_completion_length=5)
+    logps, tensors, _ = micro_batch(T=7)
+    with pytest.raises(ValueError, match="max_completion_length must be an int >= T=7"):
+        loss_fn(logps, tensors["old_logps"], tensors["ref_logps"], tensors["advantages"], tensors["mask"])
+    logps, tensors, _ = micro_batch(T=5)
+    with pytest.raises(ValueError, match="ref_logps is required"):
+        loss_fn(logps, tensors["old_logps"], None, tensors["advantages"], tensors["mask"])
+    with pytest.raises(ValueError, match="num_items"):
+        loss_fn(logps, tensors["old_logps"], tensors["ref_logps"], tensors["advantages"], tensors["mask"],
+                num_items=-1)
+    with pytest.raises(ValueError, match="advantages"):
+        loss_fn(logps, tensors["old_logps"], tensors["ref_logps"], tensors["advantages"][:2], tensors["mask"])
+
+
+def test_train_config_loss_feeds_it_directly():
+    t = TrainConfig()
+    loss_fn = GRPOLoss(t.loss, max_completion_length=32)
+    assert loss_fn.config == t.loss and loss_fn.max_completion_length == 32
+    logps, tensors, _ = micro_batch()
+    ours = run(loss_fn, logps, tensors)
+    theirs = run(grpo_loss, logps, tensors, loss_type=t.loss_type, beta=t.beta, epsilon_low=t.epsilon,
+                 epsilon_high=t.epsilon_high, delta=t.delta, importance_sampling_level=t.importance_sampling_level,
+                 sapo_temperature_pos=t.sapo_temperature_pos, sapo_temperature_neg=t.sapo_temperature_neg,
+                 vespo_k_pos=t.vespo_k_pos, vespo_lambda_pos=t.vespo_lambda_pos, vespo_k_neg=t.vespo_k_neg,
+                 vespo_lambda_neg=t.vespo_lambda_neg, off_policy_mask_threshold=t.off_policy_mask_threshold)
+    assert_same_results(ours, theirs)
+
+
+def test_max_completion_length_is_dr_grpos_normaliser():
+    config = dataclasses.replace(TrainConfig().loss, loss_type="dr_grpo")
+    logps, tensors, _ = micro_batch(T=7)
+    with_32 = run(GRPOLoss(config, max_completion_length=32), logps, tensors)[0]
+    with_t = run(GRPOLoss(config), logps, tensors)[0]  # None: the micro-batch's T
+    torch.testing.assert_close(with_32 * 32, with_t * 7, rtol=1e-12, atol=0)
+
+
+def test_grpo_loss_keeps_its_signature_and_wraps_the_object():
+    parameters = inspect.signature(grpo_loss).parameters
+    assert list(parameters)[:5] == ["logps", "old_logps", "ref_logps", "advantages", "mask"]
+    assert {name for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY} == {
+        "loss_type", "beta", "epsilon_low", "epsilon_high", "delta", "importance_sampling_level",
+        "kl_ratio_correction", "max_completion_length", "num_items", "sapo_temperature_pos", "sapo_temperature_neg",
+        "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold",
+        "sampling_logps", "entropy_mask", "sampler_ratio"}
+    source = inspect.getsource(grpo_loss)
+    assert "GRPOLoss(" in source and len(source.splitlines()) < 90
+
+
+@pytest.mark.parametrize("path", ["grpo_core/loss.py", "grpo_core/model/fastforward.py",
+                                  "grpo_core/model/logprobs.py"])
+def test_no_function_over_90_lines(path):
+    tree = ast.parse((REPO / path).read_text())
+    long = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 90]
+    assert long == []
