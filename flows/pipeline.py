@@ -14,7 +14,9 @@ What the flow adds to ``dvc repro``:
   with ``GRPO_FLOW_RUN_ID`` (tagged ``prefect.flow_run_id`` on every run) and ``GRPO_EXPERIMENT_NAME``,
   ended here with the pipeline's status;
 - a **markdown artifact** (key ``grpo-pipeline-summary``) with the calibrated weights, the evaluation
-  table and the registry decision (or the validation report when validation failed).
+  table and the registry decision (or the validation report when validation failed), built from the stages'
+  JSON results (``STAGE_RESULTS``), never parsed out of their markdown; a result that is missing after its
+  stage ran, or malformed, is named under "Stage results not shown" (and in the log) instead.
 
 Params overrides (``{"train.learning_rate": 1e-4}``, dotted keys) are validated against the config
 schema, then written into params.yaml the way ``dvc exp run -S`` writes them (ruamel, comments kept):
@@ -48,7 +50,9 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.stages import PERMANENT_EXIT_CODES, STAGES
-from flows.stages.common import find_repo_root, load_params, store_root
+from flows.stages.common import CALIBRATION_WEIGHTS, find_repo_root, load_params, store_root
+from flows.stages.evaluate import METRICS as EVAL_METRICS
+from flows.stages.evaluate import REGISTERED_KEYS, REGISTRY, REGISTRY_KEYS, registry_markdown
 from flows.stages.runs import (
     EXPERIMENT_ENV,
     FLOW_RUN_ENV,
@@ -60,6 +64,8 @@ from flows.stages.runs import (
     run_name_and_diff,
     tracking_uri_for,
 )
+from flows.stages.validate import REPORT_JSON as VALIDATION_JSON
+from flows.stages.validate import REPORT_TXT as VALIDATION_TXT
 
 #: seconds per stage before its process group is killed (override with the flow's ``timeouts``)
 DEFAULT_TIMEOUTS = {"prepare": 2 * 3600, "validate": 3600, "calibrate": 4 * 3600, "train": 48 * 3600,
@@ -233,55 +239,110 @@ def _yaml12(path: Path) -> dict:
 # the summary artifact
 
 
-def _read(path: Path) -> Any:
+#: the stages' JSON results the summary and the return value are built from (never their markdown):
+#: name -> (the stage that writes it, its path, the keys it must hold)
+STAGE_RESULTS = {
+    "validation": ("validate", VALIDATION_JSON, ("ok",)),
+    "calibration": ("calibrate", CALIBRATION_WEIGHTS, ("weights",)),
+    "eval": ("evaluate", EVAL_METRICS, ("base", "trained")),
+    "registry": ("evaluate", REGISTRY, REGISTRY_KEYS),
+}
+
+
+def read_result(root: Path, rel: str, keys: tuple[str, ...]) -> tuple[dict | None, str | None]:
+    """One stage's JSON result, or None and why it cannot be used (naming the file)."""
     try:
-        return json.loads(path.read_text()) if path.suffix == ".json" else path.read_text()
-    except (OSError, json.JSONDecodeError):
-        return None
+        data = json.loads((root / rel).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None, f"`{rel}` is missing"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, f"`{rel}` is not readable JSON ({exc})"
+    if not isinstance(data, dict):
+        return None, f"`{rel}` is malformed: a JSON {type(data).__name__}, not an object"
+    if rel == REGISTRY and data.get("registered"):
+        keys = (*keys, *REGISTERED_KEYS)
+    missing = [k for k in keys if k not in data]
+    return (None, f"`{rel}` is malformed: no {', '.join(missing)}") if missing else (data, None)
+
+
+def stage_results(root: Path, completed: set[str]) -> tuple[dict[str, dict | None], list[str]]:
+    """Every STAGE_RESULTS entry (None when unusable) and the problems to report: a malformed file, or a missing
+    one whose stage completed in this flow run (a stage that did not run leaving no file is expected)."""
+    data, problems = {}, []
+    for name, (stage, rel, keys) in STAGE_RESULTS.items():
+        data[name], problem = read_result(root, rel, keys)
+        if problem and (stage in completed or (root / rel).exists()):
+            problems.append(f"{problem} (written by `{stage}`)")
+    return data, problems
 
 
 def _num(x: Any) -> str:
     return f"{x:.4f}" if isinstance(x, float) else ("-" if x is None else str(x))
 
 
-def summary_markdown(root: Path, *, status: str, results: list[dict], selected: list[str], flow_run_id: str | None,
-                     parent_run_id: str | None, experiment: str, tracking_uri: str, error: str | None = None) -> str:
-    lines = ["# GRPO pipeline run", "",
-             f"Status **{status}**. Prefect flow run `{flow_run_id or '-'}`; MLflow parent run `{parent_run_id or '-'}` "
-             f"in experiment `{experiment}` ({tracking_uri}).", "",
-             "| stage | result | seconds |", "| --- | --- | ---: |"]
+def _stage_lines(results: list[dict], selected: list[str], error: str | None) -> list[str]:
+    """One row per selected stage; the first one without a result is the one that failed."""
     done = {r["stage"]: r for r in results}
+    failed = next((s for s in selected if s not in done), None) if error else None
+    lines = ["| stage | result | seconds |", "| --- | --- | ---: |"]
     for st in selected:
         r = done.get(st)
-        res = ("ran" if r["ran"] else "up to date") if r else ("failed" if error and not r and st == next(
-            (s for s in selected if s not in done), None) else "not run")
+        res = ("ran" if r["ran"] else "up to date") if r else ("failed" if st == failed else "not run")
         lines.append(f"| {st} | {res} | {r['seconds'] if r else '-'} |")
+    return lines
+
+
+def _validation_lines(root: Path, validation: dict | None, error: str | None) -> list[str]:
+    """The failed validation's own text report, shown as it is (read for display, nothing parsed from it)."""
+    if not (error and validation and not validation["ok"]):
+        return []
+    try:
+        text = (root / VALIDATION_TXT).read_text()
+    except OSError:
+        text = f"({VALIDATION_TXT} is missing; {VALIDATION_JSON} holds the failures)"
+    return ["", "## Validation report", "", "```", text[:6000], "```"]
+
+
+def _calibration_lines(weights: dict | None) -> list[str]:
+    if not weights:
+        return []
+    lines = ["", "## Calibration", "", f"Rule: {weights.get('rule', '-')[:200]}", "",
+             "| reward | weight | flags |", "| --- | ---: | --- |"]
+    for name, w in weights["weights"].items():
+        flags = ", ".join((weights.get("flags") or {}).get(name, [])) or "-"
+        lines.append(f"| `{name}` | {w:.4f} | {flags} |")
+    return lines + [f"- {w}" for w in weights.get("warnings", [])]
+
+
+def _evaluation_lines(metrics: dict | None) -> list[str]:
+    if not metrics:
+        return []
+    keys = [k for k in metrics["trained"] if k == "accuracy" or k.startswith(("pass@", "format_compliance",
+                                                                              "mean_completion_length"))]
+    lines = ["", "## Evaluation", "", "| metric | base | trained | delta |", "| --- | ---: | ---: | ---: |"]
+    for k in keys:
+        lines.append(f"| {k} | {_num(metrics['base'].get(k))} | {_num(metrics['trained'].get(k))} | "
+                     f"{_num(metrics.get('delta', {}).get(k))} |")
+    return lines
+
+
+def summary_markdown(root: Path, *, status: str, results: list[dict], selected: list[str], flow_run_id: str | None,
+                     parent_run_id: str | None, experiment: str, tracking_uri: str, error: str | None = None,
+                     outputs: tuple[dict, list[str]] | None = None) -> str:
+    """The flow's summary artifact, from the stages' JSON results (``outputs``: ``stage_results``' answer, read
+    here when not given)."""
+    data, problems = outputs or stage_results(root, {r["stage"] for r in results})
+    lines = ["# GRPO pipeline run", "",
+             f"Status **{status}**. Prefect flow run `{flow_run_id or '-'}`; MLflow parent run `{parent_run_id or '-'}` "
+             f"in experiment `{experiment}` ({tracking_uri}).", "", *_stage_lines(results, selected, error)]
     if error:
         lines += ["", "**Error**", "", "```", error[-3000:], "```"]
-    failed_validation = _read(root / "reports/validation.json")
-    if error and isinstance(failed_validation, dict) and not failed_validation.get("ok", True):
-        text = _read(root / "reports/validation.txt") or ""
-        lines += ["", "## Validation report", "", "```", text[:6000], "```"]
-    weights = _read(root / "artifacts/calibration/reward_weights.json")
-    if isinstance(weights, dict) and "weights" in weights:
-        lines += ["", "## Calibration", "", f"Rule: {weights.get('rule', '-')[:200]}", "",
-                  "| reward | weight | flags |", "| --- | ---: | --- |"]
-        for name, w in weights["weights"].items():
-            flags = ", ".join((weights.get("flags") or {}).get(name, [])) or "-"
-            lines.append(f"| `{name}` | {w:.4f} | {flags} |")
-        lines += [f"- {w}" for w in weights.get("warnings", [])]
-    metrics = _read(root / "metrics/eval.json")
-    if isinstance(metrics, dict) and "base" in metrics:
-        keys = [k for k in metrics["trained"] if k == "accuracy" or k.startswith(("pass@", "format_compliance",
-                                                                                  "mean_completion_length"))]
-        lines += ["", "## Evaluation", "", "| metric | base | trained | delta |", "| --- | ---: | ---: | ---: |"]
-        for k in keys:
-            lines.append(f"| {k} | {_num(metrics['base'].get(k))} | {_num(metrics['trained'].get(k))} | "
-                         f"{_num(metrics.get('delta', {}).get(k))} |")
-    report = _read(root / "reports/evaluation.md")
-    if isinstance(report, str) and "## Registry" in report:
-        registry = report.split("## Registry", 1)[1].split("\n## ", 1)[0].strip()
-        lines += ["", "## Registry", "", registry]
+    lines += _validation_lines(root, data["validation"], error)
+    lines += _calibration_lines(data["calibration"]) + _evaluation_lines(data["eval"])
+    if data["registry"]:
+        lines += ["", "## Registry", "", registry_markdown(data["registry"])]
+    if problems:
+        lines += ["", "## Stage results not shown", "", *(f"- {p}" for p in problems)]
     return "\n".join(lines) + "\n"
 
 
@@ -295,8 +356,10 @@ def grpo_pipeline(experiment_name: str | None = None, params_overrides: dict[str
                   stages: list[str] | None = None, force: bool = False, repo: str | None = None,
                   timeouts: dict[str, float] | None = None, retries: int = 2,
                   retry_delay_seconds: float = 30.0) -> dict[str, Any]:
-    """Run the DVC pipeline stage by stage (see the module docstring). Returns the parent run id, what
-    each stage did and the evaluation metrics (None when evaluate did not run)."""
+    """Run the DVC pipeline stage by stage (see the module docstring). Returns the parent run id, what each
+    stage did, the evaluation metrics (``metrics/eval.json``) and the registry decision (``reports/registry.json``:
+    registered, version, promote, alias, the compared values, margin, reason); both None when evaluate was not
+    selected or its file is missing or malformed (the summary and the log then name the file)."""
     from prefect.artifacts import create_markdown_artifact
     from prefect.runtime import flow_run
 
@@ -346,8 +409,12 @@ def grpo_pipeline(experiment_name: str | None = None, params_overrides: dict[str
         status, error = "FAILED", str(exc)
         raise
     finally:
+        outputs = stage_results(root, {r["stage"] for r in results})
+        for problem in outputs[1]:
+            logger.warning("stage result not shown: %s", problem.replace("`", ""))
         markdown = summary_markdown(root, status=status, results=results, selected=selected, flow_run_id=flow_run_id,
-                                    parent_run_id=parent_run_id, experiment=experiment, tracking_uri=uri, error=error)
+                                    parent_run_id=parent_run_id, experiment=experiment, tracking_uri=uri, error=error,
+                                    outputs=outputs)
         try:
             create_markdown_artifact(key=SUMMARY_ARTIFACT_KEY, markdown=markdown,
                                      description="GRPO pipeline: calibration, evaluation and registry")
@@ -356,9 +423,10 @@ def grpo_pipeline(experiment_name: str | None = None, params_overrides: dict[str
         if parent_run_id:
             _log_parent_summary(uri, parent_run_id, markdown, root)
             end_run(uri, parent_run_id, status)
-    metrics = _read(root / "metrics/eval.json") if "evaluate" in selected else None
-    return {"parent_run_id": parent_run_id, "flow_run_id": flow_run_id, "experiment": experiment,
-            "stages": results, "eval": metrics if isinstance(metrics, dict) else None}
+    evaluated = "evaluate" in selected
+    return {"parent_run_id": parent_run_id, "flow_run_id": flow_run_id, "experiment": experiment, "stages": results,
+            "eval": outputs[0]["eval"] if evaluated else None,
+            "registry": outputs[0]["registry"] if evaluated else None}
 
 
 def link_flow_run_and_parent(uri: str, parent_run_id: str, flow_run_id: str | None, logger) -> None:

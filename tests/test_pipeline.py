@@ -161,6 +161,11 @@ def test_repro_runs_every_stage_and_writes_every_declared_output(pipeline):
         assert (repo / png).read_bytes()[:4] == b"\x89PNG"
     assert (repo / "reports/validation.txt").read_text().startswith("data validation: OK")
     assert "| accuracy |" in (repo / "reports/evaluation.md").read_text()
+    from flows.stages.evaluate import registry_markdown
+
+    registry = json.loads((repo / "reports/registry.json").read_text())  # the decision as data; the report renders it
+    assert registry["registered"] and registry["version"] == 1 and registry["against"] == "base"
+    assert registry_markdown(registry) in (repo / "reports/evaluation.md").read_text()
     # the trained model loads with from_pretrained
     from transformers import AutoModelForCausalLM
 

@@ -90,14 +90,63 @@ def test_summary_lists_stages_weights_evaluation_and_registry(tmp_path):
     (tmp_path / "metrics/eval.json").write_text(json.dumps(
         {"base": {"accuracy": 0.25, "pass@4": 0.5}, "trained": {"accuracy": 0.5, "pass@4": 0.75},
          "delta": {"accuracy": 0.25, "pass@4": 0.25}}))
-    (tmp_path / "reports/evaluation.md").write_text("# Evaluation\n\n## Registry\n\nRegistered v3. Promoted.\n")
+    (tmp_path / "reports/registry.json").write_text(json.dumps(PROMOTED))
     md = summary_markdown(tmp_path, status="FINISHED", results=[{"stage": "train", "ran": True, "seconds": 3.0}],
                           selected=["train", "evaluate"], flow_run_id="f1", parent_run_id="p1",
                           experiment="e", tracking_uri="sqlite:///x")
     assert "| train | ran | 3.0 |" in md and "| evaluate | not run | - |" in md
     assert "| `format` | 0.3000 | dominant |" in md
     assert "| accuracy | 0.2500 | 0.5000 | 0.2500 |" in md
-    assert "Registered v3. Promoted." in md
+    assert f"## Registry\n\n{PROMOTED_TEXT}\n" in md
+    assert "Stage results not shown" not in md
+
+
+#: a registry decision as evaluate writes it (reports/registry.json), and its rendering worked out by hand
+PROMOTED = {"registered": True, "model_name": "grpo-policy", "version": 3, "alias": "champion",
+            "previous_champion": 2, "metric": "accuracy", "trained": 0.5, "reference": 0.25, "against": "champion",
+            "margin": 0.1, "promote": True, "delta": 0.25,
+            "reason": "accuracy 0.5000 beats the champion's 0.2500 by more than 0.1 (delta +0.2500)"}
+PROMOTED_TEXT = ("Registered `grpo-policy` version 3. Promoted to `@champion`: accuracy 0.5000 beats the champion's "
+                 "0.2500 by more than 0.1 (delta +0.2500).")
+EVALUATED = [{"stage": "evaluate", "ran": True, "seconds": 1.0}]
+
+
+def summary_of(root: Path, results: list[dict] = EVALUATED) -> str:
+    return summary_markdown(root, status="FINISHED", results=results, selected=["evaluate"], flow_run_id="f1",
+                            parent_run_id="p1", experiment="e", tracking_uri="sqlite:///x")
+
+
+def test_summary_takes_the_registry_decision_from_the_json_never_the_markdown(tmp_path):
+    (tmp_path / "reports").mkdir()
+    # the report says otherwise: the summary must not read it
+    (tmp_path / "reports/evaluation.md").write_text("# Evaluation\n\n## Registry\n\nRegistered v9. Promoted.\n")
+    md = summary_of(tmp_path)
+    assert "v9" not in md and "## Registry" not in md
+    assert "- `reports/registry.json` is missing (written by `evaluate`)" in md
+    (tmp_path / "reports/registry.json").write_text(json.dumps(PROMOTED))
+    md = summary_of(tmp_path)
+    assert f"## Registry\n\n{PROMOTED_TEXT}\n" in md and "v9" not in md
+    not_promoted = {**PROMOTED, "promote": False, "alias": None, "note": "champion v2 has no accuracy"}
+    (tmp_path / "reports/registry.json").write_text(json.dumps(not_promoted))
+    assert "version 3. Not promoted to `@champion`: accuracy" in summary_of(tmp_path)
+    assert "\n(champion v2 has no accuracy)\n" in summary_of(tmp_path)
+    (tmp_path / "reports/registry.json").write_text(json.dumps(
+        {"registered": False, "promote": False, "alias": None, "reason": "MLflow tracking is unavailable"}))
+    assert "## Registry\n\nNot registered: MLflow tracking is unavailable.\n" in summary_of(tmp_path)
+
+
+def test_summary_names_a_malformed_result_and_a_missing_one_of_a_stage_that_ran(tmp_path):
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "reports").mkdir()
+    assert "Stage results not shown" not in summary_of(tmp_path, results=[])  # evaluate did not run: no files expected
+    (tmp_path / "metrics/eval.json").write_text('{"base": {"accuracy": 0.5}, "trained": ')
+    (tmp_path / "reports/registry.json").write_text(json.dumps({"registered": True, "promote": True, "alias": None,
+                                                                "reason": "r"}))
+    md = summary_of(tmp_path, results=[])  # malformed: named even when its stage did not run here
+    problems = md.split("## Stage results not shown\n\n", 1)[1].splitlines()
+    assert problems[0].startswith("- `metrics/eval.json` is not readable JSON (")
+    assert problems[1] == "- `reports/registry.json` is malformed: no model_name, version (written by `evaluate`)"
+    assert "## Evaluation" not in md and "## Registry" not in md
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -160,6 +209,33 @@ def test_transient_failures_are_retried_and_validation_failures_are_not(prefect_
     assert parent.info.status == "FAILED"
     md = artifact_markdown(parent.data.tags["prefect.flow_run_id"])
     assert "Status **FAILED**" in md and "| validate | failed | - |" in md
+
+
+EVALUATE_SCRIPT = """
+import json, pathlib
+for path, doc in json.loads(pathlib.Path("results.json").read_text()).items():
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(path).write_text(json.dumps(doc))
+"""
+
+
+@pytest.mark.slow
+def test_the_flow_returns_and_shows_the_registry_decision_evaluate_wrote_as_json(prefect_harness, clean_env, tmp_path):
+    """An `evaluate` that writes its JSON results and no markdown: the flow's return value and summary artifact
+    carry the decision all the same."""
+    from flows.pipeline import grpo_pipeline
+
+    repo = fake_repo(tmp_path / "repo", "ok")
+    metrics = {"base": {"accuracy": 0.25}, "trained": {"accuracy": 0.5}, "delta": {"accuracy": 0.25}}
+    (repo / "results.json").write_text(json.dumps({"metrics/eval.json": metrics, "reports/registry.json": PROMOTED}))
+    (repo / "evaluate.py").write_text(EVALUATE_SCRIPT)
+    (repo / "dvc.yaml").write_text("stages:\n  evaluate:\n    cmd: python evaluate.py\n    deps: [evaluate.py]\n"
+                                   "    outs: [metrics/eval.json, reports/registry.json]\n")
+    result = grpo_pipeline(stages=["evaluate"], repo=str(repo), retries=0)
+    assert result["registry"] == PROMOTED and result["eval"] == metrics
+    md = artifact_markdown(result["flow_run_id"])
+    assert f"## Registry\n\n{PROMOTED_TEXT}\n" in md and "| accuracy | 0.2500 | 0.5000 | 0.2500 |" in md
+    assert not (repo / "reports/evaluation.md").exists()
 
 
 # The flow run by a worker from the deployment, end to end: tests/test_prefect_deploy.py.

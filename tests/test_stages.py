@@ -310,3 +310,99 @@ def test_calibrate_samples_through_the_backend_train_names(tiny_repo, monkeypatc
     (tiny_repo / "params.yaml").write_text(yaml.safe_dump(raw))
     assert main(["calibrate"]) == 0
     assert chosen == ["hf"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# evaluate, in-process, with scripted sampling: the registry decision as data (reports/registry.json)
+
+
+def scripted_sampling(accuracy: dict[str, float]):
+    """A stand-in for evaluate's ``sample_policy``: each policy answers the first ``accuracy * n`` prompts right,
+    greedy and sampled alike, so the stage's metrics (and with them the gate's inputs) are known in advance."""
+
+    def sample(policy, model_cfg, cfg, ctx, rows, indices):
+        right = round(accuracy[policy] * len(indices))
+        modes = (("greedy", 1), ("sampled", cfg.evaluate.num_generations))
+        return [{"policy": policy, "prompt_index": i, "sample_index": j, "mode": mode, "correct": i < right,
+                 "reward/correctness": float(i < right), "reward/format": 1.0, "format_ok": True,
+                 "completion_length": 3, "prompt": rows[i]["prompt"], "answer": rows[i]["answer"], "completion": "x"}
+                for i in indices for mode, count in modes for j in range(count)]
+
+    return sample
+
+
+@pytest.fixture()
+def eval_repo(tmp_path, monkeypatch):
+    """A repo evaluate can run in: 8 held-out prompts, a stub trained-model folder (only uploaded, never loaded:
+    sampling is scripted), a private MLflow store with a model registry."""
+    import yaml
+
+    from tests.tiny import in_stage_repo, make_prompts
+
+    rows = [json.loads(line) for line in make_prompts(tmp_path / "p.jsonl", n=8).read_text().splitlines()]
+    (tmp_path / "data/validated").mkdir(parents=True)
+    pd.DataFrame(rows).to_parquet(tmp_path / "data/validated/eval.parquet", index=False)
+    (tmp_path / "artifacts/model").mkdir(parents=True)
+    (tmp_path / "artifacts/model/config.json").write_text("{}")
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["evaluate"].update(max_samples=8, num_generations=4, pass_k=[1, 4])
+    return in_stage_repo(tmp_path, raw, monkeypatch, "test-evaluate")
+
+
+def evaluate_with(repo: Path, monkeypatch, trained: float, margin: float) -> dict:
+    """One evaluate run (base accuracy 0.25) under ``tracking.promotion_margin = margin``; its registry JSON."""
+    import yaml
+
+    import flows.stages.evaluate as evaluate
+    from flows.stages.__main__ import main
+
+    raw = yaml.safe_load((repo / "params.yaml").read_text())
+    raw["tracking"]["promotion_margin"] = margin
+    (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    monkeypatch.setattr(evaluate, "sample_policy", scripted_sampling({"base": 0.25, "trained": trained}))
+    assert main(["evaluate"]) == 0
+    return json.loads((repo / "reports/registry.json").read_text())
+
+
+def test_evaluate_writes_its_registry_decision_as_data_and_renders_the_report_from_it(eval_repo, monkeypatch):
+    from mlflow import MlflowClient
+
+    from flows.stages.evaluate import registry_markdown
+
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    champion = lambda: int(client.get_model_version_by_alias("grpo-policy", "champion").version)  # noqa: E731
+
+    # no champion yet: 0.75 vs the base's 0.25 is more than 0.1 better -> v1 becomes champion
+    first = evaluate_with(eval_repo, monkeypatch, trained=0.75, margin=0.1)
+    assert {k: first[k] for k in ("registered", "model_name", "version", "promote", "alias", "metric", "trained",
+                                  "reference", "against", "margin", "previous_champion")} == {
+        "registered": True, "model_name": "grpo-policy", "version": 1, "promote": True, "alias": "champion",
+        "metric": "accuracy", "trained": 0.75, "reference": 0.25, "against": "base", "margin": 0.1,
+        "previous_champion": None}
+    assert first["delta"] == pytest.approx(0.5) and champion() == 1
+    assert "beats the base's 0.2500 by more than 0.1" in first["reason"]
+
+    # better than the champion (0.875 vs 0.75) but not by more than 0.2 -> v2, no alias, v1 stays champion
+    second = evaluate_with(eval_repo, monkeypatch, trained=0.875, margin=0.2)
+    assert (second["version"], second["promote"], second["alias"]) == (2, False, None)
+    assert (second["against"], second["reference"], second["previous_champion"]) == ("champion", 0.75, 1)
+    assert second["delta"] == pytest.approx(0.125) and champion() == 1
+
+    # the same 0.125 gain with margin 0.1 -> v3 takes the alias
+    third = evaluate_with(eval_repo, monkeypatch, trained=0.875, margin=0.1)
+    assert (third["version"], third["promote"], third["alias"], third["reference"]) == (3, True, "champion", 0.75)
+    assert champion() == 3
+
+    # the report's Registry section is the rendering of that JSON, not a second account of the decision
+    report = (eval_repo / "reports/evaluation.md").read_text()
+    section = report.split("## Registry\n\n", 1)[1].split("\n\n## ", 1)[0].strip()
+    assert section == registry_markdown(third) and "version 3. Promoted to `@champion`" in section
+
+
+def test_evaluate_records_why_nothing_was_registered(eval_repo, monkeypatch):
+    text = (eval_repo / "params.yaml").read_text().replace("register_model: true", "register_model: false")
+    (eval_repo / "params.yaml").write_text(text)
+    decision = evaluate_with(eval_repo, monkeypatch, trained=0.75, margin=0.0)
+    assert decision == {"registered": False, "promote": False, "alias": None,
+                        "reason": "tracking.register_model is false"}
+    assert "Not registered: tracking.register_model is false." in (eval_repo / "reports/evaluation.md").read_text()

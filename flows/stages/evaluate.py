@@ -16,7 +16,9 @@ soft/strict format reward is > 0 (else the built-in ``soft_format``).
 
 Outputs: ``metrics/eval.json`` = {"base": {...}, "trained": {...}, "delta": {trained - base}},
 ``artifacts/eval/completions.parquet`` (one row per completion, both policies), ``plots/evaluation.png``
-(reward and KL curves, base vs trained accuracy / pass@k) and ``reports/evaluation.md``.
+(reward and KL curves, base vs trained accuracy / pass@k), ``reports/registry.json`` (the registry decision
+below, as data: what the Prefect flow reads) and ``reports/evaluation.md`` (rendered from the metrics and that
+same decision).
 
 Registry (``tracking.register_model``): the trained model directory is logged as the evaluate run's
 LoggedModel ``policy`` (HF files + an ``MLmodel`` with the prompt -> completion signature) and registered as a new version of ``tracking.registered_model_name``. Promotion gate:
@@ -51,7 +53,12 @@ METRICS = "metrics/eval.json"
 COMPLETIONS = "artifacts/eval/completions.parquet"
 PLOT = "plots/evaluation.png"
 REPORT = "reports/evaluation.md"
+REGISTRY = "reports/registry.json"
 CHAMPION = "champion"
+#: keys every registry decision holds; a registered one also holds REGISTERED_KEYS (and the gate's metric,
+#: trained, reference, against, margin, delta when both values exist, previous_champion, note)
+REGISTRY_KEYS = ("registered", "promote", "alias", "reason")
+REGISTERED_KEYS = ("model_name", "version")
 
 
 @dataclass(frozen=True)
@@ -189,18 +196,24 @@ def log_policy_model(client, run_id: str, model_dir: Path, trained: dict) -> str
     return logged.model_id
 
 
-def register_and_gate(run, cfg, model_dir, base: dict, trained: dict) -> dict[str, Any]:
+def not_registered(reason: str) -> dict[str, Any]:
+    """The decision when no version was made: the same REGISTRY_KEYS as a registered one, so readers need no
+    special case."""
+    return {"registered": False, "promote": False, "alias": None, "reason": reason}
+
+
+def register_and_gate(run, inp, model_dir, base: dict, trained: dict) -> dict[str, Any]:
     """Register the trained model (new version) and move ``champion`` when the gate passes."""
     from flows.stages.runs import safe_key
 
-    t = cfg.tracking
+    t = inp.tracking
     if not t.register_model:
-        return {"registered": False, "reason": "tracking.register_model is false"}
+        return not_registered("tracking.register_model is false")
     if run.client is None or run.run_id is None:
-        return {"registered": False, "reason": "MLflow tracking is unavailable"}
+        return not_registered("MLflow tracking is unavailable")
     client, name, metric = run.client, t.registered_model_name, t.promotion_metric
     if not run.flush():
-        return {"registered": False, "reason": "could not reach MLflow"}
+        return not_registered("could not reach MLflow")
     model_id = log_policy_model(client, run.run_id, model_dir, trained)
     try:
         client.get_registered_model(name)
@@ -215,7 +228,7 @@ def register_and_gate(run, cfg, model_dir, base: dict, trained: dict) -> dict[st
     champion_value, champion_version = None, None
     try:
         champ = client.get_model_version_by_alias(name, CHAMPION)
-        champion_version = champ.version
+        champion_version = int(champ.version)  # an int like ``version`` (MLflow gives str or int by release)
         if champ.tags.get("promotion_metric") == metric:
             champion_value = float(champ.tags["promotion_metric_value"])
         else:  # champion chosen on another metric: compare on this one from its tags, if it has it
@@ -232,7 +245,7 @@ def register_and_gate(run, cfg, model_dir, base: dict, trained: dict) -> dict[st
     client.set_model_version_tag(name, version.version, "promotion",
                                  "champion" if decision["promote"] else "not promoted")
     return {"registered": True, "model_name": name, "version": int(version.version),
-            "previous_champion": champion_version, **decision}
+            "alias": CHAMPION if decision["promote"] else None, "previous_champion": champion_version, **decision}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -250,6 +263,15 @@ def _cell(text: str, limit: int = 160) -> str:
     return (text or "(empty)").replace("|", "\\|")
 
 
+def registry_markdown(registry: dict) -> str:
+    """The decision as text: the report's ``## Registry`` section and the Prefect flow's, from the same data."""
+    if not registry["registered"]:
+        return f"Not registered: {registry['reason']}."
+    text = (f"Registered `{registry['model_name']}` version {registry['version']}. "
+            f"{'Promoted to' if registry['promote'] else 'Not promoted to'} `@{CHAMPION}`: {registry['reason']}.")
+    return text + (f"\n({registry['note']})" if registry.get("note") else "")
+
+
 def report_markdown(metrics: dict, registry: dict, inp: EvaluateInputs, n_prompts: int, examples: list[dict]) -> str:
     e = inp.evaluate
     keys = [k for k in metrics["trained"] if k not in ("num_prompts", "num_samples_per_prompt")]
@@ -261,14 +283,7 @@ def report_markdown(metrics: dict, registry: dict, inp: EvaluateInputs, n_prompt
     for k in keys:
         lines.append(f"| {k} | {_f(metrics['base'].get(k))} | {_f(metrics['trained'].get(k))} | "
                      f"{_f(metrics['delta'].get(k))} |")
-    lines += ["", "## Registry", ""]
-    if registry.get("registered"):
-        lines.append(f"Registered `{registry['model_name']}` version {registry['version']}. "
-                     f"{'Promoted to' if registry['promote'] else 'Not promoted to'} `@{CHAMPION}`: {registry['reason']}.")
-        if registry.get("note"):
-            lines.append(f"({registry['note']})")
-    else:
-        lines.append(f"Not registered: {registry.get('reason')}.")
+    lines += ["", "## Registry", "", registry_markdown(registry)]
     if examples:
         lines += ["", "## Examples (greedy)", "", "| prompt | gold | base | trained |", "| --- | --- | --- | --- |"]
         for ex in examples:
@@ -327,8 +342,10 @@ def run(ctx) -> int:
         try:
             registry = register_and_gate(run, inp, model_dir, metrics["base"], metrics["trained"])
         except Exception as exc:  # noqa: BLE001 - the registry is a side effect; the evaluation stands
-            registry = {"registered": False, "reason": f"registry error: {type(exc).__name__}: {exc}"}
+            registry = not_registered(f"registry error: {type(exc).__name__}: {exc}")
             print(f"evaluate: warning: {registry['reason']}", file=sys.stderr)
+        registry = jsonable(registry)  # what the JSON holds is what the report renders
+        write_json_atomic(ctx.path(REGISTRY), registry)
         run.set_tags({"registry.registered": str(registry.get("registered")).lower(),
                       "registry.version": str(registry.get("version", "")),
                       "registry.promoted": str(bool(registry.get("promote"))).lower()})
@@ -341,7 +358,8 @@ def run(ctx) -> int:
             examples.append({"prompt": g["prompt"].iloc[0], "answer": g["answer"].iloc[0],
                              "base": (by["base"] or [""])[0], "trained": (by["trained"] or [""])[0]})
         write_text_atomic(ctx.path(REPORT), report_markdown(metrics, registry, inp, n, examples))
-        for path, where in ((METRICS, "metrics"), (COMPLETIONS, "eval"), (PLOT, "plots"), (REPORT, "reports")):
+        for path, where in ((METRICS, "metrics"), (COMPLETIONS, "eval"), (PLOT, "plots"), (REGISTRY, "reports"),
+                            (REPORT, "reports")):
             run.log_artifact(ctx.path(path), where)
         run.log_to_parent(pipeline_summary(ctx.root, eval_path=METRICS, train_log=TRAIN_LOG))
         b, t = metrics["base"].get("accuracy"), metrics["trained"].get("accuracy")
