@@ -157,10 +157,8 @@ def test_a_glob_reads_the_same_rows_and_editing_a_shard_reruns_validate_and_what
     assert "calibrate:" not in status  # (its input changes only once validate has run)
     dvc(repo, "repro", "validate")
     assert validated_prompts(repo) == [r["prompt"] for r in sharded[2][:-1]]
-    status = dvc(repo, "status").stdout
-    for stage in ("calibrate", "train", "evaluate"):
-        assert f"{stage}:" in status
-    assert "validate:" not in status
+    status = dvc(repo, "status").stdout  # the stages reading the validated train split (evaluate follows train)
+    assert "calibrate:" in status and "train:" in status and "validate:" not in status
 
     shutil.copy(shard, repo / "data/raw/train-00002-of-00002.parquet")  # a new file the glob matches
     assert "validate:" in dvc(repo, "status").stdout
