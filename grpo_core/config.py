@@ -38,12 +38,29 @@ def _f(default: Any, help: str, *, ge: float | None = None, gt: float | None = N
     return field(default=default, metadata=meta)
 
 
+#: What data.train_files / data.eval_files accept; every error about their values repeats it.
+DATA_FILES_FORMS = ("a path or a list of paths, each a file, a folder (its jsonl / json / parquet / csv files, "
+                    "recursively, in name order) or a glob such as data/raw/train-*.parquet (its matches in name "
+                    "order); relative to the repo root")
+
+
+def _files_field(help: str) -> Any:
+    """train_files / eval_files: a wrong type is reported with the accepted forms (``_build`` reads ``expected``)."""
+    return field(default_factory=list, metadata={"help": help, "expected": DATA_FILES_FORMS})
+
+
 @dataclass
 class DataConfig:
-    train_files: str | list[str] = _f(
-        [], "local train data: a jsonl / parquet / csv file, a folder of them, or a list; under `dvc repro` one "
-        "path (DVC hashes it as validate's dependency and cannot take a list); ignored when hub_dataset is set")
-    eval_files: str | list[str] = _f([], "local held-out data, as train_files")
+    train_files: str | list[str] = _files_field(
+        "local train data: a file, a folder, a glob or a list of these (jsonl / json / parquet / csv); "
+        "ignored when hub_dataset is set")
+    eval_files: str | list[str] = _files_field("local held-out data, as train_files")
+    # DVC cannot take a list or a glob as a dependency (dvc.yaml can only interpolate one path), so validate's
+    # dependency is one path per split that holds the files; validate refuses files outside it.
+    train_dir: str | None = _f(None, "the folder (or the one file) DVC hashes as validate's dependency for "
+                               "train_files: it must hold every file they name, so editing, adding or removing one "
+                               "re-runs validate; null: not checked (no DVC)")
+    eval_dir: str | None = _f(None, "as train_dir, for eval_files (may be the same folder)")
     hub_dataset: str | None = _f(None, "a dataset id for datasets.load_dataset (e.g. openai/gsm8k)")
     hub_config: str | None = _f(None, "the dataset's configuration name (e.g. main)")
     train_split: str = _f("train", "split of hub_dataset used for training")
@@ -64,6 +81,14 @@ class DataConfig:
         """The configured paths of one split as a list (a single path is a one-element list)."""
         spec = self.train_files if split == "train" else self.eval_files
         return [spec] if isinstance(spec, str) else list(spec)
+
+    def __post_init__(self) -> None:
+        for split in ("train", "eval"):
+            spec = self.train_files if split == "train" else self.eval_files
+            for i, entry in enumerate(self.paths(split)):
+                if not isinstance(entry, str) or not entry.strip():
+                    key = f"data.{split}_files" + ("" if isinstance(spec, str) else f"[{i}]")
+                    raise ConfigError(f"{key}: {entry!r} is not a path; expected {DATA_FILES_FORMS}")
 
 
 @dataclass
@@ -762,7 +787,12 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}"
-        kwargs[name] = _convert(value, hints[name], key)
+        try:
+            kwargs[name] = _convert(value, hints[name], key)
+        except ConfigError as err:  # a field that names its accepted forms says them instead of the type
+            if "expected" not in fields[name].metadata:
+                raise
+            raise ConfigError(f"{key}: {value!r} is not {fields[name].metadata['expected']}") from err
         _check_range(kwargs[name], fields[name].metadata, key)
     return cls(**kwargs)
 
@@ -814,7 +844,7 @@ def _check_consistency(cfg: PipelineConfig) -> None:
             raise ConfigError(f"evaluate.pass_k: k={k} must be between 1 and evaluate.num_generations "
                               f"({cfg.evaluate.num_generations})")
     if cfg.data.hub_dataset is None and not cfg.data.paths("train"):
-        raise ConfigError("data.train_files: empty; name local files or set data.hub_dataset")
+        raise ConfigError(f"data.train_files: empty; name local files ({DATA_FILES_FORMS}) or set data.hub_dataset")
     if cfg.embedded is not None:
         for key, fixed in (("data_dir", EMBEDDED_DATA_DIR), ("model_dir", EMBEDDED_MODEL_DIR)):
             if getattr(cfg.embedded, key) != fixed:

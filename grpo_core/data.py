@@ -8,6 +8,7 @@ see one convention whatever the source.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Any, Literal
 
 import pandas as pd
 
-from grpo_core.config import DataConfig
+from grpo_core.config import DATA_FILES_FORMS, DataConfig
 from grpo_core.errors import InputUnreadable
 
 log = logging.getLogger(__name__)
@@ -32,22 +33,47 @@ class DataFileError(DataError):
     """A data file that cannot be read; the message names the file (and line for jsonl)."""
 
 
+def is_glob(entry: str) -> bool:
+    """Whether a data path has pattern characters (``*``, ``?`` or ``[``): unless it exists, we expand it."""
+    return glob.has_magic(entry)
+
+
+def _expand(entry: str, key: str, root: str | Path) -> list[str]:
+    """The files one entry names: a file; a folder's data files; a glob's matching files. Sorted, so the row
+    order (which calibration's prompt indices refer to) is the same on every machine."""
+    path = Path(entry) if Path(entry).is_absolute() else Path(root, entry)
+    if is_glob(entry) and not path.exists():  # a path that exists is itself, even with [ in its name; root_dir:
+        # the root's own name is never read as a pattern
+        base = None if Path(entry).is_absolute() else root
+        matches = (Path(base or "", m) for m in glob.glob(entry, root_dir=base, recursive=True))
+        found = sorted(m for m in matches if m.is_file())
+        if not found:
+            raise DataError(f"{key}: the glob {entry!r} matches no file (looked for {path}); "
+                            f"expected {DATA_FILES_FORMS}")
+    elif path.is_dir():
+        found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _FORMATS)
+        if not found:
+            raise DataError(f"{key}: {path} is a folder with no {', '.join(_FORMATS)} files; "
+                            f"expected {DATA_FILES_FORMS}")
+    elif path.is_file():
+        found = [path]
+    else:
+        raise DataError(f"{key}: {path}: no such data file or folder; expected {DATA_FILES_FORMS}")
+    return [str(p) for p in found]
+
+
 def resolve_data_paths(spec: list[str], key: str, root: str | Path = ".") -> list[str]:
-    """The files one split names: each entry a file, or a folder whose jsonl / parquet / csv files are taken in
-    name order (recursively). Relative entries resolve against ``root``. Errors name ``key`` and the path."""
-    out: list[str] = []
+    """The files one split names, in order: each entry a file, a folder (its jsonl / json / parquet / csv files in
+    name order, recursively) or a glob (its matches in name order). Relative entries resolve against ``root``.
+    A file named twice (say, by a glob and by name) is an error: its rows would count twice. Errors name ``key``,
+    the entry and the accepted forms."""
+    out: dict[str, None] = {}  # ordered, with O(1) membership
     for entry in spec:
-        path = Path(entry) if Path(entry).is_absolute() else Path(root, entry)
-        if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _FORMATS)
-            if not found:
-                raise DataError(f"{key}: {path} is a folder with no {', '.join(_FORMATS)} files")
-            out += [str(p) for p in found]
-        elif not path.is_file():
-            raise DataError(f"{key}: {path}: no such data file or folder")
-        else:
-            out.append(str(path))
-    return out
+        for path in _expand(entry, key, root):
+            if path in out:
+                raise DataError(f"{key}: {path} is named twice (again by {entry!r}); each file may appear once")
+            out[path] = None
+    return list(out)
 
 
 def _check_one_format(paths: list[str]) -> None:

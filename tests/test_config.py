@@ -55,7 +55,18 @@ def test_example_configs_validate(path):
         (lambda d: d["evaluate"].update(pass_k=[16]), "evaluate.pass_k: k=16 must be between 1 and"),
         (lambda d: d["embedded"].update(label_noise=1.5), "embedded.label_noise: 1.5 is out of range"),
         (lambda d: d.update(rewards=[]), "rewards: at least one reward function is required"),
-        (lambda d: d["data"].update(train_files=5), "data.train_files: 5 is not str | list[str]"),
+        # the data-file keys name their accepted forms (grpo_core.config.DATA_FILES_FORMS) on a wrong type or value
+        (lambda d: d["data"].update(train_files=5), "data.train_files: 5 is not a path or a list of paths, each a "
+                                                     "file, a folder (its jsonl"),
+        (lambda d: d["data"].update(train_files={"a": "b"}), "data.train_files: {'a': 'b'} is not a path or a list"),
+        (lambda d: d["data"].update(eval_files=["e.jsonl", 3]), "data.eval_files: ['e.jsonl', 3] is not a path or "
+                                                                 "a list of paths, each a file, a folder"),
+        (lambda d: d["data"].update(train_files=""), "data.train_files: '' is not a path; expected a path or a list"),
+        (lambda d: d["data"].update(train_files=["t.jsonl", " "]), "data.train_files[1]: ' ' is not a path; expected "
+                                                                    "a path or a list of paths, each a file, a "
+                                                                    "folder (its jsonl / json / parquet / csv files, "
+                                                                    "recursively, in name order) or a glob such as"),
+        (lambda d: d["data"].update(train_files=[]), "data.train_files: empty; name local files (a path or a list"),
             (lambda d: d["embedded"].update(model_dir="elsewhere"), "embedded.model_dir: 'elsewhere'; dvc.yaml names"),
             (lambda d: d["model"].update(lora={"r": 4}) or d["train"].update(sync_ref_model=True), "train.sync_ref_model: not with model.lora"),
     ],

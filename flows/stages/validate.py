@@ -1,6 +1,7 @@
 """`validate`: check the train and eval splits before anything samples or trains on them.
 
-Reads ``data.train_files`` / ``data.eval_files`` (or ``data.hub_dataset``), renames the configured
+Reads ``data.train_files`` / ``data.eval_files`` (files, folders, globs or lists of them, each split inside the path
+``data.train_dir`` / ``data.eval_dir`` that DVC hashes; or ``data.hub_dataset``), renames the configured
 prompt/answer columns to ``prompt`` / ``answer``, and runs ``grpo_core.validation.validate_frames``
 with the policy's tokenizer as token counter and the configured correctness rewards for the gold-answer
 smoke test.
@@ -17,6 +18,7 @@ failure). ``dvc status`` then shows validate as changed until the data is fixed.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,14 +59,64 @@ class ValidationFailed(ValidationFailure, RuntimeError):
     """The data failed validation (exit code 3); the message says where the report is."""
 
 
-def _local_frame(ctx, files: list[str], key: str):
+def local_sources(ctx) -> dict[str, list[str]]:
+    """{"train": files, "eval": files}: what data.train_files / data.eval_files name (files, folders, globs),
+    resolved to files in a fixed order, each split's inside its DVC-tracked path (``_check_tracked``)."""
+    from grpo_core.data import resolve_data_paths
+
+    sources = {}
+    for split in ("train", "eval"):
+        key = f"data.{split}_files"
+        if not ctx.cfg.data.paths(split):
+            raise StageConfigError(f"{key}: no files configured (or set data.hub_dataset)")
+        sources[split] = resolve_data_paths(ctx.cfg.data.paths(split), key, ctx.root)
+        _check_tracked(ctx, split, sources[split])
+    return sources
+
+
+def _check_tracked(ctx, split: str, files: list[str]) -> None:
+    """Every file of the split lies in data.<split>_dir: dvc.yaml can hand DVC only one path per split as
+    validate's dependency (it cannot interpolate a list, and knows no globs), so a file outside it would be read
+    but not hashed, and editing it would not re-run validate."""
+    key, tracked = f"data.{split}_dir", getattr(ctx.cfg.data, f"{split}_dir")
+    if tracked is None:
+        return  # no DVC (library use, tests): nothing hashes the files anyway
+    dep = _abs(ctx, tracked)
+    if not dep.exists():
+        raise StageConfigError(f"{key}: {tracked}: no such file or folder; name the folder holding "
+                               f"data.{split}_files")
+    if _holds_outputs(ctx, dep):
+        raise StageConfigError(f"{key}: {tracked} holds validate's own outputs ({VALIDATED_TRAIN}, {REPORT_JSON}), "
+                               f"so DVC cannot depend on it; keep the data in a folder of its own, e.g. data/raw")
+    outside = [f for f in files if not _within(_abs(ctx, f), dep)]
+    if outside:
+        common = Path(os.path.commonpath([_abs(ctx, f).parent for f in files]))
+        hint = (f"; {_shown(ctx, common)} holds them all" if not _holds_outputs(ctx, common) else
+                "; the folder holding them all also holds validate's outputs: move them to a folder of their own")
+        raise StageConfigError(
+            f"{key}: {tracked} does not hold {_shown(ctx, outside[0])} (named by data.{split}_files); DVC hashes "
+            f"{key} as validate's dependency (it cannot take a list or a glob), so set it to a folder holding every "
+            f"{split} file{hint}")
+
+
+def _abs(ctx, path: str | Path) -> Path:
+    """Absolute, normalised, symlinks kept (DVC hashes a folder's links as the files they point to)."""
+    return Path(os.path.abspath(ctx.path(path)))
+
+
+def _within(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def _holds_outputs(ctx, folder: Path) -> bool:
+    return any(_within(_abs(ctx, out), folder) for out in (VALIDATED_TRAIN, VALIDATED_EVAL, REPORT_JSON, REPORT_TXT))
+
+
+def _local_frame(ctx, paths: list[str]):
     import pandas as pd
 
-    from grpo_core.data import read_table, resolve_data_paths
+    from grpo_core.data import read_table
 
-    if not files:
-        raise StageConfigError(f"{key}: no files configured (or set data.hub_dataset)")
-    paths = resolve_data_paths(files, key, ctx.root)
     frames = []
     for path in paths:
         frame = read_table(path)
@@ -74,26 +126,25 @@ def _local_frame(ctx, files: list[str], key: str):
     return pd.concat(frames) if len(frames) > 1 else frames[0]
 
 
-def _shown(ctx, path: str) -> str:
+def _shown(ctx, path: str | Path) -> str:
     """A data file's path as the report shows it: relative to the repo when inside it."""
     try:
-        return str(Path(path).resolve().relative_to(ctx.root.resolve()))
+        return str(_abs(ctx, path).relative_to(_abs(ctx, ctx.root)))
     except ValueError:
         return str(path)
 
 
-def load_frames(ctx):
-    """(train_df, eval_df, sources): the raw splits with canonical ``prompt`` / ``answer`` column names."""
+def load_frames(ctx, sources: dict[str, list[str]] | None):
+    """(train_df, eval_df): the raw splits with canonical ``prompt`` / ``answer`` column names; ``sources`` from
+    ``local_sources`` (None: data.hub_dataset)."""
     d = ctx.cfg.data
-    if d.hub_dataset:
+    if sources is None:
         from grpo_core.data import load_split
 
-        train_df = load_split(d, "train", ctx.root).to_pandas()
-        eval_df = load_split(d, "eval", ctx.root).to_pandas()
-        sources = [f"{d.hub_dataset}[{d.train_split}]", f"{d.hub_dataset}[{d.eval_split}]"]
-        return train_df, eval_df, sources  # load_split already renamed the columns
-    train_df = _local_frame(ctx, d.paths("train"), "data.train_files")
-    eval_df = _local_frame(ctx, d.paths("eval"), "data.eval_files")
+        # load_split already renames the columns
+        return load_split(d, "train", ctx.root).to_pandas(), load_split(d, "eval", ctx.root).to_pandas()
+    train_df = _local_frame(ctx, sources["train"])
+    eval_df = _local_frame(ctx, sources["eval"])
     rename = {}
     if d.prompt_column != "prompt":
         rename[d.prompt_column] = "prompt"
@@ -102,7 +153,15 @@ def load_frames(ctx):
     if rename:
         train_df = train_df.drop(columns=[c for c in rename.values() if c in train_df.columns]).rename(columns=rename)
         eval_df = eval_df.drop(columns=[c for c in rename.values() if c in eval_df.columns]).rename(columns=rename)
-    return train_df, eval_df, [*d.paths("train"), *d.paths("eval")]
+    return train_df, eval_df
+
+
+def source_names(ctx, sources: dict[str, list[str]] | None) -> dict[str, list[str]]:
+    """What the report names as each split's source: the files read (repo-relative), or the hub split."""
+    d = ctx.cfg.data
+    if sources is None:
+        return {"train": [f"{d.hub_dataset}[{d.train_split}]"], "eval": [f"{d.hub_dataset}[{d.eval_split}]"]}
+    return {split: [_shown(ctx, f) for f in files] for split, files in sources.items()}
 
 
 def _to_parquet(df, path: Path) -> None:
@@ -152,9 +211,11 @@ def run(ctx) -> int:
     cfg = only_sections(ctx.cfg, VALIDATE_SECTIONS)
     # fail fast on what would fail later: every reward must import (exit 2), the model folder must load (5)
     reward_fns = build_reward_functions(cfg.rewards)
+    sources = None if cfg.data.hub_dataset else local_sources(ctx)  # and every data path resolves (exit 2 / 5)
+    names = source_names(ctx, sources)
     with StageRun(ctx) as run:
         model_checked = check_model_folder(cfg.model, ctx.root)
-        train_df, eval_df, sources = load_frames(ctx)
+        train_df, eval_df = load_frames(ctx, sources)
         tokenizer = load_tokenizer(cfg.model, ctx.root)
         encoder = PromptEncoder.from_config(tokenizer, cfg.data, truncate=False)
         check_prompts_render(encoder, train_df, cfg)
@@ -167,21 +228,19 @@ def run(ctx) -> int:
             max_report_rows=cfg.validate.max_report_rows, reward_fns_for_smoke=reward_fns,
             parse_gold=gold_parser(cfg) if correctness else None)
 
-        n_train = len(cfg.data.paths("train")) or 1
         header = (f"model: {model_checked}\n"
-                  f"sources: train = {', '.join(sources[:n_train])}; "
-                  f"eval = {', '.join(sources[n_train:])} "
+                  f"sources: train = {', '.join(names['train'])}; eval = {', '.join(names['eval'])} "
                   "(row = 0-based record number in the file; <file>:<record> when a split has several files)")
         text = report.to_text() + "\n" + header + "\n"
-        write_json_atomic(ctx.path(REPORT_JSON), {**report.to_dict(), "sources": sources})
+        write_json_atomic(ctx.path(REPORT_JSON), {**report.to_dict(), "sources": names})
         write_text_atomic(ctx.path(REPORT_TXT), text)
         summary = report.summary
         run.log_metrics({"validation/failures": summary.get("total_failures", 0),
                          "validation/warnings": summary.get("total_warnings", 0),
                          "validation/train_rows": len(train_df), "validation/eval_rows": len(eval_df)})
         run.set_tags({"validation": "passed" if report.ok else "failed"})
-        if not cfg.data.hub_dataset:
-            run.log_data_hashes([*cfg.data.paths("train"), *cfg.data.paths("eval")])
+        if sources is not None:
+            run.log_data_hashes([*sources["train"], *sources["eval"]])
         run.log_artifact(ctx.path(REPORT_JSON), "reports")
         run.log_artifact(ctx.path(REPORT_TXT), "reports")
 
