@@ -71,7 +71,7 @@ def test_training_writes_every_nth_steps_round_and_a_resume_does_not_repeat_it(a
     assert len(read_log(tmp_path / "metrics/train_log.csv")) == 4
 
 
-def test_the_stage_logs_a_table_mlflow_reads_back(tmp_path):
+def test_the_stage_logs_a_table_mlflow_reads_back(tmp_path, monkeypatch):
     import mlflow
 
     from flows.stages.common import StageContext
@@ -90,12 +90,10 @@ def test_the_stage_logs_a_table_mlflow_reads_back(tmp_path):
         run_id = run.run_id
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment_id = client.get_run(run_id).info.experiment_id
-    previous = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")  # load_table searches through the fluent API
-    try:
-        frame = client.load_table(experiment_id, "completions/step_000002.json", run_ids=[run_id])
-    finally:
-        mlflow.set_tracking_uri(previous)
+    # load_table searches through the fluent API, which reads the variable; mlflow.set_tracking_uri would pin a
+    # process-wide URI that later tests' stores (set by the variable) never override
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    frame = client.load_table(experiment_id, "completions/step_000002.json", run_ids=[run_id])
     assert list(frame.columns) == list(table) and frame["advantage"].tolist() == pytest.approx([0.7, -0.7])
     tag = json.loads(client.get_run(run_id).data.tags["mlflow.loggedArtifacts"])
     assert tag == [{"path": "completions/step_000002.json", "type": "table"},
