@@ -133,7 +133,10 @@ def build_reward_functions(specs: Sequence[RewardSpec | Mapping[str, Any]]) -> l
             raise RewardConfigError(
                 f"reward {name!r}: `function` must be a non-empty string, got {function!r}"
             )
-        fn = resolve_reward_function(function, _field(spec, "kwargs") or {}, name)  # fails fast, here
+        try:
+            fn = resolve_reward_function(function, _field(spec, "kwargs") or {}, name)  # fails fast, here
+        except RewardConfigError as exc:
+            raise RewardConfigError(f"rewards[{i}]: {exc}") from exc
         clip = _field(spec, "clip")
         if _field(spec, "isolated", False):
             functions.append(IsolatedReward(function, _field(spec, "kwargs") or {}, name, clip,
