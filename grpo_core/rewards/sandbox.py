@@ -104,6 +104,8 @@ class Jail:
         for path in self.readonly_paths:
             if not (isinstance(path, str) and os.path.isabs(path) and os.path.exists(path)):
                 raise ValueError(f"kwargs.readonly_paths: {path!r} is not an absolute path that exists")
+            if os.path.normpath(path) in ("/", "/tmp", "/dev", "/proc"):
+                raise ValueError(f"kwargs.readonly_paths: {path!r} would cover the jail's own {path}")
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,11 @@ def check_sandbox(jail: Jail = Jail(), reward: str = "code_execution") -> None:
         _prlimit()
     except (seccomp.SeccompUnavailable, FileNotFoundError) as exc:
         raise SandboxUnavailable(f"reward {reward!r}: {exc}") from exc
-    result = run_python("print('up')", limits=Limits(wall_s=30), jail=jail)
+    try:
+        result = run_python("print('up')", limits=Limits(wall_s=30), jail=jail)
+    except OSError as exc:
+        who = f"nobody (uid {NOBODY}), as which root runs the jail" if _identity() else "this user"
+        raise SandboxUnavailable(f"reward {reward!r}: {binary} cannot be run by {who}: {exc}") from exc
     if result.status != "ok" or result.stdout != "up\n":
         said = result.stderr.strip() or f"status {result.status}, exit code {result.returncode}"
         raise SandboxUnavailable(f"reward {reward!r}: the jail ({binary}) cannot start here: {said}. "
@@ -265,8 +271,9 @@ def _bwrap_command(jail: Jail, limits: Limits, code_fd: int, filter_fd: int, sta
     return [
         _binary(jail), "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
         "--cap-drop", "ALL", "--uid", str(NOBODY), "--gid", str(NOBODY), "--hostname", "sandbox",
-        *_filesystem(python, jail.readonly_paths),
+        *_filesystem(python),
         "--proc", "/proc", "--dev", "/dev", "--size", tmp, "--tmpfs", "/dev/shm", "--size", tmp, "--tmpfs", "/tmp",
+        *(arg for path in jail.readonly_paths for arg in ("--ro-bind", path, path)),  # after /tmp: may lie in it
         "--remount-ro", "/dev", "--remount-ro", "/",
         "--file", str(code_fd), "/tmp/main.py", "--chdir", "/tmp",
         "--clearenv", "--setenv", "PATH", _ENV["PATH"], "--setenv", "LANG", _ENV["LANG"], "--setenv", "HOME", "/tmp",
@@ -275,9 +282,9 @@ def _bwrap_command(jail: Jail, limits: Limits, code_fd: int, filter_fd: int, sta
     ]
 
 
-def _filesystem(python: str, readonly_paths: tuple[str, ...]) -> list[str]:
-    """bwrap arguments for the read-only host paths: the system folders as the host has them (a symlink stays a
-    symlink: merged /usr), the interpreter's prefix if it is elsewhere, then the reward's own."""
+def _filesystem(python: str) -> list[str]:
+    """bwrap arguments for the read-only system paths: the system folders as the host has them (a symlink stays a
+    symlink: merged /usr), and the interpreter's prefix if it is elsewhere."""
     args: list[str] = []
     for folder in SYSTEM_DIRS:
         if os.path.islink(folder):
@@ -287,8 +294,6 @@ def _filesystem(python: str, readonly_paths: tuple[str, ...]) -> list[str]:
     if not any(python.startswith(folder + "/") for folder in SYSTEM_DIRS):
         prefix = str(Path(python).parents[1])  # <prefix>/bin/python3.x
         args += ["--ro-bind", prefix, prefix]
-    for path in readonly_paths:
-        args += ["--ro-bind", path, path]
     return args
 
 
