@@ -8,10 +8,10 @@ project), built the same way whether the trainer runs as root or as an ordinary 
                  ``readonly_paths``; nothing else: no /home, /root, /etc, project tree or virtual environment. Its
                  own /proc (its own processes only), a minimal /dev (null, zero, full, random, urandom, tty), and
                  fresh size-capped tmpfs /tmp (the working directory, the program is /tmp/main.py) and /dev/shm
-    namespaces   new user, pid, network (no interface up), ipc, uts, mount and cgroup namespaces
+    namespaces   new user, pid, network (its own loopback only), ipc, uts, mount and cgroup namespaces
     identity     uid and gid 65534 inside, no capabilities, no nested user namespaces; outside, the trainer's user,
-                 or as root the user nobody (65534): bwrap itself is started as nobody, so the jail is never root
-                 outside (a jail mapped to root could chmod the host's /dev/null, which it sees)
+                 or as root the user nobody (65534): bwrap itself is started as nobody (setpriv), so the jail is
+                 never root outside (a jail mapped to root could chmod the host's /dev/null, which it sees)
     seccomp      the deny list of ``grpo_core/rewards/seccomp.py`` (EPERM), foreign architectures killed
     limits       ``Limits``: CPU seconds, address space, file size (its stdout and stderr too), processes (counted
                  in its own user namespace, so per run), open files; set inside the jail by util-linux's prlimit
