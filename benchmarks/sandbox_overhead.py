@@ -1,17 +1,24 @@
-"""What the code reward's sandbox costs per call: a sandboxed `pass` (launcher, namespaces, tmpfs mounts, uid switch,
-limits, the interpreter) against a plain `python -I -c pass` subprocess, side by side, medians over N runs.
+"""What the code reward's jail costs: per program, a jailed `pass` (grpo_core/rewards/sandbox.py: bwrap, namespaces,
+mounts, seccomp, prlimit, the interpreter) against a plain `python -I -c pass` subprocess and against the launcher
+it replaced (benchmarks/launcher_baseline.py), side by side, medians over N runs; then the code reward's throughput
+(programs per second: an a+b program against one stdin/stdout test each) with max_workers 1 and 2.
 
     .venv/bin/python -m benchmarks.sandbox_overhead [N]
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
 import time
 
+from benchmarks import launcher_baseline
+from grpo_core.rewards.code import code_execution
 from grpo_core.rewards.sandbox import interpreter, run_python
+
+ADDER = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
 
 
 def median_seconds(call, n: int) -> float:
@@ -23,13 +30,38 @@ def median_seconds(call, n: int) -> float:
     return statistics.median(times)
 
 
-def main(n: int = 30) -> None:
+def per_program(n: int) -> list[tuple[str, float]]:
     python = interpreter()
-    plain = median_seconds(lambda: subprocess.run([python, "-I", "-c", "pass"], check=True), n)
-    boxed = median_seconds(lambda: run_python("pass"), n)
-    print(f"plain subprocess ({python} -I -c pass): {plain * 1e3:.1f} ms")
-    print(f"sandboxed run_python('pass'):          {boxed * 1e3:.1f} ms")
-    print(f"overhead per call: {(boxed - plain) * 1e3:.1f} ms ({boxed / plain:.2f}x), median of {n}")
+    return [
+        (f"plain subprocess ({python} -I -c pass)", median_seconds(
+            lambda: subprocess.run([python, "-I", "-c", "pass"], check=True), n)),
+        ("former launcher (benchmarks/launcher_baseline.py)", median_seconds(
+            lambda: launcher_baseline.run_python("pass"), n)),
+        ("jail: run_python('pass') (bwrap)", median_seconds(lambda: run_python("pass"), n)),
+    ]
+
+
+def throughput(max_workers: int, programs: int) -> float:
+    """Programs per second through the code reward: ``programs`` completions, one test case each."""
+    reward = code_execution(max_workers=max_workers)
+    tests = [[{"input": f"{i} {i + 1}\n", "output": f"{2 * i + 1}\n"}] for i in range(programs)]
+    start = time.perf_counter()
+    scores = reward([""] * programs, [ADDER] * programs, tests=tests)
+    seconds = time.perf_counter() - start
+    assert scores == [1.0] * programs, scores
+    return programs / seconds
+
+
+def main(n: int = 30) -> None:
+    rows = per_program(n)
+    plain = rows[0][1]
+    print(f"per program, median of {n} (uid {os.geteuid()}, {os.cpu_count()} cores):")
+    for name, seconds in rows:
+        print(f"  {name:52s} {seconds * 1e3:7.1f} ms  {seconds / plain:5.2f}x plain")
+    jail, launcher = rows[2][1], rows[1][1]
+    print(f"  the jail against the former launcher: {(jail - launcher) * 1e3:+.1f} ms ({jail / launcher:.2f}x)")
+    for workers in (1, 2):
+        print(f"code reward, max_workers={workers}: {throughput(workers, 2 * n):6.1f} programs/s")
 
 
 if __name__ == "__main__":

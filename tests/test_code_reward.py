@@ -4,13 +4,12 @@ by hand, and hostile programs, each contained and scored, with this (the trainin
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 
 from grpo_core.rewards import build_reward_functions
 from grpo_core.rewards.code import CodeTest, code_execution, extract_program, parse_tests
-from grpo_core.rewards.sandbox import Limits, run_python
+from grpo_core.rewards.sandbox import SandboxUnavailable, check_sandbox, run_python
 
 FENCE = "`" * 3
 
@@ -21,10 +20,12 @@ def block(code: str) -> str:
 
 @pytest.fixture(scope="module", autouse=True)
 def sandbox_available():
-    result = run_python("print('up')")
-    if result.status == "sandbox":
-        pytest.skip(f"this machine cannot build the sandbox: {result.stderr.strip()}")
-    assert result.stdout == "up\n", result
+    try:
+        check_sandbox()
+    except SandboxUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the code reward, and the jail cannot start: {exc}")
+        pytest.skip(f"this machine cannot start the jail: {exc}")
 
 
 def test_program_extraction_and_test_shapes():
@@ -56,45 +57,27 @@ def test_pass_rates_by_hand():
         code_execution()([""], [adder], cases=[io])
 
 
-# (name, program, the sandbox's verdict, a line its stderr or stdout must hold)
+# hostile programs, scored like any failing program while this process goes on (the jail's own suite, with what
+# must hold on the machine after each: tests/test_sandbox_hostile.py)
 HOSTILE = [
-    ("infinite loop", "while True:\n    pass", "timeout", ""),
-    ("fork bomb", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "timeout", ""),
-    ("10 GB allocation", "x = bytearray(10 * 1024 ** 3)", "error", "MemoryError"),
-    ("write outside its folder", "open('/etc/grpo-pwned', 'w').write('x')", "error", "Permission denied"),
-    ("open a socket", "import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)", "error",
-     "Network is unreachable"),
-    ("read the parent's environment", "import os\nprint(open(f'/proc/{os.getppid()}/environ').read())", "error",
-     "Permission denied"),
-    ("kill the parent", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", "error", "Operation not permitted"),
-    ("escape the process group", "import os, time\nif os.fork() == 0:\n    os.setsid()\ntime.sleep(60)", "timeout", ""),
+    "while True:\n    pass",
+    "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+    "x = bytearray(10 * 1024 ** 3)",
+    "open('/etc/grpo-pwned', 'w').write('x')",
+    "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",
 ]
 
 
-def processes_in_sandbox_uids() -> list[str]:
-    ps = subprocess.run(["ps", "-eo", "uid=,pid=,stat=,args="], capture_output=True, text=True).stdout.splitlines()
-    return [line for line in ps if 61000 <= int(line.split()[0]) < 65000 and not line.split()[2].startswith("Z")]
-
-
-@pytest.mark.parametrize(("name", "program", "status", "says"), HOSTILE, ids=[h[0] for h in HOSTILE])
-def test_hostile_programs_are_contained(name, program, status, says, tmp_path):
-    if name == "kill the parent" and os.geteuid() != 0:
-        pytest.skip("not root: the sandbox has no uid of its own, so the parent can be signalled (docs/operations.md)")
-    os.environ["GRPO_SECRET_FOR_THE_TEST"] = "do-not-leak"
-    result = run_python(program, limits=Limits(wall_s=2, cpu_s=2))
-    assert result.status == status, result
-    assert says in result.stderr + result.stdout
-    assert "do-not-leak" not in result.stdout + result.stderr
-    assert not os.path.exists("/etc/grpo-pwned")
-    assert processes_in_sandbox_uids() == []  # nothing left running, setsid or not (zombies wait for their reaper)
-    # scored like any failing program, and this process goes on
-    reward = code_execution(timeout_s=2)
+@pytest.mark.parametrize("program", HOSTILE, ids=["loop", "fork bomb", "10 GB", "write /etc", "kill the parent"])
+def test_hostile_programs_score_zero(program):
+    reward = code_execution(timeout_s=1)
     assert reward([""], [block(program)], tests=[[{"input": "", "output": "ok"}]]) == [0.0]
+    assert not os.path.exists("/etc/grpo-pwned")
 
 
 def test_the_program_sees_an_empty_environment_and_its_own_folder():
     result = run_python("import os\nopen('f', 'w').write('x')\nprint(sorted(os.environ), os.getcwd(), os.listdir('.'))")
-    assert result.status == "ok" and result.stdout.strip() == "['HOME', 'LANG', 'PATH'] /tmp ['f', 'main.py']"
+    assert result.status == "ok" and result.stdout.strip() == "['HOME', 'LANG', 'PATH', 'PWD'] /tmp ['f', 'main.py']"
     again = run_python("import os\nprint(os.listdir('/tmp'))")
     assert again.stdout.strip() == "['main.py']"  # a fresh folder each run
 
@@ -110,4 +93,3 @@ def test_training_goes_on_while_its_reward_runs_hostile_programs(tmp_path):
     result = train(cfg, root=tmp_path, progress=False)
     log = read_log(result.log_path)
     assert result.final_step == 2 and [float(r["rewards/hostile/mean"]) for r in log] == [0.0, 0.0]
-    assert processes_in_sandbox_uids() == []

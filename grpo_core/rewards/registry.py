@@ -23,6 +23,7 @@ from grpo_core.rewards.keywords import keyword_hits
 from grpo_core.rewards.length import overlong_penalty, reasoning_length
 from grpo_core.rewards.math import math_verify
 from grpo_core.rewards.reward_model import reward_model
+from grpo_core.rewards.sandbox import SandboxUnavailable
 from grpo_core.rewards.wrappers import clip_reward
 
 BUILTINS: dict[str, Callable[..., RewardFunction]] = {
@@ -133,7 +134,10 @@ def build_reward_functions(specs: Sequence[RewardSpec | Mapping[str, Any]]) -> l
             raise RewardConfigError(
                 f"reward {name!r}: `function` must be a non-empty string, got {function!r}"
             )
-        fn = resolve_reward_function(function, _field(spec, "kwargs") or {}, name)  # fails fast, here
+        try:
+            fn = resolve_reward_function(function, _field(spec, "kwargs") or {}, name)  # fails fast, here
+        except (RewardConfigError, SandboxUnavailable) as exc:  # the same error, naming the entry
+            raise type(exc)(f"rewards[{i}]: {exc}") from exc
         clip = _field(spec, "clip")
         if _field(spec, "isolated", False):
             functions.append(IsolatedReward(function, _field(spec, "kwargs") or {}, name, clip,
