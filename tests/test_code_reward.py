@@ -9,7 +9,8 @@ import pytest
 
 from grpo_core.rewards import build_reward_functions
 from grpo_core.rewards.code import CodeTest, code_execution, extract_program, parse_tests
-from grpo_core.rewards.sandbox import SandboxUnavailable, check_sandbox, run_python
+from grpo_core.rewards.sandbox import run_python
+from tests.tiny import require_jail
 
 FENCE = "`" * 3
 
@@ -20,12 +21,7 @@ def block(code: str) -> str:
 
 @pytest.fixture(scope="module", autouse=True)
 def sandbox_available():
-    try:
-        check_sandbox()
-    except SandboxUnavailable as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the code reward, and the jail cannot start: {exc}")
-        pytest.skip(f"this machine cannot start the jail: {exc}")
+    require_jail("the code reward")
 
 
 def test_program_extraction_and_test_shapes():

@@ -17,18 +17,14 @@ import pytest
 from grpo_core.errors import EXIT_CONFIG, exit_code_for
 from grpo_core.rewards import RewardConfigError, build_reward_functions
 from grpo_core.rewards.sandbox import Jail, Limits, SandboxUnavailable, check_sandbox, run_python, userns_fix
+from tests.tiny import require_jail
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def jail_starts():
-    try:
-        check_sandbox()
-    except SandboxUnavailable as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the jail: {exc}")
-        pytest.skip(f"this machine cannot start the jail: {exc}")
+    require_jail("the jail")
 
 
 def code_reward(**kwargs):

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from grpo_core.rewards.sandbox import Jail, SandboxUnavailable, check_sandbox, interpreter
+from grpo_core.rewards.sandbox import Jail, interpreter
 from tests.sandbox_attacks import ATTACKS, prepare, run_attack
+from tests.tiny import require_jail
 
 REPO = Path(__file__).resolve().parents[1]
 UNPRIVILEGED = 65534  # nobody: an account every Linux has, owning nothing
@@ -28,12 +29,7 @@ ATTACK_FILES = ("grpo_core/__init__.py", "grpo_core/errors.py", "grpo_core/rewar
 
 @pytest.fixture(scope="module")
 def jail_starts():
-    try:
-        check_sandbox()
-    except SandboxUnavailable as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the hostile suite, and the jail cannot start: {exc}")
-        pytest.skip(f"this machine cannot start the jail: {exc}")
+    require_jail("the hostile suite")
 
 
 @pytest.fixture(scope="module")

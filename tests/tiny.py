@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import random
 from pathlib import Path
+
+import pytest
 
 from grpo_core.config import MOVED_KEYS, config_from_dict
 from grpo_core.embedded.model import build_model
@@ -132,3 +135,15 @@ def nan_loss_at(monkeypatch, calls_to_poison: set[int]) -> None:
         return (loss * math.nan if count["n"] in calls_to_poison else loss), stats
 
     monkeypatch.setattr(GRPOLoss, "__call__", poisoned)
+
+
+def require_jail(purpose: str) -> None:
+    """Skip where this machine cannot start the code reward's jail; under CI fail instead (CI never skips it)."""
+    from grpo_core.rewards.sandbox import SandboxUnavailable, check_sandbox
+
+    try:
+        check_sandbox()
+    except SandboxUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run {purpose}, and the jail cannot start: {exc}")
+        pytest.skip(f"this machine cannot start the jail: {exc}")
