@@ -228,9 +228,10 @@ def test_bad_data_stops_at_validate_with_a_report_naming_the_rows(pipeline, tmp_
     rows[3]["answer"] = "seventeen-ish"
     rows[5]["prompt"] = "   "
     rows[9]["prompt"] = rows[8]["prompt"]
-    (repo / "data/bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (repo / "data/bad").mkdir()
+    (repo / "data/bad/train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     raw = yaml.safe_load((repo / "params.yaml").read_text())
-    raw["data"]["train_files"] = "data/bad.jsonl"
+    raw["data"].update(train_files="data/bad/train.jsonl", train_dir="data/bad")  # (prepare owns data/prepared)
     (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     kept = {p: (repo / p).read_bytes() for p in ("data/validated/train.parquet", "metrics/eval.json",
                                                  "artifacts/calibration/reward_weights.json")}

@@ -267,6 +267,6 @@ def test_recipe_runs_end_to_end_under_dvc_repro(name, hub_assets, tmp_path):
     path = repo / DATA_DIR / "main/train-00000-of-00001.parquet"
     pd.read_parquet(path).iloc[:-1].to_parquet(path, index=False)
     status = dvc(repo, "status").stdout
-    assert "validate" in status and "modified:" in status and "train-00000-of-00001.parquet" in status
+    assert "validate" in status and "modified:" in status and f"{DATA_DIR}/main" in status  # data.train_dir
     out = dvc(repo, "repro", "--dry", timeout=300).stdout  # (a dry run cannot know validate's outputs change,
     assert "Running stage 'validate'" in out and "Running stage 'prepare'" not in out  # so it stops there)

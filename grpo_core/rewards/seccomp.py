@@ -21,6 +21,8 @@ import errno
 import functools
 import os
 
+from grpo_core.errors import ConfigurationError
+
 DENIED = (
     # the machine: modules, kexec, clocks, swap, quotas, accounting, reboot, the kernel log
     "init_module", "finit_module", "delete_module", "create_module", "query_module", "get_kernel_syms",
@@ -45,7 +47,7 @@ _ATTR_ACT_BADARCH = 2
 _NR_UNKNOWN = -1  # __NR_SCMP_ERROR: a name this libseccomp does not know
 
 
-class SeccompUnavailable(RuntimeError):
+class SeccompUnavailable(ConfigurationError, RuntimeError):
     """libseccomp cannot be loaded or refused the policy; the message names the library and the package."""
 
 
