@@ -98,7 +98,9 @@ def main(out_dir: str, model_dir: str, data_file: str, spec_json: str) -> None:
         "rewards": [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}],
         "train": train, "guards": spec.get("guards", {})})
     poison_losses(set(spec.get("nan_loss_at", [])))
-    loop.train(cfg, root=out_dir, progress=False, backend_factory=DeterministicBackend)
+    # "sampled": the real sampling backend (the train config's: the hand-written decode on CPU), which draws from
+    # each process's RNG; else completions that are a fixed function of the prompt
+    loop.train(cfg, root=out_dir, progress=False, backend_factory=None if spec.get("sampled") else DeterministicBackend)
 
 
 if __name__ == "__main__":

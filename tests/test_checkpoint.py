@@ -18,6 +18,7 @@ from grpo_core.train.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     remove_stale_temp_dirs,
+    restore_rngs,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -61,6 +62,56 @@ def test_rng_state_round_trips_every_generator():
     random.seed(2), np.random.seed(2), torch.manual_seed(2)
     set_rng_state(state)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def draws() -> tuple[float, float, float]:
+    return random.random(), float(np.random.rand()), torch.rand(1).item()
+
+
+def states_of_two_processes() -> tuple[list[dict], list[tuple]]:
+    """Two processes' RNG states (seeds 10 and 11) and what each draws next."""
+    states, expected = [], []
+    for seed in (10, 11):
+        random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
+        states.append(rng_state())
+        expected.append(draws())
+    return states, expected
+
+
+def test_each_process_restores_its_own_rng_states():
+    states, expected = states_of_two_processes()
+    for rank in (1, 0):  # 2 processes -> 2, and -> 1 (rank 0 only)
+        torch.manual_seed(99)
+        assert restore_rngs(states, rank, seed=0, step=2) is True
+        assert draws() == expected[rank]
+    assert expected[0] != expected[1]
+
+
+def test_a_process_the_checkpoint_has_no_state_for_is_seeded_from_seed_step_and_rank():
+    states, expected = states_of_two_processes()
+    got = {}
+    for rank, step in ((2, 4), (3, 4), (2, 6), (2, 4)):  # resuming on more processes than saved the checkpoint
+        torch.manual_seed(99)
+        assert restore_rngs(states, rank, seed=0, step=step) is False
+        got.setdefault((rank, step), []).append(draws())
+    assert got[(2, 4)][0] == got[(2, 4)][1]  # the same resume twice samples the same
+    streams = [got[(2, 4)][0], got[(3, 4)][0], got[(2, 6)][0], *expected]
+    assert len(set(streams)) == len(streams)  # no two ranks (or steps) share a stream
+    restore_rngs(states[0], 1, seed=0, step=2)  # a checkpoint of one dict (before per-process states): rank 0's
+    a = draws()
+    restore_rngs(states[0], 0, seed=0, step=2)
+    assert draws() == expected[0] != a
+
+
+def test_optimizer_and_scheduler_load_onto_the_device_asked_for(tmp_path):
+    """Not where they were saved: every rank of an 8-GPU resume would otherwise load onto GPU 0 (meta stands in
+    for a GPU here: torch.load maps onto it without one)."""
+    _save(tmp_path, 1, rollout_buffer={"advantages": torch.tensor([0.5, -0.5])})
+    ck = load_checkpoint(tmp_path / "checkpoint-1", device="meta")
+    moments = [t for s in ck.optimizer["state"].values() for t in s.values() if isinstance(t, torch.Tensor)]
+    assert moments and all(t.device.type == "meta" for t in moments)
+    assert ck.rollout_buffer["advantages"].device.type == "cpu"  # samples stay on the CPU
+    assert load_checkpoint(tmp_path / "checkpoint-1").optimizer["state"][0]["exp_avg"].device.type == "cpu"
 
 
 def test_save_load_prune_and_hash_check(tmp_path):

@@ -158,3 +158,54 @@ def test_machines_started_with_machine_0_wait_for_its_launch_and_no_longer(tmp_p
     later.join()
     marker = json.loads((tmp_path / "out/checkpoints/launch.json").read_text())
     assert marker["launch_id"] == "job-new" and marker["machines"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# resuming when every process samples with its own RNG streams (the hand-written decode, seeded per rank)
+
+SAMPLED = {"sampled": True, "train": {"per_device_train_batch_size": 8, "num_processes": 2, "max_steps": 4,
+                                      "save_steps": 2}}
+LOGGED = ("loss", "reward", "kl", "entropy", "grad_norm", "completions/mean_length", "num_tokens")
+
+
+@pytest.fixture(scope="module")
+def sampled_two(assets, tmp_path_factory):
+    """4 steps on two processes that sample (checkpoints at steps 2 and 4)."""
+    root = tmp_path_factory.mktemp("sampled")
+    launch(root / "two", *assets, 2, SAMPLED)
+    return root
+
+
+def resumed_from_step_2(root: Path, name: str) -> Path:
+    import shutil
+
+    shutil.copytree(root / "two/out/checkpoints/checkpoint-2", root / name / "out/checkpoints/checkpoint-2")
+    return root / name
+
+
+@pytest.mark.slow
+def test_two_sampling_processes_resume_bit_for_bit_on_two(assets, sampled_two):
+    """Each process restores its own streams: a resume samples what the uninterrupted run sampled (were rank 1 handed
+    rank 0's states, as before, it would sample other completions and end on other weights)."""
+    import hashlib
+
+    root = resumed_from_step_2(sampled_two, "resume-two")
+    launch(root, *assets, 2, SAMPLED)
+    digest = [hashlib.sha256((r / "out/checkpoints/checkpoint-4/model.safetensors").read_bytes()).hexdigest()
+              for r in (sampled_two / "two", root)]
+    assert digest[0] == digest[1]
+    uninterrupted = read_log(sampled_two / "two/metrics/train_log.csv")
+    resumed = read_log(root / "metrics/train_log.csv")
+    assert [r["step"] for r in resumed] == ["3", "4"]
+    assert [[r[k] for k in LOGGED] for r in resumed] == [[r[k] for k in LOGGED] for r in uninterrupted[2:]]
+    states = json.loads((root / "out/checkpoints/checkpoint-4/trainer_state.json").read_text())["rng"]
+    assert len(states) == 2 and states[0]["torch"] != states[1]["torch"]  # one stream per process
+
+
+@pytest.mark.slow
+def test_a_two_process_checkpoint_resumes_on_one_process(assets, sampled_two):
+    """Fewer processes: rank 0 takes its own saved streams (the states are per process: tests/test_checkpoint.py)."""
+    root = resumed_from_step_2(sampled_two, "resume-one")
+    launch(root, *assets, 1, {**SAMPLED, "train": {**SAMPLED["train"], "per_device_train_batch_size": 16,
+                                                         "num_processes": 1}})
+    assert [r["step"] for r in read_log(root / "metrics/train_log.csv")] == ["3", "4"]

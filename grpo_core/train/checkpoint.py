@@ -12,8 +12,8 @@
 - ``pending_groups.pt`` — dynamic sampling's kept groups not yet trained on, one entry per process;
 - ``ahead_round.pt`` — ``train.async_rollouts``: the next round, sampled ahead by older weights (its sampling
   step is in ``trainer_state.json``);
-- ``trainer_state.json`` — step, data-sampler position, RNG states (python, numpy, torch, cuda),
-  the params hash, and the metrics of the last step.
+- ``trainer_state.json`` — step, data-sampler position, the RNG states of every process (python, numpy,
+  torch, and the process's own GPU), the params hash, and the metrics of the last step.
 
 A checkpoint is written into ``checkpoint-<step>.tmp-<pid>`` and renamed into place only once every
 file is flushed, so a crash never leaves a partial checkpoint under a valid name: a checkpoint is
@@ -22,6 +22,7 @@ complete or absent.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -50,7 +51,8 @@ class CheckpointError(TrainingFailure, RuntimeError):
 
 
 def rng_state() -> dict:
-    """Every RNG the training loop draws from, in JSON-safe form."""
+    """Every RNG this process draws from, in JSON-safe form: python, numpy, torch's CPU generator and, on a GPU,
+    the generator of this process's own device (not every device's: on 8 GPUs each rank owns one)."""
     np_state = np.random.get_state()
     state = {
         "python": _to_json(random.getstate()),
@@ -58,7 +60,7 @@ def rng_state() -> dict:
         "torch": torch.get_rng_state().tolist(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+        state["cuda_device"] = torch.cuda.get_rng_state().tolist()
     return state
 
 
@@ -67,8 +69,24 @@ def set_rng_state(state: dict) -> None:
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    if "cuda_device" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda_device"], dtype=torch.uint8))
+
+
+def restore_rngs(saved: list[dict] | dict, rank: int, seed: int, step: int) -> bool:
+    """Process ``rank``'s RNGs from a checkpoint's per-process states; True if they were saved. A rank the
+    checkpoint has no state for (resuming on more processes than saved it) is seeded from (seed, step, rank):
+    the same resume twice samples the same, and no two ranks share a stream. ``saved``: one state per process
+    saved, or one dict (checkpoints written before states were per process: rank 0's)."""
+    states = [saved] if isinstance(saved, dict) else list(saved)
+    if rank < len(states):
+        set_rng_state(states[rank])
+        return True
+    derived = int.from_bytes(hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()[:4], "little")
+    random.seed(derived)
+    np.random.seed(derived)
+    torch.manual_seed(derived)  # every device's generator too
+    return False
 
 
 def _to_json(obj: Any) -> Any:
@@ -94,7 +112,7 @@ def _fsync_tree(path: Path) -> None:
 def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optimizer_state: dict, scheduler,
                     state: dict, rollout_buffer: dict | None = None, weights: dict[str, torch.Tensor] | None = None,
                     pending_groups: list[dict | None] | None = None, ahead_round: dict | None = None,
-                    reference: dict[str, torch.Tensor] | None = None,
+                    reference: dict[str, torch.Tensor] | None = None, rng_states: list[dict] | None = None,
                     keep_last: int | None = None, keep_step: int | None = None) -> Path:
     """Write checkpoint-<step> atomically; prune to the newest ``keep_last`` and checkpoint-<keep_step> (the best
     one, kept beside them as transformers' Trainer keeps its best). Returns the final path.
@@ -102,6 +120,7 @@ def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optim
     optimizer_state: ``optimizer.state_dict()`` (plain format). weights: the model's whole weights when the
     model itself holds only a shard (FSDP2, gathered by ``model.sharding.gather_weights``); else the model's
     own are saved. reference: the synced reference's whole weights (its state dict, or gathered).
+    rng_states: every process's ``rng_state()`` in rank order (None: this process's alone).
     """
     from safetensors.torch import save_file
 
@@ -127,7 +146,7 @@ def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optim
         torch.save(ahead_round, tmp / AHEAD_FILE)
     if reference is not None:  # a tied tensor once (safetensors refuses shared storage); loading re-ties it
         save_file(untie(reference, model), tmp / REFERENCE_FILE)
-    full_state = {**state, "step": step, "rng": rng_state()}
+    full_state = {**state, "step": step, "rng": rng_states if rng_states is not None else [rng_state()]}
     (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=1))
     _fsync_tree(tmp)
     if final.exists():  # re-saving the same step (e.g. the end of a resumed run): replace it whole
@@ -188,10 +207,14 @@ class LoadedCheckpoint:
     ahead_round: dict | None = None     # async rollouts: the round sampled ahead (a Round buffer)
 
 
-def load_checkpoint(path: str | Path, expected_hash: str | None = None) -> LoadedCheckpoint:
+def load_checkpoint(path: str | Path, expected_hash: str | None = None,
+                    device: torch.device | str = "cpu") -> LoadedCheckpoint:
     """Read a checkpoint's training state (the weights load with ``from_pretrained(path)``).
 
-    Refuses, with a clear error, a checkpoint written under different training params.
+    device: where the optimizer's and scheduler's tensors go (the loading process's own device: without it
+    torch.load puts them where they were saved, so every rank of an 8-GPU resume would fill GPU 0).
+    Buffers of samples go to the CPU, where the loop keeps them. Refuses, with a clear error, a checkpoint
+    written under different training params.
     """
 
     path = Path(path)
@@ -204,6 +227,8 @@ def load_checkpoint(path: str | Path, expected_hash: str | None = None) -> Loade
             f"{path}: written under different training params (hash {str(state.get('params_hash'))[:12]}, "
             f"now {expected_hash[:12]}). Resuming would mix two runs. Start fresh with train.resume: never "
             f"(or delete {path.parent}), or restore the params it was written with.")
+    device = torch.device(device)
+    device = torch.device("cpu") if device.type == "cpu" else device  # (torch.load knows no "cpu:0", accelerate's)
     buffer_file = path / "rollout_buffer.pt"
     ref_file = path / REFERENCE_FILE
     pending_file = path / PENDING_FILE
@@ -211,13 +236,17 @@ def load_checkpoint(path: str | Path, expected_hash: str | None = None) -> Loade
     return LoadedCheckpoint(
         path=path,
         state=state,
-        optimizer=torch.load(path / "optimizer.pt", weights_only=True),
-        scheduler=torch.load(path / "scheduler.pt", weights_only=True),
-        rollout_buffer=torch.load(buffer_file, weights_only=True) if buffer_file.exists() else None,
+        optimizer=torch.load(path / "optimizer.pt", weights_only=True, map_location=device),
+        scheduler=torch.load(path / "scheduler.pt", weights_only=True, map_location=device),
+        rollout_buffer=_load_on_cpu(buffer_file),
         reference_file=ref_file if ref_file.exists() else None,
-        pending_groups=torch.load(pending_file, weights_only=True) if pending_file.exists() else None,
-        ahead_round=torch.load(ahead_file, weights_only=True) if ahead_file.exists() else None,
+        pending_groups=_load_on_cpu(pending_file),
+        ahead_round=_load_on_cpu(ahead_file),
     )
+
+
+def _load_on_cpu(file: Path) -> Any:
+    return torch.load(file, weights_only=True, map_location="cpu") if file.exists() else None
 
 
 def load_weights(model, path: Path) -> None:

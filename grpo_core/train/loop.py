@@ -270,6 +270,11 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
             ref_model.to(accelerator.device)
         policy = accelerator.unwrap_model(model)
         backend = make_backend(policy, tokenizer)
+    if accelerator.num_processes > 1:
+        # each process samples a stream of its own, as TRL seeds them (device_specific: seed + rank); only now, once
+        # the weights exist: every process must build the same initial weights (FSDP2 shards are not broadcast from
+        # rank 0). One process keeps its stream as it was.
+        set_seed(t.seed, device_specific=True)
     run = TrainingRun(t=t, generation=cfg.generation, round_spec=RoundSpec(sampling_params(cfg.generation),
                                                                          t.num_generations, t.reward_calls),
                       logprobs=LogprobOptions.from_config(cfg),

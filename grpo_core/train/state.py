@@ -23,8 +23,9 @@ from grpo_core.train.checkpoint import (
     load_checkpoint,
     load_reference,
     load_weights,
+    restore_rngs,
+    rng_state,
     save_checkpoint,
-    set_rng_state,
 )
 from grpo_core.train.round import Round
 
@@ -122,6 +123,7 @@ def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round
     acc.wait_for_everyone()
     synced = run.ref_model if state.reference_synced else None
     pending = _gather_pending(acc, state.pending) if run.t.dynamic_sampling else None
+    rngs = _gather_rngs(acc)
     if is_sharded(run.policy):
         weights = gather_weights(run.policy)
         optimizer_state = gather_optimizer_state(run.policy, run.optimizer)
@@ -139,7 +141,8 @@ def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round
         save_checkpoint(run.checkpoint_dir, state.step, model=run.policy, tokenizer=run.tokenizer,
                         optimizer_state=optimizer_state, scheduler=run.scheduler, state=meta, weights=weights,
                         rollout_buffer=state.round.to_buffer() if keep_round and state.round is not None else None,
-                        reference=reference, keep_last=run.t.save_total_limit, pending_groups=pending,
+                        reference=reference, rng_states=rngs, keep_last=run.t.save_total_limit,
+                        pending_groups=pending,
                         ahead_round=state.ahead.to_buffer() if state.ahead is not None else None,
                         keep_step=state.best_step)
     acc.wait_for_everyone()
@@ -148,7 +151,7 @@ def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round
 def restore_state(run: TrainingRun, path: Path, sampler: PromptSampler) -> TrainState:
     """Load checkpoint ``path`` into the run's weights, optimizer, scheduler and reference, ``sampler`` and the
     RNGs; return its ``TrainState`` (whose ``sampler`` is the one passed)."""
-    ck = load_checkpoint(path, expected_hash=run.params_hash)
+    ck = load_checkpoint(path, expected_hash=run.params_hash, device=run.accelerator.device)
     load_weights(run.policy, path)
     if is_sharded(run.policy):
         load_optimizer_state(run.policy, run.optimizer, ck.optimizer)
@@ -158,7 +161,7 @@ def restore_state(run: TrainingRun, path: Path, sampler: PromptSampler) -> Train
     if ck.reference_file is not None and run.ref_model is not None:
         load_reference(run.ref_model, ck.reference_file)
     sampler.load_state_dict(ck.state["sampler"])
-    set_rng_state(ck.state["rng"])
+    restore_rngs(ck.state["rng"], run.accelerator.process_index, run.t.seed, ck.state["step"])
     return TrainState(sampler=sampler, step=ck.state["step"], micro_step=ck.state["micro_step"],
                       rollbacks=ck.state.get("rollbacks", 0),
                       round=Round.from_buffer(ck.rollout_buffer) if ck.rollout_buffer is not None else None,
@@ -179,6 +182,15 @@ def _gather_pending(accelerator, pending: Round | None) -> list[dict | None]:
     from accelerate.utils import gather_object
 
     return gather_object([buffer])
+
+
+def _gather_rngs(accelerator) -> list[dict]:
+    """Every process's RNG states, in rank order (a collective on N processes): each samples its own stream."""
+    if accelerator.num_processes == 1:
+        return [rng_state()]
+    from accelerate.utils import gather_object
+
+    return gather_object([rng_state()])
 
 
 def _own_pending(saved: list[dict | None] | None, accelerator, group_size: int) -> Round | None:
