@@ -176,10 +176,10 @@ def sampled_two(assets, tmp_path_factory):
     return root
 
 
-def resumed_from_step_2(root: Path, name: str) -> Path:
+def resumed_from_step_2(root: Path, name: str, run: str = "two") -> Path:
     import shutil
 
-    shutil.copytree(root / "two/out/checkpoints/checkpoint-2", root / name / "out/checkpoints/checkpoint-2")
+    shutil.copytree(root / run / "out/checkpoints/checkpoint-2", root / name / "out/checkpoints/checkpoint-2")
     return root / name
 
 
@@ -209,3 +209,17 @@ def test_a_two_process_checkpoint_resumes_on_one_process(assets, sampled_two):
     launch(root, *assets, 1, {**SAMPLED, "train": {**SAMPLED["train"], "per_device_train_batch_size": 16,
                                                          "num_processes": 1}})
     assert [r["step"] for r in read_log(root / "metrics/train_log.csv")] == ["3", "4"]
+
+
+@pytest.mark.slow
+def test_a_one_process_checkpoint_resumes_on_two_processes(assets, tmp_path):
+    """More processes: rank 0 takes the saved streams, rank 1 a stream seeded from (seed, step, rank); both then
+    save their own."""
+    one = {**SAMPLED, "train": {**SAMPLED["train"], "per_device_train_batch_size": 16, "num_processes": 1,
+                                "max_steps": 2}}
+    launch(tmp_path / "one", *assets, 1, one)
+    root = resumed_from_step_2(tmp_path, "resume-two", run="one")
+    launch(root, *assets, 2, {**SAMPLED, "train": {**SAMPLED["train"], "max_steps": 3}})
+    assert [r["step"] for r in read_log(root / "metrics/train_log.csv")] == ["3"]
+    states = json.loads((root / "out/checkpoints/checkpoint-3/trainer_state.json").read_text())["rng"]
+    assert len(states) == 2 and states[0]["torch"] != states[1]["torch"]
