@@ -187,3 +187,37 @@ def test_disable_dropout_makes_the_training_forward_repeatable(assets):
     assert not torch.allclose(a, b)
     assert disable_dropout(policy) > 0
     assert torch.equal(policy(input_ids=ids).logits, policy(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("fused_head", [False, True])
+def test_the_lora_reference_is_scored_as_the_policy_with_its_adapters_off(assets, fused_head):
+    """The reference view takes the policy's scoring path (the fused head, or logits for the completion only:
+    logits_to_keep), never the (B, L, V) logits of the prompt too; its log-probs are the base model's."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_core.config import LoraConfig, ModelConfig
+    from grpo_core.model.loading import AdapterDisabledReference, load_policy
+    from grpo_core.model.logprobs import token_logprobs_and_entropy
+
+    model_dir, _ = assets
+    policy, _ = load_policy(ModelConfig(name_or_path=str(model_dir), lora=LoraConfig(**LORA)))
+    policy.eval()
+    with torch.no_grad():  # adapters that change the numbers (peft starts B at zero)
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.randint(5, 60, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask, K = torch.ones_like(ids), 4
+    head_rows = []
+    hook = policy.get_base_model().lm_head.register_forward_hook(
+        lambda module, args, out: head_rows.append(args[0].shape[:-1].numel()))
+    with torch.no_grad():
+        ref_logps, _ = token_logprobs_and_entropy(AdapterDisabledReference(policy), ids, mask, K, forward="hf",
+                                                  fused_head=fused_head)
+        base_logps, _ = token_logprobs_and_entropy(base, ids, mask, K, forward="hf", fused_head=fused_head)
+        policy_logps, _ = token_logprobs_and_entropy(policy, ids, mask, K, forward="hf", fused_head=fused_head)
+    hook.remove()
+    torch.testing.assert_close(ref_logps, base_logps, rtol=1e-5, atol=1e-5)
+    assert (policy_logps - base_logps).abs().max() > 1e-3  # the adapters matter: the reference switched them off
+    assert sum(head_rows) <= 2 * 2 * (K + 1)  # reference and policy: the completion's positions only (12 each before)

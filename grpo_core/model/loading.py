@@ -232,8 +232,17 @@ class AdapterDisabledReference(torch.nn.Module):
     def device(self) -> torch.device:
         return model_device(self._peft[0])
 
+    @property
+    def policy(self) -> torch.nn.Module:
+        """The LoRA-wrapped policy whose base this view is."""
+        return self._peft[0]
+
+    def adapters_off(self):
+        """A context in which the policy computes as this reference: its adapters switched off."""
+        return self._peft[0].disable_adapter()
+
     def forward(self, *args, **kwargs):
-        with self._peft[0].disable_adapter():
+        with self.adapters_off():
             return self._peft[0](*args, **kwargs)
 
 

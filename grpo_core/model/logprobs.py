@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from grpo_core.model.fastforward import hidden_states, use_manual_forward
-from grpo_core.model.loading import Float32Head
+from grpo_core.model.loading import AdapterDisabledReference, Float32Head
 from grpo_core.model.sharding import is_sharded
 
 DEFAULT_CHUNK_SIZE = 256  # rows of V logits per chunk: 256 x 152k vocab x 4 bytes ~ 156 MB in float32
@@ -109,6 +109,11 @@ def token_logprobs_and_entropy(
         does the same), otherwise in the logits' dtype. 0 where attention_mask is 0, as TRL 1.16.
     """
     _check_scoring_arguments(input_ids, attention_mask, logits_to_keep, position_ids, temperature)
+    if isinstance(model, AdapterDisabledReference):  # the LoRA reference: the policy, adapters off, scored the
+        with model.adapters_off():                   # policy's way (fused head, logits_to_keep), not full logits
+            return token_logprobs_and_entropy(model.policy, input_ids, attention_mask, logits_to_keep, temperature,
+                                              compute_entropy, chunk_size, position_ids, forward, fused_head,
+                                              padding_free)
     model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
     if position_ids is not None:
         model_inputs["position_ids"] = position_ids
