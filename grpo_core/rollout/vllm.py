@@ -334,6 +334,7 @@ class VLLMBackend:
         self.model = model
         self.return_logprobs = return_logprobs
         self.pad_id, self.eos_ids = pad_and_eos_ids(tokenizer)
+        self.owns_engine = engine is None  # close() stops only an engine built here
         if engine is None:
             check_can_run(model)
             engine = build_engine(model, gpu_memory_utilization=gpu_memory_utilization,
@@ -365,6 +366,13 @@ class VLLMBackend:
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model
         self.weights_stale = True
+
+    def close(self) -> None:
+        """Stop the engine this backend built (a stage that samples two policies one after the other - evaluate's
+        base and trained - starts the second engine in a process the first has left)."""
+        if self.owns_engine and self.llm is not None:
+            shutdown_engine(self.llm)
+            self.llm = None
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], num_generations: int, sampling: SamplingParams) -> RolloutBatch:
