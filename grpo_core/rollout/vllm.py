@@ -39,6 +39,7 @@ import logging
 import os
 import random
 import socket
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -266,15 +267,19 @@ def load_policy_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> Non
     """Copy ``weights`` (HF names) into the engine's model through its reload path (layer-wise post-processing).
 
     On CPU a head tied to the embedding is packed separately from it (its own oneDNN copy) and the reload only
-    refreshes the embedding's tensor, so every layer that keeps its weight beside a packed copy is re-packed."""
+    refreshes the embedding's tensor, so the layers sharing it are re-packed."""
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     llm.apply_model(_repack_kept_cpu_weights)  # a no-op off CPU: only the CPU build's layers have cpu_linear
 
 
 def _repack_kept_cpu_weights(model: torch.nn.Module) -> None:
-    for layer in model.modules():
-        weight = getattr(layer, "weight", None)
-        if hasattr(layer, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.numel():
+    """Re-pack the CPU layers that share one kept weight (a tied head and its embedding): the reload packed the
+    embedding's copy only. Untied models have none, so nothing is packed twice."""
+    kept = [layer for layer in model.modules() if hasattr(layer, "cpu_linear")
+            and isinstance(getattr(layer, "weight", None), torch.Tensor) and layer.weight.numel()]
+    sharing = Counter(layer.weight.data_ptr() for layer in kept)
+    for layer in kept:
+        if sharing[layer.weight.data_ptr()] > 1:
             layer.quant_method.process_weights_after_loading(layer)
 
 
