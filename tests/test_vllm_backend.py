@@ -1,16 +1,19 @@
-"""The vLLM rollout backend's side of the engine interface, against a stand-in engine.
+"""The vLLM rollout backend where the real engine cannot be used here, against a stand-in; and its pure parts.
 
-The stand-in (``StandInLLM``) has vllm.LLM's colocate interface and its behaviour where it matters here: it
-loads its own copy of the model from the policy's files, level-2 sleep destroys that copy's weights (NaN)
-and releases the KV cache, ``generate`` refuses to run asleep, and ``load_weights`` takes HF names. It samples
-with ``HFGenerateBackend`` on its copy, so with synced weights a run through it must equal a run through HF
-``generate`` exactly — the trainer-level check below, with a never-syncing backend as the negative control.
-vLLM's own side (that the real engine does what the stand-in does) needs a GPU run.
+The real engine (vLLM's CPU build) runs in tests/test_vllm_engine.py. A stand-in stays for two things it lacks:
+
+- sleep mode (CUDA only): the stand-in's level-2 sleep destroys its weights (NaN) and releases the KV cache,
+  ``generate`` refuses to run asleep, so the backend's wake / load / sleep order is checked here;
+- a sampler whose log-probs differ from the trainer's (``logprob_shift``): float32 vLLM on CPU agrees with the
+  trainer to ~1e-6, so the sampler correction's effect is checked with this one (tests/test_trl_parity.py).
+
+The stand-in (``StandInLLM``) has vllm.LLM's colocate interface as the backend uses it: it loads its own copy of
+the model from the policy's files, weights arrive through ``collective_rpc("reload_weights", ...)`` under HF
+names, and it samples with ``HFGenerateBackend`` on its copy.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -20,17 +23,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_core.config import ConfigError, load_config
-from grpo_core.rollout import HFGenerateBackend, SamplingParams, default_backend
+from grpo_core.rollout import HFGenerateBackend, SamplingParams
 from grpo_core.rollout.vllm import (
     VLLMBackend,
-    VLLMUnavailable,
-    build_engine,
-    check_can_run,
     completion_tensor,
     vllm_sampling_kwargs,
 )
-from grpo_core.train.loop import train
-from tests.tiny import make_prompts, make_tiny_model, read_log, tiny_config
+from tests.tiny import make_prompts, make_tiny_model
 
 PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
 DIGITS = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}]
@@ -43,6 +42,7 @@ class StandInSamplingParams(SimpleNamespace):
     def __init__(self, **kwargs):
         unknown = set(kwargs) - VLLM_SAMPLING_FIELDS
         assert not unknown, f"not a vllm.SamplingParams field: {unknown}"
+        assert kwargs.get("temperature", 1.0) > 0 or kwargs.get("n", 1) == 1, "vLLM: n must be 1 when greedy"
         super().__init__(**kwargs)
 
 
@@ -61,9 +61,15 @@ class StandInLLM:
             return  # build_engine's check only looks at the arguments
         self.model = AutoModelForCausalLM.from_pretrained(model).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        loader = SimpleNamespace(load_weights=self._load_weights)
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(
-            driver_worker=SimpleNamespace(model_runner=SimpleNamespace(model=loader))))
+        model_config = SimpleNamespace(dtype=torch.float32, enable_sleep_mode=engine_kwargs.get("enable_sleep_mode", True))
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(model_config=model_config))
+
+    def collective_rpc(self, method, kwargs):
+        assert method == "reload_weights"
+        self._load_weights(kwargs["weights_iterator"])
+
+    def apply_model(self, fn):
+        return [fn(self.model)]
 
     def _load_weights(self, weights):
         assert self.weights_awake, "load_weights into released memory"
@@ -149,27 +155,8 @@ PROMPTS = [[5, 9, 11, 14], [7, 3, 22, 8, 30, 2, 14], [12, 4, 25]]
 GREEDY = SamplingParams(max_new_tokens=10, do_sample=False)
 
 
-def ending_tokenizer(policy, tok):
-    """The random model rarely samples its EOS: call EOS a token greedy decoding produces in some rows only."""
-    free = HFGenerateBackend(policy, tok).generate(PROMPTS, 1, GREEDY).completion_ids
-    per_row = [set(row.tolist()) for row in free]
-    eos = next(t for t in sorted(set().union(*per_row)) if 0 < sum(t in r for r in per_row) < len(per_row))
-    return SimpleNamespace(pad_token_id=tok.pad_token_id, eos_token_id=eos)
-
-
-@pytest.mark.parametrize("include_stop_token", [True, False])
-def test_greedy_rollout_equals_hf_generate(assets, fake_vllm, include_stop_token):
-    policy, tok = policy_and_tokenizer(assets[0])
-    tok = ending_tokenizer(policy, tok)
-    expected = HFGenerateBackend(policy, tok).generate(PROMPTS, 2, GREEDY)
-    assert expected.is_truncated.any() and not expected.is_truncated.all()  # both endings are exercised
-    engine = StandInLLM(str(assets[0]), include_stop_token=include_stop_token)
-    got = VLLMBackend(policy, tok, engine=engine).generate(PROMPTS, 2, GREEDY)
-    for field in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "is_truncated"):
-        assert torch.equal(getattr(got, field), getattr(expected, field)), field
-
-
 def test_sleep_mode_phases_and_weight_reload(assets, fake_vllm):
+    """CUDA's sleep mode (vLLM's CPU build has none): weights woken before the copy, KV cache before generating."""
     policy, tok = policy_and_tokenizer(assets[0])
     engine = StandInLLM(str(assets[0]))
     backend = VLLMBackend(policy, tok, engine=engine, enable_sleep_mode=True)
@@ -179,56 +166,6 @@ def test_sleep_mode_phases_and_weight_reload(assets, fake_vllm):
     assert engine.calls[1:] == round_
     backend.generate(PROMPTS, 2, GREEDY)  # level 2 discarded the weights: reloaded although unchanged
     assert engine.calls[7:] == round_ and backend.weights_loaded == 2
-
-
-def test_without_sleep_mode_weights_load_only_after_a_sync(assets, fake_vllm):
-    policy, tok = policy_and_tokenizer(assets[0])
-    engine = StandInLLM(str(assets[0]))
-    backend = VLLMBackend(policy, tok, engine=engine, enable_sleep_mode=False)
-    before = backend.generate(PROMPTS, 1, GREEDY)
-    backend.generate(PROMPTS, 1, GREEDY)
-    assert engine.calls == ["load_weights", "reset_prefix_cache", "generate", "generate"]
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in policy.parameters():  # a different policy: greedy completions change
-            p.add_(torch.randn(p.shape, generator=g), alpha=0.5)
-    backend.sync_weights(policy)
-    backend.sync_weights(policy)  # several optimizer steps per round: one copy
-    after = backend.generate(PROMPTS, 1, GREEDY)
-    assert engine.calls[4:] == ["load_weights", "reset_prefix_cache", "generate"]
-    assert torch.equal(after.completion_ids, HFGenerateBackend(policy, tok).generate(PROMPTS, 1, GREEDY).completion_ids)
-    assert not torch.equal(after.completion_ids, before.completion_ids)
-
-
-
-class NeverSyncing(VLLMBackend):
-    def sync_weights(self, model):  # the bug this test must catch: the engine keeps the first weights
-        pass
-
-
-def test_training_through_the_engine_equals_training_through_hf_generate(assets, fake_vllm, tmp_path):
-    """Sampling with temperature 1: the stand-in draws exactly what HF generate draws from the same weights, so
-    the runs agree step for step only if the engine gets the policy's weights after every optimizer step."""
-    model_dir, data = assets
-    cfg = tiny_config(model_dir, data, DIGITS, max_steps=3, learning_rate=2e-2)
-    runs = {
-        "hf": lambda m, tok: HFGenerateBackend(m, tok),
-        "vllm": lambda m, tok: VLLMBackend(m, tok, engine=StandInLLM(str(model_dir))),
-        "stale": lambda m, tok: NeverSyncing(m, tok, engine=StandInLLM(str(model_dir)), enable_sleep_mode=False),
-    }
-    logs = {}
-    for name, factory in runs.items():
-        train(cfg, root=tmp_path / name, progress=False, backend_factory=factory)
-        logs[name] = read_log(tmp_path / name / "metrics/train_log.csv")
-    keys = ["reward", "entropy", "completions/mean_length", "grad_norm", "num_tokens"]
-
-    def series(name, steps):
-        return [float(logs[name][s][k]) for s in steps for k in keys]
-
-    assert len(logs["hf"]) == len(logs["vllm"]) == 3
-    assert series("vllm", [0, 1, 2]) == pytest.approx(series("hf", [0, 1, 2]), rel=1e-5)
-    assert series("stale", [0]) == pytest.approx(series("hf", [0]), rel=1e-5)  # the same first round ...
-    assert series("stale", [1, 2]) != pytest.approx(series("hf", [1, 2]), rel=1e-5)  # ... then stale samples
 
 
 def test_sampling_arguments_are_ours_and_nothing_else():
@@ -253,38 +190,6 @@ def test_completion_tensor_restores_a_missing_stop_token():
     assert completion_tensor(out, [1, 2]).tolist() == [[4, 5, 2]]
     out = SimpleNamespace(token_ids=[4, 5, 6], finish_reason="length", stop_reason=None)
     assert completion_tensor(out, [1, 2]).tolist() == [[4, 5, 6]]
-
-
-def test_engine_arguments(assets, fake_vllm, monkeypatch):
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.setenv(key, "unset")  # recorded, so the test leaves the environment as it found it
-        monkeypatch.delenv(key)
-    monkeypatch.setattr(StandInLLM, "__init__", lambda self, **kw: setattr(self, "engine_kwargs", kw))
-    policy, _ = policy_and_tokenizer(assets[0])
-    engine = build_engine(policy, gpu_memory_utilization=0.4, enable_sleep_mode=True, max_model_length=300, seed=3,
-                          rank=1, local_rank=1, world_size=2)
-    assert engine.engine_kwargs == dict(
-        model=str(assets[0]), dtype="float32", gpu_memory_utilization=0.4, enable_sleep_mode=True, max_model_len=300,
-        seed=4, tensor_parallel_size=1, distributed_executor_backend="external_launcher", enable_prefix_caching=True,
-        logprobs_mode="processed_logprobs")
-    assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("1", "1", "2")
-    assert int(os.environ["MASTER_PORT"]) > 0
-
-
-def test_clear_errors_where_vllm_cannot_run(assets, monkeypatch, tmp_path):
-    policy, tok = policy_and_tokenizer(assets[0])
-    with pytest.raises(VLLMUnavailable, match="CUDA GPU .*it is on cpu"):
-        default_backend(policy, tok, "vllm")
-    monkeypatch.setitem(sys.modules, "vllm", None)  # not installed
-    with pytest.raises(VLLMUnavailable, match=r"pip install 'grpo-pipeline\[gpu\]'"):
-        build_engine(policy, gpu_memory_utilization=0.3, enable_sleep_mode=True, max_model_length=None, seed=0)
-    policy.peft_config = {"default": None}
-    with pytest.raises(VLLMUnavailable, match="LoRA"):
-        check_can_run(policy)
-    model_dir, data = assets
-    with pytest.raises(VLLMUnavailable, match="CUDA GPU"):  # the trainer stops before sampling anything
-        train(tiny_config(model_dir, data, DIGITS, generation_backend="vllm"), root=tmp_path, progress=False)
-    assert not (tmp_path / "metrics").exists()
 
 
 @pytest.mark.parametrize("key,value,message", [

