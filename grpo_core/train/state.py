@@ -123,7 +123,7 @@ def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round
     acc.wait_for_everyone()
     synced = run.ref_model if state.reference_synced else None
     pending = _gather_pending(acc, state.pending) if run.t.dynamic_sampling else None
-    rngs = _gather_rngs(acc)
+    rngs = _per_process(acc, rng_state())  # each process samples its own stream
     if is_sharded(run.policy):
         weights = gather_weights(run.policy)
         optimizer_state = gather_optimizer_state(run.policy, run.optimizer)
@@ -176,21 +176,16 @@ def restore_state(run: TrainingRun, path: Path, sampler: PromptSampler) -> Train
 
 def _gather_pending(accelerator, pending: Round | None) -> list[dict | None]:
     """Every process's pending groups as buffers, in process order (a collective on N processes)."""
-    buffer = pending.to_buffer() if pending is not None and len(pending) else None
+    return _per_process(accelerator, pending.to_buffer() if pending is not None and len(pending) else None)
+
+
+def _per_process(accelerator, item: Any) -> list:
+    """``item`` of every process, in rank order (a collective on N processes; no communication on one)."""
     if accelerator.num_processes == 1:
-        return [buffer]
+        return [item]
     from accelerate.utils import gather_object
 
-    return gather_object([buffer])
-
-
-def _gather_rngs(accelerator) -> list[dict]:
-    """Every process's RNG states, in rank order (a collective on N processes): each samples its own stream."""
-    if accelerator.num_processes == 1:
-        return [rng_state()]
-    from accelerate.utils import gather_object
-
-    return gather_object([rng_state()])
+    return gather_object([item])
 
 
 def _own_pending(saved: list[dict | None] | None, accelerator, group_size: int) -> Round | None:
