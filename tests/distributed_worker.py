@@ -98,9 +98,42 @@ def main(out_dir: str, model_dir: str, data_file: str, spec_json: str) -> None:
         "rewards": [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}],
         "train": train, "guards": spec.get("guards", {})})
     poison_losses(set(spec.get("nan_loss_at", [])))
+    if spec.get("engine"):
+        return train_with_engine(cfg, Path(out_dir))
     # "sampled": the real sampling backend (the train config's: the hand-written decode on CPU), which draws from
     # each process's RNG; else completions that are a fixed function of the prompt
     loop.train(cfg, root=out_dir, progress=False, backend_factory=None if spec.get("sampled") else DeterministicBackend)
+
+
+# Scored by each process's engine after training: (prompt ids, completion ids) it did not sample.
+FIXED = [([5, 9, 11, 13], [21, 40, 7, 33, 12, 60]), ([8, 8, 30], [14, 15, 16, 17, 18, 19])]
+
+
+def train_with_engine(cfg, out: Path) -> None:
+    """train() sampling through a real vLLM engine in each process (generation.backend vllm); then each process
+    writes its engine's log-probs of FIXED (T = 1) and how many times the policy's weights were copied into it."""
+    import dataclasses
+
+    from vllm import SamplingParams as VLLMSamplingParams
+
+    from grpo_core.rollout.vllm import VLLMBackend
+
+    cfg = dataclasses.replace(cfg, generation=dataclasses.replace(cfg.generation, backend="vllm"))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    built = []
+
+    def engine_backend(model, tokenizer):
+        built.append(VLLMBackend(model, tokenizer, seed=0, rank=rank, local_rank=rank, world_size=world,
+                                 max_model_length=64, return_logprobs=True, dtype=torch.float32))
+        return built[-1]
+
+    loop.train(cfg, root=out, progress=False, backend_factory=engine_backend)
+    params = VLLMSamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+    results = built[0].llm.generate([{"prompt_token_ids": p + c} for p, c in FIXED], sampling_params=params,
+                                    use_tqdm=False)
+    logps = [[r.prompt_logprobs[len(p) + i][token].logprob for i, token in enumerate(c)]
+             for r, (p, c) in zip(results, FIXED)]
+    (out / f"engine-rank{rank}.json").write_text(json.dumps({"logps": logps, "loads": built[0].weights_loaded}))
 
 
 if __name__ == "__main__":

@@ -175,3 +175,37 @@ def test_a_sharded_model_is_scored_through_its_own_forward(runs):
     proc = subprocess.run([sys.executable, "-c", SHARDED_FORWARD, str(runs / "model"), str(port)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
+def test_a_sharded_policy_feeds_each_process_engine_one_parameter_at_a_time(tmp_path):
+    """generation.backend vllm under FSDP2: no whole copy of the policy besides each process's engine; after every
+    optimizer step the shards are gathered (one parameter at a time) into both engines, so after the last step each
+    engine scores fixed completions exactly as the exported policy does (float32 engine, 1e-4: see
+    tests/test_vllm_engine.py), and unlike the base."""
+    from tests.distributed_worker import FIXED
+    from tests.tiny import require_vllm
+
+    require_vllm()
+    from transformers import AutoModelForCausalLM
+
+    model = make_tiny_model(tmp_path / "model", hidden_size=64, heads=2)  # head size 32: one vLLM's CPU attention runs
+    data = make_prompts(tmp_path / "train.jsonl")
+    steps = 2
+    launch(tmp_path / "run", model, data, 2, {"engine": True, "train": {**SHARDED, "max_steps": steps}})
+
+    @torch.no_grad()
+    def logps(folder: Path) -> torch.Tensor:
+        policy = AutoModelForCausalLM.from_pretrained(folder).eval()
+        rows = []
+        for prompt, completion in FIXED:
+            logits = policy(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+            rows.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0])
+        return torch.stack(rows)
+
+    trained, base = logps(tmp_path / "run/out/model"), logps(model)
+    for rank in (0, 1):
+        engine = json.loads((tmp_path / f"run/engine-rank{rank}.json").read_text())
+        assert engine["loads"] == 1 + steps  # set-up, then after each optimizer step
+        got = torch.tensor(engine["logps"])
+        assert (got - trained).abs().max().item() < 1e-4
+        assert (got - base).abs().max().item() > 1e-2  # training moved the policy: the check can fail

@@ -16,7 +16,11 @@ from tests.hub_fixture import CHATML_TEMPLATE, IM_END, gsm8k_rows, make_chat_mod
 from tests.tiny import in_stage_repo
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
+ALL_CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
+# The hub-model recipes (embedded: null); configs/embedded-*.yaml are the embedded default on another engine.
+CONFIGS = [name for name in ALL_CONFIGS if not name.startswith("embedded-")]
+# What configs/embedded-vllm.yaml changes of params.yaml, and nothing else (its header says why).
+EMBEDDED_VLLM = {("embedded", "num_attention_heads"): 3, ("generation", "backend"): "vllm"}
 MODEL_DIR = "models/Qwen2.5-0.5B-Instruct"  # where README's `hf download` puts the model
 DATA_DIR = "data/gsm8k"
 # What the end-to-end runs scale down (sizes only: the recipe's algorithm, precision and format stay).
@@ -73,7 +77,7 @@ def lookup(raw: dict, dotted: str):
     return node
 
 
-@pytest.mark.parametrize("name", ["params.yaml", *CONFIGS])
+@pytest.mark.parametrize("name", ["params.yaml", *ALL_CONFIGS])
 def test_config_is_complete_for_dvc(name):
     """What `dvc repro` needs of params.yaml: every `${...}` in dvc.yaml resolves to one path (DVC cannot hash a
     list), every key a stage lists under `params` exists, and the file loads as our config."""
@@ -88,11 +92,24 @@ def test_config_is_complete_for_dvc(name):
         for key in spec.get("params", []):
             lookup(raw, key)  # KeyError names the missing key
     cfg = config_from_dict(raw)
-    if name != "params.yaml":
+    if name in CONFIGS:
         assert cfg.embedded is None  # prepare does no work
         assert not Path(cfg.model.name_or_path).is_absolute() and cfg.model.name_or_path == MODEL_DIR
         for split in ("train", "eval"):
             assert cfg.data.paths(split)[0].startswith(DATA_DIR + "/main/")
+
+
+def test_embedded_vllm_recipe_is_the_default_with_the_engine_and_a_head_size_it_runs():
+    """configs/embedded-vllm.yaml is params.yaml with EMBEDDED_VLLM's keys changed, and nothing else: a key added to
+    or changed in params.yaml must reach the recipe too (the recipe claims "the embedded default with vLLM")."""
+    default = yaml.safe_load((REPO / "params.yaml").read_text())
+    vllm = recipe("embedded-vllm.yaml")
+    for (section, key), value in EMBEDDED_VLLM.items():
+        assert vllm[section][key] == value and default[section][key] != value
+        vllm[section][key] = default[section][key]
+    assert vllm == default
+    embedded = recipe("embedded-vllm.yaml")["embedded"]
+    assert embedded["hidden_size"] // embedded["num_attention_heads"] == 32  # a size vLLM's CPU attention takes
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -18,8 +18,10 @@ What the CPU build lacks - sleep mode - is still checked against a stand-in (tes
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,6 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpo_core.config import config_from_dict
 from grpo_core.rollout import HFGenerateBackend, SamplingParams
 from grpo_core.rollout.vllm import (
+    NoWeightsOfTheirOwn,
     VLLMBackend,
     VLLMUnavailable,
     build_engine,
@@ -183,10 +186,34 @@ def test_greedy_rollouts_equal_hf_generate_and_weights_load_only_after_a_sync(en
             p.add_(torch.randn(p.shape, generator=g), alpha=0.5)
     backend.sync_weights(policy)
     backend.sync_weights(policy)  # several optimizer steps per round: one copy
-    after = backend.generate(PROMPTS, 2, GREEDY)
+    with reload_warnings() as warned:
+        after = backend.generate(PROMPTS, 2, GREEDY)
     assert backend.weights_loaded == 2
+    assert warned == []  # no "RotaryEmbedding / ParallelLMHead: Failed to load weights" on every step
     assert torch.equal(after.completion_ids, HFGenerateBackend(policy, tok).generate(PROMPTS, 2, GREEDY).completion_ids)
     assert not torch.equal(after.completion_ids, got.completion_ids)
+
+
+@contextmanager
+def reload_warnings():
+    """The warnings vLLM's layer-wise reload lets through while the block runs (its logger's filters applied)."""
+    reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    seen: list[str] = []
+    reload_log.addHandler(handler)
+    try:
+        yield seen
+    finally:
+        reload_log.removeHandler(handler)
+
+
+@pytest.mark.parametrize("tied, layer, shown", [(True, "RotaryEmbedding", False), (True, "ParallelLMHead", False),
+                                                (False, "ParallelLMHead", True), (True, "QKVParallelLinear", True)])
+def test_only_layers_without_weights_of_their_own_are_kept_quiet(tied, layer, shown):
+    """An untied head or any other layer that fails to load is still reported."""
+    record = logging.LogRecord("vllm", logging.WARNING, __file__, 1, "%s: Failed to load weights", (layer,), None)
+    assert NoWeightsOfTheirOwn(tied).filter(record) is shown
 
 
 def test_engine_settings_and_a_clean_process(engine, assets):

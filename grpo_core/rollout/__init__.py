@@ -52,13 +52,14 @@ def sampling_params(g, *, temperature: float | None = None, max_completion_lengt
 
 def backend_for(model: torch.nn.Module, tokenizer, g, *, seed: int, max_prompt_length: int | None,
                 max_completion_length: int | None = None, return_logprobs: bool = False, rank: int = 0,
-                local_rank: int = 0, world_size: int = 1):
+                local_rank: int = 0, world_size: int = 1, dtype: torch.dtype | None = None):
     """The rollout backend params.yaml ``generation`` (a GenerationConfig) names, with its engine options: the
     trainer, calibrate and evaluate all sample through this, so they sample the same way.
 
     seed: the engine's (vLLM). max_prompt_length, max_completion_length (None = generation's): the longest
     sequence a vLLM engine is sized for. return_logprobs: vLLM batches carry the engine's log-probs (the
-    trainer's importance-sampling correction and OPSM need them)."""
+    trainer's importance-sampling correction and OPSM need them). dtype: a vLLM engine's weights (the trainer passes
+    ``model.dtype``: its float32 masters are cast on every copy; None = the model's own)."""
     if g.backend != "vllm":  # generation_kwargs: HF generate's, which the hand-written loop cannot take
         choice = "hf" if g.backend == "auto" and g.generation_kwargs else g.backend
         static = None if g.cache_implementation is None else g.cache_implementation == "static"
@@ -67,7 +68,7 @@ def backend_for(model: torch.nn.Module, tokenizer, g, *, seed: int, max_prompt_l
     return default_backend(
         model, tokenizer, "vllm", gpu_memory_utilization=g.vllm_gpu_memory_utilization,
         enable_sleep_mode=g.vllm_enable_sleep_mode, seed=seed, rank=rank, local_rank=local_rank,
-        world_size=world_size, return_logprobs=return_logprobs,
+        world_size=world_size, return_logprobs=return_logprobs, dtype=dtype,
         max_model_length=max_prompt_length and max_prompt_length + longest)
 
 

@@ -96,10 +96,6 @@ def check_can_run(model: torch.nn.Module) -> None:
     """Raise VLLMUnavailable naming what is missing or unsupported; the trainer, calibrate and evaluate call it
     before any work is done (through ``VLLMBackend``)."""
     import_vllm()
-    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
-        raise VLLMUnavailable("generation.backend: vllm needs whole parameters; under FSDP2 the trainer "
-                              "hands the engine the whole copy it samples from (grpo_core/train/replica.py), not "
-                              "the sharded policy")
     device = next(model.parameters()).device.type
     serves = engine_device()
     if device != serves:
@@ -191,14 +187,16 @@ class _ProcessStateKept:
 
 
 def build_engine(model: torch.nn.Module, *, gpu_memory_utilization: float, enable_sleep_mode: bool,
-                 max_model_length: int | None, seed: int, rank: int = 0, local_rank: int = 0, world_size: int = 1):
+                 max_model_length: int | None, seed: int, rank: int = 0, local_rank: int = 0, world_size: int = 1,
+                 dtype: torch.dtype | None = None):
     """A vLLM ``LLM`` for ``model``'s architecture, in this process, on the policy's device (GPU or CPU).
 
-    enable_sleep_mode: asked for; granted only where the engine has it (not on CPU). Any failure to start is a
-    VLLMUnavailable carrying the engine's own reason."""
+    enable_sleep_mode: asked for; granted only where the engine has it (not on CPU). dtype: the engine's weights
+    (``model.dtype``: the trainer's float32 masters are cast to it on every copy; None = the policy's). Any failure
+    to start is a VLLMUnavailable carrying the engine's own reason."""
     vllm = import_vllm()
     source = model_source(model)
-    dtype = next(base_model(model).parameters()).dtype
+    dtype = dtype or next(base_model(model).parameters()).dtype
     on_cpu = engine_device() == "cpu"
     options = dict(model=source, dtype=str(dtype).removeprefix("torch."), max_model_len=max_model_length,
                    seed=seed + rank, tensor_parallel_size=1, distributed_executor_backend="external_launcher",
@@ -240,7 +238,9 @@ def engine_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple
     """The policy's weights under the checkpoint's (HF) names, one at a time, in the engine's dtype.
 
     A LoRA policy yields each adapted layer's merged weight (base + its adapters' delta), computed here: the
-    adapters themselves are not the engine's, and the policy is left as it is. Tied weights come once."""
+    adapters themselves are not the engine's, and the policy is left as it is. Tied weights come once. A sharded
+    (FSDP2) policy's parameters are gathered one at a time (``full_tensor``: collective, so every process iterates
+    alongside) and cast before the next is gathered: one whole parameter at a time in memory, never the model."""
     peft = hasattr(model, "peft_config")
     adapted = {name: module for name, module in model.named_modules()
                if peft and hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")}
@@ -260,7 +260,14 @@ def engine_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple
             name = name.replace("modules_to_save.default.", "")
             yield name, tensor.to(dtype)
         else:
-            yield name, param.detach().to(dtype)
+            yield name, whole(param.detach()).to(dtype)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (gathered from every process: collective); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def load_policy_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -268,8 +275,38 @@ def load_policy_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> Non
 
     On CPU a head tied to the embedding is packed separately from it (its own oneDNN copy) and the reload only
     refreshes the embedding's tensor, so the layers sharing it are re-packed."""
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    hf_config = getattr(llm.llm_engine.vllm_config.model_config, "hf_config", None)
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    with _expected_reload_warnings_quiet(tied):
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     llm.apply_model(_repack_kept_cpu_weights)  # a no-op off CPU: only the CPU build's layers have cpu_linear
+
+
+class NoWeightsOfTheirOwn(logging.Filter):
+    """Drops vLLM's "<layer>: Failed to load weights" for layers that have no checkpoint tensor to load: the rotary
+    embedding (a computed cache) and a head tied to the embedding (loaded through it). On every step these
+    would say nothing is wrong in words that say something is; any other layer's warning still shows."""
+
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.quiet = {"RotaryEmbedding", *(("ParallelLMHead",) if tied else ())}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        expected = (record.msg == "%s: Failed to load weights" and bool(record.args)
+                    and record.args[0] in self.quiet)
+        return not expected
+
+
+@contextmanager
+def _expected_reload_warnings_quiet(tied: bool):
+    """While the in-process engine reloads weights (external_launcher: its worker logs in this process)."""
+    reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    quiet = NoWeightsOfTheirOwn(tied)
+    reload_log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        reload_log.removeFilter(quiet)
 
 
 def _repack_kept_cpu_weights(model: torch.nn.Module) -> None:
@@ -332,10 +369,12 @@ class VLLMBackend:
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, gpu_memory_utilization: float = 0.3,
                  enable_sleep_mode: bool = True, max_model_length: int | None = None, seed: int = 0, rank: int = 0,
-                 local_rank: int = 0, world_size: int = 1, engine=None, return_logprobs: bool = False):
+                 local_rank: int = 0, world_size: int = 1, engine=None, return_logprobs: bool = False,
+                 dtype: torch.dtype | None = None):
         """engine: an already-built ``vllm.LLM`` (or a stand-in with its interface); None builds one.
         enable_sleep_mode: release the engine's memory between rounds where the engine can (not on CPU).
-        return_logprobs: batches carry the engine's log-prob of each sampled token (``sampling_logps``)."""
+        return_logprobs: batches carry the engine's log-prob of each sampled token (``sampling_logps``).
+        dtype: the engine's weights (None = the policy's)."""
         self.model = model
         self.return_logprobs = return_logprobs
         self.pad_id, self.eos_ids = pad_and_eos_ids(tokenizer)
@@ -344,7 +383,7 @@ class VLLMBackend:
             check_can_run(model)
             engine = build_engine(model, gpu_memory_utilization=gpu_memory_utilization,
                                   enable_sleep_mode=enable_sleep_mode, max_model_length=max_model_length,
-                                  seed=seed, rank=rank, local_rank=local_rank, world_size=world_size)
+                                  seed=seed, rank=rank, local_rank=local_rank, world_size=world_size, dtype=dtype)
         self.llm = engine
         self.enable_sleep_mode = enable_sleep_mode and has_sleep_mode(engine)
         self.weights_stale = True  # the engine loaded the base files; the policy may differ (resume, warm start)
@@ -358,7 +397,9 @@ class VLLMBackend:
         self.llm.sleep(level=2)  # weights and KV cache released; level 2 discards the weights' contents
         self.asleep, self.weights_stale = True, True
 
-    def _load_weights(self) -> None:
+    def load_weights(self) -> None:
+        """Copy the policy's weights into the engine now (``generate`` does it by itself when they are stale;
+        a sharded policy's copy is collective, so the trainer calls this on every process at once)."""
         if self.asleep:
             self.llm.wake_up(tags=["weights"])  # map the weight memory before writing into it
         with torch.no_grad():
@@ -384,7 +425,7 @@ class VLLMBackend:
         from vllm import SamplingParams as VLLMSamplingParams
 
         if self.weights_stale:
-            self._load_weights()
+            self.load_weights()
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False

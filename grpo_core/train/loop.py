@@ -67,12 +67,12 @@ from grpo_core.train.evaluation import (
     load_held_out,
     update_best,
 )
-from grpo_core.train.export import export_model
+from grpo_core.train.export import export_model, whole_model
 from grpo_core.train.forward import LogprobOptions, frozen_logprobs, policy_logprobs
 from grpo_core.train.guards import GuardEvent, GuardMonitor, GuardStop, decide
 from grpo_core.train.optim import build_optimizer_and_scheduler, scale_learning_rate
 from grpo_core.train.parallel import ParallelConfigError, check_parallelism, read_parallelism
-from grpo_core.train.replica import ReplicaRollouts
+from grpo_core.train.replica import EngineFromShards, ReplicaRollouts
 from grpo_core.train.reward_weights import training_reward_weights
 from grpo_core.train.rollouts import RoundSpec, assign_advantages, sample_round
 from grpo_core.train.round import Round
@@ -199,11 +199,11 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
     best = load_best_weights(run, state)
     if best is not None:
         log.info("load_best_model_at_end: exporting %s (%s %.4g)", best, t.evaluation.best_metric, state.best_value)
-    if export and run.accelerator.is_main_process:
+    if export:
         with record_function("grpo/export"):
-            # sharded: the whole copy holds the final weights (synced after the last step) in model.dtype
-            export_model(run.replica if run.replica is not None else run.policy, run.tokenizer, model_dir,
-                         DTYPES[cfg.model.dtype])
+            final = whole_model(run.policy, run.replica)  # collective when sharded without a replica
+            if run.accelerator.is_main_process:
+                export_model(final, run.tokenizer, model_dir, DTYPES[cfg.model.dtype])
     run.accelerator.wait_for_everyone()
     return TrainResult(state.step, model_dir, log_path, run.checkpoint_dir, resumed_from, metrics,
                        best_step=state.best_step, best_value=state.best_value,
@@ -253,16 +253,19 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
         m, tok, cfg.generation, seed=t.seed, max_prompt_length=cfg.data.max_prompt_length,
         return_logprobs=t.vllm_importance_sampling_correction or t.off_policy_mask_threshold is not None,
         rank=accelerator.process_index, local_rank=accelerator.local_process_index,
-        world_size=accelerator.num_processes))
+        world_size=accelerator.num_processes, dtype=DTYPES[cfg.model.dtype]))
     replica = None
     if parallelism.fsdp is not None and accelerator.num_processes > 1:
-        replica = copy.deepcopy(model).to(accelerator.device, DTYPES[cfg.model.dtype])  # whole, before sharding
+        engine = cfg.generation.backend == "vllm"  # the engine holds the whole copy: no replica beside it
+        if not engine:
+            replica = copy.deepcopy(model).to(accelerator.device, DTYPES[cfg.model.dtype])  # whole, before sharding
         shard_model(model.to(accelerator.device), parallelism.fsdp, t.mixed_precision)
         if ref_model is not None:
             shard_model(ref_model.to(accelerator.device), parallelism.fsdp)
         optimizer, scheduler = build_optimizer_and_scheduler(model, t.optim)  # over the shards
         policy = model
-        backend = ReplicaRollouts(replica, lambda m: make_backend(m, tokenizer))
+        backend = (EngineFromShards(make_backend(model, tokenizer)) if engine
+                   else ReplicaRollouts(replica, lambda m: make_backend(m, tokenizer)))
     else:
         optimizer, scheduler = build_optimizer_and_scheduler(model, t.optim)
         model, optimizer = accelerator.prepare(model, optimizer)

@@ -1,4 +1,10 @@
-"""Rollouts for a sharded (FSDP2) policy: each process samples from a whole copy of the policy, refreshed from the
+"""Rollouts for a sharded (FSDP2) policy, two ways.
+
+``EngineFromShards`` (generation.backend vllm): each process's vLLM engine holds the only whole copy; after every
+optimizer step the shards are gathered one parameter at a time, cast to the engine's dtype and streamed into it.
+Nothing else is whole: at most one gathered parameter besides the engine's weights.
+
+``ReplicaRollouts`` (every other backend): each process samples from a whole copy of the policy, refreshed from the
 shards after every optimizer step.
 
 Why a copy: a sharded forward gathers each layer's weights from every process, so all processes would have to
@@ -32,6 +38,25 @@ class ReplicaRollouts:
             for name, tensor in weights.items():  # tied weights come twice: the same values into one tensor
                 own[name].copy_(tensor)
         self.inner.sync_weights(self.replica)
+
+    def generate(self, prompt_ids, num_generations, sampling):
+        return self.inner.generate(prompt_ids, num_generations, sampling)
+
+
+class EngineFromShards:
+    """A vLLM backend (``grpo_core.rollout.VLLMBackend``) over the sharded policy itself.
+
+    The copy into the engine gathers each parameter from every process, so it cannot wait for the next ``generate``
+    (the main process alone samples the held-out prompts): ``sync_weights`` copies at once, and every process calls
+    it, after every optimizer step and rollback, as the trainer does."""
+
+    def __init__(self, engine_backend):
+        self.inner = engine_backend
+        self.inner.load_weights()  # collective: every process builds its backend at the same point of set-up
+
+    def sync_weights(self, policy: torch.nn.Module) -> None:
+        self.inner.sync_weights(policy)
+        self.inner.load_weights()
 
     def generate(self, prompt_ids, num_generations, sampling):
         return self.inner.generate(prompt_ids, num_generations, sampling)
