@@ -83,3 +83,25 @@ def test_embedded_vllm_recipe_runs_under_dvc_repro(tmp_path):
     metrics = json.loads((repo / "metrics/eval.json").read_text())
     assert metrics["trained"]["num_prompts"] == TINY["evaluate"]["max_samples"]
     assert dvc(repo, "status").stdout.strip().endswith("Data and pipelines are up to date.")
+
+
+def test_the_engine_runs_in_model_dtype_from_float32_masters(tmp_path):
+    """The trainer's weights are float32 masters; the engine is built and fed in model.dtype (backend_for's dtype:
+    the trainer passes model.dtype), bfloat16 here, so sampling costs what a bf16 model costs."""
+    require_vllm()
+    from grpo_core.config import GenerationConfig
+    from grpo_core.rollout import backend_for
+    from grpo_core.rollout.vllm import engine_dtype, engine_weights
+
+    folder = make_tiny_model(tmp_path / "model", hidden_size=64, heads=2)
+    policy, tok = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+    assert next(policy.parameters()).dtype == torch.float32
+    backend = backend_for(policy, tok, GenerationConfig(backend="vllm", max_completion_length=8), seed=0,
+                          max_prompt_length=48, dtype=torch.bfloat16)
+    try:
+        assert engine_dtype(backend.llm) == torch.bfloat16
+        assert {t.dtype for _, t in engine_weights(policy, engine_dtype(backend.llm))} == {torch.bfloat16}
+        batch = backend.generate([[5, 9, 11]], 2, SamplingParams(max_new_tokens=8, do_sample=True))
+        assert batch.completion_mask.sum() > 0 and backend.weights_loaded == 1
+    finally:
+        backend.close()

@@ -260,7 +260,7 @@ def engine_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple
             name = name.replace("modules_to_save.default.", "")
             yield name, tensor.to(dtype)
         else:
-            yield name, whole(param.detach()).to(dtype)
+            yield name, whole(param.detach().to(dtype))  # cast the shard, then gather: half the bytes in bf16
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -401,6 +401,7 @@ class VLLMBackend:
         """Copy the policy's weights into the engine now (``generate`` does it by itself when they are stale;
         a sharded policy's copy is collective, so the trainer calls this on every process at once)."""
         if self.asleep:
+            torch.cuda.empty_cache()  # hand the trainer's freed cached blocks back before the engine maps its own
             self.llm.wake_up(tags=["weights"])  # map the weight memory before writing into it
         with torch.no_grad():
             load_policy_weights(self.llm, engine_weights(self.model, engine_dtype(self.llm)))
@@ -427,6 +428,7 @@ class VLLMBackend:
         if self.weights_stale:
             self.load_weights()
         if self.asleep:
+            torch.cuda.empty_cache()
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         min_new = int(getattr(getattr(self.model, "generation_config", None), "min_new_tokens", None) or 0)
