@@ -15,6 +15,7 @@ Sides:
     trl       TRL's GRPOTrainer with the same GRPOConfig values (`trl_args`), our reward functions and weights
     trl-manual  TRL's GRPOTrainer sampling through our hand-written decode loop (a swap, to bisect: does our sampler
               make TRL learn what we learn?)
+    ours-async  ours with train.async_rollouts: true (a sampler process one round ahead; it takes a second core)
 
 Each run is a subprocess with one torch thread (`--jobs` of them at a time); its result is kept in
 `<workdir>/<side>-seed<seed>/result.json`, so an interrupted invocation continues where it stopped (`--fresh`
@@ -39,9 +40,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "learning-embedded.json"
-SIDES = ("ours", "trl", "ours-hf", "trl-manual")
+SIDES = ("ours", "trl", "ours-hf", "trl-manual", "ours-async")
 DEFAULT_SIDES = ("ours", "trl", "ours-hf")
 HF_PATHS = {"generation.backend": "hf", "train.forward_backend": "hf"}
+SIDE_OVERRIDES = {"ours-hf": HF_PATHS, "ours-async": {"train.async_rollouts": True}}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -166,7 +168,7 @@ def run_one(root: Path, side: str, seed: int, workdir: Path, max_steps: int | No
     import torch
 
     torch.set_num_threads(1)
-    overrides = dict(HF_PATHS) if side == "ours-hf" else {}
+    overrides = dict(SIDE_OVERRIDES.get(side, {}))
     if max_steps is not None:
         overrides["train.max_steps"] = max_steps
     cfg = recipe(root, seed, workdir, overrides)

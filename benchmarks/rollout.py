@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(time_backend(args.run, args.folder, prompts, args.generations, args.tokens, args.rounds,
                                       args.threads)))
         return 0
-    result = {"command": "python -m benchmarks.rollout " + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = {"command": " ".join(["python -m benchmarks.rollout", *(argv if argv is not None else sys.argv[1:])]),
               "date": time.strftime("%Y-%m-%d"), "machine": machine(), "versions": versions(),
               "settings": {k: getattr(args, k) for k in ("prompts", "generations", "tokens", "rounds", "threads")},
               "models": {}}
