@@ -60,3 +60,30 @@ def test_padding_benchmark_runs_and_counts_the_rows_it_skips(tmp_path, capsys):
     assert free < padded  # ragged completions: padding rows are skipped
     with pytest.raises(SystemExit):
         padding.main(["--model", str(model), "--data", str(data), "--completion", "5:2"])
+
+
+def test_rollout_benchmark_samples_equal_token_counts_with_each_backend(tmp_path):
+    """benchmarks/rollout.py's timing of one backend, in this process, on the embedded shape, one round: each
+    backend (the real vLLM engine among them) produced exactly prompts x generations x tokens completion tokens,
+    so tokens/s compare like for like."""
+    from tests.tiny import require_vllm
+
+    require_vllm()
+    import torch
+
+    from benchmarks.rollout import format_table, prompt_ids, time_backend, write_model
+
+    write_model("embedded", 4, tmp_path / "model")
+    prompts = prompt_ids(tmp_path / "model", 2)
+    threads = torch.get_num_threads()
+    try:
+        rows = {name: time_backend(name, tmp_path / "model", prompts, generations=2, tokens=4, rounds=1, threads=1)
+                for name in ("vllm", "manual")}
+    finally:
+        torch.set_num_threads(threads)  # time_backend sets this process's threads
+    for row in rows.values():
+        assert row["tokens_per_round"] == [2 * 2 * 4] and row["tokens_per_s"] > 0
+    assert rows["vllm"]["engine_start_s"] > 0 and rows["vllm"]["weight_sync_s"] > 0
+    result = {"machine": {"cpu": "x", "cores": 2}, "models": {"embedded": rows},
+              "settings": {"prompts": 2, "generations": 2, "tokens": 4, "threads": 1, "rounds": 1}}
+    assert "| embedded | vllm | " in format_table(result) and "| 1.00 |" in format_table(result)
