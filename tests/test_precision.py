@@ -84,3 +84,53 @@ def test_bf16_moves_the_policy_as_fp32_does_and_plain_bf16_adamw_does_not(assets
     from safetensors.torch import load_file
 
     assert {t.dtype for t in load_file(tmp_path / "bf16/out/model/model.safetensors").values()} == {torch.bfloat16}
+
+
+def test_a_half_precision_model_dtype_samples_from_a_copy_in_it_refreshed_after_every_step(assets, tmp_path):
+    """model.dtype bfloat16, full fine-tuning: the backend samples from a bf16 copy of the float32 masters (not the
+    masters under autocast), refreshed after every optimizer step - after the run it equals the last step's masters
+    cast to bf16 - and HF's static KV cache runs on it (K and V in one dtype: no fall-back to the dynamic cache)."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    from grpo_core.rollout import HFGenerateBackend
+    from grpo_core.train.loop import train
+    from tests.tiny import tiny_config
+
+    backends = []
+
+    def factory(model, tokenizer):
+        backends.append(HFGenerateBackend(model, tokenizer, static_cache=True))
+        return backends[-1]
+
+    cfg = tiny_config(*assets, [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}], max_steps=2,
+                      save_steps=2, per_device_train_batch_size=8)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="bfloat16"))
+    train(cfg, root=tmp_path, progress=False, backend_factory=factory, export=False)  # the export casts in place
+    (backend,) = backends
+    assert backend.static_cache  # the static cache ran every round: no K/V dtype mismatch made it fall back
+    copy = backend.model.state_dict()
+    masters = load_file(tmp_path / "out/checkpoints/checkpoint-2/model.safetensors")
+    base = load_file(assets[0] / "model.safetensors")
+    assert {t.dtype for t in copy.values() if t.is_floating_point()} == {torch.bfloat16}
+    for name, master in masters.items():
+        assert master.dtype == torch.float32
+        assert torch.equal(copy[name], master.to(torch.bfloat16)), name
+    moved = [name for name in masters if not torch.equal(masters[name], base[name].float())]
+    assert moved  # the copy followed training: the check can fail
+
+
+def test_tf32_is_switched_on_through_the_api_this_torch_has():
+    """set_up calls allow_tf32 on CUDA; here only that it names flags this torch has and sets them (a renamed flag
+    would raise on the first GPU run, where no test runs)."""
+    from grpo_core.train.loop import allow_tf32
+
+    before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        allow_tf32()
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before

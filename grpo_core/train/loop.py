@@ -218,7 +218,9 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
     """Accelerator, seed, policy (fp32 masters), reference, data, rewards, optimizer, rollout backend.
 
     On N processes the policy is DDP-wrapped, or under FSDP2 (``train.accelerate_config`` with fsdp_config)
-    sharded, as is the reference; a sharded run samples from a whole copy of the policy (``ReplicaRollouts``).
+    sharded, as is the reference; a sharded run samples from a whole copy of the policy (``ReplicaRollouts``), or
+    with vLLM straight from the shards (``EngineFromShards``); an unsharded one with a half-precision model.dtype
+    samples from a copy in that dtype (``samples_from_a_cast_copy``). On CUDA, float32 matmuls run in TF32.
     """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -227,6 +229,8 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
     parallelism = read_parallelism(_resolve(root, t.accelerate_config))
     check_parallelism(parallelism, lora=cfg.model.lora is not None, mixed_precision=t.mixed_precision)
     accelerator = Accelerator(mixed_precision=t.mixed_precision, cpu=not torch.cuda.is_available())
+    if accelerator.device.type == "cuda":
+        allow_tf32()
     if accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
         raise ParallelConfigError(f"accelerate was launched with distributed_type {accelerator.distributed_type.value}"
                                   "; this trainer shards by itself: launch with infra/accelerate/fsdp2.yaml "
@@ -272,7 +276,11 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
         if ref_model is not None and owns_weights(ref_model):
             ref_model.to(accelerator.device)
         policy = accelerator.unwrap_model(model)
-        backend = make_backend(policy, tokenizer)
+        if samples_from_a_cast_copy(cfg, policy):
+            replica = copy.deepcopy(policy).to(DTYPES[cfg.model.dtype]).eval()  # refreshed after every step
+            backend = ReplicaRollouts(replica, lambda m: make_backend(m, tokenizer))
+        else:
+            backend = make_backend(policy, tokenizer)
     if accelerator.num_processes > 1:
         # each process samples a stream of its own, as TRL seeds them (device_specific: seed + rank); only now, once
         # the weights exist: every process must build the same initial weights (FSDP2 shards are not broadcast from
@@ -288,6 +296,25 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
                       checkpoint_dir=root / t.output_dir / "checkpoints", replica=replica)
     held_out = load_held_out(cfg, root, encoder, reward_fns, reward_names)
     return run, Prompts(dataset, encoder, reward_fns, reward_names, weights, held_out)
+
+
+def allow_tf32() -> None:
+    """TF32 for the float32 matmuls and convolutions that remain on CUDA (the float32 head, float32 compute): 10
+    mantissa bits in the products, float32 accumulation - what Megatron, TRL's examples and PyTorch's own
+    recommendation for Ampere and later use; CPU numerics are left as they are."""
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    torch.backends.cudnn.conv.fp32_precision = "tf32"
+
+
+def samples_from_a_cast_copy(cfg: PipelineConfig, policy: torch.nn.Module) -> bool:
+    """Whether rollouts sample from a copy of the policy in ``model.dtype`` (e.g. bf16) instead of the float32
+    masters: full fine-tuning with a half-precision model.dtype, sampled by HF generate or the decode loop. The
+    masters under autocast would run every decode step on float32 weights (a cast of each weight per op, a float32
+    residual stream) and HF's static KV cache would get K and V in two dtypes; a bf16 copy runs as a bf16 model does.
+    Not under LoRA (the frozen base is in model.dtype already) nor vLLM (its engine is in model.dtype)."""
+    dtype = DTYPES[cfg.model.dtype]
+    return (cfg.model.lora is None and cfg.generation.backend != "vllm" and dtype != torch.float32
+            and any(p.dtype != dtype for p in policy.parameters()))
 
 
 def start_sampler(run: TrainingRun, reward_specs: list, prompts: Prompts, worker: SamplerWorker,
