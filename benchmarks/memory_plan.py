@@ -43,11 +43,12 @@ Working memory, per micro-batch of per_device_train_batch_size rows x (prompt + 
                        embedding runs outside autocast on float32 masters, and the residual adds stay float32.
     logits             the fused LM head (train.fused_lm_head, model/logprobs.py) keeps only one chunk of
                        DEFAULT_CHUNK_SIZE rows x vocab in float32 (x3: the upcast logits, their log-softmax, p*log p
-                       for the entropy) - but only where ``_backbone_and_head`` allows it: one process, no
-                       accelerate autocast wrapper (mixed_precision "no"). Otherwise (mixed precision, DDP, FSDP2)
-                       the model's forward returns the (rows, completion + 1, vocab) logits: float32 under
-                       accelerate's wrapper (convert_outputs_to_fp32), the compute dtype under FSDP2; they are kept
-                       for the backward and their gradient is as large: 2x the logits, plus the chunk.
+                       for the entropy), under every strategy: the head scores chunk by chunk inside the model's own
+                       forward, so accelerate's autocast wrapper, DDP and FSDP2 run as they are (``scoring_head``).
+                       With train.fused_lm_head false the model's forward returns the (rows, completion + 1, vocab)
+                       logits: float32 under accelerate's wrapper (convert_outputs_to_fp32), the compute dtype under
+                       FSDP2; they are kept for the backward and their gradient is as large: 2x the logits, plus the
+                       chunk.
     KV cache           HF generate samples the round's rows at once on each process: per_device_train_batch_size x
                        steps_per_generation rows x (prompt + completion) tokens x layers x 2 (K, V) x kv_heads x
                        head_dim, in the sampling model's residual dtype: float32 for full fine-tuning outside FSDP2
@@ -352,9 +353,9 @@ def activation_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> i
 
 
 def fused_head_runs(recipe: Recipe, strategy: Strategy) -> bool:
-    """Whether ``logprobs._backbone_and_head`` lets the trainer apply the LM head chunk by chunk: not through
-    accelerate's mixed-precision wrapper, DDP's wrapper or a sharded root."""
-    return recipe.fused_lm_head and recipe.mixed_precision == "no" and strategy.kind == "single"
+    """Whether the trainer applies the LM head chunk by chunk (``logprobs.scoring_head``): whenever
+    train.fused_lm_head asks, on one GPU, DDP, FSDP2 and LoRA alike (the head scores inside the wrapped forward)."""
+    return recipe.fused_lm_head
 
 
 def logits_dtype_bytes(recipe: Recipe, strategy: Strategy) -> int:

@@ -157,15 +157,16 @@ assert is_sharded(sharded) and not is_sharded(plain)
 assert use_manual_forward(plain, "auto") and not use_manual_forward(sharded, "auto")
 ids = torch.randint(5, 400, (3, 12)); mask = torch.ones_like(ids); mask[0, :4] = 0
 want, _ = token_logprobs_and_entropy(plain, ids, mask, logits_to_keep=5)
-got, _ = token_logprobs_and_entropy(sharded, ids, mask, logits_to_keep=5)  # auto forward, fused head requested
+got, _ = token_logprobs_and_entropy(sharded, ids, mask, logits_to_keep=5)  # auto forward: HF's, fused head inside it
 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 print("ok")
 """
 
 
 def test_a_sharded_model_is_scored_through_its_own_forward(runs):
-    """The hand-written forward and the fused LM head reach into submodules and would skip the root's weight
-    gathering: a sharded model is refused by both and scored through its forward, to the same log-probs."""
+    """The hand-written forward reaches into submodules and would skip the root's weight gathering: a sharded model
+    is refused by it and scored through its own forward (the fused LM head scoring inside it), to the same
+    log-probs."""
     import socket
 
     with socket.socket() as s:

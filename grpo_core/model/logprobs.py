@@ -18,11 +18,11 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from grpo_core.model.fastforward import hidden_states, use_manual_forward
 from grpo_core.model.loading import AdapterDisabledReference, Float32Head
-from grpo_core.model.sharding import is_sharded
 
 DEFAULT_CHUNK_SIZE = 256  # rows of V logits per chunk: 256 x 152k vocab x 4 bytes ~ 156 MB in float32
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -100,7 +100,9 @@ def token_logprobs_and_entropy(
             ``grpo_core.model.fastforward`` (the same numbers with fewer ops; an error for a model it cannot run);
             "auto" = manual for a model on CPU it supports (``fastforward.use_manual_forward``), else hf.
         fused_head: apply the LM head chunk by chunk to the hidden states, so the (B, K, V) logits never
-            exist (plain Qwen2/Qwen3/Llama/Mistral heads; others take the logits path); ``train.fused_lm_head``.
+            exist, forward and backward (``train.fused_lm_head``): inside the model's own forward, so under
+            accelerate's autocast wrapper, DDP and FSDP2 alike (``scoring_head``: plain Qwen2/Qwen3/Llama/Mistral
+            heads; others take the logits path).
         padding_free: the manual forward runs and scores only real tokens (``train.padding_free``).
 
     Returns:
@@ -119,12 +121,12 @@ def token_logprobs_and_entropy(
         model_inputs["position_ids"] = position_ids
     completion_ids = input_ids[:, -logits_to_keep:]                             # (B, K)
     scoring = (temperature, compute_entropy, chunk_size)
-    parts = _backbone_and_head(model) if fused_head else None
+    head = scoring_head(model) if fused_head else None
     if forward != "hf" and use_manual_forward(model, forward):
         logps, entropies = _manual_forward_logps(model, input_ids, attention_mask, position_ids, logits_to_keep,
                                                  scoring, padding_free)
-    elif parts is not None:
-        logps, entropies = _fused_head_logps(*parts, model_inputs, completion_ids, scoring)
+    elif head is not None:
+        logps, entropies = _head_scored_logps(model, head, model_inputs, completion_ids, scoring)
     else:
         logps, entropies = _full_logits_logps(model, model_inputs, completion_ids, scoring)
     is_padding = attention_mask[:, -logits_to_keep:] == 0                       # (B, K)
@@ -156,7 +158,7 @@ def _check_scoring_arguments(input_ids, attention_mask, logits_to_keep, position
 
 def _manual_forward_logps(model, input_ids, attention_mask, position_ids, logits_to_keep: int, scoring: tuple,
                           padding_free: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The hand-written forward's final hidden states through the LM head, fused as in ``_fused_head_logps``.
+    """The hand-written forward's final hidden states through the LM head, chunk by chunk (``_head_scored_logps``).
 
     The last token only predicts beyond the sequence: it is left out. The prompt columns are computed once per
     distinct prompt (the G rows of a group share them). Padding-free: only the real completion positions are
@@ -177,13 +179,30 @@ def _manual_forward_logps(model, input_ids, attention_mask, position_ids, logits
     return logps, entropies
 
 
-def _fused_head_logps(backbone: torch.nn.Module, head: torch.nn.Linear, model_inputs: dict,
-                      completion_ids: torch.Tensor, scoring: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Fused LM head: the (B, K, V) logits never exist. Each chunk of rows is projected, scored and (under
-    autograd) recomputed in backward, so only the (B, K, H) hidden states are kept."""
-    logits_to_keep = completion_ids.shape[1]
-    hidden = backbone(**model_inputs, use_cache=False).last_hidden_state[:, -logits_to_keep - 1:-1]  # (B, K, H)
-    return _chunked_head_logps_and_entropy(hidden, head, completion_ids, *scoring)
+def _head_scored_logps(model: torch.nn.Module, head: torch.nn.Linear, model_inputs: dict,
+                       completion_ids: torch.Tensor, scoring: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fused LM head inside the model's own forward: the (B, K, V) logits never exist, forward or backward.
+
+    The model's forward runs as it is (accelerate's autocast and fp32-output wrapper, DDP's reducer, FSDP2's
+    unsharding of the root's weights, a LoRA policy's adapters), with ``logits_to_keep = K + 1``; only for this call
+    its LM head (the same module, so hooks, parameters and their identity are untouched) scores instead of
+    projecting: it takes the last K + 1 hidden states and returns (B, K, 2) log-probs and entropies ((B, K, 1)
+    without entropy), the head's weight read inside the forward (FSDP2: the gathered one) and applied chunk by
+    chunk, each chunk recomputed in backward (``_chunked_head_logps_and_entropy``). The head's own forward is
+    restored however the call ends.
+    """
+    temperature, compute_entropy, chunk_size = scoring
+
+    def score(hidden: torch.Tensor) -> torch.Tensor:  # (B, K + 1, H); the last position predicts past the sequence
+        logps, entropies = _chunked_head_logps_and_entropy(hidden[:, :-1], head, completion_ids, *scoring)
+        return torch.stack((logps, entropies), dim=-1) if compute_entropy else logps.unsqueeze(-1)
+
+    head.forward = score  # an instance attribute: nn.Module.__call__ (and every hook on the head) still runs
+    try:
+        scores = model(**model_inputs, logits_to_keep=completion_ids.shape[1] + 1, use_cache=False).logits
+    finally:
+        del head.forward  # the class's forward again
+    return scores[..., 0], (scores[..., 1] if compute_entropy else None)
 
 
 def _full_logits_logps(model: torch.nn.Module, model_inputs: dict, completion_ids: torch.Tensor,
@@ -260,27 +279,34 @@ def _head_logps_and_entropy(hidden, index, weight, bias, temperature):
 _PLAIN_HEAD_MODEL_TYPES = {"qwen2", "qwen3", "llama", "mistral"}
 
 
-def _backbone_and_head(model: torch.nn.Module):
-    """(backbone, lm_head) when the LM head can be applied outside ``model.forward``, else None.
+def scoring_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The LM head whose forward ``token_logprobs_and_entropy`` replaces by chunked scoring for one call, or None
+    (the logits path).
 
-    Only for the plain architectures above, called directly (not through accelerate's autocast wrapper
-    or DistributedDataParallel, whose forward must run), with a plain ``nn.Linear`` head (no adapter on it).
+    Only for the plain architectures above (their forward returns ``lm_head(hidden[:, -logits_to_keep:])`` as the
+    logits, untouched), looked up through DDP and PEFT wrappers, with a plain ``nn.Linear`` or ``Float32Head`` head
+    (no adapter on it, no patched forward of its own), and no patched model forward other than accelerate's
+    autocast wrapper (which only casts the output to float32: the scores already are).
     """
-    if getattr(model, "_original_forward", None) is not None:  # accelerate wrapped forward (mixed precision)
-        return None
-    if is_sharded(model):  # the root's forward gathers the embeddings, final norm and head: it must run
-        return None
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    base = _unwrapped(model)
     config = getattr(base, "config", None)
     if getattr(config, "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES:
         return None
-    if getattr(base, "_original_forward", None) is not None or "forward" in vars(base):  # a patched forward
-        return None
-    backbone = getattr(base, getattr(base, "base_model_prefix", "") or "", None)
+    for m in {id(m): m for m in (model, inner, base)}.values():
+        if "forward" in vars(m) and getattr(m, "_original_forward", None) is None:  # patched, not by accelerate
+            return None
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    if not isinstance(backbone, torch.nn.Module) or type(head) not in (torch.nn.Linear, Float32Head):
+    if type(head) not in (torch.nn.Linear, Float32Head) or "forward" in vars(head):
         return None
-    return backbone, head
+    return head
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The causal LM inside DDP and PEFT wrappers (an FSDP2-sharded model is its own class's subclass)."""
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 # --- per-chunk kernels: (rows, V) logits -> (rows,) ---------------------------------------------------------
@@ -346,9 +372,9 @@ def _concat_rows(chunks: list[torch.Tensor], logits: torch.Tensor, upcast: bool 
 
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    """Whether model.forward takes ``logits_to_keep`` (HF causal LMs do); looks through PEFT wrappers."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "logits_to_keep" in inspect.signature(base.forward).parameters
+    """Whether the model's forward takes ``logits_to_keep`` (HF causal LMs do); looks through DDP and PEFT wrappers
+    and a patched forward (its class's forward)."""
+    return "logits_to_keep" in inspect.signature(type(_unwrapped(model)).forward).parameters
 
 
 def _check_logits_and_index(logits: torch.Tensor, index: torch.Tensor) -> None:
