@@ -20,6 +20,8 @@ Persistent state, per process
     FSDP2 over N       masters, gradients and AdamW state sharded, 16/N B/param; the reference sharded, model.dtype/N
                        (model/sharding.py); plus a whole replica of the policy in model.dtype on every process
                        for sampling (train/replica.py). Shards are taken as even (FSDP2 pads dim 0 to N).
+    sampling copy      full fine-tuning with a half-precision model.dtype on 1 GPU or DDP: a copy of the policy in
+                       model.dtype that rollouts sample from (train/loop.py samples_from_a_cast_copy).
     LoRA (DDP)         the frozen base in model.dtype; adapters r*(in + out) for each of q, k, v, o, gate, up,
                        down in every layer (peft's "all-linear" leaves out lm_head), float32, with gradients,
                        AdamW state and DDP buckets: 20 B per adapter parameter.
@@ -51,9 +53,8 @@ Working memory, per micro-batch of per_device_train_batch_size rows x (prompt + 
                        chunk.
     KV cache           HF generate samples the round's rows at once on each process: per_device_train_batch_size x
                        steps_per_generation rows x (prompt + completion) tokens x layers x 2 (K, V) x kv_heads x
-                       head_dim, in the sampling model's residual dtype: float32 for full fine-tuning outside FSDP2
-                       (the RoPE output follows the float32 hidden states), model.dtype for the FSDP2 replica and
-                       LoRA.
+                       head_dim, in model.dtype: every sampler is a model in model.dtype (the FSDP2 replica, the
+                       cast copy, LoRA's base; full float32 fine-tuning samples from the float32 policy).
 
 total = weights+grads+AdamW + reference + replica + transient + max(activations + logits, KV cache): the rollout
 and the micro-batches take turns. An upper bound: every term at the recipe's longest rows (trim_padding only
@@ -323,7 +324,10 @@ def reference_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> in
 
 
 def replica_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> int:
-    return recipe.dtype_bytes * parameter_count(shape) if strategy.sharded else 0
+    """The whole copy rollouts sample from: FSDP2's, and full fine-tuning's with a half-precision model.dtype
+    (train/loop.py samples_from_a_cast_copy); LoRA and full float32 sample from the policy itself."""
+    cast_copy = strategy.kind != "lora" and recipe.dtype_bytes != MASTER_BYTES
+    return recipe.dtype_bytes * parameter_count(shape) if strategy.sharded or cast_copy else 0
 
 
 def transient_weight_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> int:
@@ -375,8 +379,9 @@ def logits_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> int:
 
 def kv_cache_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> int:
     rows = recipe.rows * recipe.steps_per_generation
-    # the FSDP2 replica samples in model.dtype, outside autocast
-    sampler_bytes = recipe.dtype_bytes if strategy.sharded else residual_bytes(recipe, strategy)
+    # every sampler runs in model.dtype, outside autocast: the FSDP2 replica, full fine-tuning's cast copy (or the
+    # float32 policy itself when model.dtype is float32), LoRA's base
+    sampler_bytes = recipe.dtype_bytes
     per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * sampler_bytes
     return rows * (recipe.prompt_tokens + recipe.completion_tokens) * per_token
 

@@ -100,6 +100,11 @@ def test_plan_reads_the_recipe_and_the_terms_add_up():
     assert fsdp2.replica == fsdp8.replica == 2 * fsdp2.parameters  # a whole bf16 replica whatever N
     assert fsdp8.training_state < fsdp2.training_state / 3
     assert rows["Qwen2.5-7B", "LoRA, DDP"].reference == 0
+    # the recipe's bf16 model.dtype: one GPU and DDP sample from a bf16 copy, LoRA from the policy itself
+    assert one_gpu.replica == ddp.replica == 2 * one_gpu.parameters
+    assert rows["Qwen2.5-0.5B", "LoRA, DDP"].replica == 0
+    float32 = mp.Recipe(**{**recipe.__dict__, "model_dtype": "float32"})
+    assert mp.replica_bytes(mp.QWEN25[0], float32, mp.STRATEGIES[0]) == 0  # samples from the float32 policy
 
 
 def test_docs_table_is_what_the_script_prints(capsys):
