@@ -35,11 +35,12 @@ Working memory, per micro-batch of per_device_train_batch_size rows x (prompt + 
                        resharded only between them) and two decoder layers (the one computing, the next one
                        prefetched), in the compute dtype; plus the unsharded gradients of the root and one layer
                        (compute dtype) and, under bf16, that layer's float32 copy for the reduce-scatter.
-    activations        one layer's activations: about 34*hidden bytes per token in 16-bit (Korthikanti et al. 2022,
-                       "Reducing Activation Recomputation in Large Transformer Models", eq. 1, s*b*h*(34 + 5*a*s/h)
-                       per layer, without the 5*a*s/h attention-score term that SDPA never stores; a GPT layer with
-                       a 4h MLP: Qwen2's wider SwiGLU MLP and absent dropout shift it either way), doubled for
-                       float32 compute. Gradient checkpointing keeps each layer's input (the residual stream, plus
+    activations        one layer's activations: what a Qwen2 decoder layer saves for its backward, per token
+                       9*hidden + 4*intermediate + 2*kv_heads*head_dim elements (``layer_activation_elements``; no
+                       attention scores: SDPA never stores them), in the compute dtype. Checked against measurement
+                       on CPU (benchmarks/activation_measure.py, tests/test_memory_plan.py): within 25% of the
+                       measured step for three shapes, with and without checkpointing. (Korthikanti et al.'s
+                       34*hidden for a GPT layer with a 4h MLP read about 2x low for Qwen2's SwiGLU.) Gradient checkpointing keeps each layer's input (the residual stream, plus
                        the final norm's input) and recomputes one layer at a time; without it every layer's
                        activations are kept. The residual stream is float32 for full fine-tuning outside FSDP2: the
                        embedding runs outside autocast on float32 masters, and the residual adds stay float32.
@@ -92,7 +93,6 @@ DDP_BUCKET_BYTES = 4      # DDP's float32 gradient buckets (gradient_as_bucket_v
 FLOAT32_BYTES = 4
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-ACTIVATION_BYTES_PER_HIDDEN = 34  # Korthikanti et al. 2022, 16-bit, per token per layer, per hidden unit
 CHUNK_FLOAT32_COPIES = 3          # upcast logits, log-softmax, p*log p of one chunk
 FSDP_GATHERED_LAYERS = 2          # the layer computing and the one prefetched
 FSDP_WORLD_SIZES = (2, 4, 8)
@@ -347,8 +347,15 @@ def transient_weight_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy
     return compute * autocast_cast_count(shape)
 
 
+def layer_activation_elements(shape: ModelShape) -> int:
+    """Per token, the elements one Qwen2 decoder layer keeps for its backward: 9 of the hidden size (both RMSNorms'
+    inputs and outputs, q before and after RoPE, k and v repeated to every head by repeat_kv, the attention output),
+    4 of the MLP's width (the gate and up projections, SiLU(gate), their product) and k and v before the repeat."""
+    return 9 * shape.hidden + 4 * shape.intermediate + 2 * shape.kv_heads * shape.head_dim
+
+
 def activation_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> int:
-    one_layer = ACTIVATION_BYTES_PER_HIDDEN * shape.hidden * compute_bytes(recipe, strategy) // 2
+    one_layer = layer_activation_elements(shape) * compute_bytes(recipe, strategy)
     if not recipe.gradient_checkpointing:
         return recipe.tokens * shape.layers * one_layer
     # each layer's input, the final norm's input, and one layer recomputed in the backward

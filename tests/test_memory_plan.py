@@ -128,3 +128,25 @@ def test_a_missing_config_is_named(tmp_path, capsys):
         mp.main(["--config", str(missing)])
     assert exit_info.value.code == 2
     assert str(missing) in capsys.readouterr().err
+
+
+# (hidden, layers, heads, kv_heads, intermediate, rows, tokens, gradient checkpointing): Qwen2.5's GQA structure at
+# sizes a CPU measures in seconds; 2,048 tokens each, so the activations dwarf the allocator's noise
+MEASURED_SHAPES = [(256, 4, 4, 2, 1024, 4, 512, False), (512, 2, 8, 2, 1536, 2, 1024, False),
+                   (384, 6, 6, 2, 1024, 8, 256, False), (384, 6, 6, 2, 1024, 8, 256, True)]
+
+
+@pytest.mark.parametrize("shape", MEASURED_SHAPES, ids=lambda s: "x".join(str(int(v)) for v in s))
+def test_activation_estimate_within_a_quarter_of_the_measured_step(shape):
+    """The plan's activation term (float32 compute, as measured here) against what one forward and backward of that
+    micro-batch adds to a fresh process's peak RSS (benchmarks/activation_measure.py)."""
+    from benchmarks.activation_measure import measure
+
+    hidden, layers, heads, kv_heads, intermediate, rows, tokens, checkpointing = shape
+    model = mp.ModelShape("probe", hidden, layers, heads, kv_heads, intermediate, vocab=512, tied=True)
+    recipe = mp.Recipe(rows=rows, steps_per_generation=1, prompt_tokens=tokens, completion_tokens=0, beta=0.0,
+                       gradient_checkpointing=checkpointing, mixed_precision="no", model_dtype="float32",
+                       fused_lm_head=True, lora_rank=16)
+    planned = mp.activation_bytes(model, recipe, mp.STRATEGIES[0])
+    measured = measure(*shape)
+    assert 0.75 <= planned / measured <= 1.25, (planned, measured)
