@@ -254,12 +254,9 @@ def engine_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple
     """The policy's weights under the checkpoint's (HF) names, one at a time, in the engine's dtype.
 
     A LoRA policy yields each adapted layer's merged weight (base + its adapters' delta), computed here: the
-    adapters themselves are not the engine's, and the policy is left as it is. Tied weights come once. A sharded
-    (FSDP2) parameter is gathered whole first: a collective, so every process iterates alongside."""
+    adapters themselves are not the engine's, and the policy is left as it is. Tied weights come once."""
     for name, param, lora_layer in engine_entries(model):
         tensor = param.detach()
-        if hasattr(tensor, "full_tensor"):  # a DTensor shard
-            tensor = tensor.full_tensor()
         if lora_layer is not None and not lora_layer.merged:
             deltas = [lora_layer.get_delta_weight(adapter) for adapter in lora_layer.active_adapters
                       if adapter in lora_layer.lora_A]
