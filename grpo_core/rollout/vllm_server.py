@@ -113,19 +113,21 @@ class WeightGroup:
     def __init__(self, host: str, port: int, rank: int, timeout: float, device: torch.device | str = "cpu"):
         self.host, self.port, self.rank, self.timeout = host, port, rank, timeout
         self.device = torch.device(device)
-        try:
-            if self.device.type == "cuda":
-                self.nccl = self._nccl()
-            else:
-                self.nccl = None
-                store = torch.distributed.TCPStore(host, port, 2, is_master=rank == SERVER_RANK,
-                                                   timeout=datetime.timedelta(seconds=timeout),
-                                                   wait_for_workers=False)
-                self.gloo = torch.distributed.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout))
+        self.nccl = self.gloo = None
+        failed = (f"the weight-sync group with the vLLM server did not form on {host}:{port} "
+                  f"(generation.vllm_group_port) within {timeout:g} s")
+        try:  # bounded from outside: a TCPStore client whose peer accepts and never answers waits for good
+            _Background(self._nccl if self.device.type == "cuda" else self._gloo).result(timeout + 5, failed)
+        except VLLMServerError:
+            raise
         except Exception as err:  # torch's own DistError / RuntimeError kinds: one message naming the port
-            raise VLLMServerError(f"the weight-sync group with the vLLM server did not form on {host}:{port} "
-                                  f"(generation.vllm_group_port) within {timeout:g} s: {type(err).__name__}: "
+            raise VLLMServerError(f"{failed}: {type(err).__name__}: "
                                   f"{str(err).splitlines()[0] if str(err) else ''}") from err
+
+    def _gloo(self) -> None:
+        store = torch.distributed.TCPStore(self.host, self.port, 2, is_master=self.rank == SERVER_RANK,
+                                           timeout=datetime.timedelta(seconds=self.timeout), wait_for_workers=False)
+        self.gloo = torch.distributed.ProcessGroupGloo(store, self.rank, 2, datetime.timedelta(seconds=self.timeout))
 
     def _nccl(self):
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
@@ -133,7 +135,7 @@ class WeightGroup:
 
         group = StatelessProcessGroup.create(host=self.host, port=self.port, rank=self.rank, world_size=2,
                                              store_timeout=int(self.timeout))
-        return PyNcclCommunicator(group, device=self.device)
+        self.nccl = PyNcclCommunicator(group, device=self.device)
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """From the trainer to the server, in place on the receiving side (a collective: both call it)."""
@@ -150,30 +152,29 @@ class WeightGroup:
             torch.cuda.current_stream().synchronize()
 
 
-class _Call(threading.Thread):
-    """One request in the background, while this thread broadcasts the tensors the server receives."""
+class _Background(threading.Thread):
+    """``work()`` in a daemon thread, so that waiting for it can be bounded (some of torch's waits have no bound
+    of their own) or overlap work here (a request the server answers once this side has broadcast)."""
 
-    def __init__(self, server: ServerConnection, path: str, body: dict, waiting_for: str):
+    def __init__(self, work):
         super().__init__(daemon=True)
-        self.args, self.reply, self.error = (server, path, body, waiting_for), None, None
+        self.work, self.value, self.error = work, None, None
         self.start()
 
     def run(self):
-        server, path, body, waiting_for = self.args
         try:
-            self.reply = server.request(path, body, waiting_for)
-        except VLLMServerError as err:
+            self.value = self.work()
+        except Exception as err:  # re-raised by result(), in the caller's thread
             self.error = err
 
-    def result(self, timeout: float):
+    def result(self, timeout: float, on_timeout: str):
+        """work()'s value or error; VLLMServerError(on_timeout) when it has not finished within ``timeout``."""
         self.join(timeout)
         if self.is_alive():
-            server, path, _, waiting_for = self.args
-            raise VLLMServerError(f"the vLLM server at {server.host}:{server.port} did not answer {path} "
-                                  f"({waiting_for}) within {timeout:g} s")
+            raise VLLMServerError(on_timeout)
         if self.error is not None:
             raise self.error
-        return self.reply
+        return self.value
 
 
 class VLLMServerBackend:
@@ -202,10 +203,12 @@ class VLLMServerBackend:
     def _join_group(self, group_port: int, info: dict) -> WeightGroup:
         s = self.server
         device = "cuda" if info.get("device") == "cuda" else "cpu"
-        call = _Call(s, "/init_weight_group", {"port": group_port, "timeout_s": s.timeout},
-                     waiting_for=f"the weight-sync group on port {group_port}")
+        waiting_for = f"the weight-sync group on port {group_port}"
+        call = _Background(lambda: s.request("/init_weight_group", {"port": group_port, "timeout_s": s.timeout},
+                                             waiting_for))
         group = WeightGroup(s.host, group_port, TRAINER_RANK, s.timeout, device=device)
-        call.result(s.timeout)
+        call.result(s.timeout, f"the vLLM server at {s.host}:{s.port} did not answer /init_weight_group "
+                               f"({waiting_for}) within {s.timeout:g} s")
         return group
 
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -218,8 +221,9 @@ class VLLMServerBackend:
         start, s = time.perf_counter(), self.server
         specs = [[name, str(self.dtype).removeprefix("torch."), list(param.shape)]
                  for name, param, _ in engine_entries(self.model)]
-        call = _Call(s, "/update_weights", {"params": specs, "version": self.version},
-                     waiting_for=f"receiving {len(specs)} weights over the group on port {self.group.port}")
+        waiting_for = f"receiving {len(specs)} weights over the group on port {self.group.port}"
+        call = _Background(lambda: s.request("/update_weights", {"params": specs, "version": self.version},
+                                             waiting_for))
         name = None
         try:
             for name, tensor in engine_weights(self.model, self.dtype):  # noqa: B007 (the error names it)
@@ -231,7 +235,8 @@ class VLLMServerBackend:
             raise VLLMServerError(f"sending the weights to the vLLM server at {s.host}:{s.port} (group port "
                                   f"{self.group.port}) failed at {name!r}: {type(err).__name__}: "
                                   f"{str(err).splitlines()[0] if str(err) else ''}") from err
-        reply = call.result(s.timeout)
+        reply = call.result(s.timeout, f"the vLLM server at {s.host}:{s.port} did not answer /update_weights "
+                                       f"({waiting_for}) within {s.timeout:g} s")
         if reply.get("loaded") != len(specs):
             raise VLLMServerError(f"the vLLM server at {s.host}:{s.port} loaded {reply.get('loaded')} of "
                                   f"{len(specs)} weights")
