@@ -7,7 +7,7 @@ The client and the protocol are grpo_core/rollout/vllm_server.py's. Endpoints (J
     POST /generate             {"prompts": [[ids]], "sampling": vllm.SamplingParams kwargs, "weights_version",
                                 "wait_s"} -> {"outputs": [[{"token_ids", "finish_reason", "stop_reason",
                                 "logprobs"}]]} (one list per prompt; logprobs: each sampled token's, or None)
-    POST /init_weight_group    {"port", "timeout_s"}: host the weight-sync group's rendezvous and join it
+    POST /init_weight_group    {"port", "timeout_s", "session"}: host the weight-sync group's rendezvous, join it
     POST /update_weights       {"params": [[name, dtype, shape]], "version"}: receive them one at a time
     POST /close_weight_group   leave the group (the engine keeps serving)
 
@@ -57,6 +57,7 @@ class EngineServer:
         self.version = 0  # the policy weights pushed since the trainer joined (0: the model folder's)
         self.pushes = 0   # pushes over the server's life
         self.group = None
+        self.stores: dict = {}  # group port -> the rendezvous store this server hosts there, kept for its life
 
     def health(self) -> dict:
         from grpo_core.rollout.vllm import engine_dtype
@@ -66,11 +67,14 @@ class EngineServer:
                 "dtype": str(engine_dtype(self.llm)).removeprefix("torch."), "weights_version": self.version,
                 "pushes": self.pushes}
 
-    def init_group(self, host: str, port: int, timeout_s: float) -> None:
-        from grpo_core.rollout.vllm_server import SERVER_RANK, WeightGroup
+    def init_group(self, host: str, port: int, timeout_s: float, session: str) -> None:
+        from grpo_core.rollout.vllm_server import SERVER_RANK, WeightGroup, rendezvous_store
 
-        self.group = None  # a new trainer: the last one's group (and its store's port) is released first
-        self.group = WeightGroup(host, port, SERVER_RANK, timeout_s, device=self.device)
+        self.group = None  # a new trainer: the last one's group goes (its store stays, see rendezvous_store)
+        if port not in self.stores:
+            self.stores[port] = rendezvous_store(host, port, SERVER_RANK, timeout_s)
+        self.group = WeightGroup(host, port, SERVER_RANK, timeout_s, session, device=self.device,
+                                 store=self.stores[port])
         with self.version_changed:
             self.version = 0
 
@@ -148,7 +152,7 @@ def build_app(server: EngineServer, host: str):
 
     @app.post("/init_weight_group")
     def init_weight_group(body: Annotated[dict, Body()]):
-        answer(lambda: server.init_group(host, int(body["port"]), float(body["timeout_s"])))
+        answer(lambda: server.init_group(host, int(body["port"]), float(body["timeout_s"]), str(body["session"])))
         return {"status": "ok"}
 
     @app.post("/update_weights")

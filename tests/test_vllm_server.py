@@ -65,8 +65,8 @@ class Server:
         return ServerConnection("127.0.0.1", self.port, timeout=10).request("/health", waiting_for="a test")
 
     def backend(self, policy, tokenizer, **options) -> VLLMServerBackend:
-        options = {"timeout": 30.0, **options}
-        return VLLMServerBackend(policy, tokenizer, port=self.port, group_port=free_port(), **options)
+        options = {"timeout": 30.0, "group_port": free_port(), **options}
+        return VLLMServerBackend(policy, tokenizer, port=self.port, **options)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -167,6 +167,22 @@ def test_weights_are_pushed_once_after_each_sync_and_only_then(server, assets):
         assert not torch.equal(after.completion_ids, first.completion_ids)
     finally:
         backend.close()
+
+
+def test_clients_one_after_another_reuse_the_group_port(server, assets):
+    """evaluate samples the base, closes, then samples the trained policy; a crashed trainer never closes: either
+    way the next client forms its group on the same (configured) port and its weights are the ones served."""
+    model_dir = assets[0]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    port = free_port()
+    for seed, close in ((2, True), (3, False), (4, True)):
+        policy = perturbed(model_dir, seed=seed)
+        backend = server.backend(policy, tok, group_port=port)
+        got = backend.generate(PROMPTS, 1, GREEDY)
+        assert torch.equal(got.completion_ids, HFGenerateBackend(policy, tok).generate(PROMPTS, 1, GREEDY)
+                           .completion_ids)
+        if close:
+            backend.close()
 
 
 def test_other_ranks_sample_only_once_rank_0_pushed_the_weights_they_expect(server, assets):

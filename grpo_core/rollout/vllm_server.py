@@ -34,6 +34,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from types import SimpleNamespace
 
 import torch
@@ -53,7 +54,7 @@ from grpo_core.rollout.vllm import (
 log = logging.getLogger(__name__)
 
 SERVER_RANK, TRAINER_RANK = 0, 1  # the server hosts the rendezvous; the trainer broadcasts
-START_HINT = "start it with `python -m flows.serve --model DIR --host HOST --port PORT` (docs/operations.md)"
+START_HINT = "start it with `python -m flows.serve --model DIR --host HOST --port PORT` (README: Server mode)"
 
 
 class VLLMServerError(VLLMUnavailable):
@@ -102,40 +103,47 @@ class ServerConnection:
                 time.sleep(0.5)
 
 
+def rendezvous_store(host: str, port: int, rank: int, timeout: float) -> torch.distributed.TCPStore:
+    """The weight-sync group's key-value store: its master (the server, rank 0) listens on ``port``. The server
+    keeps one per port for its life and every client session uses its own prefix in it: a master store's port is
+    not reliably free again once the store is dropped, and a fresh prefix leaves no stale keys of a last session."""
+    return torch.distributed.TCPStore(host, port, 2, is_master=rank == SERVER_RANK,
+                                      timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+
+
 class WeightGroup:
     """One side of the weight-sync group: two members, the server (rank 0, whose host keeps the rendezvous store
     on ``port``) and the trainer (rank 1, which broadcasts). Standalone: the trainer's own torch.distributed
     group (DDP, FSDP2) is neither used nor touched.
 
-    CPU: a gloo group built directly on a TCPStore. CUDA: vLLM's PyNcclCommunicator over its
-    StatelessProcessGroup, as TRL does (untested here: no GPU in CI)."""
+    CPU: a gloo group built directly on the store. CUDA: vLLM's PyNcclCommunicator over a StatelessProcessGroup on
+    the same store, as TRL does (untested here: no GPU in CI). session: the key prefix both sides use (the client
+    picks it); store: an existing store to use (the server's, kept per port), else one is made."""
 
-    def __init__(self, host: str, port: int, rank: int, timeout: float, device: torch.device | str = "cpu"):
+    def __init__(self, host: str, port: int, rank: int, timeout: float, session: str,
+                 device: torch.device | str = "cpu", store: torch.distributed.Store | None = None):
         self.host, self.port, self.rank, self.timeout = host, port, rank, timeout
         self.device = torch.device(device)
         self.nccl = self.gloo = None
         failed = (f"the weight-sync group with the vLLM server did not form on {host}:{port} "
                   f"(generation.vllm_group_port) within {timeout:g} s")
+
+        def form():
+            shared = store if store is not None else rendezvous_store(host, port, rank, timeout)
+            prefixed = torch.distributed.PrefixStore(f"weights/{session}/", shared)
+            if self.device.type == "cuda":
+                self.nccl = _nccl_communicator(prefixed, rank, self.device)
+            else:
+                self.gloo = torch.distributed.ProcessGroupGloo(prefixed, rank, 2,
+                                                               datetime.timedelta(seconds=timeout))
+
         try:  # bounded from outside: a TCPStore client whose peer accepts and never answers waits for good
-            _Background(self._nccl if self.device.type == "cuda" else self._gloo).result(timeout + 5, failed)
+            _Background(form).result(timeout + 5, failed)
         except VLLMServerError:
             raise
         except Exception as err:  # torch's own DistError / RuntimeError kinds: one message naming the port
             raise VLLMServerError(f"{failed}: {type(err).__name__}: "
                                   f"{str(err).splitlines()[0] if str(err) else ''}") from err
-
-    def _gloo(self) -> None:
-        store = torch.distributed.TCPStore(self.host, self.port, 2, is_master=self.rank == SERVER_RANK,
-                                           timeout=datetime.timedelta(seconds=self.timeout), wait_for_workers=False)
-        self.gloo = torch.distributed.ProcessGroupGloo(store, self.rank, 2, datetime.timedelta(seconds=self.timeout))
-
-    def _nccl(self):
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
-
-        group = StatelessProcessGroup.create(host=self.host, port=self.port, rank=self.rank, world_size=2,
-                                             store_timeout=int(self.timeout))
-        self.nccl = PyNcclCommunicator(group, device=self.device)
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """From the trainer to the server, in place on the receiving side (a collective: both call it)."""
@@ -150,6 +158,13 @@ class WeightGroup:
         """After the last tensor of a push: NCCL's broadcasts are queued on a stream, so wait for them."""
         if self.nccl is not None:
             torch.cuda.current_stream().synchronize()
+
+
+def _nccl_communicator(store: torch.distributed.Store, rank: int, device: torch.device):
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    return PyNcclCommunicator(StatelessProcessGroup(rank=rank, world_size=2, store=store), device=device)
 
 
 class _Background(threading.Thread):
@@ -204,9 +219,10 @@ class VLLMServerBackend:
         s = self.server
         device = "cuda" if info.get("device") == "cuda" else "cpu"
         waiting_for = f"the weight-sync group on port {group_port}"
-        call = _Background(lambda: s.request("/init_weight_group", {"port": group_port, "timeout_s": s.timeout},
-                                             waiting_for))
-        group = WeightGroup(s.host, group_port, TRAINER_RANK, s.timeout, device=device)
+        session = uuid.uuid4().hex  # this client's keys in the server's store, apart from any earlier client's
+        call = _Background(lambda: s.request("/init_weight_group", {"port": group_port, "timeout_s": s.timeout,
+                                                                    "session": session}, waiting_for))
+        group = WeightGroup(s.host, group_port, TRAINER_RANK, s.timeout, session, device=device)
         call.result(s.timeout, f"the vLLM server at {s.host}:{s.port} did not answer /init_weight_group "
                                f"({waiting_for}) within {s.timeout:g} s")
         return group
