@@ -79,31 +79,47 @@ class EngineServer:
             self.version = 0
 
     def update_weights(self, params: list, version: int) -> int:
-        """Receive each announced tensor over the group and load it, one at a time; the count loaded."""
+        """Receive each announced tensor over the group and load it, one at a time; the count loaded. When loading
+        fails (weights this engine's model does not have), the rest are still received, so the trainer's
+        broadcasts finish and it gets this reason at once instead of a group timeout."""
         import torch
 
         from grpo_core.rollout.vllm import load_policy_weights
 
         if self.group is None:
             raise RuntimeError("no weight-sync group: POST /init_weight_group first")
-        loaded = 0
+        received, group_failed = 0, False
 
-        def received():
-            nonlocal loaded
-            for name, dtype, shape in params:
-                tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.group.device)
+        def receive(name: str, dtype: str, shape: list):
+            nonlocal received, group_failed
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.group.device)
+            try:
                 self.group.broadcast(tensor)
-                loaded += 1
-                yield name, tensor
+            except Exception:
+                group_failed = True  # the trainer left: nothing more will come
+                raise
+            received += 1
+            return name, tensor
 
         with self.lock, torch.no_grad():
-            load_policy_weights(self.llm, received())
+            try:
+                load_policy_weights(self.llm, (receive(*spec) for spec in params))
+            except Exception:
+                if not group_failed:
+                    for spec in params[received:]:
+                        receive(*spec)
+                raise
+            if received < len(params):  # the engine stopped reading early: take the rest, then say so
+                taken = received
+                for spec in params[received:]:
+                    receive(*spec)
+                raise RuntimeError(f"the engine took {taken} of the {len(params)} weights sent")
             self.group.finish()
             self.llm.reset_prefix_cache()  # cached prompt K/V were computed with the old weights
         with self.version_changed:
             self.version, self.pushes = version, self.pushes + 1
             self.version_changed.notify_all()
-        return loaded
+        return received
 
     def generate(self, prompts: list[list[int]], sampling: dict, version: int, wait_s: float) -> list:
         from vllm import SamplingParams

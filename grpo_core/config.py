@@ -930,7 +930,7 @@ def _check_async_rollouts(r: RolloutConfig, num_processes: int, g: GenerationCon
                           f"train.num_processes is {num_processes}")
     if g.backend == "vllm":
         raise ConfigError("train.async_rollouts: the sampler worker samples with generation.backend auto, hf or "
-                          "manual; vllm colocates its engine in the training process")
+                          "manual; vllm (colocated or server) samples in the training process")
     if r.dynamic_sampling:
         raise ConfigError("train.async_rollouts: not with train.dynamic_sampling (a round's size is only known "
                           "once its groups are scored, so it cannot be requested one step ahead)")

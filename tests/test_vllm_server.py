@@ -219,6 +219,30 @@ def test_other_ranks_sample_only_once_rank_0_pushed_the_weights_they_expect(serv
         rank0.close()
 
 
+def test_weights_of_another_model_are_refused_with_the_engines_reason_at_once(server, assets, tmp_path):
+    """A policy with a layer the served model lacks: the server receives every tensor anyway (so the trainer's
+    broadcasts finish) and answers the engine's reason, well within the timeout; it serves on afterwards."""
+    model_dir = assets[0]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    other = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "deeper", hidden_size=64, heads=2,
+                                                                 layers=3))
+    backend = server.backend(other, tok, timeout=30.0)
+    start = time.perf_counter()
+    try:
+        with pytest.raises(VLLMServerError, match=rf"127\.0\.0\.1:{server.port} refused /update_weights .*HTTP 500"):
+            backend.generate(PROMPTS, 1, GREEDY)
+        assert time.perf_counter() - start < 15
+    finally:
+        backend.close()
+    policy = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    fine = server.backend(policy, tok)
+    try:
+        assert torch.equal(fine.generate(PROMPTS, 1, GREEDY).completion_ids,
+                           HFGenerateBackend(policy, tok).generate(PROMPTS, 1, GREEDY).completion_ids)
+    finally:
+        fine.close()
+
+
 def test_an_unreachable_server_is_an_error_naming_it_within_the_timeout(assets):
     port = free_port()  # nothing listens there
     tok = AutoTokenizer.from_pretrained(assets[0])

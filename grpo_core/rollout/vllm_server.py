@@ -138,7 +138,7 @@ class WeightGroup:
                                                                datetime.timedelta(seconds=timeout))
 
         try:  # bounded from outside: a TCPStore client whose peer accepts and never answers waits for good
-            _Background(form).result(timeout + 5, failed)
+            _Background(form).result(timeout + 2, failed)
         except VLLMServerError:
             raise
         except Exception as err:  # torch's own DistError / RuntimeError kinds: one message naming the port
