@@ -307,6 +307,40 @@ def test_training_samples_from_the_server_and_pushes_after_each_step(server, ass
     assert all(torch.isfinite(torch.tensor(float(row["loss"]))) for row in log)
 
 
+def test_evaluate_samples_base_and_trained_through_the_one_server(server, assets, tmp_path):
+    """The evaluate stage in server mode: both policies are sampled by the running server, each after its weights
+    were pushed (greedy completions equal HF generate's from each folder), and the pushes are counted there."""
+    import dataclasses
+    import json
+    from types import SimpleNamespace
+
+    import flows.stages.evaluate as evaluate
+    from grpo_core.data import PromptEncoder
+    from grpo_core.rollout.types import decode_completions
+
+    base = assets[0]
+    trained = make_tiny_model(tmp_path / "trained", hidden_size=64, heads=2, seed=1)  # other weights, same shape
+    data = make_prompts(tmp_path / "eval.jsonl", n=4)
+    raw = tiny_config(base, data, DIGITS, generation_backend="vllm", vllm_mode="server",
+                      vllm_server_port=server.port, vllm_group_port=free_port(), vllm_server_timeout=30.0).to_dict()
+    raw.pop("embedded")
+    raw["evaluate"].update(num_generations=2, pass_k=[1, 2])
+    inp = evaluate.stage_inputs(config_from_dict(raw))
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    before = server.health()["pushes"]
+    for policy, folder in (("base", base), ("trained", trained)):
+        model_cfg = dataclasses.replace(inp.model, name_or_path=str(folder))
+        records = evaluate.sample_policy(policy, model_cfg, inp, SimpleNamespace(root=tmp_path), rows, [0, 1, 2, 3])
+        greedy = [r["completion"] for r in records if r["mode"] == "greedy"]
+        model, tok = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+        encoder = PromptEncoder.from_config(tok, inp.data)
+        batch = HFGenerateBackend(model, tok).generate(
+            [encoder.encode(row["prompt"]) for row in rows], 1,
+            SamplingParams(max_new_tokens=inp.generation.max_completion_length, do_sample=False))
+        assert greedy == decode_completions(tok, batch), policy
+    assert server.health()["pushes"] - before == 2  # one push per policy, however many modes sampled it
+
+
 def test_backend_for_picks_the_server_client_in_server_mode(server, assets):
     tok = AutoTokenizer.from_pretrained(assets[0])
     policy = AutoModelForCausalLM.from_pretrained(assets[0]).eval()
