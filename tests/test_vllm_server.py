@@ -7,7 +7,7 @@ Expected values are worked out without the server: HF generate and a plain forwa
 Tolerance: float32 policy, float32 engine; the engine's kernels sum in another order than torch's (~1e-6 on this
 model, as tests/test_vllm_engine.py measures), 1e-4 leaves room for other CPUs.
 
-Not tested here: the NCCL group (CUDA), several training processes against one server.
+Not tested here: the NCCL group (CUDA), FSDP2 (whose replica pushes as one process does).
 """
 
 from __future__ import annotations
@@ -339,6 +339,23 @@ def test_evaluate_samples_base_and_trained_through_the_one_server(server, assets
             SamplingParams(max_new_tokens=inp.generation.max_completion_length, do_sample=False))
         assert greedy == decode_completions(tok, batch), policy
     assert server.health()["pushes"] - before == 2  # one push per policy, however many modes sampled it
+
+
+def test_two_training_processes_sample_from_one_server_and_rank_0_alone_pushes(server, assets, tmp_path):
+    """DDP on two CPU processes (the train stage's launcher, gloo): both sample their own prompts from the server,
+    rank 0 pushes before each round (two steps: two pushes, not four), rank 1 waits for them at the server."""
+    from tests.distributed_worker import launch
+
+    model_dir, data, _ = assets
+    before = server.health()["pushes"]
+    launch(tmp_path, model_dir, data, 2, {
+        "sampled": True, "train": {"per_device_train_batch_size": 8, "beta": 0.0},
+        "generation": {"backend": "vllm", "vllm_mode": "server", "vllm_server_port": server.port,
+                       "vllm_group_port": free_port(), "vllm_server_timeout": 60, "temperature": 0.7}})
+    assert server.health()["pushes"] - before == 2
+    log = read_log(tmp_path / "metrics/train_log.csv")
+    assert len(log) == 2
+    assert all(0 <= float(row["sampling/sampling_logp_difference/max"]) < TOLERANCE for row in log)
 
 
 def test_backend_for_picks_the_server_client_in_server_mode(server, assets):
