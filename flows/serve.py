@@ -22,7 +22,6 @@ one at a time (a lock), and one device per server (no tensor parallelism).
 
 import argparse
 import logging
-import os
 import threading
 import time
 from typing import Annotated
@@ -204,7 +203,6 @@ def start_engine_for(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
     import uvicorn
 
     from grpo_core.rollout.vllm import shutdown_engine
