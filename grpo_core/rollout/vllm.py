@@ -194,25 +194,39 @@ def build_engine(model: torch.nn.Module, *, gpu_memory_utilization: float, enabl
     enable_sleep_mode: asked for; granted only where the engine has it (not on CPU). dtype: the engine's weights
     (``model.dtype``: the trainer's float32 masters are cast to it on every copy; None = the policy's). Any failure
     to start is a VLLMUnavailable carrying the engine's own reason."""
-    vllm = import_vllm()
-    source = model_source(model)
-    dtype = dtype or next(base_model(model).parameters()).dtype
-    on_cpu = engine_device() == "cpu"
+    config = base_model(model).config
+    options = engine_options(model_source(model), dtype or next(base_model(model).parameters()).dtype, config,
+                             gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
+                             max_model_length=max_model_length, seed=seed + rank)
+    return start_engine(options, rank=rank, local_rank=local_rank, world_size=world_size)
+
+
+def engine_options(source: str, dtype: torch.dtype, config, *, gpu_memory_utilization: float,
+                   enable_sleep_mode: bool, max_model_length: int | None, seed: int) -> dict:
+    """``vllm.LLM`` keyword arguments for an engine in the calling process (the colocated backend's, and the
+    server's of flows/serve.py: one engine set-up for both modes). config: the model's HF config."""
     options = dict(model=source, dtype=str(dtype).removeprefix("torch."), max_model_len=max_model_length,
-                   seed=seed + rank, tensor_parallel_size=1, distributed_executor_backend="external_launcher",
+                   seed=seed, tensor_parallel_size=1, distributed_executor_backend="external_launcher",
                    enable_prefix_caching=True, logprobs_mode="processed_logprobs")
-    if on_cpu:
+    if engine_device() == "cpu":
         # no sleep mode on CPU; a KV cache sized for the rounds; eager (torch.compile would add ~15 s to start-up)
-        longest = max_model_length or base_model(model).config.max_position_embeddings
+        longest = max_model_length or config.max_position_embeddings
         options.update(enable_sleep_mode=False, enforce_eager=True, max_num_seqs=CPU_MAX_NUM_SEQS,
-                       kv_cache_memory_bytes=kv_cache_bytes(base_model(model).config, dtype, longest))
+                       kv_cache_memory_bytes=kv_cache_bytes(config, dtype, longest))
     else:
         options.update(enable_sleep_mode=enable_sleep_mode, gpu_memory_utilization=gpu_memory_utilization)
+    return options
+
+
+def start_engine(options: dict, rank: int = 0, local_rank: int = 0, world_size: int = 1):
+    """``vllm.LLM(**options)`` in this process, the process's RNGs and thread setting kept; a failure to start is
+    a VLLMUnavailable with the engine's own reason."""
+    vllm = import_vllm()
     try:
         with _ProcessStateKept(), _rendezvous(rank, local_rank, world_size):
             return vllm.LLM(**options)
     except Exception as err:  # the engine's own reason, whatever its type, as a configuration error
-        raise VLLMUnavailable(f"generation.backend: vllm: the engine for {source} did not start: "
+        raise VLLMUnavailable(f"generation.backend: vllm: the engine for {options['model']} did not start: "
                               f"{type(err).__name__}: {err}") from err
 
 
@@ -239,28 +253,16 @@ def engine_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple
 
     A LoRA policy yields each adapted layer's merged weight (base + its adapters' delta), computed here: the
     adapters themselves are not the engine's, and the policy is left as it is. Tied weights come once. A sharded
-    (FSDP2) policy's parameters are gathered one at a time (``full_tensor``: collective, so every process iterates
-    alongside) and cast before the next is gathered: one whole parameter at a time in memory, never the model."""
-    peft = hasattr(model, "peft_config")
-    adapted = {name: module for name, module in model.named_modules()
-               if peft and hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")}
-    for name, param in model.named_parameters():
-        if peft:
-            if "lora_" in name or "original_module" in name:
-                continue  # adapters are merged below; modules_to_save keeps its trained copy
-            owner = name.rsplit(".base_layer.", 1)[0]
-            tensor = param.detach()
-            if name.endswith(".base_layer.weight") and owner in adapted:
-                module = adapted[owner]
-                deltas = [] if module.merged else [module.get_delta_weight(adapter) for adapter in
-                                                   module.active_adapters if adapter in module.lora_A]
-                if deltas:
-                    tensor = tensor.float() + sum(delta.float() for delta in deltas)
-            name = name.removeprefix("base_model.model.").replace(".base_layer", "")
-            name = name.replace("modules_to_save.default.", "")
-            yield name, tensor.to(dtype)
-        else:
-            yield name, whole(param.detach().to(dtype))  # cast the shard, then gather: half the bytes in bf16
+    (FSDP2) policy's parameters are cast shard by shard, then gathered one at a time (``full_tensor``: collective,
+    so every process iterates alongside): one whole parameter at a time in memory, never the model."""
+    for name, param, lora_layer in engine_entries(model):
+        tensor = param.detach()
+        if lora_layer is not None and not lora_layer.merged:
+            deltas = [lora_layer.get_delta_weight(adapter) for adapter in lora_layer.active_adapters
+                      if adapter in lora_layer.lora_A]
+            if deltas:
+                tensor = tensor.float() + sum(delta.float() for delta in deltas)
+        yield name, whole(tensor.to(dtype))  # cast the shard, then gather: half the bytes in bf16
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -268,6 +270,24 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def engine_entries(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter, torch.nn.Module | None]]:
+    """(HF name, parameter, its LoRA layer when adapters are merged into it) for each weight the engine takes, in
+    ``engine_weights``' order; the server client announces the names and shapes from these before sending."""
+    peft = hasattr(model, "peft_config")
+    adapted = {name: module for name, module in model.named_modules()
+               if peft and hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")}
+    for name, param in model.named_parameters():
+        if not peft:
+            yield name, param, None
+            continue
+        if "lora_" in name or "original_module" in name:
+            continue  # adapters are merged by engine_weights; modules_to_save keeps its trained copy
+        owner = name.rsplit(".base_layer.", 1)[0]
+        layer = adapted.get(owner) if name.endswith(".base_layer.weight") else None
+        name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        yield name.replace("modules_to_save.default.", ""), param, layer
 
 
 def load_policy_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -352,16 +372,59 @@ def completion_tensor(output, eos_ids: list[int]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long).unsqueeze(0)
 
 
-def sampled_token_logps(outputs, completion_mask: torch.Tensor) -> torch.Tensor:
-    """(N, C) float32: each output's log-prob of its sampled tokens (vLLM's ``logprobs``, one dict per token, the
-    sampled token's entry among them), NaN where it gave none (a stop token it did not list), 0 on padding."""
+def sampled_logprobs(output) -> list[float | None]:
+    """One vLLM completion's log-prob of each of its sampled tokens (``logprobs``: one dict per token, the sampled
+    token's entry among them); None where it gave none (a stop token it did not list)."""
+    out = []
+    for token, entries in zip(output.token_ids, output.logprobs or []):
+        entry = entries.get(token) if entries else None
+        out.append(None if entry is None else float(entry.logprob))
+    return out
+
+
+def sampled_token_logps(per_output: list[list[float | None]], completion_mask: torch.Tensor) -> torch.Tensor:
+    """(N, C) float32 from each completion's ``sampled_logprobs`` (the colocated engine's outputs, or the server's
+    answer): NaN where the engine gave none, 0 on padding."""
     out = torch.full(completion_mask.shape, float("nan"))
-    for row, output in enumerate(outputs):
-        for col, (token, entries) in enumerate(zip(output.token_ids, output.logprobs or [])):
-            entry = entries.get(token) if entries else None
-            if entry is not None and col < out.shape[1]:
-                out[row, col] = float(entry.logprob)
+    for row, logps in enumerate(per_output):
+        for col, logp in enumerate(logps[:out.shape[1]]):
+            if logp is not None:
+                out[row, col] = logp
     return out.masked_fill(completion_mask == 0, 0.0)
+
+
+def min_new_tokens(model: torch.nn.Module) -> int:
+    """The policy's generation_config.min_new_tokens (0 when unset): vLLM's ``min_tokens``."""
+    return int(getattr(getattr(model, "generation_config", None), "min_new_tokens", None) or 0)
+
+
+def round_requests(prompt_ids: list[list[int]], num_generations: int,
+                   sampling: SamplingParams) -> tuple[list[list[int]], int]:
+    """The engine requests of one round and the samples each asks for: vLLM takes n > 1 only when sampling, so
+    greedy asks once per copy (prompt g's copies stay adjacent, the layout ``RolloutBatch`` has)."""
+    copies = 1 if sampling.do_sample else num_generations
+    return [list(ids) for ids in prompt_ids for _ in range(copies)], num_generations // copies
+
+
+def round_outputs(per_request: list[list], prompt_ids: list[list[int]], num_generations: int, n: int) -> list:
+    """The requests' completions in row order, after checking the engine answered every request n times."""
+    if len(per_request) * n != len(prompt_ids) * num_generations or any(len(out) != n for out in per_request):
+        raise RuntimeError(f"vLLM returned {[len(out) for out in per_request]} completions for "
+                           f"{len(prompt_ids)} prompts x {num_generations}")
+    return [out for outs in per_request for out in outs]
+
+
+def rollout_batch(prompt_ids: list[list[int]], num_generations: int, outputs: list,
+                  logps: list[list[float | None]] | None, pad_id: int, eos_ids: list[int]) -> RolloutBatch:
+    """The round's ``RolloutBatch`` from the engine's completions (objects with token_ids, finish_reason and
+    stop_reason, in row order) and, when asked for, their sampled-token log-probs."""
+    completions = [completion_tensor(out, eos_ids) for out in outputs]
+    repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
+    ids, mask = left_pad(repeated, pad_id)
+    batch = assemble_batch(ids, mask, completions, pad_id, eos_ids)
+    if logps is not None:
+        batch.sampling_logps = sampled_token_logps(logps, batch.completion_mask)
+    return batch
 
 
 class VLLMBackend:
@@ -431,26 +494,16 @@ class VLLMBackend:
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
-        min_new = int(getattr(getattr(self.model, "generation_config", None), "min_new_tokens", None) or 0)
-        # vLLM takes n > 1 only when sampling: greedy asks once per copy (prompt g's copies stay adjacent)
-        copies = 1 if sampling.do_sample else num_generations
-        per_request = num_generations // copies
+        min_new = min_new_tokens(self.model)
+        requests, per_request = round_requests(prompt_ids, num_generations, sampling)
         params = VLLMSamplingParams(**vllm_sampling_kwargs(sampling, per_request, self.eos_ids, min_new,
                                                            logprobs=self.return_logprobs))
-        requests = [{"prompt_token_ids": list(ids)} for ids in prompt_ids for _ in range(copies)]
         try:
-            results = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
+            results = self.llm.generate([{"prompt_token_ids": ids} for ids in requests], sampling_params=params,
+                                        use_tqdm=False)
         finally:
             if self.enable_sleep_mode:
                 self._sleep()
-        if len(results) != len(requests) or any(len(r.outputs) != per_request for r in results):
-            raise RuntimeError(f"vLLM returned {[len(r.outputs) for r in results]} completions for "
-                               f"{len(prompt_ids)} prompts x {num_generations}")
-        outputs = [out for r in results for out in r.outputs]
-        completions = [completion_tensor(out, self.eos_ids) for out in outputs]
-        repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
-        ids, mask = left_pad(repeated, self.pad_id)
-        batch = assemble_batch(ids, mask, completions, self.pad_id, self.eos_ids)
-        if self.return_logprobs:
-            batch.sampling_logps = sampled_token_logps(outputs, batch.completion_mask)
-        return batch
+        outputs = round_outputs([r.outputs for r in results], prompt_ids, num_generations, per_request)
+        logps = [sampled_logprobs(o) for o in outputs] if self.return_logprobs else None
+        return rollout_batch(prompt_ids, num_generations, outputs, logps, self.pad_id, self.eos_ids)

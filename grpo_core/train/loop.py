@@ -260,7 +260,8 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
         world_size=accelerator.num_processes, dtype=DTYPES[cfg.model.dtype]))
     replica = None
     if parallelism.fsdp is not None and accelerator.num_processes > 1:
-        engine = cfg.generation.backend == "vllm"  # the engine holds the whole copy: no replica beside it
+        # a colocated engine holds the whole copy: no replica beside it (a server's client pushes from the replica)
+        engine = cfg.generation.backend == "vllm" and cfg.generation.vllm_mode == "colocate"
         if not engine:
             replica = copy.deepcopy(model).to(accelerator.device, DTYPES[cfg.model.dtype])  # whole, before sharding
         shard_model(model.to(accelerator.device), parallelism.fsdp, t.mixed_precision)
