@@ -135,8 +135,11 @@ def test_pushed_weights_reach_the_server_greedy_and_sampled_logprobs(server, ass
                                .completion_ids)  # the pushed weights, not the folder's, made these
         sampled = backend.generate(PROMPTS, 4, SamplingParams(max_new_tokens=8, temperature=1.0))
         mask = sampled.completion_mask.bool()
-        gap = (sampled.sampling_logps - policy_logps(policy, sampled))[mask].abs().max().item()
-        assert gap < TOLERANCE, gap
+        expected_logps = policy_logps(policy, sampled)
+        gap = (sampled.sampling_logps - expected_logps)[mask].abs().max().item()
+        # float32 on both sides, summed in other orders: the perturbed policy's logits are large, and the gap of an
+        # unlikely token grows with them (measured 2e-5 to 1.3e-4 over runs); weights not pushed give gaps ~1
+        assert gap < TOLERANCE * (1 + expected_logps[mask].abs().max().item()), gap
         assert sampled.sampling_logps[mask].isfinite().all()
         print(f"pushes of the tiny model ({sum(p.numel() for p in policy.parameters())} parameters): "
               f"{[round(s, 4) for s in backend.push_seconds]} s; max sampled log-prob gap {gap:.2e}")
