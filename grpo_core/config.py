@@ -100,6 +100,21 @@ class LoraConfig:
 
 
 @dataclass
+class QuantizationConfig:
+    """params.yaml `model.quantization:` - QLoRA: the frozen base loaded in 4 bits through bitsandbytes (the `qlora`
+    extra), LoRA adapters trained over it in float32 (docs/precision.md). Transformers' BitsAndBytesConfig names in
+    brackets."""
+
+    load_in_4bit: bool = _f(True, "a 4-bit base (load_in_4bit); the only mode offered: 8-bit bases are not")
+    quant_type: Literal["nf4", "fp4"] = _f("nf4", "the 4-bit format (bnb_4bit_quant_type): nf4 = QLoRA's NormalFloat, "
+                                          "built for normally distributed weights")
+    compute_dtype: Literal["bfloat16", "float16", "float32"] = _f(
+        "bfloat16", "dtype the 4-bit layers dequantize to and multiply in (bnb_4bit_compute_dtype)")
+    double_quant: bool = _f(True, "quantize the per-block quantization constants too (bnb_4bit_use_double_quant; "
+                            "QLoRA's double quantization: ~0.4 bit per parameter saved)")
+
+
+@dataclass
 class ModelConfig:
     name_or_path: str = _f("artifacts/base_model", "a local directory or a hub model id")
     dtype: Literal["float32", "bfloat16", "float16"] = _f(
@@ -109,6 +124,9 @@ class ModelConfig:
     trust_remote_code: bool = _f(False, "run code shipped with the model (only for models you trust)")
     attn_implementation: str | None = _f(None, "transformers attn_implementation (sdpa, flash_attention_2, ...)")
     lora: LoraConfig | None = _f(None, "train LoRA adapters instead of all weights (needs the `lora` extra)")
+    quantization: QuantizationConfig | None = _f(
+        None, "QLoRA: the frozen base in 4 bits (bitsandbytes, the `qlora` extra) under model.lora's adapters; "
+        "null = the base in model.dtype. The export merges the adapters into the full-precision base")
     cpu_threads: int = _f(0, "torch CPU threads in stages that run the model (0 = torch's default)", ge=0)
 
 
@@ -877,6 +895,34 @@ def _check_consistency(cfg: PipelineConfig) -> None:
         raise ConfigError("train.sync_ref_model: not with model.lora; under LoRA the reference is the base model with "
                           "the adapters switched off, so there is no separate reference to mix the policy into "
                           "(TRL raises the same)")
+    _check_quantization(cfg)
+
+
+def _check_quantization(cfg: PipelineConfig) -> None:
+    """model.quantization (QLoRA) with the rest. FSDP2 is refused where train.accelerate_config is read
+    (``train/parallel.py:check_parallelism``)."""
+    q = cfg.model.quantization
+    if q is None:
+        return
+    if not q.load_in_4bit:
+        raise ConfigError("model.quantization.load_in_4bit: false is not offered (no 8-bit base); for a base in "
+                          "model.dtype set model.quantization: null")
+    if cfg.model.lora is None:
+        raise ConfigError("model.quantization: needs model.lora; a 4-bit base is frozen (its packed weights take no "
+                          "gradient), so only LoRA adapters over it can be trained - set model.lora, e.g. {r: 16}")
+    if cfg.generation.backend == "vllm":
+        raise ConfigError("model.quantization: not with generation.backend vllm; the engine is fed the policy's merged "
+                          "weights (base + adapters, layer by layer) after each step, and a 4-bit base has no "
+                          "full-precision weight to merge into - use generation.backend auto or hf")
+    if cfg.train.async_rollouts:
+        raise ConfigError("train.async_rollouts: not with model.quantization; the sampler worker copies the policy "
+                          "into shared memory, which bitsandbytes' packed 4-bit weights and their quantization "
+                          "state are not built for - train synchronously")
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError("model.quantization: needs bitsandbytes, which is not installed; install the extra: "
+                          "pip install -e '.[qlora]' (make setup installs it)")
 
 
 def eval_metric_names(t: EvalDuringTrainingConfig, reward_names: typing.Sequence[str]) -> list[str]:

@@ -258,7 +258,8 @@ def launch_plan(ctx, cfg, *, cuda: bool, environ=None) -> list[str]:
         config = Path(config) if Path(config).is_absolute() else ctx.root / config
         if not config.is_file():
             raise StageConfigError(f"train.accelerate_config: {config} is not a file (see infra/accelerate/)")
-    check_parallelism(read_parallelism(config), lora=cfg.model.lora is not None, mixed_precision=t.mixed_precision)
+    check_parallelism(read_parallelism(config), lora=cfg.model.lora is not None, mixed_precision=t.mixed_precision,
+                      quantized=cfg.model.quantization is not None)
     machine = Machine.from_environment(t.num_machines, environ)
     cmd = launch_command(t.num_processes, cuda=cuda, accelerate_config=config, machines=t.num_machines,
                          machine=machine)

@@ -73,8 +73,10 @@ def compute_device() -> torch.device:
     return torch.device("cpu")
 
 
-def load_model(cfg: ModelConfig, root: str | Path = ".", dtype: torch.dtype | None = None):
-    """A causal LM from ``model.name_or_path`` in ``dtype`` (default: ``model.dtype``)."""
+def load_model(cfg: ModelConfig, root: str | Path = ".", dtype: torch.dtype | None = None, quantized: bool = False):
+    """A causal LM from ``model.name_or_path`` in ``dtype`` (default: ``model.dtype``). ``quantized``: its linear
+    layers in 4 bits as ``model.quantization`` says (QLoRA; bitsandbytes' ``Linear4bit``), on ``compute_device()``
+    (bitsandbytes quantizes as it places the weights); everything else stays in ``dtype``."""
     from transformers import AutoModelForCausalLM
 
     apply_cpu_threads(cfg)
@@ -83,11 +85,52 @@ def load_model(cfg: ModelConfig, root: str | Path = ".", dtype: torch.dtype | No
               "use_safetensors": True}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
+    if quantized:
+        kwargs["quantization_config"] = bitsandbytes_config(cfg)
+        kwargs["device_map"] = {"": compute_device()}
     try:
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"model.name_or_path: cannot load a causal LM from '{path}' "
                              f"(safetensors weights required): {err}") from err
+
+
+def bitsandbytes_config(cfg: ModelConfig):
+    """transformers' ``BitsAndBytesConfig`` for ``model.quantization``; a ModelLoadError naming the ``qlora`` extra
+    when bitsandbytes is missing."""
+    from transformers import BitsAndBytesConfig
+
+    q = cfg.quantization
+    if q is None:
+        raise ValueError("model.quantization is not set")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as err:
+        raise ModelLoadError(f"model.quantization: a 4-bit base needs bitsandbytes ({err}); install the extra: "
+                             "pip install -e '.[qlora]'") from err
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.quant_type,
+                              bnb_4bit_compute_dtype=DTYPES[q.compute_dtype],
+                              bnb_4bit_use_double_quant=q.double_quant)
+
+
+def keep_4bit_layers_trainable(model: torch.nn.Module) -> int:
+    """Stop bitsandbytes repacking a 4-bit layer for CPU inference; returns how many layers there are.
+
+    On a CPU with AVX512-BF16, bitsandbytes 0.50's ``Linear4bit`` rewrites its packed weight into an
+    inference-only layout the first time it runs in eval mode without grad (a rollout, the reference pass) and
+    keeps it: every later training forward then takes the inference kernel, which fails in backward ("a view of
+    a leaf Variable that requires grad is being used in an in-place operation"). Switched off, the layer keeps
+    the one layout that trains; rollouts run the generic dequantize-and-matmul path."""
+    layers = [m for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
+    for m in layers:
+        m.support_avx512bf16_for_cpu = False
+    return len(layers)
+
+
+def is_quantized(model) -> bool:
+    """True for a model whose base was loaded through a quantizer (QLoRA's 4-bit base), peft-wrapped or not."""
+    base = model.get_base_model() if is_peft_model(model) else model
+    return getattr(base, "hf_quantizer", None) is not None
 
 
 def check_model_folder(cfg: ModelConfig, root: str | Path = ".") -> str:
@@ -153,9 +196,22 @@ def load_policy(cfg: ModelConfig, root: str | Path = ".", gradient_checkpointing
     rounds an update smaller than half a bf16 step (~0.4 % of the weight) away, so a run at lr 1e-6 barely
     moves. ``train.mixed_precision`` runs the forward and backward in bf16/fp16 under autocast (TRL's
     convention) and the export casts back to ``model.dtype``. Under LoRA the frozen base stays in
-    ``model.dtype`` and only the adapters are float32 (peft's ``autocast_adapter_dtype``).
+    ``model.dtype`` and only the adapters are float32 (peft's ``autocast_adapter_dtype``). Under QLoRA
+    (``model.quantization``) the base's linear layers are 4-bit (bitsandbytes ``Linear4bit``, computing in
+    ``quantization.compute_dtype``), the rest of the base (embeddings, norms, head) in ``model.dtype``, the
+    adapters float32 as under LoRA. peft's ``prepare_model_for_kbit_training`` is not called: it would upcast the
+    frozen embeddings, norms and head to float32 (for Qwen2.5-0.5B +0.27 GB), and the rest of what it does
+    (inputs that require grad for gradient checkpointing) LoRA does here already.
     """
-    model, tokenizer = _load_with_tokenizer(cfg, root, dtype=None if cfg.lora is not None else torch.float32)
+    if cfg.quantization is not None and cfg.lora is None:
+        raise ModelLoadError("model.quantization: needs model.lora (a 4-bit base is frozen: only adapters train)")
+    tokenizer = load_tokenizer(cfg, root)
+    model = load_model(cfg, root, dtype=None if cfg.lora is not None else torch.float32,
+                       quantized=cfg.quantization is not None)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    if cfg.quantization is not None:
+        keep_4bit_layers_trainable(model)
     if gradient_checkpointing:  # newer transformers call it activation checkpointing
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
         model.config.use_cache = False

@@ -2,24 +2,39 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from grpo_core.files import write_dir_atomic
-from grpo_core.model.loading import is_peft_model
+from grpo_core.model.loading import is_peft_model, is_quantized
 from grpo_core.model.sharding import gather_weights, is_sharded
 
 
-def export_model(policy, tokenizer, model_dir, dtype: torch.dtype) -> None:
+def export_model(policy, tokenizer, model_dir, dtype: torch.dtype,
+                 full_precision_base: Callable[[], torch.nn.Module] | None = None) -> None:
     """The policy in ``dtype`` (``model.dtype``), HF format, written to a temp folder then renamed into place.
     Under LoRA: the merged model (base + adapters) with the adapters themselves in ``adapter/``. Casts and, under
-    LoRA, merges ``policy`` itself: call it when training is over."""
+    LoRA, merges ``policy`` itself: call it when training is over.
+
+    Under QLoRA (a 4-bit base) the adapters are merged into the base as it was before quantization, not into its
+    4-bit rounding: ``full_precision_base()`` loads it (``model.dtype``, no quantization config), the saved adapters
+    go onto it and are merged. The export is thus what the adapters were trained for plus the NF4 rounding error
+    given back, and a plain model anyone can load without bitsandbytes."""
 
     def fill(tmp):
         model = policy
         if is_peft_model(model):
             model.save_pretrained(tmp / "adapter", safe_serialization=True)
             tokenizer.save_pretrained(tmp / "adapter")
-            model = model.merge_and_unload()
+            if is_quantized(model):
+                if full_precision_base is None:
+                    raise ValueError("export_model: a 4-bit (QLoRA) policy needs full_precision_base to merge into")
+                from peft import PeftModel
+
+                model = PeftModel.from_pretrained(full_precision_base(), tmp / "adapter").merge_and_unload()
+            else:
+                model = model.merge_and_unload()
         model.to(dtype).save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
 

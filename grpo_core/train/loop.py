@@ -49,6 +49,7 @@ from grpo_core.model.loading import (
     DTYPES,
     cast_lm_head_to_fp32,
     disable_dropout,
+    load_model,
     load_policy,
     load_reference,
     owns_weights,
@@ -203,7 +204,8 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
         with record_function("grpo/export"):
             final = whole_model(run.policy, run.replica)  # collective when sharded without a replica
             if run.accelerator.is_main_process:
-                export_model(final, run.tokenizer, model_dir, DTYPES[cfg.model.dtype])
+                export_model(final, run.tokenizer, model_dir, DTYPES[cfg.model.dtype],
+                             full_precision_base=lambda: load_model(cfg.model, root))  # QLoRA merges into it
     run.accelerator.wait_for_everyone()
     return TrainResult(state.step, model_dir, log_path, run.checkpoint_dir, resumed_from, metrics,
                        best_step=state.best_step, best_value=state.best_value,
@@ -227,7 +229,8 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
 
     t = cfg.train
     parallelism = read_parallelism(_resolve(root, t.accelerate_config))
-    check_parallelism(parallelism, lora=cfg.model.lora is not None, mixed_precision=t.mixed_precision)
+    check_parallelism(parallelism, lora=cfg.model.lora is not None, mixed_precision=t.mixed_precision,
+                      quantized=cfg.model.quantization is not None)
     accelerator = Accelerator(mixed_precision=t.mixed_precision, cpu=not torch.cuda.is_available())
     if accelerator.device.type == "cuda":
         allow_tf32()

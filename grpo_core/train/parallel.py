@@ -87,7 +87,7 @@ def read_parallelism(path: str | Path | None) -> Parallelism:
 
 
 def check_parallelism(parallelism: Parallelism, *, lora: bool, mixed_precision: str = "no",
-                      where: str = "train.accelerate_config") -> None:
+                      where: str = "train.accelerate_config", quantized: bool = False) -> None:
     """Cross-checks with the rest of the config. Under FSDP2: LoRA is refused (the adapter-off reference view,
     adapter checkpoints and the merged export are one-process code paths nobody has run sharded), and so is fp16
     (it needs a sharded gradient scaler; bf16 does not)."""
@@ -96,6 +96,11 @@ def check_parallelism(parallelism: Parallelism, *, lora: bool, mixed_precision: 
     if mixed_precision == "fp16":
         raise ParallelConfigError(f"{where}: train.mixed_precision fp16 with FSDP2 is not supported (no sharded "
                                   "gradient scaler); use bf16")
+    if quantized:
+        raise ParallelConfigError(f"{where}: a 4-bit base (model.quantization, QLoRA) with FSDP2 is not supported: "
+                                  "fully_shard splits plain tensors, and bitsandbytes' packed 4-bit weights carry "
+                                  "per-block quantization state that a shard cannot split - the 4-bit base is small "
+                                  "enough for one GPU each: train it with DDP (drop fsdp_config)")
     if lora:
         raise ParallelConfigError(f"{where}: LoRA (model.lora) with FSDP2 is not supported: LoRA keeps the base "
                                   "frozen, so its trainable state is small - train it with DDP (drop fsdp_config) "
