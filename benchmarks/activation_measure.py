@@ -5,7 +5,7 @@ benchmarks/memory_plan.py's activation term.
 
 A random Qwen2 of that shape (float32, a 512-token vocabulary so the logits are negligible; one position's logits
 kept, as the fused head keeps one chunk) takes a warm-up step (gradients allocated: those are the plan's persistent
-state), then one forward and backward of ROWS x TOKENS. Printed as JSON: the peak RSS (``ru_maxrss``) over the RSS
+state), then one forward and backward of ROWS x TOKENS. Printed as JSON: the peak RSS (VmHWM: benchmarks/rss.py) over the RSS
 just before that step. Run it with ``MALLOC_MMAP_THRESHOLD_=65536`` (``measure`` does) so freed tensors leave the
 heap and the peak is the step's, not the allocator's.
 """
@@ -14,14 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 
-
-def current_rss() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+from benchmarks.rss import current_rss_bytes, peak_rss_bytes
 
 
 def step_bytes(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, rows: int, tokens: int,
@@ -39,9 +35,9 @@ def step_bytes(hidden: int, layers: int, heads: int, kv_heads: int, intermediate
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model(input_ids=torch.randint(5, 500, (1, 8)), logits_to_keep=1).logits.sum().backward()  # warm-up: gradients
     ids = torch.randint(5, 500, (rows, tokens))
-    before = current_rss()
+    before = current_rss_bytes()
     model(input_ids=ids, logits_to_keep=1).logits.sum().backward()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    return peak_rss_bytes() - before
 
 
 def measure(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, rows: int, tokens: int,

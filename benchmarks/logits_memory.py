@@ -5,7 +5,7 @@ model whose vocabulary dominates: a tiny Qwen2 body (hidden 64, one layer, tied 
     python -m benchmarks.logits_memory --vocab 32000 --paths fused,full --train none
     python -m benchmarks.logits_memory --write               # + benchmarks/results/logits-memory-<device>.json
 
-Each measurement is a fresh subprocess (peak RSS = ``resource.getrusage(RUSAGE_SELF).ru_maxrss``, imports and the
+Each measurement is a fresh subprocess (peak RSS = VmHWM, benchmarks/rss.py, imports and the
 model included; ``rss_before_passes`` is VmRSS just before the first pass):
 
   passes   what one training step of the GSM8K recipe (configs/gsm8k-qwen2.5-0.5b.yaml) scores: the policy in float32
@@ -27,11 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks.rss import current_rss_bytes, peak_rss_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS = 64
@@ -96,14 +97,11 @@ def write(results: list[dict]) -> None:
 
 
 def peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return peak_rss_bytes() / 2**30  # this process's own peak (benchmarks/rss.py: not ru_maxrss)
 
 
 def rss_gib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 2**20
-    return float("nan")
+    return current_rss_bytes() / 2**30
 
 
 def tiny_config(spec: dict):

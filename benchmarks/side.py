@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 import torch  # noqa: E402
 
 from benchmarks.configs import BenchConfig  # noqa: E402
+from benchmarks.rss import peak_rss_bytes  # noqa: E402
 
 REWARD = "benchmarks.rewards:length_parity"
 
@@ -38,7 +38,7 @@ def _sync() -> None:
 
 
 def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+    return peak_rss_bytes() / 2**20  # this process's own peak (benchmarks/rss.py: not ru_maxrss)
 
 
 def _cuda_peak_mib() -> float | None:

@@ -150,3 +150,16 @@ def test_activation_estimate_within_a_quarter_of_the_measured_step(shape):
     planned = mp.activation_bytes(model, recipe, mp.STRATEGIES[0])
     measured = measure(*shape)
     assert 0.75 <= planned / measured <= 1.25, (planned, measured)
+
+
+def test_a_child_measures_its_own_peak_not_its_parents():
+    """benchmarks/rss.py: a subprocess started from a process holding 512 MiB reports its own small peak (Linux folds
+    the replaced image's peak into ru_maxrss across vfork + exec, so ru_maxrss would report the parent's)."""
+    import subprocess
+    import sys
+
+    held = torch.ones(128, 1024, 1024)  # 512 MiB in this process
+    code = "from benchmarks.rss import peak_rss_bytes; print(peak_rss_bytes())"
+    child_peak = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                    cwd=mp.REPO_ROOT).stdout)
+    assert held.sum() > 0 and child_peak < 256 * 2**20

@@ -57,7 +57,6 @@ def assets(tmp_path_factory):
     return make_tiny_model(d / "model", hidden_size=64, heads=2), make_prompts(d / "train.jsonl")
 
 
-RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 BUILD_EFFECTS: dict = {}  # what building the module's engine did to this process (test_engine_settings_...)
 
 
@@ -65,14 +64,15 @@ BUILD_EFFECTS: dict = {}  # what building the module's engine did to this proces
 def engine(assets):
     require_vllm()
     policy = AutoModelForCausalLM.from_pretrained(assets[0])
-    environment = {key: os.environ.get(key) for key in RENDEZVOUS}
+    environment = dict(os.environ)
     torch.manual_seed(11)
     expected_draw = torch.rand(3)
     torch.manual_seed(11)
     llm = build_engine(policy, gpu_memory_utilization=0.3, enable_sleep_mode=True,
                        max_model_length=MAX_MODEL_LENGTH, seed=5)
     BUILD_EFFECTS.update(rng_kept=torch.equal(torch.rand(3), expected_draw),
-                         environment_kept=environment == {key: os.environ.get(key) for key in RENDEZVOUS})
+                         environment_kept={k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+                         == {k: v for k, v in environment.items() if not k.startswith("VLLM_")})
     yield llm
     shutdown_engine(llm)
 
@@ -218,8 +218,8 @@ def test_only_layers_without_weights_of_their_own_are_kept_quiet(tied, layer, sh
 
 def test_engine_settings_and_a_clean_process(engine, assets):
     """What build_engine asked for is what the engine runs with (sleep mode asked for, refused on CPU); the
-    trainer's process keeps its RNG stream, its set_num_threads and an environment without the engine's
-    rendezvous variables."""
+    trainer's process keeps its RNG stream, its set_num_threads and its environment: no rendezvous variables, no
+    LD_PRELOAD or KMP_* for the processes it starts later (vLLM's own VLLM_* settings stay)."""
     if engine_device() != "cpu":
         pytest.skip("the settings checked are the CPU engine's")
     config = engine.llm_engine.vllm_config

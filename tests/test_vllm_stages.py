@@ -75,7 +75,7 @@ def test_embedded_vllm_recipe_runs_under_dvc_repro(tmp_path):
     log = out.stdout + out.stderr
     for stage in ("prepare", "validate", "calibrate", "train", "evaluate"):
         assert f"Running stage '{stage}'" in log
-    assert log.count("Initializing a V1 LLM engine") == 4, log[-3000:]  # calibrate, train, evaluate's base + trained
+    assert log.count("vLLM engine started for") == 4, log[-3000:]  # calibrate, train, evaluate's base + trained
     assert "Failed to load weights" not in log
     rows = list(csv.DictReader((repo / "metrics/train_log.csv").open()))
     assert len(rows) == TINY["train"]["max_steps"]

@@ -39,6 +39,7 @@ import logging
 import os
 import random
 import socket
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -169,14 +170,22 @@ def _rendezvous(rank: int, local_rank: int, world_size: int):
 
 class _ProcessStateKept:
     """Restores what building an in-process engine changes in the trainer's process: the global RNG states
-    (vLLM seeds them with its own seed) and ``torch.set_num_threads`` (vLLM's CPU worker makes it a no-op)."""
+    (vLLM seeds them with its own seed), ``torch.set_num_threads`` (vLLM's CPU worker makes it a no-op) and the
+    environment. vLLM's CPU build sets LD_PRELOAD (its libgomp), LD_LIBRARY_PATH, KMP_* and more in os.environ,
+    which every process started afterwards would inherit (a reward sandbox, a measuring subprocess, the next
+    stage); its own VLLM_* settings are kept, as the engine reads them while it runs."""
 
     def __enter__(self):
         self.states = (random.getstate(), np.random.get_state(), torch.get_rng_state(), torch.get_num_threads())
         self.set_num_threads = torch.set_num_threads
+        self.environ = dict(os.environ)
         return self
 
     def __exit__(self, *exc):
+        for key in set(os.environ) - set(self.environ):
+            if not key.startswith("VLLM_"):
+                del os.environ[key]
+        os.environ.update(self.environ)
         torch.set_num_threads = self.set_num_threads
         python, numpy_state, torch_state, threads = self.states
         random.setstate(python)
@@ -222,12 +231,16 @@ def start_engine(options: dict, rank: int = 0, local_rank: int = 0, world_size: 
     """``vllm.LLM(**options)`` in this process, the process's RNGs and thread setting kept; a failure to start is
     a VLLMUnavailable with the engine's own reason."""
     vllm = import_vllm()
+    started = time.perf_counter()
     try:
         with _ProcessStateKept(), _rendezvous(rank, local_rank, world_size):
-            return vllm.LLM(**options)
+            llm = vllm.LLM(**options)
     except Exception as err:  # the engine's own reason, whatever its type, as a configuration error
         raise VLLMUnavailable(f"generation.backend: vllm: the engine for {options['model']} did not start: "
                               f"{type(err).__name__}: {err}") from err
+    log.info("vLLM engine started for %s (%s) in %.1f s", options["model"], options["dtype"],
+             time.perf_counter() - started)
+    return llm
 
 
 def shutdown_engine(llm) -> None:
