@@ -1,6 +1,7 @@
 """grpo_core: GRPO, framework-free. Layers, bottom to top; a module imports only its own layer and those below.
 
-    errors.py, files.py                          the error base (exit codes), the atomic writer, the NaN helper
+    errors.py, files.py, rng.py                  the error base (exit codes), the atomic writer, the NaN helper;
+                                                 every RNG's state (checkpoints, the vLLM engine's reseeding)
     config.py, embedded/                         typed params.yaml; the embedded default's builders
     advantages.py, loss.py, microbatch.py,       the math: group-relative advantages, the loss family, micro-batch
     calibration.py, evaluation.py                shapes; reward statistics and weights; pass@k

@@ -12,16 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+from grpo_core.rng import restore_rngs, rng_state, set_rng_state
 from grpo_core.train.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     remove_stale_temp_dirs,
-    restore_rngs,
-    rng_state,
     save_checkpoint,
-    set_rng_state,
 )
 
 REPO = Path(__file__).resolve().parents[1]

@@ -37,17 +37,16 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import socket
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
-import numpy as np
 import torch
 
 from grpo_core.errors import ConfigurationError
+from grpo_core.rng import rng_state, set_rng_state
 from grpo_core.rollout.types import RolloutBatch, SamplingParams, assemble_batch, left_pad, pad_and_eos_ids
 
 log = logging.getLogger(__name__)
@@ -176,7 +175,7 @@ class _ProcessStateKept:
     stage); its own VLLM_* settings are kept, as the engine reads them while it runs."""
 
     def __enter__(self):
-        self.states = (random.getstate(), np.random.get_state(), torch.get_rng_state(), torch.get_num_threads())
+        self.rngs, self.threads = rng_state(), torch.get_num_threads()
         self.set_num_threads = torch.set_num_threads
         self.environ = dict(os.environ)
         return self
@@ -187,11 +186,8 @@ class _ProcessStateKept:
                 del os.environ[key]
         os.environ.update(self.environ)
         torch.set_num_threads = self.set_num_threads
-        python, numpy_state, torch_state, threads = self.states
-        random.setstate(python)
-        np.random.set_state(numpy_state)
-        torch.set_rng_state(torch_state)
-        torch.set_num_threads(threads)
+        set_rng_state(self.rngs)
+        torch.set_num_threads(self.threads)
         return False
 
 

@@ -23,8 +23,9 @@ from grpo_core.data import PromptEncoder, load_split
 from grpo_core.evaluation import summarize_evaluation
 from grpo_core.held_out import EvalMode, eval_modes, score_policy
 from grpo_core.rewards.judges import Judges, build_judges
+from grpo_core.rng import rng_state, set_rng_state
 from grpo_core.rollout import sampling_params
-from grpo_core.train.checkpoint import load_weights, rng_state, set_rng_state
+from grpo_core.train.checkpoint import load_weights
 from grpo_core.train.state import TrainingRun, TrainState
 
 

@@ -19,14 +19,8 @@ import torch
 from grpo_core.config import GenerationConfig, TrainConfig
 from grpo_core.errors import TrainingFailure
 from grpo_core.model.sharding import gather_optimizer_state, gather_weights, is_sharded, load_optimizer_state
-from grpo_core.train.checkpoint import (
-    load_checkpoint,
-    load_reference,
-    load_weights,
-    restore_rngs,
-    rng_state,
-    save_checkpoint,
-)
+from grpo_core.rng import restore_rngs, rng_state
+from grpo_core.train.checkpoint import load_checkpoint, load_reference, load_weights, save_checkpoint
 from grpo_core.train.round import Round
 
 if TYPE_CHECKING:
