@@ -10,7 +10,7 @@ export DO_NOT_TRACK := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 
-.PHONY: setup browser test test-fast repro lint bench bench-learning ui clean
+.PHONY: setup browser test test-fast repro lint bench bench-learning ui pictures clean
 
 # torch==2.13.0 goes in first: it is the CPU wheel on this machine, and the project's range
 # (torch>=2.13,<2.15) is then already satisfied, so pip never fetches a CUDA build.
@@ -66,6 +66,12 @@ bench-learning: setup
 ui: setup
 	@$(PY) -m flows.comparison
 	$(VENV)/bin/mlflow ui --backend-store-uri $(MLFLOW_TRACKING_URI) --host 127.0.0.1 --port 5000
+
+# README's MLflow pictures (docs/images/): `make repro`, one `dvc exp run -S train.learning_rate=1e-4`, then the UI
+# in headless chromium (flows/pictures.py; ~8 min on 2 cores). Run it in a fresh clone: it pictures the store's two
+# newest pipelines. ARGS="--learning-rate 5e-4" for another experiment.
+pictures: setup browser
+	$(PY) -m flows.pictures $(ARGS)
 
 clean:
 	rm -rf .pytest_cache .ruff_cache
