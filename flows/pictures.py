@@ -242,11 +242,12 @@ def read_charts(driver) -> list[Chart]:
 
 
 def curve_charts(charts: Sequence[Chart], names: Sequence[str]) -> dict[str, Chart]:
-    """The learning-curve charts (``CURVE_CHARTS``) once each draws a curve of >1 point for every pipeline in
-    ``names``; {} while the page is still loading them."""
-    by_title = {c.title: c for c in charts if c.title in CURVE_CHARTS}
-    drawn = {t: c for t, c in by_title.items() if all(len(c.curves.get(n, [])) > 1 for n in names)}
-    return drawn if {"reward", "kl"} <= set(drawn) else {}
+    """The learning-curve charts (``CURVE_CHARTS``) on the page once each draws a curve of >1 point for every pipeline
+    in ``names`` (reward and KL at least); {} while the page is still loading them."""
+    shown = {c.title: c for c in charts if c.title in CURVE_CHARTS}
+    if not {"reward", "kl"} <= set(shown):
+        return {}
+    return shown if all(len(c.curves.get(n, [])) > 1 for c in shown.values() for n in names) else {}
 
 
 def check_curves(charts: dict[str, Chart], names: Sequence[str]) -> None:
