@@ -67,21 +67,27 @@ def tool_env(repo: Path) -> dict[str, str]:
     return env
 
 
-def run_command(repo: Path, cmd: Sequence[str], timeout: float = 3600) -> str:
-    """Run ``cmd`` in ``repo``; its output (stdout and stderr) or PicturesError with the tail of it."""
+def run_command(repo: Path, cmd: Sequence[str]) -> str:
+    """Run ``cmd`` in ``repo``, its output shown as it comes (on stderr) and returned; PicturesError with the tail of
+    it when the command fails."""
     print(f"pictures: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.run(list(cmd), cwd=repo, env=tool_env(repo), capture_output=True, text=True, timeout=timeout)
-    out = proc.stdout + proc.stderr
+    lines = []
+    with subprocess.Popen(list(cmd), cwd=repo, env=tool_env(repo), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, errors="replace") as proc:
+        for line in proc.stdout:
+            lines.append(line)
+            sys.stderr.write(line)
+    out = "".join(lines)
     if proc.returncode != 0:
         raise PicturesError(f"{shlex.join(cmd)} exited {proc.returncode} in {repo}:\n{out[-4000:]}")
     return out
 
 
-def exp_run(repo: Path, learning_rate: str, timeout: float = 3600) -> str:
+def exp_run(repo: Path, learning_rate: str) -> str:
     """``dvc exp run --temp -S train.learning_rate=<lr>``; its output."""
     dvc = Path(sys.executable).parent / "dvc"
     return run_command(repo, [str(dvc) if dvc.exists() else "dvc", "exp", "run", "--temp",
-                              "-S", f"train.learning_rate={learning_rate}"], timeout)
+                              "-S", f"train.learning_rate={learning_rate}"])
 
 
 def pipelines(tracking_uri: str, experiment: str) -> tuple[str, list[str]]:
