@@ -51,6 +51,10 @@ ACCURACY = "accuracy"  # the held-out evaluation's accuracy: step 0 the base pol
 # in-training evaluation)
 CURVES_SECTION = "learning curves"
 CURVE_CHARTS = ("reward", ACCURACY, "eval/accuracy", "kl", "entropy", "completions/mean_length")
+# per-step values are one batch's each, noisy: their charts draw a moving average (~10 steps) over the raw values;
+# the evaluations' points are drawn as they are
+SMOOTHED = ("reward", "kl", "entropy", "completions/mean_length")
+SMOOTHNESS = 90
 # the runs table's metric columns; a metric column is 100 px wide in MLflow 3.17, room for about 15 characters
 HEADLINE = (ACCURACY, "accuracy_gain", "reward", "kl", "step_time")
 RUN_COLOR_TAG = "mlflow.runColor"  # a run's color in the UI's table and charts (the UI's color picker writes it too)
@@ -125,7 +129,14 @@ def pipeline_summary(root: Path, eval_path: str | None = "metrics/eval.json",
         gain = _number((metrics.get("delta") or {}).get("accuracy"))
         if gain is not None:
             values["accuracy_gain"] = gain
-    return PipelineSummary(curves=curves, values=values)
+    return PipelineSummary(curves={k: [(step, _rounded(v)) for step, v in points] for k, points in curves.items()},
+                           values={k: _rounded(v) for k, v in values.items()})
+
+
+def _rounded(value: float) -> float:
+    """``value`` to 6 significant digits, as the train log writes its values: a runs-table cell shows ~10 characters,
+    and eval.json's 0.836 - 0.534 is 0.30199999999999994."""
+    return float(f"{value:.6g}")
 
 
 def log_summary(client: Any, run_id: str, summary: PipelineSummary) -> int:
@@ -199,12 +210,13 @@ def next_run_color(previous: str | None) -> str:
     return RUN_COLORS[i % len(RUN_COLORS)]
 
 
-def _line_chart(metric: str, section: str) -> dict[str, Any]:
+def _line_chart(metric: str, section: str, smoothness: int) -> dict[str, Any]:
     """A line chart of ``metric`` against the step, as MLflow 3.17's chart view stores one (RunsChartsLineCardConfig);
-    its uuid is derived from the metric so that rewriting the view keeps the same charts."""
+    its uuid is derived from the metric so that rewriting the view keeps the same charts. ``smoothness`` (0-100): the
+    UI draws an exponential moving average of weight smoothness/101 over the raw values, which it shows faded."""
     return {"uuid": f"grpo-chart-{metric}", "type": "LINE", "metricKey": metric, "selectedMetricKeys": [metric],
             "metricSectionId": section, "isGenerated": False, "deleted": False, "runsCountToCompare": 10,
-            "xAxisKey": "step", "xAxisScaleType": "linear", "scaleType": "linear", "lineSmoothness": 0,
+            "xAxisKey": "step", "xAxisScaleType": "linear", "scaleType": "linear", "lineSmoothness": smoothness,
             "useGlobalXaxisKey": False, "useGlobalLineSmoothing": False, "range": {}}
 
 
@@ -225,7 +237,7 @@ def view_state(diff_keys: Iterable[str]) -> dict[str, Any]:
                 {"uuid": "grpo-model-metrics", "name": "Model metrics", "display": True, "isReordered": False,
                  "deleted": False, "isGenerated": True}]
     return {"selectedColumns": columns, "columnOrder": columns, "columnWidths": widths,
-            "compareRunSections": sections, "compareRunCharts": [_line_chart(m, curves) for m in CURVE_CHARTS],
+            "compareRunSections": sections, "compareRunCharts": [_line_chart(m, curves, SMOOTHNESS if m in SMOOTHED else 0) for m in CURVE_CHARTS],
             "isAccordionReordered": True, "hideEmptyCharts": True}
 
 

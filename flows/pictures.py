@@ -213,19 +213,22 @@ HEADERS_JS = """return Array.from(document.querySelectorAll('[data-testid^="sort
   text: label.textContent, left: label.getBoundingClientRect().left,
   cut: label.getBoundingClientRect().width > label.parentElement.clientWidth + 0.5})).sort((a, b) => a.left - b.left)"""
 
-#: each chart card of the chart view: its section, title and plotly traces (MLflow draws each run twice, its line
-#: and its markers, under the run's name)
+#: each chart of the chart view: its metric (the card's title where a trace does not name it) and its plotly traces.
+#: MLflow 3.17 draws each run twice under the run's name: the line shown (smoothed where the chart says so) and, faded
+#: and skipped by the hover box, the raw values.
 CHARTS_JS = """return Array.from(document.querySelectorAll('.js-plotly-plot')).map(plot => {
   const card = plot.closest('[data-testid="experiment-view-compare-runs-card"]');
-  return {title: card ? card.innerText.split('\\n')[0].trim() : '',
-          traces: (plot.data || []).map(t => ({name: t.name || '', type: t.type || '',
-                   x: Array.from(t.x || []), y: Array.from(t.y || [])}))};
+  const traces = (plot.data || []).map(t => ({name: t.name || '', metric: t.metricKey || '', hover: t.hoverinfo || '',
+                                             x: Array.from(t.x || []), y: Array.from(t.y || [])}));
+  const metric = traces.map(t => t.metric).find(m => m);
+  return {title: metric || (card ? card.innerText.split('\\n')[0].trim() : ''), traces: traces};
 })"""
 
 
 @dataclasses.dataclass(frozen=True)
 class Chart:
-    """One chart of the chart view: its title (the metric) and a curve per run, run name -> [(x, y), ...]."""
+    """One chart of the chart view: its metric and the values drawn per run, run name -> [(x, y), ...] as logged
+    (``curves``; the shown lines may be their moving average)."""
 
     title: str
     curves: dict[str, list[tuple[float, float]]]
@@ -236,13 +239,18 @@ def read_headers(driver) -> list[dict[str, Any]]:
 
 
 def read_charts(driver) -> list[Chart]:
-    """The charts on the page, in page order, each run's curve read from its plotly trace."""
+    """The charts on the page, in page order, each run's values read from its raw trace (the one the hover box skips;
+    with no smoothing both traces hold the raw values)."""
     charts = []
     for card in driver.execute_script(CHARTS_JS):
-        curves: dict[str, list[tuple[float, float]]] = {}
+        by_run: dict[str, list[dict]] = {}
         for trace in card["traces"]:
-            if trace["name"] and trace["name"] not in curves:  # the markers' trace repeats the line's
-                curves[trace["name"]] = [(float(x), float(y)) for x, y in zip(trace["x"], trace["y"])]
+            if trace["name"]:
+                by_run.setdefault(trace["name"], []).append(trace)
+        curves = {}
+        for name, traces in by_run.items():
+            raw = next((t for t in traces if t["hover"] == "skip"), traces[0])
+            curves[name] = [(float(x), float(y)) for x, y in zip(raw["x"], raw["y"])]
         charts.append(Chart(card["title"], curves))
     return charts
 

@@ -67,6 +67,16 @@ def test_summary_of_missing_outputs_is_empty_and_train_only_leaves_out_the_evalu
         tmp_path).values
 
 
+def test_summary_values_keep_six_significant_digits(tmp_path):
+    base, trained = {"accuracy": 0.534, "pass@4": 0.8971428571428572}, {"accuracy": 0.836, "pass@4": 0.9086857142857143}
+    write_outputs(tmp_path, log=[LOG[0], "1,0.1,0,0,16,,0.3212239", "2,0.2,0,0,16,,0.3212241"],
+                  metrics={"base": base, "trained": trained, "delta": {"accuracy": 0.836 - 0.534}})
+    summary = pipeline_summary(tmp_path)
+    assert 0.836 - 0.534 == 0.30199999999999994 and summary.values["accuracy_gain"] == 0.302
+    assert summary.curves["pass_at_4"] == [(0, 0.897143), (2, 0.908686)]
+    assert summary.values["step_time"] == 0.321224  # the median 0.321224 of the two, rounded
+
+
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     from mlflow import MlflowClient
@@ -138,6 +148,10 @@ def test_saved_view_opens_on_the_learning_curves_and_the_headline_columns():
     for chart in charts:  # a line against the step, in the first section, the same chart when the view is rewritten
         assert chart["type"] == "LINE" and chart["xAxisKey"] == "step" and chart["metricSectionId"] == first["uuid"]
         assert chart["selectedMetricKeys"] == [chart["metricKey"]] and not chart["deleted"]
+    # a batch's values per step are noisy: a moving average over them; evaluations are drawn as they are
+    assert {c["metricKey"]: c["lineSmoothness"] for c in charts} == {
+        "reward": 90, "accuracy": 0, "eval/accuracy": 0, "kl": 90, "entropy": 90, "completions/mean_length": 90}
+    assert not any(c["useGlobalLineSmoothing"] for c in charts)
     assert view_state(["train.learning_rate"])["compareRunCharts"] == charts
     assert VIEW_TAG == "mlflow.sharedViewState.grpo"
 

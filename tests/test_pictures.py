@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from flows.pictures import Chart, PicturesError, check_curves, curve_charts, main
+from flows.pictures import Chart, PicturesError, check_curves, curve_charts, main, read_charts
 
 NAMES = ["baseline abc1234", "learning_rate=0.0001"]
 
@@ -26,6 +26,27 @@ def test_the_chart_view_is_drawn_once_every_curve_chart_has_every_pipelines_curv
     assert curve_charts([reward], NAMES) == {}  # KL not on the page yet
     one_point = chart("kl", [(1, 0.0)], [(1, 0.0)])
     assert curve_charts([reward, one_point], NAMES) == {}
+
+
+class Page:
+    """What CHARTS_JS returns for a page: two charts as MLflow 3.17 draws them."""
+
+    def execute_script(self, script):
+        def trace(name, y, hover, metric="reward"):
+            return {"name": name, "metric": metric, "hover": hover, "x": [1, 2, 3], "y": y}
+
+        smoothed = {"title": "reward", "traces": [  # each run: its moving average, then its raw values (faded)
+            trace(NAMES[0], [0.1, 0.2, 0.25], "none"), trace(NAMES[0], [0.1, 0.3, 0.3], "skip"),
+            trace(NAMES[1], [0.1, 0.1, 0.15], "none"), trace(NAMES[1], [0.1, 0.1, 0.2], "skip")]}
+        plain = {"title": "accuracy", "traces": [trace(NAMES[0], [0.5, 0.6, 0.7], "none", "accuracy"),
+                                                 trace(NAMES[0], [0.5, 0.6, 0.7], "none", "accuracy")]}
+        return [smoothed, plain]
+
+
+def test_charts_are_read_as_logged_not_as_smoothed():
+    reward, accuracy = read_charts(Page())
+    assert reward == Chart("reward", {NAMES[0]: [(1, 0.1), (2, 0.3), (3, 0.3)], NAMES[1]: [(1, 0.1), (2, 0.1), (3, 0.2)]})
+    assert accuracy == Chart("accuracy", {NAMES[0]: [(1, 0.5), (2, 0.6), (3, 0.7)]})
 
 
 def test_pictures_of_equal_curves_are_refused():
