@@ -68,7 +68,7 @@ ui: setup
 	$(VENV)/bin/mlflow ui --backend-store-uri $(MLFLOW_TRACKING_URI) --host 127.0.0.1 --port 5000
 
 # README's MLflow pictures (docs/images/): `make repro`, one `dvc exp run -S train.learning_rate=1e-4`, then the UI
-# in headless chromium (flows/pictures.py; ~8 min on 2 cores). Run it in a fresh clone: it pictures the store's two
+# in headless chromium (flows/pictures.py; ~6 min on 2 cores). Run it in a fresh clone: it pictures the store's two
 # newest pipelines. ARGS="--learning-rate 5e-4" for another experiment.
 pictures: setup browser
 	$(PY) -m flows.pictures $(ARGS)

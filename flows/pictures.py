@@ -15,7 +15,7 @@ plotly traces (``read_charts``) - and stops (``PicturesError``) unless both pipe
 and each learning-curve chart draws one curve per pipeline, in some chart the curves apart. tests/test_mlflow_ui.py
 runs steps 2-4 on its tiny pipelines (``exp_run``, ``mlflow_ui``, ``chromium``, ``take_pictures``).
 
-``make repro`` and the experiment train 150 steps each: ~4 minutes apiece on 2 CPU cores.
+``make repro`` and the experiment train 150 steps each: ~6 minutes for both on 2 CPU cores, the pictures seconds.
 """
 
 from __future__ import annotations
