@@ -640,7 +640,8 @@ def apply_update(run: TrainingRun, state: TrainState, skipped: bool) -> None:
     run.optimizer.zero_grad(set_to_none=True)
     state.micro_step += t.gradient_accumulation_steps
     state.step += 1
-    run.backend.sync_weights(run.policy)
+    with record_function("grpo/sync_weights"):
+        run.backend.sync_weights(run.policy)
     if run.ref_model is not None and t.sync_ref_model and state.step % t.ref_model_sync_steps == 0:
         _mix_reference(run.ref_model, run.policy, t.ref_model_mixup_alpha)
         state.reference_synced = True
