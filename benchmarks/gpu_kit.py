@@ -152,7 +152,7 @@ def part_rollout(assets: dict, smoke: bool, backends: list[str], save, out: dict
 
     shape = recipe_shape(smoke)
     settings = {"prompts": shape["prompts"], "generations": shape["generations"], "tokens": shape["tokens"],
-                "rounds": 1 if smoke else 3, "threads": 1 if smoke else (os.cpu_count() or 1),
+                "rounds": 1 if smoke else 2, "threads": 1 if smoke else (os.cpu_count() or 1),
                 "dtype": shape["dtype"], "device": "cuda" if _cuda() else "cpu"}
     out.update(settings=settings, backends={})
     for name in backends:
@@ -248,6 +248,11 @@ def merge(parts: list[dict]) -> dict:
     work, or parts from different GPU models are errors naming the files; d's summaries are computed here, over
     every run of every file."""
     out: dict = {"kit": 1, "inputs": [], "parts": {}}
+    smoke = {bool(p.get("smoke")) for p in parts}
+    if len(smoke) > 1:
+        raise ValueError("smoke-run parts (tiny model, not a measurement) cannot join measured ones: "
+                         + ", ".join(p["file"] for p in parts if p.get("smoke")))
+    out["smoke"] = smoke.pop()
     for p in parts:
         out["inputs"].append({"file": p["file"], "parts": p["parts"], "runs": p.get("runs"), "machine": p["machine"]})
         for key in ("a", "b", "c"):
@@ -328,7 +333,8 @@ def _num(x, fmt: str = ".3f") -> str:
 def render(result: dict) -> str:
     """The markdown table of a merged result."""
     commit = result["commit"]
-    lines = [f"# GPU kit: {result['device_name']}", "",
+    lines = [f"# GPU kit: {result['device_name']}" + (" - SMOKE RUN: a tiny model, not a measurement"
+                                                      if result.get("smoke") else ""), "",
              f"Commit {commit if isinstance(commit, str) else ', '.join(commit)}; {result['date']}. "
              "Inputs: " + "; ".join(f"`{i['file']}` (parts {','.join(i['parts'])}, commit source "
                                     f"{i['machine']['commit']['source']}"
@@ -497,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     if set(backends) - set(ROLLOUT_BACKENDS):
         raise SystemExit(f"--rollout-backends: unknown {sorted(set(backends) - set(ROLLOUT_BACKENDS))}")
     name = part_file_name(parts, runs if "d" in parts and a.runs is not None else None)
-    result = {"file": name, "parts": parts, "runs": runs if "d" in parts else None, "machine": info,
+    result = {"file": name, "parts": parts, "runs": runs if "d" in parts else None, "smoke": a.smoke, "machine": info,
               "command": "python -m benchmarks.gpu_kit " + " ".join(argv if argv is not None else sys.argv[1:])}
 
     lock = threading.Lock()

@@ -108,7 +108,7 @@ def test_gpu_kit_smoke_runs_every_part_on_the_tiny_model(tmp_path):
     result = json.loads((tmp_path / "cpu-kit.json").read_text())
     assert (tmp_path / "kit-parts" / "kit-part-abcd.json").is_file()
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    assert result["commit"] == head and result["device"] == "cpu"
+    assert result["commit"] == head and result["device"] == "cpu" and result["smoke"] is True
     assert set(result["parts"]) == {"a", "b", "c", "d"}
 
     # (a) + (c): the recipe's own settings, every trainer phase timed and its peak read, the profiled step
@@ -202,6 +202,8 @@ def test_gpu_kit_merges_the_runs_of_several_calls_and_refuses_overlaps(tmp_path)
     other["d"]["config"]["max_completion_length"] = 128
     with pytest.raises(ValueError, match="ran other work"):
         gpu_kit.merge([first, other])
+    with pytest.raises(ValueError, match="smoke-run parts"):
+        gpu_kit.merge([first, {**second, "smoke": True}])
     step = {**first, "file": "a1.json", "parts": ["a"], "a": {"x": 1}}
     with pytest.raises(ValueError, match="part a is in both a1.json and a2.json"):
         gpu_kit.merge([step, {**step, "file": "a2.json"}])
