@@ -31,7 +31,7 @@ def label_times(prof) -> dict[str, dict]:
     out = {}
     for event in prof.key_averages():
         if event.key.startswith(LABEL_PREFIX):
-            device = getattr(event, "device_time_total", 0.0) if torch.cuda.is_available() else None
+            device = getattr(event, "device_time_total", None) if torch.cuda.is_available() else None
             out[event.key] = {"calls": event.count, "cpu_s": event.cpu_time_total / 1e6,
                               "device_s": None if device is None else device / 1e6}
     return out
