@@ -108,6 +108,11 @@ def step_counts(smoke: bool) -> dict:
     return {"metered_steps": 1 if smoke else 2, "profile": True}
 
 
+def step_threads(smoke: bool) -> int | None:
+    """Torch threads of (a)'s process: one in the smoke run (the parts share the machine), else torch's default."""
+    return 1 if smoke else None
+
+
 # ---------------------------------------------------------------------------------------------------
 # The parts
 
@@ -134,7 +139,7 @@ def recipe_assets(smoke: bool, workdir: Path) -> dict:
 def part_step(assets: dict, smoke: bool, workdir: Path) -> dict:
     """Parts a and c: benchmarks/kit_step.py in its own process."""
     spec = {"recipe": str(RECIPE), "overrides": recipe_overrides(assets, smoke), "assets": assets,
-            "workdir": str(workdir / "step"), **step_counts(smoke)}
+            "workdir": str(workdir / "step"), "threads": step_threads(smoke), **step_counts(smoke)}
     spec_path, out_path = workdir / "step.spec.json", workdir / "step.result.json"
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, "-m", "benchmarks.kit_step", "--spec", str(spec_path), "--out",
@@ -254,7 +259,8 @@ def merge(parts: list[dict]) -> dict:
                          + ", ".join(p["file"] for p in parts if p.get("smoke")))
     out["smoke"] = smoke.pop()
     for p in parts:
-        out["inputs"].append({"file": p["file"], "parts": p["parts"], "runs": p.get("runs"), "machine": p["machine"]})
+        out["inputs"].append({"file": p["file"], "parts": p["parts"], "runs": p.get("runs"), "machine": p["machine"],
+                              "failures": p.get("failures", {})})
         for key in ("a", "b", "c"):
             if key in p:
                 if key in out["parts"]:
@@ -352,6 +358,9 @@ def render(result: dict) -> str:
     missing = [p for p in PARTS if p not in parts]
     if missing:
         lines += [f"Not measured here: part(s) {', '.join(missing)}.", ""]
+    for i in result["inputs"]:
+        for label, err in i["failures"].items():
+            lines += [f"FAILED in `{i['file']}`: {label}: {err.strip().splitlines()[-1][:200] if err.strip() else ''}", ""]
     return "\n".join(lines)
 
 
@@ -503,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     if set(backends) - set(ROLLOUT_BACKENDS):
         raise SystemExit(f"--rollout-backends: unknown {sorted(set(backends) - set(ROLLOUT_BACKENDS))}")
     name = part_file_name(parts, runs if "d" in parts and a.runs is not None else None)
-    result = {"file": name, "parts": parts, "runs": runs if "d" in parts else None, "smoke": a.smoke, "machine": info,
+    result = {"file": name, "parts": parts, "runs": runs if "d" in parts else None, "smoke": a.smoke, "failures": {},
+              "machine": info,
               "command": "python -m benchmarks.gpu_kit " + " ".join(argv if argv is not None else sys.argv[1:])}
 
     lock = threading.Lock()
@@ -521,8 +531,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[kit] recipe model {assets['num_parameters'] / 1e6:.1f}M parameters "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
         if "a" in parts:
-            result["c"] = {"see": "part a: the same run's peaks per phase (phases, steps, memory_on_paper_gib)"}
-            jobs["a+c"] = lambda: result.update(a=part_step(assets, a.smoke, workdir))
+            jobs["a+c"] = lambda: result.update(
+                a=part_step(assets, a.smoke, workdir),
+                c={"see": "part a: the same run's peaks per phase (phases, steps, memory_on_paper_gib)"})
         if "b" in parts:
             result["b"] = {}
             jobs["b"] = lambda: part_rollout(assets, a.smoke, backends, save, result["b"])
@@ -531,9 +542,13 @@ def main(argv: list[str] | None = None) -> int:
             jobs["d"] = lambda: part_compare(cfg, runs, workdir, save, result["d"])
 
         def timed(label: str) -> None:
-            jobs[label]()
+            try:
+                jobs[label]()
+            except (RuntimeError, subprocess.TimeoutExpired) as err:  # recorded; the other parts still run
+                result["failures"][label] = str(err)[-6000:]
+                print(f"[kit] {label} FAILED: {str(err)[-3000:]}", file=sys.stderr, flush=True)
             save()
-            print(f"[kit] {label} done ({time.perf_counter() - started:.0f} s)", flush=True)
+            print(f"[kit] {label} ended ({time.perf_counter() - started:.0f} s)", flush=True)
 
         if a.smoke:  # the parts side by side: a check of the code, not a measurement
             with ThreadPoolExecutor(len(jobs)) as pool:
@@ -544,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
                 timed(label)
     result["wall_s"] = time.perf_counter() - started
     save()
-    return write_merged([json.loads(f.read_text()) for f in find_part_files([out / "kit-parts"])], out, copy=False)
+    write_merged([json.loads(f.read_text()) for f in find_part_files([out / "kit-parts"])], out, copy=False)
+    return 1 if result["failures"] else 0
 
 
 def write_merged(parts: list[dict], out: Path, copy: bool) -> int:

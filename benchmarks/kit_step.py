@@ -99,6 +99,8 @@ def run(spec: dict) -> dict:
     from grpo_core.config import load_config
     from grpo_core.train.loop import train
 
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
     steps = 1 + spec["metered_steps"] + int(spec["profile"])
     cfg = load_config(spec["recipe"], {**spec["overrides"], "train.max_steps": steps})
     workdir = Path(spec["workdir"])

@@ -135,7 +135,7 @@ def test_gpu_kit_smoke_runs_every_part_on_the_tiny_model(tmp_path):
 
     # (d): both sides, medians, ratios from the sides' own numbers
     d = result["parts"]["d"]
-    assert d["failures"] == {} and d["complete"]
+    assert d["failures"] == {} and d["complete"] and result["inputs"][0]["failures"] == {}
     ours, trl = d["summary"]["ours"], d["summary"]["trl"]
     assert ours["runs"] == trl["runs"] == [0] and trl["weights_dtype"] == "float32"
     for side in (ours, trl):
@@ -177,6 +177,7 @@ def test_gpu_kit_merges_the_runs_of_several_calls_and_refuses_overlaps(tmp_path)
                                                  "trl": [_kit_run(0, [9, 6.0, 6.0], 5.0), _kit_run(1, [9, 7.0, 5.0], 5.0)]})
     second = _kit_part("kit-part-d-runs2.json", {"ours": [_kit_run(2, [9, 1.0, 3.0], peak=1200.0)],
                                                  "trl": [_kit_run(2, [9, 6.5, 6.5], 5.0)]})
+    second["failures"] = {"b": "benchmarks.rollout --run hf-static exited 1:\nTraceback ...\nboom"}
     for folder, part in (("call1", first), ("call2", second)):
         gpu_kit.write_json(tmp_path / folder / "kit-parts" / part["file"], part)
     assert gpu_kit.main(["--merge", str(tmp_path / "call1"), str(tmp_path / "call2"), "--out", str(tmp_path / "out")]) == 0
@@ -194,7 +195,8 @@ def test_gpu_kit_merges_the_runs_of_several_calls_and_refuses_overlaps(tmp_path)
     flops = 6 * 5e8 * 64 * 288 + 2 * 5e8 * 64 * 288 + 2 * 5e8 * 64 * 256
     assert ours["mfu_whole_step"]["flops_per_step"] == pytest.approx(flops)
     assert ours["mfu_whole_step"]["mfu"] == pytest.approx(flops / 2.3 / 989e12)
-    assert "Not measured here: part(s) a, b, c" in (tmp_path / "out" / "nvidia-h100-80gb-hbm3-kit.md").read_text()
+    table = (tmp_path / "out" / "nvidia-h100-80gb-hbm3-kit.md").read_text()
+    assert "Not measured here: part(s) a, b, c" in table and "FAILED in `kit-part-d-runs2.json`: b: boom" in table
 
     with pytest.raises(ValueError, match=r"run\(s\) \[2\]"):  # the same run measured twice
         gpu_kit.merge([first, second, _kit_part("again.json", {"ours": [_kit_run(2, [9, 1.0])], "trl": []})])
