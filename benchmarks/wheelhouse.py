@@ -7,8 +7,8 @@ The device machines' image (torch with CUDA, accelerate, numpy, pandas, pyarrow,
 lacks TRL, datasets and their own needs, and holds another transformers; they travel as wheels at the versions
 this project's environment runs (``WHEELS``, read from the installed packages here), for the machine's Python
 (3.12) and x86-64 Linux, downloaded without their dependencies (each one the kit needs is named). vLLM's CUDA build
-does not travel: its wheel alone is several hundred MB, over the 64 MiB a run may carry; the kit measures it
-where it is installed.
+does not travel: its wheel alone (vllm 0.32.0, manylinux_2_28) is 326.5 MB, over the 64 MiB a run may carry; the kit
+measures it where it is installed.
 
 A copied work tree has no .git, so the stamp records the commit (``git rev-parse HEAD``), whether tracked files
 differed from it, and a SHA-256 of every tracked file: on the GPU machine ``check_stamp`` says whether the files
