@@ -141,9 +141,9 @@ def run_ours(cfg: BenchConfig, assets: dict, workdir: Path, variant: dict) -> di
 
 
 def trl_weights_dtype(cfg: BenchConfig) -> str:
-    """The dtype TRL's trained weights are loaded in: under mixed precision float32, as ours (float32 masters, bf16
-    compute under autocast: docs/precision.md), so both sides train at the same precision; else ``cfg.dtype``
-    (both sides' weights in that dtype)."""
+    """The dtype TRL's trained weights are loaded in: under mixed precision float32, as ours, so both sides keep
+    float32 masters and compute in bf16 (ours on a bf16 compute copy, TRL under accelerate's autocast:
+    docs/precision.md); else ``cfg.dtype`` (both sides' weights in that dtype)."""
     return "float32" if cfg.mixed_precision in ("bf16", "fp16") else cfg.dtype
 
 
