@@ -13,7 +13,7 @@ model included; ``rss_before_passes`` is VmRSS just before the first pass):
            for float32), the reference in bf16 (model.dtype) scored without gradient, then the policy's log-probs
            and entropies with a loss's backward; ``--rows`` completions of ``--tokens`` tokens after a 64-token
            prompt, one micro-batch.
-  train    ``grpo_core.train.loop.train`` for one optimizer step with the GSM8K recipe's train section (bf16 autocast,
+  train    ``grpo_core.train.loop.train`` for one optimizer step with the GSM8K recipe's train section (bf16 compute copy,
            gradient checkpointing, beta 0.04, dapo) on that model: batch ``--rows`` x ``--tokens``-token completions
            (a deterministic rollout backend: every completion exactly ``--tokens`` tokens, the last one EOS), one
            micro-batch. The number issue 32 asks for.

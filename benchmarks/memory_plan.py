@@ -16,20 +16,26 @@ Persistent state, per process
                        per parameter, plus AdamW's float32 ``step`` scalar per parameter tensor (model/loading.py
                        load_policy, train/optim.py). DDP adds its gradient buckets, one more float32 gradient-sized
                        copy (accelerate's default gradient_as_bucket_view=False): 20 B/param. One GPU: no DDP, 16.
+                       Under mixed_precision bf16 (1 GPU or DDP, full fine-tuning) nothing is DDP-wrapped: the float32
+                       master gradients are all-reduced by the trainer in buckets of at most 2**27 elements
+                       (train/compute_weights.py), a transient buffer, so 16 B/param on one GPU and on DDP.
     reference          beta > 0: a frozen copy in model.dtype (load_reference); LoRA: the adapter-off view, 0 B.
     FSDP2 over N       masters, gradients and AdamW state sharded, 16/N B/param; the reference sharded, model.dtype/N
                        (model/sharding.py); plus a whole replica of the policy in model.dtype on every process
                        for sampling (train/replica.py). Shards are taken as even (FSDP2 pads dim 0 to N).
-    sampling copy      full fine-tuning with a half-precision model.dtype on 1 GPU or DDP: a copy of the policy in
-                       model.dtype that rollouts sample from (train/loop.py samples_from_a_cast_copy).
+    compute copy       full fine-tuning under mixed_precision bf16 on 1 GPU or DDP: the bf16 copy of the masters
+                       that every training forward and backward and every rollout run on (train/compute_weights.py),
+                       2 B/param. Without mixed precision, a half-precision model.dtype: a copy in model.dtype that
+                       rollouts sample from (train/loop.py samples_from_a_cast_copy).
     LoRA (DDP)         the frozen base in model.dtype; adapters r*(in + out) for each of q, k, v, o, gate, up,
                        down in every layer (peft's "all-linear" leaves out lm_head), float32, with gradients,
                        AdamW state and DDP buckets: 20 B per adapter parameter.
 
 Working memory, per micro-batch of per_device_train_batch_size rows x (prompt + completion) tokens
-    transient weights  1 GPU / DDP under mixed precision: autocast caches the bf16 copy of every weight a linear
-                       layer reads (the LM head included) until the model's forward returns; accelerate's wrapper
-                       makes that forward the whole model, in training and in ``generate``. FSDP2: the gathered
+    transient weights  1 GPU / DDP under bf16: none (the compute copy is persistent, above), but DDP's all-reduce
+                       bucket of the float32 gradients. Under fp16 (autocast) and for LoRA's float32 adapters:
+                       autocast caches the half-precision copy of every weight a linear layer reads until the
+                       model's forward returns. FSDP2: the gathered
                        units, the root (embeddings, final norm, untied LM head: gathered through the whole forward
                        and backward; sharding.py passes reshard_after_forward=True explicitly, so the root is
                        resharded only between them) and two decoder layers (the one computing, the next one
@@ -42,8 +48,9 @@ Working memory, per micro-batch of per_device_train_batch_size rows x (prompt + 
                        measured step for three shapes, with and without checkpointing. (Korthikanti et al.'s
                        34*hidden for a GPT layer with a 4h MLP read about 2x low for Qwen2's SwiGLU.) Gradient checkpointing keeps each layer's input (the residual stream, plus
                        the final norm's input) and recomputes one layer at a time; without it every layer's
-                       activations are kept. The residual stream is float32 for full fine-tuning outside FSDP2: the
-                       embedding runs outside autocast on float32 masters, and the residual adds stay float32.
+                       activations are kept. The residual stream is in the compute dtype under bf16 (the compute
+                       copy, FSDP2's param_dtype); under fp16 autocast outside FSDP2 it stays float32 (the embedding
+                       runs outside autocast on float32 masters, and the residual adds stay float32).
     logits             the fused LM head (train.fused_lm_head, model/logprobs.py) keeps only one chunk of
                        DEFAULT_CHUNK_SIZE rows x vocab in float32 (x3: the upcast logits, their log-softmax, p*log p
                        for the entropy), under every strategy: the head scores chunk by chunk inside the model's own
@@ -54,8 +61,8 @@ Working memory, per micro-batch of per_device_train_batch_size rows x (prompt + 
                        chunk.
     KV cache           HF generate samples the round's rows at once on each process: per_device_train_batch_size x
                        steps_per_generation rows x (prompt + completion) tokens x layers x 2 (K, V) x kv_heads x
-                       head_dim, in model.dtype: every sampler is a model in model.dtype (the FSDP2 replica, the
-                       cast copy, LoRA's base; full float32 fine-tuning samples from the float32 policy).
+                       head_dim, in the sampler's dtype: the bf16 compute copy, else model.dtype (the FSDP2 replica,
+                       the cast copy, LoRA's base; full float32 fine-tuning samples from the float32 policy).
 
 total = weights+grads+AdamW + reference + replica + transient + max(activations + logits, KV cache): the rollout
 and the micro-batches take turns. An upper bound: every term at the recipe's longest rows (trim_padding only
@@ -77,6 +84,7 @@ from pathlib import Path
 
 from grpo_core.config import ConfigError, LoraConfig, PipelineConfig, load_config
 from grpo_core.model.logprobs import DEFAULT_CHUNK_SIZE
+from grpo_core.train.compute_weights import ALL_REDUCE_BUCKET_NUMEL, uses_compute_weights
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = Path("configs/gsm8k-qwen2.5-0.5b.yaml")
@@ -253,6 +261,12 @@ STRATEGIES = (Strategy("1 GPU", "single", 1), Strategy("DDP", "ddp", 2),
               Strategy("LoRA, DDP", "lora", 2))
 
 
+def has_compute_copy(recipe: Recipe, strategy: Strategy) -> bool:
+    """Whether the trainer runs on a bf16 copy of the float32 masters (the trainer's own rule)."""
+    return uses_compute_weights(recipe.mixed_precision, lora=strategy.kind == "lora", quantized=False,
+                                sharded=strategy.sharded)
+
+
 def compute_bytes(recipe: Recipe, strategy: Strategy) -> int:
     """Bytes of the dtype the matmuls run in."""
     if recipe.mixed_precision in ("bf16", "fp16"):
@@ -264,8 +278,8 @@ def residual_bytes(recipe: Recipe, strategy: Strategy) -> int:
     """Bytes of the residual stream (and of the KV cache it feeds): the embedding's dtype as it runs."""
     if strategy.kind == "lora":
         return recipe.dtype_bytes            # the frozen base embedding, model.dtype
-    if strategy.sharded:
-        return compute_bytes(recipe, strategy)  # FSDP2's param_dtype casts the embedding too
+    if strategy.sharded or has_compute_copy(recipe, strategy):
+        return compute_bytes(recipe, strategy)  # FSDP2's param_dtype casts the embedding too; the copy is all bf16
     return MASTER_BYTES                      # autocast leaves the float32 embedding as it is
 
 
@@ -312,7 +326,8 @@ def state_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> int:
         # the step scalars are per tensor, on every process
         sharded = (MASTER_BYTES + GRADIENT_BYTES + ADAMW_BYTES) * params // strategy.processes
         return sharded + ADAMW_STEP_BYTES * tensors
-    buckets = DDP_BUCKET_BYTES * params if strategy.processes > 1 else 0
+    ddp_wrapped = strategy.processes > 1 and not has_compute_copy(recipe, strategy)
+    buckets = DDP_BUCKET_BYTES * params if ddp_wrapped else 0
     return training_state_bytes(params, tensors) + buckets
 
 
@@ -324,8 +339,11 @@ def reference_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> in
 
 
 def replica_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> int:
-    """The whole copy rollouts sample from: FSDP2's, and full fine-tuning's with a half-precision model.dtype
-    (train/loop.py samples_from_a_cast_copy); LoRA and full float32 sample from the policy itself."""
+    """The whole copy rollouts sample from: FSDP2's, the bf16 compute copy (which training runs on too), and full
+    fine-tuning's with a half-precision model.dtype (train/loop.py samples_from_a_cast_copy); LoRA and full float32
+    sample from the policy itself."""
+    if has_compute_copy(recipe, strategy):
+        return compute_bytes(recipe, strategy) * parameter_count(shape)
     cast_copy = strategy.kind != "lora" and recipe.dtype_bytes != MASTER_BYTES
     return recipe.dtype_bytes * parameter_count(shape) if strategy.sharded or cast_copy else 0
 
@@ -342,6 +360,9 @@ def transient_weight_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy
         return weights + gradients + reduce_copy
     if recipe.mixed_precision == "no":
         return 0
+    if has_compute_copy(recipe, strategy):  # no autocast; DDP: the float32 all-reduce bucket
+        bucket = FLOAT32_BYTES * min(parameter_count(shape), ALL_REDUCE_BUCKET_NUMEL)
+        return bucket if strategy.processes > 1 else 0
     if strategy.kind == "lora":  # the base is already in model.dtype; only the float32 adapters are cast
         return compute * lora_parameter_count(shape, recipe.lora_rank)
     return compute * autocast_cast_count(shape)
@@ -370,8 +391,8 @@ def fused_head_runs(recipe: Recipe, strategy: Strategy) -> bool:
 
 
 def logits_dtype_bytes(recipe: Recipe, strategy: Strategy) -> int:
-    if recipe.mixed_precision != "no" and not strategy.sharded:
-        return FLOAT32_BYTES  # accelerate's convert_outputs_to_fp32
+    if recipe.mixed_precision != "no" and not (strategy.sharded or has_compute_copy(recipe, strategy)):
+        return FLOAT32_BYTES  # accelerate's convert_outputs_to_fp32 (autocast); the bf16 copy returns bf16
     return compute_bytes(recipe, strategy)
 
 
@@ -386,9 +407,9 @@ def logits_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> int:
 
 def kv_cache_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> int:
     rows = recipe.rows * recipe.steps_per_generation
-    # every sampler runs in model.dtype, outside autocast: the FSDP2 replica, full fine-tuning's cast copy (or the
-    # float32 policy itself when model.dtype is float32), LoRA's base
-    sampler_bytes = recipe.dtype_bytes
+    # the bf16 compute copy samples in bf16; every other sampler runs in model.dtype, outside autocast: the FSDP2
+    # replica, full fine-tuning's cast copy (or the float32 policy itself when model.dtype is float32), LoRA's base
+    sampler_bytes = compute_bytes(recipe, strategy) if has_compute_copy(recipe, strategy) else recipe.dtype_bytes
     per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * sampler_bytes
     return rows * (recipe.prompt_tokens + recipe.completion_tokens) * per_token
 

@@ -308,7 +308,10 @@ class TrainConfig:
     sync_ref_model: bool = _f(False, "TR-DPO: mix the policy into the reference every ref_model_sync_steps")
     ref_model_mixup_alpha: float = _f(0.6, "TR-DPO alpha: ref = alpha * policy + (1 - alpha) * ref", ge=0, le=1)
     ref_model_sync_steps: int = _f(512, "steps between reference syncs", ge=1)
-    mixed_precision: Literal["no", "bf16", "fp16"] = _f("no", "accelerate mixed precision")
+    mixed_precision: Literal["no", "bf16", "fp16"] = _f(
+        "no", "compute dtype. bf16: full fine-tuning trains and samples on a bf16 copy of the float32 masters "
+        "(FSDP2: MixedPrecisionPolicy), LoRA under autocast; fp16: accelerate autocast with loss scaling; "
+        "docs/precision.md")
     gradient_checkpointing: bool = _f(False, "trade compute for activation memory")
     async_rollouts: bool = _f(
         False, "sample the next round in a sampler worker process (its own copy of the policy, fed the new weights "

@@ -26,28 +26,37 @@ def assets(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_two_gloo_processes_match_one_process_on_the_same_global_batch(assets, tmp_path, loss_type):
+@pytest.mark.parametrize("loss_type,mixed_precision", [("dapo", "no"), ("grpo", "no"), ("dapo", "bf16")])
+def test_two_gloo_processes_match_one_process_on_the_same_global_batch(assets, tmp_path, loss_type, mixed_precision):
+    """bf16: the bf16 compute copy (grpo_core/train/compute_weights.py) is not DDP-wrapped; its float32 master
+    gradients are all-reduced by the trainer. The two sides then differ only by bf16 rounding (one process sums 16
+    rows per weight gradient, two processes 8 each), so the bounds are bf16's; a missing all-reduce (each process
+    stepping on its own half) is far outside them."""
     model, data = assets
     one, two = tmp_path / "one", tmp_path / "two"
-    launch(one, model, data, 1, {"train": {"per_device_train_batch_size": 16, "loss_type": loss_type}})
+    knobs = {"loss_type": loss_type, "mixed_precision": mixed_precision}
+    launch(one, model, data, 1, {"train": {"per_device_train_batch_size": 16, **knobs}})
     # the launcher the train stage uses without GPUs (accelerate's own multi-CPU launch needs mpirun)
-    launch(two, model, data, 2, {"train": {"per_device_train_batch_size": 8, "loss_type": loss_type}})
+    launch(two, model, data, 2, {"train": {"per_device_train_batch_size": 8, **knobs}})
+    rel = 1e-4 if mixed_precision == "no" else 2e-2
 
     log1, log2 = read_log(one / "metrics/train_log.csv"), read_log(two / "metrics/train_log.csv")
     assert [r["step"] for r in log1] == [r["step"] for r in log2] == ["1", "2"]
     for r1, r2 in zip(log1, log2):
         for key in ("loss", "reward", "reward_std", "kl", "entropy", "grad_norm", "completions/mean_length",
                     "num_tokens"):
-            assert float(r2[key]) == pytest.approx(float(r1[key]), rel=1e-4, abs=1e-7), (r1["step"], key)
+            assert float(r2[key]) == pytest.approx(float(r1[key]), rel=rel, abs=1e-7), (r1["step"], key)
     assert float(log1[-1]["kl"]) > 0  # the updates moved the policy: the comparison is not of no-ops
 
     w1, w2 = load_file(one / "out/model/model.safetensors"), load_file(two / "out/model/model.safetensors")
     base = load_file(model / "model.safetensors")
     assert w1.keys() == w2.keys()
     for k in w1:
-        moved = (w1[k] - base[k]).abs().max().item()
-        assert (w2[k] - w1[k]).abs().max().item() <= 1e-5 + 1e-3 * moved, k
+        moved, diff = (w1[k].float() - base[k]).abs(), (w2[k].float() - w1[k].float()).abs()
+        if mixed_precision == "no":
+            assert diff.max().item() <= 1e-5 + 1e-3 * moved.max().item(), k
+        else:  # AdamW turns a bf16-sized gradient difference on a near-zero gradient into a sign flip: on average
+            assert diff.mean().item() <= 0.05 * moved.mean().item(), k  # measured 0.0004-0.025 (k_proj.bias)
 
 
 def test_launch_command_per_device_kind(tmp_path):

@@ -95,16 +95,23 @@ def test_plan_reads_the_recipe_and_the_terms_add_up():
         (32, 4, 256, 512)
     rows = {(r.model, r.strategy): r for r in mp.plan(recipe)}
     ddp, one_gpu = rows["Qwen2.5-0.5B", "DDP"], rows["Qwen2.5-0.5B", "1 GPU"]
-    assert ddp.training_state - one_gpu.training_state == mp.DDP_BUCKET_BYTES * ddp.parameters
+    # the recipe's bf16 compute copy is not DDP-wrapped: no DDP buckets, the float32 all-reduce bucket instead
+    assert ddp.training_state == one_gpu.training_state
+    assert ddp.transient_weights == 4 * min(ddp.parameters, 2 ** 27) and one_gpu.transient_weights == 0
+    fp16 = mp.Recipe(**{**recipe.__dict__, "mixed_precision": "fp16"})  # autocast over DDP-wrapped masters
+    ddp16, one16 = (mp.memory_row(mp.QWEN25[0], fp16, s) for s in mp.STRATEGIES[1::-1])
+    assert ddp16.training_state - one16.training_state == mp.DDP_BUCKET_BYTES * ddp16.parameters
     fsdp2, fsdp8 = rows["Qwen2.5-7B", "FSDP2 N=2"], rows["Qwen2.5-7B", "FSDP2 N=8"]
     assert fsdp2.replica == fsdp8.replica == 2 * fsdp2.parameters  # a whole bf16 replica whatever N
     assert fsdp8.training_state < fsdp2.training_state / 3
     assert rows["Qwen2.5-7B", "LoRA, DDP"].reference == 0
-    # the recipe's bf16 model.dtype: one GPU and DDP sample from a bf16 copy, LoRA from the policy itself
+    # one GPU and DDP train and sample on the bf16 compute copy, LoRA samples from the policy itself
     assert one_gpu.replica == ddp.replica == 2 * one_gpu.parameters
     assert rows["Qwen2.5-0.5B", "LoRA, DDP"].replica == 0
-    float32 = mp.Recipe(**{**recipe.__dict__, "model_dtype": "float32"})
-    assert mp.replica_bytes(mp.QWEN25[0], float32, mp.STRATEGIES[0]) == 0  # samples from the float32 policy
+    float32 = mp.Recipe(**{**recipe.__dict__, "model_dtype": "float32"})  # the compute copy is bf16 all the same
+    assert mp.replica_bytes(mp.QWEN25[0], float32, mp.STRATEGIES[0]) == 2 * one_gpu.parameters
+    plain = mp.Recipe(**{**float32.__dict__, "mixed_precision": "no"})
+    assert mp.replica_bytes(mp.QWEN25[0], plain, mp.STRATEGIES[0]) == 0  # samples from the float32 policy
 
 
 def test_docs_table_is_what_the_script_prints(capsys):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,7 @@ from grpo_core.rewards import build_reward_functions
 from grpo_core.rollout import backend_for, sampling_params
 from grpo_core.train.checkpoint import latest_checkpoint, remove_stale_temp_dirs
 from grpo_core.train.completions import CompletionLog, as_table, completion_rows
+from grpo_core.train.compute_weights import ComputeWeights, uses_compute_weights
 from grpo_core.train.dynamic import fill_round
 from grpo_core.train.evaluation import (
     HeldOutPrompts,
@@ -161,6 +163,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
 
         metrics: dict[str, Any] = {}
         run.model.train()
+        run.policy.train()  # the masters (a bf16 compute copy is run.model): the sampler worker copies the mode
         if worker is not None:
             start_sampler(run, cfg.rewards, prompts, worker, backend_factory)
         while state.step < t.max_steps:
@@ -231,7 +234,11 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
     parallelism = read_parallelism(_resolve(root, t.accelerate_config))
     check_parallelism(parallelism, lora=cfg.model.lora is not None, mixed_precision=t.mixed_precision,
                       quantized=cfg.model.quantization is not None)
-    accelerator = Accelerator(mixed_precision=t.mixed_precision, cpu=not torch.cuda.is_available())
+    compute_copy = uses_compute_weights(t.mixed_precision, lora=cfg.model.lora is not None,
+                                        quantized=cfg.model.quantization is not None,
+                                        sharded=parallelism.fsdp is not None and launched_processes() > 1)
+    accelerator = Accelerator(mixed_precision="no" if compute_copy else t.mixed_precision,  # bf16 weights: no autocast
+                              cpu=not torch.cuda.is_available())
     if accelerator.device.type == "cuda":
         allow_tf32()
     if accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
@@ -274,6 +281,13 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
         policy = model
         backend = (EngineFromShards(make_backend(model, tokenizer)) if engine
                    else ReplicaRollouts(replica, lambda m: make_backend(m, tokenizer)))
+    elif compute_copy:  # float32 masters stepped by the optimizer; their bf16 copy trains and samples
+        policy = model.to(accelerator.device)
+        optimizer, scheduler = build_optimizer_and_scheduler(policy, t.optim)
+        if ref_model is not None:
+            ref_model.to(accelerator.device)
+        backend = ComputeWeights(policy, lambda m: make_backend(m, tokenizer))
+        model = backend.model
     else:
         optimizer, scheduler = build_optimizer_and_scheduler(model, t.optim)
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -297,9 +311,16 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
                       accelerator=accelerator, model=model, policy=policy, ref_model=ref_model,
                       tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, backend=backend,
                       params_hash=training_params_hash(cfg, weights.tolist()),
-                      checkpoint_dir=root / t.output_dir / "checkpoints", replica=replica)
+                      checkpoint_dir=root / t.output_dir / "checkpoints", replica=replica,
+                      compute_weights=backend if compute_copy else None)
     held_out = load_held_out(cfg, root, encoder, reward_fns, reward_names)
     return run, Prompts(dataset, encoder, reward_fns, reward_names, weights, held_out)
+
+
+def launched_processes() -> int:
+    """The processes this run was launched with (accelerate launch / torchrun set WORLD_SIZE), known before the
+    Accelerator exists: its mixed precision depends on whether the policy will be sharded."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def allow_tf32() -> None:
@@ -520,9 +541,11 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[Round], entropy_c
         entropies.append(part.mean_entropy)
         if part.trained_entropy is not None:
             window = part.trained_entropy if window is None else window + part.trained_entropy
+    if run.compute_weights is not None:  # the masters' float32 gradients, averaged over processes as DDP would
+        run.compute_weights.all_reduce_gradients(acc.num_processes)
     max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
-    grad_norm = (clip_gradients(run.model.parameters(), max_norm) if is_sharded(run.model)
-                 else acc.clip_grad_norm_(run.model.parameters(), max_norm))
+    grad_norm = (clip_gradients(run.policy.parameters(), max_norm) if is_sharded(run.model)
+                 else acc.clip_grad_norm_(run.policy.parameters(), max_norm))  # the masters' gradients
     return StepGradients(losses, stats, entropies, grad_norm, num_items, local_tokens, window)
 
 
@@ -640,7 +663,8 @@ def apply_update(run: TrainingRun, state: TrainState, skipped: bool) -> None:
     run.optimizer.zero_grad(set_to_none=True)
     state.micro_step += t.gradient_accumulation_steps
     state.step += 1
-    run.backend.sync_weights(run.policy)
+    with record_function("grpo/sync_weights"):
+        run.backend.sync_weights(run.policy)
     if run.ref_model is not None and t.sync_ref_model and state.step % t.ref_model_sync_steps == 0:
         _mix_reference(run.ref_model, run.policy, t.ref_model_mixup_alpha)
         state.reference_synced = True

@@ -95,8 +95,10 @@ class TrainingRun:
     logprobs: LogprobOptions       # the trainer's log-prob passes (train's forward keys, generation.temperature)
     loss_fn: GRPOLoss              # built once from train.loss (grpo_core/loss.py), called per micro-batch
     accelerator: Any
-    model: Any               # what the optimizer steps: DDP-wrapped on N processes, fully_shard-ed under FSDP2
-    policy: Any              # the same model unwrapped (under FSDP2 the sharded model itself): save and sync this
+    model: Any               # what trains (forward, backward): DDP-wrapped on N processes, fully_shard-ed under
+                             # FSDP2, or the bf16 compute copy of the masters (compute_weights)
+    policy: Any              # the weights the optimizer steps, unwrapped (under FSDP2 the sharded model itself;
+                             # the float32 masters under compute_weights): save and sync this
     ref_model: Any           # frozen reference (beta > 0), the LoRA adapter-off view, or None (sharded as the policy)
     tokenizer: Any
     optimizer: Any
@@ -106,6 +108,8 @@ class TrainingRun:
     checkpoint_dir: Path
     replica: Any = None      # sharded runs: the whole copy of the policy that samples and is exported
     sampler: Any = None      # train.async_rollouts: the SamplerWorker (grpo_core/train/sampler_worker.py)
+    compute_weights: Any = None  # mixed_precision bf16, unsharded full fine-tuning: the bf16 copy that is run.model
+                                 # and the rollout backend (grpo_core/train/compute_weights.py); None otherwise
 
 
 def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round: bool) -> None:
