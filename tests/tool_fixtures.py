@@ -164,8 +164,10 @@ class Script:
 class ScriptedBackend:
     """A RolloutBackend answering from a Script (sample g of a repeated prompt is the script's sample g)."""
 
-    def __init__(self, script: Script):
+    def __init__(self, script: Script, sampling_logp: float | None = None):
+        """sampling_logp: report it as the sampler's log-prob of every token (as vLLM reports its own)."""
         self.script = script
+        self.sampling_logp = sampling_logp
         self.pad_id, self.eos_ids = pad_and_eos_ids(script.tokenizer)
         self.requests: list[tuple[int, int]] = []  # (prompts, max_new_tokens) per generate call
 
@@ -177,7 +179,10 @@ class ScriptedBackend:
         out = torch.full((len(rows), max(len(r) for r in rows)), self.pad_id, dtype=torch.long)
         for i, r in enumerate(rows):
             out[i, :len(r)] = torch.tensor(r)
-        return assemble_batch(ids, mask, [out], self.pad_id, self.eos_ids)
+        batch = assemble_batch(ids, mask, [out], self.pad_id, self.eos_ids)
+        if self.sampling_logp is not None:
+            batch.sampling_logps = batch.completion_mask * self.sampling_logp
+        return batch
 
     def sync_weights(self, model) -> None:
         pass
