@@ -139,6 +139,38 @@ class Toolbox:
     def multi_environment(self) -> bool:
         return self.factories is not None and None not in self.factories
 
+    @property
+    def environment_names(self) -> list[str] | None:
+        """The names rows pick environments by (a mapping), else None."""
+        return sorted(self.factories) if self.multi_environment else None
+
+    def all_tools(self) -> list[Callable]:
+        """Every tool any rollout may be offered: the standalone ones and every environment's methods (of an
+        instance built for the listing and closed). What validate counts prompt lengths with (an upper bound
+        when rows pick among several environments)."""
+        tools = list(self.tools)
+        for factory in (self.factories or {}).values():
+            environment = factory()
+            try:
+                tools += [m for name, m in environment_tools(environment).items()
+                          if name not in {getattr(t, "__name__", None) for t in tools}]
+            finally:
+                RolloutTools({}, environment).close()
+        return tools
+
+    def check_reset(self, rows: Sequence[Mapping], where: Sequence[str]) -> None:
+        """Validate's check: each row (one per environment it picks) resets a new environment, ``reset(**row)``
+        taking the row's columns and returning None or a string; a ToolConfigError naming the row otherwise."""
+        for row, label in zip(rows, where):
+            try:
+                close_all(self.open([row], [label]))
+            except EnvironmentFailure as exc:
+                raise ToolConfigError(str(exc)) from exc
+            except TypeError as exc:
+                raise ToolConfigError(f"{label}: reset(**row) cannot take the row's columns {sorted(row)}: {exc}; "
+                                      f"an environment's reset receives every column of its row (accept **kwargs "
+                                      f"for those it does not use)") from exc
+
     def environment_of(self, row: Mapping, where: str = "a row") -> str | None:
         """The environment a row selects (None: the single one, or none at all)."""
         if not self.multi_environment:
