@@ -1008,11 +1008,16 @@ def _check_quantization(cfg: PipelineConfig) -> None:
                           "pip install -e '.[qlora]' (make setup installs it)")
 
 
-def eval_metric_names(t: EvalDuringTrainingConfig, reward_names: typing.Sequence[str]) -> list[str]:
+#: what an evaluation with tools adds per mode (grpo_core/evaluation.py ``tool_metrics``)
+TOOL_EVAL_METRICS = ("tool_call_frequency", "tool_failure_frequency", "tool_success_rate")
+
+
+def eval_metric_names(t: EvalDuringTrainingConfig, reward_names: typing.Sequence[str], tools: bool = False) -> list[str]:
     """The step-log keys of one evaluation during training (train.eval_strategy steps) a best model can be
-    chosen by (``eval/runtime``, seconds, is logged besides)."""
+    chosen by (``eval/runtime``, seconds, is logged besides); tools: with the tool metrics."""
     G = t.effective_num_generations_eval
-    per = [*(f"rewards/{n}/mean" for n in reward_names), "format_compliance", "mean_completion_length"]
+    per = [*(f"rewards/{n}/mean" for n in reward_names), "format_compliance", "mean_completion_length",
+           *(TOOL_EVAL_METRICS if tools else ())]
     sampled = [*(f"pass@{k}" for k in sorted({1, G})), *(f"sampled/{m}" for m in per)] if G > 0 else []
     return [f"eval/{m}" for m in ("accuracy", *per, *sampled)]
 
@@ -1076,7 +1081,7 @@ def _check_eval(cfg: PipelineConfig) -> None:
     if cfg.data.hub_dataset is None and not cfg.data.paths("eval"):
         raise ConfigError("train.eval_strategy: steps scores held-out prompts, but data.eval_files is empty; name "
                           "held-out data or set data.hub_dataset")
-    names = eval_metric_names(t.evaluation, [r.name for r in cfg.rewards])
+    names = eval_metric_names(t.evaluation, [r.name for r in cfg.rewards], t.tool_use.enabled)
     if t.evaluation.best_metric is not None and t.evaluation.best_metric not in names:
         raise ConfigError(f"train.metric_for_best_model: {t.metric_for_best_model!r} is not an eval metric; choose "
                           f"one of {', '.join(names)}")

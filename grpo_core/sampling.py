@@ -55,7 +55,8 @@ class SampleResult:
     generation_time: seconds spent in ``backend.generate`` (decoding and scoring excluded).
     batches: the backends' ``RolloutBatch`` of each prompt batch (token ids and masks), when asked for.
     completions: with tools, each completion's messages (assistant, tool, ..., assistant); else empty.
-    tool_calls, tool_failures: tool calls the model made, and those answered with an error.
+    tool_calls, tool_failures: (N,) int, with tools: per completion, the tool calls the model made and those
+        answered with an error; else empty.
     turns: (N,) int, with tools: assistant turns per completion; else empty.
     """
 
@@ -70,8 +71,8 @@ class SampleResult:
     generation_time: float = 0.0
     batches: list[RolloutBatch] = field(default_factory=list)
     completions: list = field(default_factory=list)
-    tool_calls: int = 0
-    tool_failures: int = 0
+    tool_calls: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    tool_failures: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     turns: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
@@ -177,8 +178,12 @@ def sample_and_score(model, tokenizer, rows: Sequence[dict], encoder: PromptEnco
         truncated=np.concatenate(truncated), rewards=np.concatenate(rewards, axis=0), reward_names=names,
         error_counts=errors, timeout_counts=timeouts, generation_time=generation_time, batches=batches,
         completions=[c for r in conversations for c in r.completions],
-        tool_calls=sum(r.tool_calls for r in conversations), tool_failures=sum(r.tool_failures for r in conversations),
-        turns=np.asarray([n for r in conversations for n in r.turns], dtype=np.int64))
+        tool_calls=_per_row(conversations, "calls"), tool_failures=_per_row(conversations, "failures"),
+        turns=_per_row(conversations, "turns"))
+
+
+def _per_row(conversations: list[ToolRollouts], name: str) -> np.ndarray:
+    return np.asarray([n for r in conversations for n in getattr(r, name)], dtype=np.int64)
 
 
 @dataclass

@@ -149,7 +149,7 @@ def test_environments_reach_the_rewards_and_are_closed(tok):
                            sampling=SamplingParams(max_new_tokens=300), batch_size=2,
                            backend=ScriptedBackend(Script(tok, increments, 300)), keep_batches=True, tools=box)
     assert res.rewards.tolist() == [[5.0, 5.0]] * 2 + [[14.0, 14.0]] * 2  # start + 2 + 2, each rollout its own
-    assert res.tool_calls == 8 and res.turns.tolist() == [3] * 4
+    assert res.tool_calls.tolist() == [2] * 4 and res.turns.tolist() == [3] * 4
     assert len(Counter.closed) == 1 + 4  # the probe, then every rollout's environment after scoring
     prompt_text = tok.decode(res.batches[0].prompt_ids[2][res.batches[0].prompt_mask[2].bool()])
     assert "what is 12 times 34 The counter starts at 10.<|im_end|>" in prompt_text  # reset's observation

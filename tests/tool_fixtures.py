@@ -201,3 +201,22 @@ def calculator_policy(text: str, key: int) -> str:
     if key % 5 == 1 and "divide" not in text:
         return hermes_call("divide", a=int(a), b=int(b))
     return hermes_call("multiply", a=int(a), b=int(b))
+
+
+class ScriptedFactory:
+    """``backend_factory`` for train(): a ScriptedBackend over ``policy`` (picklable: the async sampler worker
+    builds its backend with it in its own process)."""
+
+    def __init__(self, policy, budget: int):
+        self.policy, self.budget = policy, budget
+
+    def __call__(self, model, tokenizer):
+        return ScriptedBackend(Script(tokenizer, self.policy, self.budget))
+
+
+def counter_policy(text: str, key: int) -> str:
+    """Increment the counter by the row's key-chosen step until two results came back, then report the count."""
+    results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text)
+    if len(results) >= 2 or key % 4 == 0:
+        return f"The count is {results[-1] if results else 'unknown'}"
+    return hermes_call("increment", by=1 + key % 3)

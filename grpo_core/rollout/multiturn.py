@@ -38,6 +38,8 @@ class Conversation:
     messages: list[dict] = field(default_factory=list)       # assistant and tool messages (TRL's completion)
     pending: list = field(default_factory=list)              # the tool calls of the last assistant turn
     turns: int = 0
+    calls: int = 0                                           # tool calls made, and those answered with an error
+    failures: int = 0
 
     def extend(self, ids: list[int], model: bool, logps: list[float] | None = None) -> None:
         self.completion_ids += ids
@@ -51,15 +53,23 @@ class ToolRollouts:
 
     batch:        token tensors; ``batch.tool_mask`` (N, C) 1 on model tokens, 0 on tool/template tokens and padding
     completions:  per row, the completion's messages: assistant, tool results, assistant, ... (what rewards get)
-    tool_calls, tool_failures: calls the model made, and those answered with an error (TRL's counts)
+    calls, failures: per row, the tool calls the model made and those answered with an error (TRL's counts)
     turns:        assistant turns per row
     """
 
     batch: RolloutBatch
     completions: list[list[dict]]
-    tool_calls: int
-    tool_failures: int
+    calls: list[int]
+    failures: list[int]
     turns: list[int]
+
+    @property
+    def tool_calls(self) -> int:
+        return sum(self.calls)
+
+    @property
+    def tool_failures(self) -> int:
+        return sum(self.failures)
 
 
 def generate_with_tools(backend: RolloutBackend, chat: ToolChat, prompt_ids: list[list[int]], num_generations: int,
@@ -78,15 +88,14 @@ def generate_with_tools(backend: RolloutBackend, chat: ToolChat, prompt_ids: lis
         ids, logps = _row(first, i)
         row.extend(ids, model=True, logps=logps)
         _take_turn(chat, row, ids, row.prompt_ids)
-    calls = failures = 0
     active = [r for r in rows if r.pending]
     iteration = 0
     while active and (max_iterations is None or iteration < max_iterations):
         results = run_calls([(r.tools.functions, r.pending) for r in active], timeout_s)
-        calls += sum(len(res) for res in results)
-        failures += sum(c.failed for res in results for c in res)
         contexts, continuing = [], []
         for row, res in zip(active, results):
+            row.calls += len(res)  # counted whether or not the results fit (as TRL counts)
+            row.failures += sum(c.failed for c in res)
             messages = [c.message for c in res]
             suffix = chat.suffix_ids(messages)
             if len(row.completion_ids) + len(suffix) > budget:
@@ -107,7 +116,8 @@ def generate_with_tools(backend: RolloutBackend, chat: ToolChat, prompt_ids: lis
         active = [r for r in continuing if r.pending]
         iteration += 1
     batch = _assemble(rows, pad_id, eos_ids, with_logps=first.sampling_logps is not None)
-    return ToolRollouts(batch, [r.messages for r in rows], calls, failures, [r.turns for r in rows])
+    return ToolRollouts(batch, [r.messages for r in rows], [r.calls for r in rows], [r.failures for r in rows],
+                        [r.turns for r in rows])
 
 
 def _take_turn(chat: ToolChat, row: Conversation, ids: list[int], prefix: list[int]) -> None:

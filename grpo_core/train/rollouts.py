@@ -95,10 +95,11 @@ def reward_metrics(rewards: torch.Tensor, weights: torch.Tensor, group_size: int
     return out
 
 
-def tool_metrics(accelerator, calls: int, failures: int, turns) -> dict[str, float]:
+def tool_metrics(accelerator, calls, failures, turns) -> dict[str, float]:
     """TRL's tools/* metrics over every process's rows - tool calls per completion, failed calls per call - and
-    assistant turns per completion."""
-    local = torch.tensor([float(calls), float(failures), float(sum(turns)), float(len(turns))], dtype=torch.float64)
+    assistant turns per completion. calls, failures, turns: (N,) per completion."""
+    local = torch.tensor([float(sum(calls)), float(sum(failures)), float(sum(turns)), float(len(turns))],
+                         dtype=torch.float64)
     if accelerator.num_processes > 1:
         local = accelerator.reduce(local.to(accelerator.device), "sum").cpu()
     calls, failures, turns, completions = local.tolist()

@@ -31,7 +31,8 @@ def metric_columns(reward_names: list[str], t: TrainConfig | None = None, backen
         extra += ["async/staleness", "async/wait_time"]
     if t.tool_use.enabled:
         extra += ["tools/call_frequency", "tools/failure_frequency", "tools/mean_turns"]
-    evaluation = [*eval_metric_names(t.evaluation, reward_names), "eval/runtime"] if t.eval_strategy == "steps" else []
+    evaluation = ([*eval_metric_names(t.evaluation, reward_names, t.tool_use.enabled), "eval/runtime"]
+                  if t.eval_strategy == "steps" else [])
     cols = ["step", "loss", "reward", "reward_std", "frac_reward_zero_std"]
     for name in reward_names:
         cols += [f"rewards/{name}/mean", f"rewards/{name}/std"]
