@@ -21,7 +21,7 @@ model, rows, batch_size and seed give the same completions (on the same device a
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -37,6 +37,7 @@ from grpo_core.rollout import (
     default_backend,
     pad_and_eos_ids,
 )
+from grpo_core.rollout.custom import RolloutContext, run_rollout_func
 from grpo_core.rollout.multiturn import ToolRollouts, generate_with_tools
 from grpo_core.tools import Toolbox, ToolChat, close_all
 
@@ -103,7 +104,7 @@ def sample_and_score(model, tokenizer, rows: Sequence[dict], encoder: PromptEnco
                      on_error: Literal["raise", "none"] = "raise", seed: int | None = None,
                      backend: Any = None, reward_timeout_s: float | None = None,
                      row_ids: Sequence[int] | None = None, keep_batches: bool = False,
-                     tools: Toolbox | None = None) -> SampleResult:
+                     tools: Toolbox | None = None, rollout_func: Callable | None = None) -> SampleResult:
     """Sample ``num_generations`` completions for each row's prompt and score them with ``reward_fns``.
 
     rows: dicts with ``prompt`` (string or chat messages) and the columns reward functions read
@@ -115,7 +116,8 @@ def sample_and_score(model, tokenizer, rows: Sequence[dict], encoder: PromptEnco
     that times out scores None for its samples and is counted in ``timeout_counts``). row_ids: each row's
     index in its dataset, named in prompt errors (default: its position in ``rows``). keep_batches: keep each
     batch's token tensors in ``SampleResult.batches`` (the trainer trains on them). tools: sample conversations
-    with these tools and environments (module docstring).
+    with these tools and environments (module docstring). rollout_func: the user's own rollout instead
+    (train.rollout_func, grpo_core/rollout/custom.py).
     """
     if num_generations < 1:
         raise ValueError(f"sample_and_score: num_generations must be >= 1, got {num_generations}")
@@ -145,7 +147,8 @@ def sample_and_score(model, tokenizer, rows: Sequence[dict], encoder: PromptEnco
     for start in range(0, len(rows), batch_size):
         batch_rows, batch_ids = rows[start:start + batch_size], row_ids[start:start + batch_size]
         t0 = time.perf_counter()
-        drawn = _draw(backend, tokenizer, encoder, batch_rows, batch_ids, G, sampling, tools, chat)
+        drawn = (_draw_custom(rollout_func, backend, tokenizer, batch_rows, G, sampling) if rollout_func is not None
+                 else _draw(backend, tokenizer, encoder, batch_rows, batch_ids, G, sampling, tools, chat))
         generation_time += time.perf_counter() - t0
         batch = drawn.batch
         try:
@@ -224,6 +227,17 @@ def _draw(backend, tokenizer, encoder: PromptEncoder, rows: list[dict], row_ids:
     if tools.factories is not None:
         columns["environments"] = [t.environment for t in opened]
     return _Drawn(rollouts.batch, prompts, rollouts.completions, columns, opened, rollouts)
+
+
+def _draw_custom(rollout_func: Callable, backend, tokenizer, rows: list[dict], G: int,
+                 sampling: SamplingParams) -> _Drawn:
+    """G completions of each row's prompt from the user's rollout function (TRL's ``rollout_func``); the extra
+    keys it returns are reward columns."""
+    prompts = [r["prompt"] for r in rows for _ in range(G)]
+    pad_id, eos_ids = pad_and_eos_ids(tokenizer)
+    batch, extra = run_rollout_func(rollout_func, prompts, RolloutContext(backend, tokenizer, sampling, G),
+                                    pad_id=pad_id, eos_ids=eos_ids)
+    return _Drawn(batch, prompts, columns={**extra, "completion_lengths": batch.completion_lengths.tolist()})
 
 
 def _with_observation(prompt: Any, observation: str | None) -> Any:

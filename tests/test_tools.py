@@ -5,9 +5,11 @@ own parser on the same tokens), the tokens of tool results (against TRL's ``_get
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import pytest
+import torch
 
 from grpo_core.config import ConfigError, ToolUseConfig, config_from_dict
 from grpo_core.tools import (
@@ -415,3 +417,51 @@ def test_a_call_past_its_time_is_answered_and_the_rollouts_later_calls_are_not_r
         ("{'error': 'Tool slow timed out after 0.3 s'}", True),
         ("{'error': 'Tool multiply not run: an earlier call of this turn timed out'}", True)]
     assert [r.content for r in results[1]] == ["6", "12"]
+
+
+# -- rollout_func: what it must return ----------------------------------------------------------------------------
+
+
+def one_arg(prompts):
+    return {}
+
+
+@pytest.mark.parametrize("out, message", [
+    ([], "returned list; it returns a dict"),
+    ({"prompt_ids": [[1]], "completion_ids": [[2]]}, "must return keys ['logprobs']"),
+    ({"prompt_ids": [[1]], "completion_ids": [[2], [3]], "logprobs": None}, "list of 1 token-id lists"),
+    ({"prompt_ids": [[1]], "completion_ids": [[]], "logprobs": None}, "an empty completion"),
+    ({"prompt_ids": [[1]], "completion_ids": [[2.5]], "logprobs": None}, "other than int token ids"),
+    ({"prompt_ids": [[1]], "completion_ids": [[2, 3]], "logprobs": [[0.1]]}, "'logprobs' must have one value"),
+    ({"prompt_ids": [[1]], "completion_ids": [[2, 3]], "logprobs": None, "env_mask": [[1, 2]]}, "other than 0 and 1"),
+    ({"prompt_ids": [[1]], "completion_ids": [[2]], "logprobs": None, "score": [1, 2]}, "'score' has 2 values"),
+])
+def test_a_rollout_func_returning_the_wrong_thing_is_named(out, message):
+    from grpo_core.rollout.custom import RolloutContext, RolloutFuncError, run_rollout_func
+    from grpo_core.rollout.types import SamplingParams
+
+    context = RolloutContext(None, qwen_tokenizer(), SamplingParams(max_new_tokens=4), 1)
+    with pytest.raises(RolloutFuncError, match=re.escape(message)):
+        run_rollout_func(lambda prompts, trainer: out, ["p"], context, pad_id=0, eos_ids=[9])
+
+
+def test_a_rollout_func_batch_masks_what_it_inserted_and_broadcasts_scalars():
+    from grpo_core.rollout.custom import RolloutContext, run_rollout_func
+    from grpo_core.rollout.types import SamplingParams
+
+    out = {"prompt_ids": [[5, 6], [7]], "completion_ids": [[1, 2, 9], [3, 4]], "logprobs": [[-0.1, None, -0.3],
+           [-0.4, -0.5]], "env_mask": [[1, 0, 1], [1, 1]], "tag": "x"}
+    context = RolloutContext(None, qwen_tokenizer(), SamplingParams(max_new_tokens=4), 2)
+    batch, extra = run_rollout_func(lambda prompts, trainer: out, ["a", "a"], context, pad_id=0, eos_ids=[9])
+    assert batch.model_mask.tolist() == [[1, 0, 1], [1, 1, 0]] and batch.completion_lengths.tolist() == [2, 2]
+    assert batch.is_truncated.tolist() == [False, True] and extra == {"tag": ["x", "x"]}
+    assert torch.isnan(batch.sampling_logps[0, 1]) and batch.prompt_ids.tolist() == [[5, 6], [0, 7]]
+
+
+def test_a_rollout_func_that_cannot_take_prompts_and_trainer_is_refused():
+    from grpo_core.rollout.custom import load_rollout_func
+
+    with pytest.raises(ToolConfigError, match=r"train.rollout_func \(tests.test_tools:one_arg\): cannot be called"):
+        load_rollout_func("tests.test_tools:one_arg")
+    with pytest.raises(ToolConfigError, match="cannot import module"):
+        load_rollout_func("tests.none:f")

@@ -189,3 +189,80 @@ def test_training_on_them_takes_trls_steps(fixture, trl_run):
             assert mine[key] == pytest.approx(trls[key], rel=1e-4, abs=1e-6), f"step {step}: {key}"
         assert mine["loss"] == pytest.approx(trls["loss"], rel=1e-3, abs=1e-6), f"step {step}: loss"
         assert mine["entropy"] == pytest.approx(trls["entropy"], rel=1e-4), f"step {step}: entropy"
+
+
+# -- rollout_func: the user's own rollout, through both trainers -------------------------------------------------
+
+FEEDBACK = "\n<|im_start|>user\nwrong, try again<|im_end|>\n<|im_start|>assistant\n"
+
+
+def scripted_rollout(prompts, trainer):
+    """A rollout function as TRL documents them, reading only ``processing_class`` and ``args``: an answer, an
+    environment's feedback (env_mask 0), a second answer - cut off (no EOS) for the last sample of a group - and an
+    extra field for the rewards."""
+    tok, G = trainer.processing_class, trainer.args.num_generations
+    out = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "env_mask": [], "tries": []}
+    for i, prompt in enumerate(prompts):
+        g = i % G
+        prompt_ids = list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+        first = tok(f"The answer is {g}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        feedback = tok(FEEDBACK, add_special_tokens=False)["input_ids"]
+        second = tok(f"Then it is {g * 7}", add_special_tokens=False)["input_ids"]
+        second += [] if g == G - 1 else [tok.eos_token_id]
+        out["prompt_ids"].append(prompt_ids)
+        out["completion_ids"].append(first + feedback + second)
+        out["env_mask"].append([1] * len(first) + [0] * len(feedback) + [1] * len(second))
+        out["tries"].append(2)
+    return out
+
+
+def said_seven(prompts, completions, tries, **columns) -> list[float]:
+    return [float("7" in c[0]["content"]) / t for c, t in zip(completions, tries)]
+
+
+def test_a_rollout_func_trains_as_in_trl(fixture):
+    import datasets
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_core.config import config_from_dict
+    from grpo_core.train.loop import train
+
+    root, rows = fixture
+    model, tok = _load(root)
+    torch.manual_seed(0)
+    args = GRPOConfig(output_dir=str(root / "trl-rf"), num_generations=G, per_device_train_batch_size=G * len(rows),
+                      max_completion_length=BUDGET, learning_rate=LR, beta=BETA, loss_type="dapo", max_steps=STEPS,
+                      adam_beta2=0.99, lr_scheduler_type="constant", bf16=False, use_cpu=True, report_to="none",
+                      save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=[said_seven], args=args, processing_class=tok,
+                          train_dataset=datasets.Dataset.from_list(rows), rollout_func=scripted_rollout)
+    trainer.train()
+    theirs = dict(trainer.model.named_parameters())
+    their_log = [e for e in trainer.state.log_history if "loss" in e]
+
+    cfg = config_from_dict({
+        "data": {"train_files": [str(root / "rows.jsonl")], "max_prompt_length": None},
+        "model": {"name_or_path": str(root / "model")}, "generation": {"max_completion_length": BUDGET},
+        "rewards": [{"name": "said_seven", "function": "tests.test_trl_tool_parity:said_seven"}],
+        "train": {"num_generations": G, "per_device_train_batch_size": G * len(rows), "learning_rate": LR,
+                  "beta": BETA, "max_steps": STEPS, "adam_beta2": 0.99, "resume": "never", "save_steps": 100,
+                  "output_dir": "ours-rf", "rollout_func": "tests.test_trl_tool_parity:scripted_rollout"}})
+    logged = []
+
+    class Tracker:
+        def log_metrics(self, metrics, step):
+            logged.append(dict(metrics))
+
+    result = train(cfg, reward_weights=[1.0], tracker=Tracker(), root=root, progress=False, log_path="ours-rf.csv")
+    ours = dict(AutoModelForCausalLM.from_pretrained(result.model_dir, dtype=torch.float32).named_parameters())
+    base = dict(_load(root)[0].named_parameters())
+    moved = max(float((theirs[n] - base[n]).detach().abs().max()) for n in theirs)
+    assert moved > LR
+    for name in theirs:
+        assert (ours[name] - theirs[name]).abs().max().item() < 5e-3 * moved, name
+    for mine, trls in zip(logged, their_log, strict=True):
+        for key in ("reward", "kl", "completions/mean_length", "completions/clipped_ratio", "entropy"):
+            assert mine[key] == pytest.approx(trls[key], rel=1e-4, abs=1e-6), key
+        assert mine["loss"] == pytest.approx(trls["loss"], rel=1e-3, abs=1e-6)

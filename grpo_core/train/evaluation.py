@@ -70,7 +70,8 @@ def evaluate_held_out(run: TrainingRun, held_out: HeldOutPrompts) -> dict[str, f
             records = score_policy(run.tokenizer, held_out.rows, range(len(held_out.rows)), held_out.encoder,
                                    held_out.reward_fns, held_out.reward_names, held_out.judges, held_out.modes,
                                    backend=run.backend, on_error=calls.reward_errors,
-                                   reward_timeout_s=calls.reward_timeout_s, tools=run.round_spec.tools)
+                                   reward_timeout_s=calls.reward_timeout_s, tools=run.round_spec.tools,
+                                   rollout_func=run.round_spec.rollout_func)
         finally:
             set_rng_state(saved)
         metrics = _eval_metrics(records, run.t.evaluation, held_out.reward_names, run.round_spec.tools is not None)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,6 +31,7 @@ class RoundSpec:
     reward_calls: RewardCallConfig    # train.reward_errors, reward_timeout_s
     tools: Toolbox | None = None      # train.tools / environment_factory (grpo_core.tools.build_toolbox): rollouts
                                       # are conversations with tool calls
+    rollout_func: Callable | None = None  # train.rollout_func (grpo_core.rollout.custom): the user's own rollout
 
 
 def sample_round(*, backend: RolloutBackend, tokenizer, rows: list[dict], row_ids: list[int], encoder: PromptEncoder,
@@ -45,7 +47,8 @@ def sample_round(*, backend: RolloutBackend, tokenizer, rows: list[dict], row_id
                                num_generations=G, sampling=spec.sampling, batch_size=len(rows),
                                on_error=spec.reward_calls.reward_errors, backend=backend,
                                reward_timeout_s=spec.reward_calls.reward_timeout_s,
-                               row_ids=row_ids, keep_batches=True, tools=spec.tools)
+                               row_ids=row_ids, keep_batches=True, tools=spec.tools,
+                               rollout_func=spec.rollout_func)
     (batch,) = sampled.batches
     rewards = torch.as_tensor(sampled.rewards, dtype=torch.float32)                     # (N, K)
     metrics = reward_metrics(gather_rows(accelerator, rewards), weights, G, reward_names)
