@@ -465,3 +465,24 @@ def test_a_rollout_func_that_cannot_take_prompts_and_trainer_is_refused():
         load_rollout_func("tests.test_tools:one_arg")
     with pytest.raises(ToolConfigError, match="cannot import module"):
         load_rollout_func("tests.none:f")
+
+
+def test_the_docs_tool_and_environment_work_as_shown():
+    """docs/agentic.md's ten-line tool and environment pass the checks and do what the page says."""
+    import re
+    from pathlib import Path
+
+    from grpo_core.tools import tool_schema
+    from grpo_core.tools.registry import environment_tools, probe_environment
+
+    page = (Path(__file__).resolve().parents[1] / "docs/agentic.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    namespace: dict = {}
+    for block in blocks:
+        assert len([ln for ln in block.splitlines() if ln.strip() and not ln.startswith("#")]) <= 10, block
+        exec(block, namespace)  # noqa: S102 - the page's own code
+    assert tool_schema(namespace["multiply"], "docs")["function"]["parameters"]["required"] == ["a", "b"]
+    probe_environment(namespace["Counter"], "docs", [])
+    counter = namespace["Counter"]()
+    counter.reset(start=3, prompt="p")
+    assert list(environment_tools(counter)) == ["increment"] and counter.increment(by=2) == "5"
