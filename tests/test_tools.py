@@ -459,12 +459,13 @@ def test_a_rollout_func_batch_masks_what_it_inserted_and_broadcasts_scalars():
 
 
 def test_a_rollout_func_that_cannot_take_prompts_and_trainer_is_refused():
-    from grpo_core.rollout.custom import load_rollout_func
+    from grpo_core.tools import load_rollout_func
 
     with pytest.raises(ToolConfigError, match=r"train.rollout_func \(tests.test_tools:one_arg\): cannot be called"):
-        load_rollout_func("tests.test_tools:one_arg")
+        load_rollout_func(ToolUseConfig([], None, None, 1.0, "tests.test_tools:one_arg"))
     with pytest.raises(ToolConfigError, match="cannot import module"):
-        load_rollout_func("tests.none:f")
+        load_rollout_func(ToolUseConfig([], None, None, 1.0, "tests.none:f"))
+    assert load_rollout_func(ToolUseConfig([], None, None, 1.0, None)) is None
 
 
 def test_the_docs_tool_and_environment_work_as_shown():

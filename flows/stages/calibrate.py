@@ -228,9 +228,8 @@ def sample_base_policy(inp: CalibrateInputs, ctx, rows: list[dict]):
     from grpo_core.model.loading import load_for_inference
     from grpo_core.rewards import build_reward_functions
     from grpo_core.rollout import backend_for, sampling_params
-    from grpo_core.rollout.custom import rollout_func
     from grpo_core.sampling import sample_and_score
-    from grpo_core.tools import build_toolbox
+    from grpo_core.tools import build_toolbox, load_rollout_func
 
     c, G = inp.calibrate, inp.calibrate.num_generations
     # the base policy as loaded: LoRA adapters (model.lora) would only add zero-initialised weights
@@ -244,7 +243,7 @@ def sample_base_policy(inp: CalibrateInputs, ctx, rows: list[dict]):
                             reward_timeout_s=inp.reward_calls.reward_timeout_s,
                             backend=backend_for(model, tokenizer, inp.generation, seed=c.seed,
                                                 max_prompt_length=inp.data.max_prompt_length),
-                            tools=build_toolbox(inp.tool_use), rollout_func=rollout_func(inp.tool_use))
+                            tools=build_toolbox(inp.tool_use), rollout_func=load_rollout_func(inp.tool_use))
 
 
 def calibration_metrics(weights: dict, difficulty: dict) -> dict[str, float]:

@@ -143,8 +143,7 @@ def sample_policy(policy: str, model_cfg, inp: EvaluateInputs, ctx, rows: list[d
     from grpo_core.rewards import build_reward_functions
     from grpo_core.rewards.judges import build_judges
     from grpo_core.rollout import backend_for, sampling_params
-    from grpo_core.rollout.custom import rollout_func
-    from grpo_core.tools import build_toolbox
+    from grpo_core.tools import build_toolbox, load_rollout_func
 
     e, g = inp.evaluate, inp.generation
     length = e.max_completion_length or g.max_completion_length
@@ -160,7 +159,7 @@ def sample_policy(policy: str, model_cfg, inp: EvaluateInputs, ctx, rows: list[d
                             [r.name for r in inp.rewards], build_judges(inp.rewards), modes, backend=backend,
                             on_error=inp.reward_calls.reward_errors,
                             reward_timeout_s=inp.reward_calls.reward_timeout_s, policy=policy,
-                            tools=build_toolbox(inp.tool_use), rollout_func=rollout_func(inp.tool_use))
+                            tools=build_toolbox(inp.tool_use), rollout_func=load_rollout_func(inp.tool_use))
     finally:
         if hasattr(backend, "close"):  # a vLLM engine: stopped before the next policy's starts
             backend.close()

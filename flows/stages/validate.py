@@ -249,15 +249,14 @@ def run(ctx) -> int:
 
     quiet_libraries()
     from grpo_core.config import only_sections
-    from grpo_core.rollout.custom import rollout_func
-    from grpo_core.tools import build_toolbox, close_all
+    from grpo_core.tools import build_toolbox, close_all, load_rollout_func
 
     tool_use = ctx.cfg.train.tool_use
     cfg = only_sections(ctx.cfg, VALIDATE_SECTIONS)
     # fail fast on what would fail later: every reward and tool must import (exit 2), the model folder must load (5)
     reward_fns = build_reward_functions(cfg.rewards)
     toolbox = build_toolbox(tool_use)
-    rollout_func(tool_use)  # imports, and takes (prompts, trainer)
+    load_rollout_func(tool_use)  # imports, and takes (prompts, trainer)
     sources = None if cfg.data.hub_dataset else local_sources(ctx)  # and every data path resolves (exit 2 / 5)
     names = source_names(ctx, sources)
     with StageRun(ctx) as run:

@@ -18,7 +18,6 @@ run here.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,30 +26,12 @@ import torch
 
 from grpo_core.errors import TrainingFailure
 from grpo_core.rollout.types import RolloutBackend, RolloutBatch, SamplingParams, left_pad
-from grpo_core.tools.registry import ToolConfigError, import_path
 
 REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
 
 class RolloutFuncError(TrainingFailure, RuntimeError):
     """A rollout function returned something other than TRL's dict of token lists; the message says what."""
-
-
-def load_rollout_func(path: str) -> Callable:
-    """``train.rollout_func``'s function, imported and checked: callable as ``fn(prompts, trainer)``."""
-    fn = import_path(path, "train.rollout_func")
-    try:
-        inspect.signature(fn).bind(None, None)
-    except TypeError as exc:
-        raise ToolConfigError(f"train.rollout_func ({path}): cannot be called as fn(prompts, trainer): {exc}") from exc
-    except ValueError:  # a builtin without a signature: nothing to check
-        pass
-    return fn
-
-
-def rollout_func(u) -> Callable | None:
-    """``train.rollout_func`` (a ToolUseConfig view) loaded, or None when unset."""
-    return None if u.rollout_func is None else load_rollout_func(u.rollout_func)
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,10 @@ from grpo_core.tools.registry import (
     build_toolbox,
     close_all,
     environment_tools,
+    load_rollout_func,
     tool_schema,
 )
 
 __all__ = ["CallResult", "ENVIRONMENT_COLUMN", "EnvironmentFailure", "RolloutTools", "ToolCall", "ToolChat",
-           "ToolConfigError", "Toolbox", "Turn", "build_toolbox", "close_all", "environment_tools", "run_calls",
+           "ToolConfigError", "Toolbox", "Turn", "build_toolbox", "close_all", "environment_tools", "load_rollout_func", "run_calls",
            "tool_schema"]

@@ -280,3 +280,19 @@ def probe_environment(factory: Callable, where: str, standalone: Sequence[str]) 
         close = getattr(environment, "close", None)
         if callable(close):
             close()
+
+
+def load_rollout_func(u: ToolUseConfig) -> Callable | None:
+    """``train.rollout_func`` imported and checked - callable as ``fn(prompts, trainer)`` (TRL's
+    ``rollout_func``, run by grpo_core/rollout/custom.py) - or None when unset."""
+    if u.rollout_func is None:
+        return None
+    fn = import_path(u.rollout_func, "train.rollout_func")
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError as exc:
+        raise ToolConfigError(f"train.rollout_func ({u.rollout_func}): cannot be called as fn(prompts, trainer): "
+                              f"{exc}") from exc
+    except ValueError:  # a builtin without a signature: nothing to check
+        pass
+    return fn
