@@ -114,3 +114,22 @@ def test_plain_text_prompts_with_tools_stop_validate(tmp_path, monkeypatch, mode
          tools=["tests.tool_fixtures:multiply"])
     assert main(["validate"]) == EXIT_DATA
     assert "need chat prompts" in capsys.readouterr().err
+
+
+def test_the_plots_show_the_tool_metrics(tmp_path, monkeypatch):
+    import pandas as pd
+
+    from flows.stages import plots
+
+    shown = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: shown.append(fig) or path)
+    log = pd.DataFrame({"step": [1, 2], "reward": [0.1, 0.2], "reward_std": [0.1, 0.1], "kl": [0.0, 0.01],
+                        "completions/mean_length": [20, 22], "tools/call_frequency": [0.5, 0.9],
+                        "tools/failure_frequency": [0.3, 0.1]})
+    plots.training_figure(log, tmp_path / "t.png")
+    assert "tool calls (brown) / failed share (olive)" in [ax.get_title() for ax in shown[0].axes]
+    metrics = {"base": {"accuracy": 0.1, "tool_success_rate": 0.2}, "trained": {"accuracy": 0.3, "tool_success_rate": 0.6}}
+    plots.evaluation_figure(log, metrics, [], tmp_path / "e.png")
+    bars = shown[1].axes[2]
+    assert [t.get_text() for t in bars.get_xticklabels()] == ["accuracy\n(greedy)", "tool\nsuccess"]
+    assert [round(p.get_height(), 2) for p in bars.patches] == [0.1, 0.2, 0.3, 0.6]
