@@ -487,3 +487,10 @@ def test_the_docs_tool_and_environment_work_as_shown():
     counter = namespace["Counter"]()
     counter.reset(start=3, prompt="p")
     assert list(environment_tools(counter)) == ["increment"] and counter.increment(by=2) == "5"
+
+
+def test_a_transformers_without_response_templates_is_named(monkeypatch):
+    tok = qwen_tokenizer()
+    monkeypatch.setattr(type(tok), "parse_response", lambda self, response, schema=None: {}, raising=True)
+    with pytest.raises(ToolConfigError, match="tools need transformers >= 5.15"):
+        ToolChat.for_tokenizer(tok)

@@ -96,6 +96,7 @@ class ToolChat:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ToolConfigError("tools need a chat template: the tokenizer has none (chat prompts are rendered "
                                   "with it, tool schemas included)")
+        _check_response_parsing(tokenizer)
         _check_renders_tool_calls(tokenizer)
         own = getattr(tokenizer, "response_template", None)
         if own is not None:
@@ -171,6 +172,20 @@ class ToolChat:
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                        tokenize=True, return_dict=False, **self.kwargs))
+
+
+def _check_response_parsing(tokenizer) -> None:
+    """transformers' response parsing with a prefix and the tools' schemas (``parse_response(ids, template, prefix=,
+    tools=)``) arrived in transformers 5.15."""
+    import inspect
+
+    import transformers
+
+    parse = getattr(tokenizer, "parse_response", None)
+    accepted = inspect.signature(parse).parameters if parse is not None else {}
+    if "prefix" not in accepted or "tools" not in accepted:
+        raise ToolConfigError(f"tools need transformers >= 5.15 (response parsing with response templates, typed by "
+                              f"the tools' schemas); installed: {transformers.__version__}")
 
 
 def _calls(tool_calls: Any) -> list[ToolCall]:
