@@ -125,6 +125,22 @@ def test_a_failed_call_is_fed_back_and_the_run_goes_on(tok):
     assert (out.tool_calls, out.tool_failures) == (4, 2)
 
 
+def test_a_malformed_call_is_answered_with_why_and_the_model_tries_again(tok):
+    def broken_then_right(text, key):
+        if "malformed tool call" in text:
+            return call_then_answer(text, key) if "408" in text else hermes_call("multiply", a=12, b=34)
+        return '<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 34}\n</tool_call>'
+
+    out, _, _ = rollout(tok, broken_then_right)
+    roles = [m["role"] for m in out.completions[0]]
+    assert roles == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert out.completions[0][0] == {"role": "assistant", "content": '<tool_call>\n{"name": "multiply", '
+                                                                   '"arguments": {"a": 12, "b": 34}\n</tool_call>'}
+    assert out.completions[0][1]["content"].startswith("{'error': 'malformed tool call: json parser could not")
+    assert out.completions[0][-1]["content"] == "The answer is 408"
+    assert (out.tool_calls, out.tool_failures) == (4, 2)
+
+
 # -- through sample_and_score: environments, rewards, closing -------------------------------------------------
 
 
