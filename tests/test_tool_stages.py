@@ -131,3 +131,41 @@ def test_the_plots_show_the_tool_metrics(tmp_path, monkeypatch):
     bars = shown[1].axes[2]
     assert [t.get_text() for t in bars.get_xticklabels()] == ["accuracy\n(greedy)", "tool\nsuccess"]
     assert [round(p.get_height(), 2) for p in bars.patches] == [0.1, 0.2, 0.3, 0.6]
+
+
+# -- calibrate and evaluate sample conversations too ---------------------------------------------------------
+
+
+def test_calibrate_and_evaluate_sample_with_the_tools(tmp_path, monkeypatch, model_dir):
+    import shutil
+
+    import pandas as pd
+
+    import grpo_core.rollout as rollout
+    from tests.tool_fixtures import Script, ScriptedBackend, calculator_policy
+
+    rows = [{"prompt": [{"role": "user", "content": f"what is {a} times {b}"}], "answer": str(a * b)}
+            for a, b in ((12, 34), (5, 6), (7, 8), (9, 3))]
+    (tmp_path / "data/validated").mkdir(parents=True)
+    for split in ("train", "eval"):
+        pd.DataFrame(rows).to_parquet(tmp_path / f"data/validated/{split}.parquet", index=False)
+    shutil.copytree(model_dir, tmp_path / "artifacts/model")
+    raw = {"data": {"train_files": ["x.jsonl"], "max_prompt_length": None},
+           "model": {"name_or_path": str(model_dir)}, "generation": {"max_completion_length": 160},
+           "rewards": [{"name": "correctness", "function": "correctness", "kwargs": {"answer_tag": None}}],
+           "calibrate": {"num_prompts": 4, "num_generations": 2},
+           "evaluate": {"max_samples": 4, "num_generations": 2, "pass_k": [1, 2]},
+           "train": {"num_generations": 2, "per_device_train_batch_size": 4,
+                     "tools": ["tests.tool_fixtures:multiply", "tests.tool_fixtures:add"]}}
+    in_stage_repo(tmp_path, raw, monkeypatch, "tool-sampling-stages")
+    monkeypatch.setattr(rollout, "backend_for", lambda model, tok, g, **kw: ScriptedBackend(
+        Script(tok, calculator_policy, g.max_completion_length)))
+    assert main(["calibrate"]) == EXIT_OK
+    assert "<tool_response>" in (tmp_path / "reports/calibration.md").read_text()  # a sample shows a tool result
+    assert main(["evaluate"]) == EXIT_OK
+    metrics = json.loads((tmp_path / "metrics/eval.json").read_text())
+    for policy in ("base", "trained"):  # the same script: the same numbers
+        assert 0 < metrics[policy]["tool_success_rate"] <= 1 and metrics[policy]["tool_call_frequency"] > 0
+        assert metrics[policy]["accuracy"] > 0  # "The answer is <the tool's product>": the judge reads the model
+    completions = pd.read_parquet(tmp_path / "artifacts/eval/completions.parquet")
+    assert {"tool_calls", "tool_failures", "turns"} <= set(completions.columns)
