@@ -56,8 +56,7 @@ from grpo_core.model.loading import (
 )
 from grpo_core.model.sharding import clip_gradients, is_sharded, shard_model
 from grpo_core.rewards import build_reward_functions
-from grpo_core.rollout import backend_for, sampling_params
-from grpo_core.tools import build_toolbox, load_rollout_func
+from grpo_core.rollout import backend_for
 from grpo_core.train.checkpoint import latest_checkpoint, remove_stale_temp_dirs
 from grpo_core.train.completions import CompletionLog, as_table, completion_rows
 from grpo_core.train.dynamic import fill_round
@@ -291,10 +290,7 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
         # the weights exist: every process must build the same initial weights (FSDP2 shards are not broadcast from
         # rank 0). One process keeps its stream as it was.
         set_seed(t.seed, device_specific=True)
-    run = TrainingRun(t=t, generation=cfg.generation, round_spec=RoundSpec(sampling_params(cfg.generation),
-                                                                         t.num_generations, t.reward_calls,
-                                                                         tools=build_toolbox(t.tool_use),
-                                                                         rollout_func=load_rollout_func(t.tool_use)),
+    run = TrainingRun(t=t, generation=cfg.generation, round_spec=RoundSpec.from_config(cfg.generation, t),
                       logprobs=LogprobOptions.from_config(cfg),
                       loss_fn=GRPOLoss(t.loss, max_completion_length=cfg.generation.max_completion_length),
                       accelerator=accelerator, model=model, policy=policy, ref_model=ref_model,

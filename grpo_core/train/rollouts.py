@@ -14,11 +14,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from grpo_core.advantages import compute_advantages, nanstd
-from grpo_core.config import AdvantageConfig, RewardCallConfig
+from grpo_core.config import AdvantageConfig, GenerationConfig, RewardCallConfig, TrainConfig
 from grpo_core.data import PromptEncoder
-from grpo_core.rollout import RolloutBackend, SamplingParams
+from grpo_core.rollout import RolloutBackend, SamplingParams, sampling_params
 from grpo_core.sampling import sample_and_score
-from grpo_core.tools import Toolbox
+from grpo_core.tools import Toolbox, build_toolbox, load_rollout_func
 from grpo_core.train.round import Round
 
 
@@ -32,6 +32,13 @@ class RoundSpec:
     tools: Toolbox | None = None      # train.tools / environment_factory (grpo_core.tools.build_toolbox): rollouts
                                       # are conversations with tool calls
     rollout_func: Callable | None = None  # train.rollout_func (grpo_core.rollout.custom): the user's own rollout
+
+    @classmethod
+    def from_config(cls, g: GenerationConfig, t: TrainConfig) -> RoundSpec:
+        """params.yaml ``generation`` and ``train`` (G, reward calls, tools / environments / rollout function,
+        imported and checked here)."""
+        return cls(sampling_params(g), t.num_generations, t.reward_calls, tools=build_toolbox(t.tool_use),
+                   rollout_func=load_rollout_func(t.tool_use))
 
 
 def sample_round(*, backend: RolloutBackend, tokenizer, rows: list[dict], row_ids: list[int], encoder: PromptEncoder,
