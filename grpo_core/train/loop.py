@@ -290,7 +290,8 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
         # the weights exist: every process must build the same initial weights (FSDP2 shards are not broadcast from
         # rank 0). One process keeps its stream as it was.
         set_seed(t.seed, device_specific=True)
-    run = TrainingRun(t=t, generation=cfg.generation, round_spec=RoundSpec.from_config(cfg.generation, t),
+    round_spec = RoundSpec.from_config(cfg.generation, t.num_generations, t.reward_calls, t.tool_use)
+    run = TrainingRun(t=t, generation=cfg.generation, round_spec=round_spec,
                       logprobs=LogprobOptions.from_config(cfg),
                       loss_fn=GRPOLoss(t.loss, max_completion_length=cfg.generation.max_completion_length),
                       accelerator=accelerator, model=model, policy=policy, ref_model=ref_model,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from grpo_core.advantages import compute_advantages, nanstd
-from grpo_core.config import AdvantageConfig, GenerationConfig, RewardCallConfig, TrainConfig
+from grpo_core.config import AdvantageConfig, GenerationConfig, RewardCallConfig, ToolUseConfig
 from grpo_core.data import PromptEncoder
 from grpo_core.rollout import RolloutBackend, SamplingParams, sampling_params
 from grpo_core.sampling import sample_and_score
@@ -34,11 +34,12 @@ class RoundSpec:
     rollout_func: Callable | None = None  # train.rollout_func (grpo_core.rollout.custom): the user's own rollout
 
     @classmethod
-    def from_config(cls, g: GenerationConfig, t: TrainConfig) -> RoundSpec:
-        """params.yaml ``generation`` and ``train`` (G, reward calls, tools / environments / rollout function,
-        imported and checked here)."""
-        return cls(sampling_params(g), t.num_generations, t.reward_calls, tools=build_toolbox(t.tool_use),
-                   rollout_func=load_rollout_func(t.tool_use))
+    def from_config(cls, g: GenerationConfig, num_generations: int, reward_calls: RewardCallConfig,
+                    tool_use: ToolUseConfig) -> RoundSpec:
+        """params.yaml ``generation`` and ``train``'s G, reward calls and tools / environments / rollout function
+        (imported and checked here)."""
+        return cls(sampling_params(g), num_generations, reward_calls, tools=build_toolbox(tool_use),
+                   rollout_func=load_rollout_func(tool_use))
 
 
 def sample_round(*, backend: RolloutBackend, tokenizer, rows: list[dict], row_ids: list[int], encoder: PromptEncoder,
