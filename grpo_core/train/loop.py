@@ -57,7 +57,7 @@ from grpo_core.model.loading import (
 )
 from grpo_core.model.sharding import clip_gradients, is_sharded, shard_model
 from grpo_core.rewards import build_reward_functions
-from grpo_core.rollout import backend_for, sampling_params
+from grpo_core.rollout import backend_for
 from grpo_core.train.checkpoint import latest_checkpoint, remove_stale_temp_dirs
 from grpo_core.train.completions import CompletionLog, as_table, completion_rows
 from grpo_core.train.compute_weights import ComputeWeights, uses_compute_weights
@@ -275,8 +275,8 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
         # the weights exist: every process must build the same initial weights (FSDP2 shards are not broadcast from
         # rank 0). One process keeps its stream as it was.
         set_seed(t.seed, device_specific=True)
-    run = TrainingRun(t=t, generation=cfg.generation, round_spec=RoundSpec(sampling_params(cfg.generation),
-                                                                         t.num_generations, t.reward_calls),
+    round_spec = RoundSpec.from_config(cfg.generation, t.num_generations, t.reward_calls, t.tool_use)
+    run = TrainingRun(t=t, generation=cfg.generation, round_spec=round_spec,
                       logprobs=LogprobOptions.from_config(cfg),
                       loss_fn=GRPOLoss(t.loss, max_completion_length=cfg.generation.max_completion_length),
                       accelerator=accelerator, model=placed.model, policy=placed.policy, ref_model=ref_model,
@@ -447,7 +447,7 @@ def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
         with record_function("grpo/old_logprobs"):  # sampled ahead brings the sampling weights' own)
             round_.old_logps = frozen_logprobs(run.model, round_, run.logprobs)
     if corrected:
-        round_.sampler_ratio = sampler_correction(round_.old_logps, round_.sampling_logps, round_.completion_mask,
+        round_.sampler_ratio = sampler_correction(round_.old_logps, round_.sampling_logps, round_.model_mask(),
                                                   t.vllm_importance_sampling_mode, t.vllm_importance_sampling_clip_min,
                                                   t.vllm_importance_sampling_clip_max)
         round_.metrics.update(sampler_metrics(acc, round_))
@@ -504,7 +504,7 @@ def receive_round(run: TrainingRun, state: TrainState) -> None:
 def sampler_metrics(accelerator, round_: Round) -> dict[str, float]:
     """TRL's sampling/* metrics of a round: |old - sampler| log-prob gap over the scored tokens, and the
     correction's ratio (over tokens, or sequences at sequence level), over every process."""
-    mask = round_.completion_mask.bool()
+    mask = round_.model_mask().bool()
     gap = (round_.old_logps - round_.sampling_logps).abs()
     gap = gap[mask & ~torch.isnan(gap)]
     ratio = round_.sampler_ratio.flatten() if round_.sampler_ratio.shape[1] == 1 else round_.sampler_ratio[mask]
