@@ -144,8 +144,8 @@ def test_validate_calibrate_train_and_evaluate_render_the_same_prompt(chat_repo,
     stage = {"name": None}
     render = PromptEncoder.render
 
-    def spy(self, prompt):
-        text = render(self, prompt)
+    def spy(self, prompt, *args, **kwargs):
+        text = render(self, prompt, *args, **kwargs)
         seen.setdefault(stage["name"], {})[prompt] = text
         return text
 
