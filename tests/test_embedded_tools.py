@@ -4,6 +4,7 @@ tool-calling chat template and the warm start's multi-turn transcripts."""
 from __future__ import annotations
 
 import json
+import random
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -126,18 +127,28 @@ def test_splits_are_deterministic_disjoint_chat_rows_with_independently_computed
         [message] = row["prompt"]
         assert message == {"role": "user", "content": p.text}
         numbers = [int(n) for n in re.findall(r"\d+", message["content"])]
-        if len(numbers) == 2:  # a product of 10..999 and 2..99 (a template may name the factors either way round)
+        if len(numbers) == 2:  # a product of 10..999 by 2..99
             a, b = numbers
-            assert row["answer"] == str(a * b)
-            assert (10 <= a <= 999 and 2 <= b <= 99) or (10 <= b <= 999 and 2 <= a <= 99)
+            assert 10 <= a <= 999 and 2 <= b <= 99 and row["answer"] == str(a * b)
+            assert p.expression == f"{a}*{b}"  # the call writes the numbers in the prompt's order
         else:  # a sum of three 100..999
             assert len(numbers) == 3 and all(100 <= n <= 999 for n in numbers)
-            assert row["answer"] == str(sum(numbers))
+            assert row["answer"] == str(sum(numbers)) and p.expression == "+".join(map(str, numbers))
         assert calculator(p.expression) == row["answer"]  # the tool gives the gold answer
         assert p.guess != p.result and abs(p.guess - p.result) <= 0.2 * p.result + 1
         seen_templates.add(p.template)
     assert seen_templates == set(range(len(TEMPLATES)))
     assert json.loads(json.dumps(train[0].row())) == train[0].row()  # jsonl-safe
+
+
+def test_a_guess_is_near_the_result_and_never_equal_to_it():
+    from grpo_core.embedded.tool_tasks import _guess
+
+    rng = random.Random(0)
+    for result in [*range(20, 60), 1368, 98901]:  # 20 = 10*2, the smallest product: 2% of it rounds to nothing
+        guesses = [_guess(rng, result) for _ in range(50)]
+        assert all(g != result and abs(g - result) <= 0.2 * result + 1 for g in guesses)
+        assert any(g < result for g in guesses) and any(g > result for g in guesses)
 
 
 def test_max_operand_below_100_is_refused():
@@ -157,7 +168,7 @@ def test_correctness_scores_the_tool_path_one_and_the_guesses_zero():
     assert bad_call[2]["content"] == "<answer>\n5600\n</answer>"
     assert correctness()(prompts, [tool_path, guess, bad_call], answer=gold) == [1.0, 0.0, 0.0]
     assert CALL_BREAKS == ("none", "bad_call")
-    sums = problem(template=4, operands=(123, 456, 789))
+    sums = problem(template=1, operands=(123, 456, 789))
     assert sums.text == "What is 123 plus 456 plus 789?" and sums.completion()[1]["content"] == "1368"
     assert sums.completion(format_break=1)[0]["tool_calls"][0]["function"]["arguments"] == {
         "expression": "123 plus 456 plus 789"}

@@ -36,19 +36,21 @@ MIN_MAX_OPERAND = 100
 
 @dataclass(frozen=True)
 class ToolTemplate:
-    text: str  # placeholders {name} {obj} and {a} {b} (products) or {a} {b} {c} (sums)
+    text: str  # placeholders {name} {obj} and, in this order, {a} {b} (products) or {a} {b} {c} (sums)
     op: str  # "*" (two operands) or "+" (three)
 
 
+# The operations alternate, so the low- and high-rate ends of template_noise hold both. Numbers appear in the order
+# the expression writes them: copying them in order is what a model this small learns in the warm-start budget.
 TEMPLATES = (
     ToolTemplate("What is {a} times {b}?", "*"),
-    ToolTemplate("Multiply {a} by {b}.", "*"),
-    ToolTemplate("{name} buys {b} boxes of {a} {obj}. How many {obj} is that?", "*"),
-    ToolTemplate("A crate holds {a} {obj}. How many {obj} are in {b} crates?", "*"),
     ToolTemplate("What is {a} plus {b} plus {c}?", "+"),
+    ToolTemplate("Multiply {a} by {b}.", "*"),
     ToolTemplate("Add {a}, {b} and {c}.", "+"),
+    ToolTemplate("{name} packs {a} boxes of {b} {obj}. How many {obj} is that?", "*"),
     ToolTemplate("{name} has {a} {obj}, finds {b} more and then {c} more. How many {obj} now?", "+"),
-    ToolTemplate("Three shelves hold {a}, {b} and {c} {obj}. How many {obj} in all?", "+"),
+    ToolTemplate("There are {a} crates of {b} {obj}. How many {obj} in all?", "*"),
+    ToolTemplate("Three shelves hold {a}, {b} and {c} {obj}. How many {obj} in total?", "+"),
 )
 _OP_WORDS = {"*": " times ", "+": " plus "}
 
