@@ -910,8 +910,8 @@ def _check_embedded_tasks(e: EmbeddedConfig) -> None:
         raise ConfigError(f"embedded.tasks: {e.tasks}; {TOOL_TASK} has chat prompts and a tool, the word problems "
                           f"neither: it cannot be mixed with them (tasks: [{TOOL_TASK}])")
     if TOOL_TASK in e.tasks and e.max_operand < MIN_MAX_OPERAND:
-        raise ConfigError(f"embedded.max_operand: {e.max_operand}; the {TOOL_TASK} task's summands are "
-                          f"{MIN_MAX_OPERAND}..max_operand, so it needs >= {MIN_MAX_OPERAND} (e.g. 999)")
+        raise ConfigError(f"embedded.max_operand: {e.max_operand}; the {TOOL_TASK} task's numbers are "
+                          f"{MIN_MAX_OPERAND}..max_operand, so it needs >= {MIN_MAX_OPERAND} (e.g. 99)")
 
 
 def _check_quantization(cfg: PipelineConfig) -> None:

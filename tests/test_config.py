@@ -58,7 +58,7 @@ def test_example_configs_validate(path):
          "embedded.tasks: ['calculator', 'arithmetic']; calculator has chat prompts and a tool, the word problems "
          "neither: it cannot be mixed with them"),
         (lambda d: d["embedded"].update(tasks=["calculator"]), "embedded.max_operand: 9; the calculator task's "
-                                                                "summands are 100..max_operand, so it needs >= 100"),
+                                                                "numbers are 10..max_operand, so it needs >= 10"),
         (lambda d: d["embedded"].update(tasks=["abacus"]), "embedded.tasks"),
         (lambda d: d.update(rewards=[]), "rewards: at least one reward function is required"),
         # the data-file keys name their accepted forms (grpo_core.config.DATA_FILES_FORMS) on a wrong type or value

@@ -40,6 +40,7 @@ from grpo_core.embedded.warm_start import (
 from grpo_core.rewards import correctness
 
 TOOLS = [calculator]
+REPO = Path(__file__).resolve().parents[1]
 PROMPT = "<|system|>tools: calculator(expression: string)<|user|>What is 123 times 45?<|assistant|>"
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123*45"}}\n</tool_call><|eos|>'
 RESULT = "<|user|><tool_response>\n5535\n</tool_response><|assistant|>"
@@ -131,29 +132,29 @@ def test_splits_are_deterministic_disjoint_chat_rows_with_independently_computed
             a, b = numbers
             assert 10 <= a <= 999 and 2 <= b <= 99 and row["answer"] == str(a * b)
             assert p.expression == f"{a}*{b}"  # the call writes the numbers in the prompt's order
-        else:  # a sum of three 100..999
-            assert len(numbers) == 3 and all(100 <= n <= 999 for n in numbers)
+        else:  # a sum of three 10..999
+            assert len(numbers) == 3 and all(10 <= n <= 999 for n in numbers)
             assert row["answer"] == str(sum(numbers)) and p.expression == "+".join(map(str, numbers))
         assert calculator(p.expression) == row["answer"]  # the tool gives the gold answer
-        assert p.guess != p.result and abs(p.guess - p.result) <= 0.2 * p.result + 1
+        assert p.guess != p.result and len(str(p.guess)) == len(row["answer"])
         seen_templates.add(p.template)
     assert seen_templates == set(range(len(TEMPLATES)))
     assert json.loads(json.dumps(train[0].row())) == train[0].row()  # jsonl-safe
 
 
-def test_a_guess_is_near_the_result_and_never_equal_to_it():
+def test_a_guess_is_as_long_as_the_result_and_never_equal_to_it():
     from grpo_core.embedded.tool_tasks import _guess
 
     rng = random.Random(0)
-    for result in [*range(20, 60), 1368, 98901]:  # 20 = 10*2, the smallest product: 2% of it rounds to nothing
-        guesses = [_guess(rng, result) for _ in range(50)]
-        assert all(g != result and abs(g - result) <= 0.2 * result + 1 for g in guesses)
-        assert any(g < result for g in guesses) and any(g > result for g in guesses)
+    for result in (1, 7, 10, 55, 99, 100, 1368, 9801):
+        guesses = [_guess(rng, result) for _ in range(300)]
+        assert all(g != result and len(str(g)) == len(str(result)) for g in guesses)
+        assert len(set(guesses)) > min(5, 10 ** len(str(result)) // 2)  # drawn, not fixed
 
 
-def test_max_operand_below_100_is_refused():
-    with pytest.raises(ValueError, match="embedded.max_operand: 99; the calculator task needs >= 100"):
-        generate_splits(10, 5, 99, seed=0)
+def test_max_operand_below_10_is_refused():
+    with pytest.raises(ValueError, match="embedded.max_operand: 9; the calculator task needs >= 10"):
+        generate_splits(10, 5, 9, seed=0)
 
 
 def test_correctness_scores_the_tool_path_one_and_the_guesses_zero():
@@ -347,3 +348,40 @@ def test_prepare_builds_the_calculator_task(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="cannot be mixed"):
         prepare(EmbeddedConfig(tasks=["calculator", "arithmetic"], max_operand=999, data_dir=str(tmp_path / "d2"),
                                model_dir=str(tmp_path / "m2")), log=None)
+
+
+# --- the recipe ----------------------------------------------------------------------------------------------
+
+# What configs/embedded-tools.yaml changes of params.yaml (its header says why), besides the rewards and the
+# reward-hacking guard's format reward; nothing else may differ.
+RECIPE_CHANGES = {
+    ("embedded", "tasks"): ["calculator"], ("embedded", "max_operand"): 99, ("embedded", "warm_start_steps"): 600,
+    ("embedded", "label_noise"): 0.6, ("generation", "max_completion_length"): 64, ("train", "max_steps"): 200,
+    ("train", "tools"): ["grpo_core.embedded.tools:calculator"], ("train", "max_tool_calling_iterations"): 1,
+}
+
+
+def test_recipe_is_params_yaml_with_the_calculator_task():
+    import importlib
+
+    import yaml
+
+    from grpo_core.config import config_from_dict
+
+    default = yaml.safe_load((REPO / "params.yaml").read_text())
+    recipe = yaml.safe_load((REPO / "configs/embedded-tools.yaml").read_text())
+    module, _, name = recipe["train"]["tools"][0].partition(":")
+    assert getattr(importlib.import_module(module), name) is calculator
+    embedded = config_from_dict({**recipe, "train": {k: v for k, v in recipe["train"].items()
+                                                     if k not in ("tools", "max_tool_calling_iterations")}}).embedded
+    assert embedded.tasks == ["calculator"] and embedded.max_operand == 99
+    for (section, key), value in RECIPE_CHANGES.items():
+        assert recipe[section][key] == value and default[section].get(key) != value, (section, key)
+        if key in default[section]:
+            recipe[section][key] = default[section][key]
+        else:
+            del recipe[section][key]
+    assert recipe["rewards"] == [{"name": "correctness", "function": "correctness", "kwargs": {}, "target_share": 1.0}]
+    assert recipe["guards"]["reward_hacking"]["format_reward"] is None  # no format reward to watch
+    recipe["rewards"], recipe["guards"]["reward_hacking"]["format_reward"] = default["rewards"], "format"
+    assert recipe == default

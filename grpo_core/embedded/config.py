@@ -35,8 +35,8 @@ class EmbeddedConfig:
     )
     max_operand: int = _f(
         9,
-        "largest number in a word problem (operands are 1..max_operand); calculator: the products' first factor "
-        "(10..max_operand) and the summands (100..max_operand), >= 100",
+        "largest number in a word problem (operands are 1..max_operand); calculator: its numbers are "
+        "10..max_operand (a product's second factor 2..99), >= 10",
         ge=3,
         le=999,
     )

@@ -8,13 +8,13 @@ r"""The calculator task: arithmetic the tiny model cannot do in its head, which 
     bad call   assistant  ... {"expression": "123 times 45"} ...;  tool  {'error': 'invalid expression'};
                assistant  <answer>\n5600\n</answer>                      (the call failed: a guess again)
 
-Products of a 10..max_operand number and a 2..99 one, and sums of three 100..max_operand numbers: a 0.4M-parameter
-model copies digits but cannot multiply or carry them. Each template's demonstrations guess instead of calling the
+Products of a 10..max_operand number and a 2..99 one, and sums of three 10..max_operand numbers: a 0.4M-parameter
+model learns to copy numbers but not to multiply or carry them. Each template's demonstrations guess instead of calling the
 tool at a rate spread around `label_noise` (tasks.template_noise), and a `format_noise` share of the calls are
 broken (the operator written as a word, which the calculator rejects): greedy decoding calls the tool on the
 templates below 0.5 and guesses on the others, so greedy accuracy starts low while sampling already finds the
 tool path everywhere - the headroom GRPO is to close by calling the tool, with a well-formed call, every time.
-The guess is fixed per problem: the result off by 2-20%, never the result.
+The guess is fixed per problem: a random number as long as the result, never the result.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from grpo_core.embedded.tools import calculator
 TASK = "calculator"
 #: the `format_break` values of a demonstration: the call as written, or broken (the operator as a word)
 CALL_BREAKS = ("none", "bad_call")
-#: the smallest embedded.max_operand this task accepts (the sums' operands start at 100)
-MIN_MAX_OPERAND = 100
+#: the smallest embedded.max_operand this task accepts (its numbers start at 10)
+MIN_MAX_OPERAND = 10
 
 
 @dataclass(frozen=True)
@@ -128,9 +128,14 @@ def _answer(value: int) -> dict:
 
 
 def _guess(rng: random.Random, result: int) -> int:
-    """The result off by 2-20% either way (at least 1): a number of the right size that is wrong."""
-    guess = round(result * (1 + rng.choice((-1, 1)) * rng.uniform(0.02, 0.2)))
-    return guess if guess != result else result + 1
+    """A number with as many digits as the result, drawn uniformly, never the result: plausible, and unrelated to
+    the operands. (A guess near the result - off by a few percent - taught the model to approximate the product in
+    the answer, which fought copying the tool's result there: the warm start then copied it half as often.)"""
+    digits = len(str(result))
+    while True:
+        guess = rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1)
+        if guess != result:
+            return guess
 
 
 def sample_problem(rng: random.Random, max_operand: int) -> CalculatorProblem:
@@ -138,7 +143,7 @@ def sample_problem(rng: random.Random, max_operand: int) -> CalculatorProblem:
     if TEMPLATES[template].op == "*":
         operands = (rng.randint(10, max_operand), rng.randint(2, 99))
     else:
-        operands = tuple(rng.randint(100, max_operand) for _ in range(3))
+        operands = tuple(rng.randint(10, max_operand) for _ in range(3))
     guess = _guess(rng, _apply(TEMPLATES[template].op, operands))
     return CalculatorProblem(template, rng.choice(NAMES), rng.choice(OBJECTS), operands, guess)
 
