@@ -1,20 +1,20 @@
 r"""The calculator task: arithmetic the tiny model cannot do in its head, which the calculator tool does.
 
-    prompt     [{"role": "user", "content": "What is 123 times 45?"}]                       answer "5535"
-    tool path  assistant  <tool_call>{"name": "calculator", "arguments": {"expression": "123*45"}}</tool_call>
-               tool       5535
-               assistant  <answer>\n5535\n</answer>
-    guess      assistant  <answer>\n5600\n</answer>                      (no tool: a plausible wrong number)
-    bad call   assistant  ... {"expression": "123 times 45"} ...;  tool  {'error': 'invalid expression'};
-               assistant  <answer>\n5600\n</answer>                      (the call failed: a guess again)
+    prompt     [{"role": "user", "content": "What is 47 times 86?"}]                        answer "4042"
+    tool path  assistant  <tool_call>{"name": "calculator", "arguments": {"expression": "47*86"}}</tool_call>
+               tool       4042
+               assistant  <answer>\n4042\n</answer>
+    guess      assistant  <answer>\n7315\n</answer>                     (no tool: a plausible wrong number)
+    bad call   assistant  ... {"expression": "47 times 86"} ...;  tool  {'error': 'invalid expression'};
+               assistant  <answer>\n7315\n</answer>                     (the call failed: a guess again)
 
 Products of a 10..max_operand number and a 2..99 one, and sums of three 10..max_operand numbers: a 0.4M-parameter
-model learns to copy numbers but not to multiply or carry them. Each template's demonstrations guess instead of calling the
-tool at a rate spread around `label_noise` (tasks.template_noise), and a `format_noise` share of the calls are
-broken (the operator written as a word, which the calculator rejects): greedy decoding calls the tool on the
-templates below 0.5 and guesses on the others, so greedy accuracy starts low while sampling already finds the
-tool path everywhere - the headroom GRPO is to close by calling the tool, with a well-formed call, every time.
-The guess is fixed per problem: a random number as long as the result, never the result.
+model learns to copy numbers, into the call and from the result, but not to multiply or carry. Each template's
+demonstrations guess instead of calling the tool at a rate spread around `label_noise` (tasks.template_noise), and
+a `format_noise` share of the calls are broken (the operator written as a word, which the calculator rejects):
+greedy decoding calls the tool on the templates below 0.5 and guesses on the others, so greedy accuracy starts low
+while sampling finds the tool path on every template - the headroom GRPO closes by calling the tool, with a
+well-formed call, every time. The guess is fixed per problem: a random number as long as the result, never it.
 """
 
 from __future__ import annotations
