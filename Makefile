@@ -10,7 +10,7 @@ export DO_NOT_TRACK := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 
-.PHONY: setup browser test test-fast repro lint bench bench-learning ui clean
+.PHONY: setup browser test test-fast repro lint bench bench-learning bench-gpu bench-gpu-wheels ui pictures clean
 
 # torch==2.13.0 goes in first: it is the CPU wheel on this machine, and the project's range
 # (torch>=2.13,<2.15) is then already satisfied, so pip never fetches a CUDA build.
@@ -63,9 +63,28 @@ bench-learning: setup
 	$(VENV)/bin/dvc repro calibrate
 	$(PY) -m benchmarks.learning $(ARGS)
 
+# The GPU benchmark kit (benchmarks/gpu_kit.py; benchmarks/README.md, "The GPU kit"): make bench-gpu ARGS=--smoke runs
+# the same code on CPU on a tiny model. No `setup` here: on a bare GPU machine (no venv) the machine's python3 runs it
+# over the wheels `make bench-gpu-wheels` left in .whl/, installed into KIT_SITE without the network.
+KIT_SITE ?= /tmp/grpo-kit-site
+bench-gpu:
+	@if [ -x $(PY) ]; then $(PY) -m benchmarks.gpu_kit $(ARGS); \
+	else python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(KIT_SITE) .whl/*.whl \
+	  && PYTHONPATH=$(KIT_SITE):$(CURDIR) python3 -m benchmarks.gpu_kit $(ARGS); fi
+
+# What a bare GPU machine lacks for the kit, as wheels in .whl/ (ignored by git), and the commit stamp beside them
+bench-gpu-wheels: setup
+	$(PY) -m benchmarks.wheelhouse $(ARGS)
+
 ui: setup
 	@$(PY) -m flows.comparison
 	$(VENV)/bin/mlflow ui --backend-store-uri $(MLFLOW_TRACKING_URI) --host 127.0.0.1 --port 5000
+
+# README's MLflow pictures (docs/images/): `make repro`, one `dvc exp run -S train.learning_rate=1e-4`, then the UI
+# in headless chromium (flows/pictures.py; ~6 min on 2 cores). Run it in a fresh clone: it pictures the store's two
+# newest pipelines. ARGS="--learning-rate 5e-4" for another experiment.
+pictures: setup browser
+	$(PY) -m flows.pictures $(ARGS)
 
 clean:
 	rm -rf .pytest_cache .ruff_cache

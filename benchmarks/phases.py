@@ -3,7 +3,7 @@
     python -m benchmarks.phases --side ours|trl [--steps 11] [--levers generation=hf]
 
 Our side: the trainer names its phases with ``torch.profiler.record_function`` (``grpo/generate_round``,
-``grpo/ref_logprobs``, ``grpo/policy_forward``, ``grpo/backward``, ``grpo/optimizer_step``, ...); a CPU profile
+``grpo/ref_logprobs``, ``grpo/policy_forward``, ``grpo/backward``, ``grpo/optimizer_step``, ``grpo/sync_weights``, ...); a CPU profile
 of the run sums each label's time. TRL's side: its methods wrapped with ``time.process_time``. The first step
 (warm-up) is included in the totals, so compare per-step numbers over many steps. One torch thread, as the
 cpu-tiny benchmark; the profiler slows our side down, so read its shares, not its absolute times.
@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import side
     from benchmarks.configs import CONFIGS
     from benchmarks.prepare import prepare
+    from benchmarks.profiling import label_times
     from benchmarks.run import parse_variant
 
     acc: dict[str, float] = collections.defaultdict(float)
@@ -74,10 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.side == "ours":
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 side.main(run_side)
-            for event in prof.key_averages():
-                if event.key.startswith("grpo/"):
-                    acc[event.key] += event.cpu_time_total / 1e6
-                    cnt[event.key] += event.count
+            for key, times in label_times(prof).items():
+                acc[key] += times["cpu_s"]
+                cnt[key] += times["calls"]
         else:
             side.main(run_side)
         result = json.loads((Path(tmp) / "out.json").read_text())

@@ -4,6 +4,11 @@ weight copy each optimizer step triggers).
 
     python -m benchmarks.rollout                              # both models, the three backends, 3 timed rounds
     python -m benchmarks.rollout --models embedded --rounds 2 # one model
+    python -m benchmarks.rollout --backends hf-dynamic hf-static manual --device cuda --dtype bfloat16   # a GPU
+
+Backends: ``vllm`` (a colocated engine), ``manual`` (the hand-written decode loop), ``hf`` (HF generate as the trainer
+picks it: the static cache and compiled decode step on CUDA, the dynamic cache on CPU), ``hf-static`` and
+``hf-dynamic`` (HF generate with that cache whatever the device; the GPU kit, benchmarks/gpu_kit.py, runs both).
 
 Models (random weights, float32, written once to a temp folder; every backend loads the same files):
     embedded       the embedded default's sizes from params.yaml with 3 heads (head size 32: vLLM's CPU attention
@@ -38,7 +43,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 README = Path(__file__).resolve().parent / "README.md"
 BEGIN, END = "<!-- rollout:begin -->", "<!-- rollout:end -->"
 MODELS = ("embedded", "qwen2.5-0.5b")
-BACKENDS = ("vllm", "manual", "hf")
+BACKENDS = ("vllm", "manual", "hf", "hf-static", "hf-dynamic")
+SETTINGS = ("prompts", "generations", "tokens", "rounds", "threads", "dtype", "device")  # what a subprocess gets
 HEAD_SIZE_32 = {"num_attention_heads": 3}  # embedded: 96 hidden / 3 heads
 
 
@@ -46,11 +52,13 @@ HEAD_SIZE_32 = {"num_attention_heads": 3}  # embedded: 96 hidden / 3 heads
 # inputs: one model folder and one prompt list per model, shared by every backend
 
 
-def write_model(model: str, tokens: int, folder: Path) -> None:
+def write_model(model: str, tokens: int, folder: Path, dtype: str = "float32", sizes: dict | None = None) -> None:
+    """The model's files, weights in ``dtype``; sizes: embedded sizes instead of the 3-head default (tests)."""
     from benchmarks.prepare import build_model_and_tokenizer
 
     cfg = BenchConfig(name=f"rollout-{model}", model=model, num_prompts=1, num_generations=1,
-                      max_completion_length=tokens, embedded_overrides=HEAD_SIZE_32 if model == "embedded" else {})
+                      max_completion_length=tokens, dtype=dtype,
+                      embedded_overrides=(sizes or HEAD_SIZE_32) if model == "embedded" else {})
     policy, tokenizer = build_model_and_tokenizer(cfg)
     policy.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -72,30 +80,48 @@ def prompt_ids(folder: Path, n: int) -> list[list[int]]:
 # one backend, in its own process
 
 
+def make_backend(backend_name: str, policy, tokenizer, **vllm_options):
+    """One of BACKENDS over ``policy``: hf-static / hf-dynamic pin HF generate's cache, the others are the trainer's
+    own choices (``grpo_core.rollout.default_backend``)."""
+    from grpo_core.rollout import HFGenerateBackend, default_backend
+
+    if backend_name in ("hf-static", "hf-dynamic"):
+        return HFGenerateBackend(policy, tokenizer, static_cache=backend_name == "hf-static")
+    return default_backend(policy, tokenizer, backend_name, **vllm_options)
+
+
 def time_backend(backend_name: str, folder: Path, prompts: list[list[int]], generations: int, tokens: int,
-                 rounds: int, threads: int) -> dict:
+                 rounds: int, threads: int, dtype: str = "float32", device: str = "cpu") -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_core.rollout import SamplingParams, default_backend
+    from grpo_core.rollout import SamplingParams
 
     torch.set_num_threads(threads)
-    policy = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    cuda = device.startswith("cuda")
+    policy = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     longest = max(len(p) for p in prompts) + tokens
     options = dict(seed=0, max_model_length=longest) if backend_name == "vllm" else {}
     started = time.perf_counter()
-    backend = default_backend(policy, tokenizer, backend_name, **options)
+    backend = make_backend(backend_name, policy, tokenizer, **options)
     start_s = time.perf_counter() - started
     sampling = SamplingParams(max_new_tokens=tokens, temperature=1.0, do_sample=True)
     round_s, round_tokens = [], []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     for _ in range(rounds + 1):  # the first is the warm-up
         started = time.perf_counter()
         batch = backend.generate(prompts, generations, sampling)
+        if cuda:
+            torch.cuda.synchronize()
         round_s.append(time.perf_counter() - started)
         round_tokens.append(int(batch.completion_mask.sum()))
     result = {"backend": backend_name, "round_s": round_s[1:], "tokens_per_round": round_tokens[1:],
-              "torch_threads": torch.get_num_threads()}
+              "warmup_round_s": round_s[0], "torch_threads": torch.get_num_threads(), "dtype": dtype, "device": device,
+              "mean_prompt_tokens": sum(len(p) for p in prompts) / len(prompts)}
+    if cuda:
+        result["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
     median = statistics.median(round_s[1:])
     result["tokens_per_s"] = statistics.median(round_tokens[1:]) / median
     if backend_name == "vllm":
@@ -119,12 +145,13 @@ def weight_sync_seconds(backend, policy, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def run_in_subprocess(backend_name: str, folder: Path, args) -> dict:
-    """One backend's timings, from a fresh Python process (the result comes back as its last stdout line)."""
+def run_in_subprocess(backend_name: str, folder: Path, settings: dict, timeout: float | None = None) -> dict:
+    """One backend's timings, from a fresh Python process (the result comes back as its last stdout line).
+    settings: a value for each of SETTINGS."""
     command = [sys.executable, "-m", "benchmarks.rollout", "--run", backend_name, "--folder", str(folder),
-               "--prompts", str(args.prompts), "--generations", str(args.generations), "--tokens", str(args.tokens),
-               "--rounds", str(args.rounds), "--threads", str(args.threads)]
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+               *(arg for key in SETTINGS for arg in (f"--{key}", str(settings[key])))]
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                          timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmarks.rollout --run {backend_name} on {folder.name} exited {proc.returncode}:\n"
                            f"{proc.stderr[-3000:]}")
@@ -167,7 +194,7 @@ def format_table(result: dict) -> str:
     s = result["settings"]
     lines = [f"**Rollouts** on {result['machine']['cpu']} ({result['machine']['cores']} cores), {s['prompts']} prompts "
              f"x {s['generations']} completions x {s['tokens']} tokens per round, {s['threads']} torch threads, "
-             f"float32, median of {s['rounds']} rounds after a warm-up",
+             f"{s.get('dtype', 'float32')}, median of {s['rounds']} rounds after a warm-up",
              "", "| model | backend | completion tokens/s | x manual | engine start-up s | weight copy s / step |",
              "|---|---|---|---|---|---|"]
     for model, rows in result["models"].items():
@@ -199,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/rollout-<device>.json")
     parser.add_argument("--no-readme", action="store_true", help="leave benchmarks/README.md as it is")
     parser.add_argument("--run", choices=BACKENDS, help=argparse.SUPPRESS)  # one backend, in a subprocess
@@ -207,17 +236,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.run:
         prompts = prompt_ids(args.folder, args.prompts)
         print(json.dumps(time_backend(args.run, args.folder, prompts, args.generations, args.tokens, args.rounds,
-                                      args.threads)))
+                                      args.threads, args.dtype, args.device)))
         return 0
     result = {"command": " ".join(["python -m benchmarks.rollout", *(argv if argv is not None else sys.argv[1:])]),
               "date": time.strftime("%Y-%m-%d"), "machine": machine(), "versions": versions(),
-              "settings": {k: getattr(args, k) for k in ("prompts", "generations", "tokens", "rounds", "threads")},
+              "settings": {k: getattr(args, k) for k in SETTINGS},
               "models": {}}
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as tmp:
         for model in args.models:
             folder = Path(tmp) / model
-            write_model(model, args.tokens, folder)
-            result["models"][model] = {name: run_in_subprocess(name, folder, args) for name in args.backends}
+            write_model(model, args.tokens, folder, args.dtype)
+            result["models"][model] = {name: run_in_subprocess(name, folder, result["settings"]) for name in args.backends}
             print(f"{model}: " + ", ".join(f"{n} {r['tokens_per_s']:,.0f} tok/s" for n, r in
                                            result["models"][model].items()), flush=True)
     out = args.out or RESULTS / f"rollout-{device_slug()}.json"

@@ -137,6 +137,49 @@ def mfu(summary: dict, cfg: BenchConfig, assets: dict, gpu_name: str) -> dict | 
             "mfu": achieved / PEAK_BF16_FLOPS[key]}
 
 
+WHOLE_STEP_FORMULA = (
+    "(6·N·B·(P+C) policy forward+backward + 2·N·B·(P+C) per frozen forward (the reference when beta > 0; old "
+    "log-probs when a round outlives the policy) + 2·N·B·C sampling, one forward per generated token) / step time / "
+    "peak dense bf16 FLOP/s; N = all parameters (a tied head counted once), B = completions per step, P and C = "
+    "mean prompt and completion tokens. Not counted: attention's own FLOPs, the prompts' prefill while sampling, "
+    "gradient checkpointing's recompute")
+
+
+def whole_step_mfu(num_parameters: int, rows: int, prompt_tokens: float, completion_tokens: float,
+                   frozen_forwards: int, step_s: float, gpu_name: str) -> dict | None:
+    """MFU of a whole optimizer step, generation included (WHOLE_STEP_FORMULA); None for a device without a peak
+    in PEAK_BF16_FLOPS (a CPU, an unlisted GPU)."""
+    key = next((k for k in PEAK_BF16_FLOPS if k in gpu_name.lower()), None)
+    if key is None:
+        return None
+    n, tokens = num_parameters, rows * (prompt_tokens + completion_tokens)
+    terms = {"policy_forward_backward": 6 * n * tokens, "frozen_forwards": 2 * n * tokens * frozen_forwards,
+             "sampling": 2 * n * rows * completion_tokens}
+    flops = sum(terms.values())
+    return {"formula": WHOLE_STEP_FORMULA, "flops_per_step": flops, "terms": terms, "step_s": step_s,
+            "achieved_tflops": flops / step_s / 1e12, "peak_tflops": PEAK_BF16_FLOPS[key] / 1e12,
+            "mfu": flops / step_s / PEAK_BF16_FLOPS[key]}
+
+
+def ratios(summaries: dict[str, dict]) -> dict | None:
+    """ours/TRL of the summaries' medians (None unless both sides ran)."""
+    if "ours" not in summaries or "trl" not in summaries:
+        return None
+    o, t = summaries["ours"], summaries["trl"]
+    out = {
+        "completion_tokens_per_s": o["completion_tokens_per_s"] / t["completion_tokens_per_s"],
+        "step_time": o["step_time_s"] / t["step_time_s"],
+        "generation_time": o["generation_time_s"] / t["generation_time_s"],
+        "train_time": o["train_time_s"] / t["train_time_s"],
+        "peak_memory": o["peak_memory_mib"] / t["peak_memory_mib"],
+    }
+    if o.get("cpu_step_time_s") and t.get("cpu_step_time_s"):
+        out["cpu_completion_tokens_per_s"] = o["cpu_completion_tokens_per_s"] / t["cpu_completion_tokens_per_s"]
+        out["cpu_completion_tokens_per_s_best_step"] = (
+            o["cpu_completion_tokens_per_s_best_step"] / t["cpu_completion_tokens_per_s_best_step"])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="GRPO throughput: ours vs TRL 1.16 GRPOTrainer")
     p.add_argument("--config", choices=sorted(CONFIGS), default="cpu-tiny")
@@ -192,24 +235,12 @@ def main(argv: list[str] | None = None) -> int:
                 "command": "python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "date": time.strftime("%Y-%m-%d %H:%M:%S"), "assets": {k: v for k, v in assets.items()
                                                                         if k not in ("model_dir", "data")},
-                "versions": _versions(), "sides": summaries, "variants": {n: v for n, v in variants},
+                "versions": versions(), "sides": summaries, "variants": {n: v for n, v in variants},
                 "raw": {name: [{k: v for k, v in r.items()} for r in rs] for name, rs in runs.items()},
                 "failures": failures,
             }
-            if "ours" in summaries and "trl" in summaries:
-                o, t = summaries["ours"], summaries["trl"]
-                result["ratio_ours_over_trl"] = {
-                    "completion_tokens_per_s": o["completion_tokens_per_s"] / t["completion_tokens_per_s"],
-                    "step_time": o["step_time_s"] / t["step_time_s"],
-                    "generation_time": o["generation_time_s"] / t["generation_time_s"],
-                    "train_time": o["train_time_s"] / t["train_time_s"],
-                    "peak_memory": o["peak_memory_mib"] / t["peak_memory_mib"],
-                }
-                if o.get("cpu_step_time_s") and t.get("cpu_step_time_s"):
-                    result["ratio_ours_over_trl"]["cpu_completion_tokens_per_s"] = (
-                        o["cpu_completion_tokens_per_s"] / t["cpu_completion_tokens_per_s"])
-                    result["ratio_ours_over_trl"]["cpu_completion_tokens_per_s_best_step"] = (
-                        o["cpu_completion_tokens_per_s_best_step"] / t["cpu_completion_tokens_per_s_best_step"])
+            if ratios(summaries) is not None:
+                result["ratio_ours_over_trl"] = ratios(summaries)
             if slug != "cpu":
                 result["mfu_training_part"] = {n: mfu(s, cfg, assets, device_name) for n, s in summaries.items()}
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -255,11 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _versions() -> dict:
+def versions(packages=("torch", "transformers", "trl", "accelerate")) -> dict:
+    """Python's version and each package's (None when it is not installed)."""
     import importlib.metadata as md
 
     out = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "trl", "accelerate"):
+    for pkg in packages:
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:

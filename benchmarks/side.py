@@ -140,6 +140,13 @@ def run_ours(cfg: BenchConfig, assets: dict, workdir: Path, variant: dict) -> di
 # TRL
 
 
+def trl_weights_dtype(cfg: BenchConfig) -> str:
+    """The dtype TRL's trained weights are loaded in: under mixed precision float32, as ours, so both sides keep
+    float32 masters and compute in bf16 (ours on a bf16 compute copy, TRL under accelerate's autocast:
+    docs/precision.md); else ``cfg.dtype`` (both sides' weights in that dtype)."""
+    return "float32" if cfg.mixed_precision in ("bf16", "fp16") else cfg.dtype
+
+
 def run_trl(cfg: BenchConfig, assets: dict, workdir: Path, variant: dict) -> dict:
     import datasets
     from transformers import AutoTokenizer, TrainerCallback
@@ -159,7 +166,8 @@ def run_trl(cfg: BenchConfig, assets: dict, workdir: Path, variant: dict) -> dic
         temperature=cfg.temperature, beta=cfg.beta, loss_type=cfg.loss_type, num_iterations=cfg.num_iterations,
         learning_rate=cfg.learning_rate, lr_scheduler_type="constant", max_steps=cfg.steps, seed=cfg.seed,
         bf16=cfg.dtype == "bfloat16" or cfg.mixed_precision == "bf16", fp16=False, gradient_checkpointing=False, use_vllm=False,
-        model_init_kwargs={"dtype": cfg.dtype},
+        tf32=True if on_cuda else None,  # as our trainer sets up on CUDA (grpo_core/train/loop.py: allow_tf32)
+        model_init_kwargs={"dtype": trl_weights_dtype(cfg)},
         # EOS masked until max_completion_length tokens: equal token counts on both sides (see prepare.py).
         generation_kwargs={"min_new_tokens": cfg.max_completion_length},
         report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True,
@@ -200,7 +208,8 @@ def run_trl(cfg: BenchConfig, assets: dict, workdir: Path, variant: dict) -> dic
               "completion_tokens": n, "mean_completion_length": n / cfg.batch_size}
              for s, g, cs, cg, n in zip(timings["step"], timings["generation"], timings["cpu_step"],
                                         timings["cpu_generation"], timings["tokens"])]
-    return {"steps": steps, "wall_time": wall, "optim": args.optim}
+    return {"steps": steps, "wall_time": wall, "optim": args.optim,
+            "weights_dtype": str(next(trainer.model.parameters()).dtype).removeprefix("torch.")}
 
 
 # ---------------------------------------------------------------------------------------------------

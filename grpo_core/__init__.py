@@ -6,7 +6,8 @@
     advantages.py, loss.py, microbatch.py,       the math: group-relative advantages, the loss family, micro-batch
     calibration.py, evaluation.py                shapes; reward statistics and weights; pass@k
     model/                                       loading, the hand-written forward, log-probs
-    rollout/                                     sampling backends behind one interface (HF, hand-written, vLLM)
+    tools/, rollout/                             tool calling (import, parse, run); sampling backends behind one
+                                                 interface (HF, hand-written, vLLM), the multi-turn loop above them
     data.py, rewards/, sampling.py, validation.py  prompts, reward functions, the one sample-and-score, data checks
     held_out.py                                  a policy scored on held-out prompts (evaluate and eval during training)
     train/                                       the training loop as named phases, its state, checkpoints

@@ -352,6 +352,25 @@ class TrainConfig:
     reward_timeout_s: float = _f(60.0, "seconds one reward-function call may take; a call past it scores None "
                                  "for its samples and is counted (0 = no limit)", ge=0)
     resume: Literal["auto", "never"] = _f("auto", "resume from the latest valid checkpoint, or start fresh")
+    # Agentic rollouts (TRL's names and semantics; grpo_core/tools/, grpo_core/rollout/multiturn.py, docs/agentic.md).
+    # calibrate, train and evaluate all sample with them.
+    tools: list[str] = _f([], "functions the model may call, each `package.module:function` (TRL's tools): type "
+                          "hints on every argument and a docstring (Args: section) make the schema its chat "
+                          "template shows; a completion then runs tool calls turn by turn, tool output masked from "
+                          "the loss. Needs chat prompts")
+    environment_factory: str | dict | None = _f(
+        None, "`package.module:Class` built per rollout: reset(**row) at its start (a string it returns is appended "
+        "to the prompt), its public methods are tools, close() (when defined) after scoring; or {name: "
+        "package.module:Class}, chosen per row by its `environment` column (TRL's environment_factory)")
+    max_tool_calling_iterations: int | None = _f(
+        None, "tool-calling turns per completion at most (None = until the model stops calling tools or "
+        "max_completion_length is reached; TRL's)", ge=0)
+    tool_timeout_s: float = _f(30.0, "seconds one tool call may take; past it the model is answered with the error "
+                               "and the call counts as a failure (0 = no limit)", ge=0)
+    rollout_func: str | None = _f(
+        None, "`package.module:function` that samples a round itself (TRL's rollout_func): called as "
+        "fn(prompts, trainer) and returning {prompt_ids, completion_ids, logprobs[, env_mask]}; not with tools or "
+        "environment_factory")
 
     # The flat keys above, grouped by the code that reads them: each function receives its group (a frozen view,
     # ``_view``), so a reader - and tests/test_dvc_params.py - can tell what it depends on.
@@ -410,6 +429,10 @@ class TrainConfig:
     @property
     def rollouts(self) -> RolloutConfig:
         return _view(RolloutConfig, self)
+
+    @property
+    def tool_use(self) -> ToolUseConfig:
+        return _view(ToolUseConfig, self)
 
     @property
     def effective_steps_per_generation(self) -> int:
@@ -622,6 +645,21 @@ class RolloutConfig:
     mask_truncated_completions: bool
     log_completions_steps: int
     num_completions_to_log: int | None
+
+
+@dataclass(frozen=True)
+class ToolUseConfig:
+    """Agentic rollouts: the tools and environments calibrate, train and evaluate sample with (grpo_core/tools/)."""
+    tools: list[str]
+    environment_factory: str | dict | None
+    max_tool_calling_iterations: int | None
+    tool_timeout_s: float
+    rollout_func: str | None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether completions are multi-turn conversations with tool calls."""
+        return bool(self.tools) or self.environment_factory is not None
 
 
 @dataclass
@@ -877,6 +915,10 @@ def _check_consistency(cfg: PipelineConfig) -> None:
             raise ConfigError(f"rewards[{i}].clip: expected [low, high] with low <= high, got {spec.clip}")
     if len(set(names)) != len(names):
         raise ConfigError(f"rewards: names must be unique, got {names}")
+    for i, spec in enumerate(cfg.rewards):
+        if spec.function == "environment_reward" and t.environment_factory is None:
+            raise ConfigError(f"rewards[{i}]: environment_reward reads each rollout's environment "
+                              f"(get_reward()); set train.environment_factory")
     if t.reward_weights is not None and len(t.reward_weights) != len(cfg.rewards):
         raise ConfigError(f"train.reward_weights: {len(t.reward_weights)} weights for {len(cfg.rewards)} "
                           f"reward functions ({', '.join(names)})")
@@ -902,6 +944,47 @@ def _check_consistency(cfg: PipelineConfig) -> None:
                           "the adapters switched off, so there is no separate reference to mix the policy into "
                           "(TRL raises the same)")
     _check_quantization(cfg)
+    _check_tool_use(t.tool_use)
+
+
+#: how an import path of a tool, an environment or a rollout function is written
+IMPORT_PATH_FORM = "'package.module:name'"
+
+
+def _is_import_path(value: Any) -> bool:
+    module, _, attr = value.partition(":") if isinstance(value, str) else ("", "", "")
+    return bool(module.strip()) and bool(attr.strip()) and " " not in value
+
+
+def _check_tool_use(u: ToolUseConfig) -> None:
+    """The shapes of train.tools / environment_factory / rollout_func; whether they import and have usable
+    signatures is validate's to check (grpo_core/tools/registry.py), before anything samples."""
+    for i, path in enumerate(u.tools):
+        if not _is_import_path(path):
+            raise ConfigError(f"train.tools[{i}]: {path!r} is not an import path; write {IMPORT_PATH_FORM}")
+    if len(set(u.tools)) != len(u.tools):
+        raise ConfigError(f"train.tools: a tool is named twice ({u.tools}); each tool may appear once")
+    factory = u.environment_factory
+    if isinstance(factory, str) and not _is_import_path(factory):
+        raise ConfigError(f"train.environment_factory: {factory!r} is not an import path; write {IMPORT_PATH_FORM} "
+                          f"or a mapping name -> {IMPORT_PATH_FORM}")
+    if isinstance(factory, dict):
+        if not factory:
+            raise ConfigError("train.environment_factory: an empty mapping; name at least one environment, or null")
+        for name, path in factory.items():
+            if not isinstance(name, str) or not name.strip():
+                raise ConfigError(f"train.environment_factory: {name!r} is not an environment name (the values of "
+                                  f"the rows' `environment` column)")
+            if not _is_import_path(path):
+                raise ConfigError(f"train.environment_factory.{name}: {path!r} is not an import path; write "
+                                  f"{IMPORT_PATH_FORM}")
+    if u.rollout_func is not None:
+        if not _is_import_path(u.rollout_func):
+            raise ConfigError(f"train.rollout_func: {u.rollout_func!r} is not an import path; write {IMPORT_PATH_FORM}")
+        if u.enabled:
+            raise ConfigError("train.rollout_func: not with train.tools or train.environment_factory; a rollout "
+                              "function samples the whole conversation itself (return env_mask to mask what it "
+                              "inserted), the tool loop is for the built-in rollout")
 
 
 def _check_embedded_tasks(e: EmbeddedConfig) -> None:
@@ -941,11 +1024,16 @@ def _check_quantization(cfg: PipelineConfig) -> None:
                           "pip install -e '.[qlora]' (make setup installs it)")
 
 
-def eval_metric_names(t: EvalDuringTrainingConfig, reward_names: typing.Sequence[str]) -> list[str]:
+#: what an evaluation with tools adds per mode (grpo_core/evaluation.py ``tool_metrics``)
+TOOL_EVAL_METRICS = ("tool_call_frequency", "tool_failure_frequency", "tool_success_rate")
+
+
+def eval_metric_names(t: EvalDuringTrainingConfig, reward_names: typing.Sequence[str], tools: bool = False) -> list[str]:
     """The step-log keys of one evaluation during training (train.eval_strategy steps) a best model can be
-    chosen by (``eval/runtime``, seconds, is logged besides)."""
+    chosen by (``eval/runtime``, seconds, is logged besides); tools: with the tool metrics."""
     G = t.effective_num_generations_eval
-    per = [*(f"rewards/{n}/mean" for n in reward_names), "format_compliance", "mean_completion_length"]
+    per = [*(f"rewards/{n}/mean" for n in reward_names), "format_compliance", "mean_completion_length",
+           *(TOOL_EVAL_METRICS if tools else ())]
     sampled = [*(f"pass@{k}" for k in sorted({1, G})), *(f"sampled/{m}" for m in per)] if G > 0 else []
     return [f"eval/{m}" for m in ("accuracy", *per, *sampled)]
 
@@ -1009,7 +1097,7 @@ def _check_eval(cfg: PipelineConfig) -> None:
     if cfg.data.hub_dataset is None and not cfg.data.paths("eval"):
         raise ConfigError("train.eval_strategy: steps scores held-out prompts, but data.eval_files is empty; name "
                           "held-out data or set data.hub_dataset")
-    names = eval_metric_names(t.evaluation, [r.name for r in cfg.rewards])
+    names = eval_metric_names(t.evaluation, [r.name for r in cfg.rewards], t.tool_use.enabled)
     if t.evaluation.best_metric is not None and t.evaluation.best_metric not in names:
         raise ConfigError(f"train.metric_for_best_model: {t.metric_for_best_model!r} is not an eval metric; choose "
                           f"one of {', '.join(names)}")
@@ -1138,7 +1226,7 @@ def describe(cls: type) -> list[tuple[str, str, Any, str]]:
 
 TRAIN_VIEWS = (LossConfig, EntropyConfig, OptimizerConfig, BatchConfig, RoundSizeConfig, AdvantageConfig,
                RewardCallConfig, ForwardConfig, ReferenceConfig, SamplerCorrectionConfig, CheckpointConfig,
-               EvalDuringTrainingConfig, ParallelConfig, RolloutConfig)
+               EvalDuringTrainingConfig, ParallelConfig, RolloutConfig, ToolUseConfig)
 
 
 def params_read(inputs: Any) -> list[str]:

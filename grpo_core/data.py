@@ -217,9 +217,16 @@ class PromptEncoder:
         return cls(tokenizer, data.max_prompt_length if truncate else None, data.system_prompt, data.overlong_prompt, data.prompt_format,
                    dict(data.chat_template_kwargs))
 
-    def render(self, prompt: Any) -> str:
+    def messages(self, prompt: Any) -> Any:
+        """The prompt as the chat template gets it (a string under prompt_format chat becomes a user message), or
+        the plain string."""
         if self.prompt_format == "chat" and isinstance(prompt, str):
-            prompt = [{"role": "user", "content": prompt}]
+            return [{"role": "user", "content": prompt}]
+        return prompt
+
+    def render(self, prompt: Any, tools: list | None = None) -> str:
+        """tools: functions whose schemas the chat template shows (train.tools; chat prompts only)."""
+        prompt = self.messages(prompt)
         if is_conversational(prompt):
             messages = list(prompt)
             if self.system_prompt and not any(m["role"] == "system" for m in messages):
@@ -228,15 +235,20 @@ class PromptEncoder:
                 raise DataError("a chat-format prompt needs a tokenizer with a chat template "
                                 f"({type(self.tokenizer).__name__} has none)")
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                      tools=tools or None,  # None: Llama renders tool text for []
                                                       **self.chat_template_kwargs)
         if not isinstance(prompt, str):
             raise DataError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+        if tools:
+            raise DataError("tools (train.tools / environment_factory) need chat prompts, rendered with the chat "
+                            "template that shows the tools: this prompt is plain text; set data.prompt_format: chat "
+                            "or give chat messages")
         if self.system_prompt:
             return self.system_prompt + "\n" + prompt
         return prompt
 
-    def encode(self, prompt: Any, row: int | None = None) -> list[int]:
-        text = self.render(prompt)
+    def encode(self, prompt: Any, row: int | None = None, tools: list | None = None) -> list[int]:
+        text = self.render(prompt, tools)
         # A chat template already wrote its special tokens; plain text gets the tokenizer's own (e.g. BOS).
         templated = is_conversational(prompt) or (self.prompt_format == "chat" and isinstance(prompt, str))
         ids = self.tokenizer(text, add_special_tokens=not templated)["input_ids"]

@@ -66,6 +66,17 @@ def _metric_keys(reward_names: Sequence[str], prefix: str) -> list[str]:
             f"{prefix}mean_completion_length"]
 
 
+def tool_metrics(rows: pd.DataFrame, prefix: str) -> dict[str, Any]:
+    """With tools (records with ``tool_calls`` / ``tool_failures``): calls per completion and failed calls per call
+    (TRL's tools/call_frequency and tools/failure_frequency), and the share of completions with at least one call
+    that succeeded (``tool_success_rate``)."""
+    calls = rows["tool_calls"].astype(np.float64)
+    failures = rows["tool_failures"].astype(np.float64)
+    return {f"{prefix}tool_call_frequency": float(calls.mean()),
+            f"{prefix}tool_failure_frequency": float(failures.sum() / calls.sum()) if calls.sum() else 0.0,
+            f"{prefix}tool_success_rate": float((calls > failures).mean())}
+
+
 def _sample_metrics(rows: pd.DataFrame, reward_names: Sequence[str], prefix: str) -> dict[str, Any]:
     """Means over the rows of one mode: per-reward means (NaN ignored), format compliance, length."""
     out: dict[str, Any] = {}
@@ -74,6 +85,8 @@ def _sample_metrics(rows: pd.DataFrame, reward_names: Sequence[str], prefix: str
         out[f"{prefix}rewards/{name}/mean"] = finite_or_none(col.mean()) if col.notna().any() else None
     out[f"{prefix}format_compliance"] = float(rows["format_ok"].astype(bool).mean())
     out[f"{prefix}mean_completion_length"] = float(rows["completion_length"].astype(np.float64).mean())
+    if "tool_calls" in rows.columns:
+        out.update(tool_metrics(rows, prefix))
     return out
 
 
@@ -88,8 +101,9 @@ def summarize_evaluation(per_sample: pd.DataFrame, ks: Iterable[int],
     Returns (None where there are no rows to average):
       ``accuracy``: greedy pass@1 = mean over prompts of the greedy sample's correctness;
       ``pass@k`` for each k: mean over prompts of ``pass_at_k(n_p, c_p, k)`` on the sampled rows;
-      ``rewards/<name>/mean``, ``format_compliance``, ``mean_completion_length``: over greedy rows (the
-      policy's answer), and the same under ``sampled/`` over sampled rows;
+      ``rewards/<name>/mean``, ``format_compliance``, ``mean_completion_length`` (and with tools, records
+      with ``tool_calls`` / ``tool_failures``, config.TOOL_EVAL_METRICS): over greedy rows (the policy's answer), and
+      the same under ``sampled/`` over sampled rows;
       ``num_prompts``, ``num_samples_per_prompt`` (sampled, minimum over prompts).
     """
     _check_frame(per_sample, reward_names)

@@ -308,12 +308,17 @@ def _gold_reward_checks(df: pd.DataFrame, split: str, rows: list[Any], parsed: d
     return failures, not_applicable
 
 
-def reward_smoke_failures(df: pd.DataFrame, reward_fns: Sequence[Callable[..., list]], num_rows: int = 4,
-                          prompt_column: str = "prompt", answer_column: str = "answer") -> list[dict]:
+SMOKE_ROWS = 4  # train rows every reward is called on once (reward_smoke_failures)
+
+
+def reward_smoke_failures(df: pd.DataFrame, reward_fns: Sequence[Callable[..., list]], num_rows: int = SMOKE_ROWS,
+                          prompt_column: str = "prompt", answer_column: str = "answer",
+                          extra_columns: Mapping[str, list] | None = None) -> list[dict]:
     """Call every reward function once on the first ``num_rows`` rows, the way training will (the TRL
     signature, every other column as a keyword list), with a gold-style completion; a reward that raises,
     or returns the wrong number of values or something other than numbers and None, is a failure here
-    rather than a crash at calibrate or in the middle of training."""
+    rather than a crash at calibrate or in the middle of training. ``extra_columns``: more keyword lists, one
+    value per row (``environments``: each row's environment, just reset)."""
     sub = df.head(num_rows)
     if sub.empty:
         return []
@@ -324,6 +329,7 @@ def reward_smoke_failures(df: pd.DataFrame, reward_fns: Sequence[Callable[..., l
                    for p, t in zip(prompts, texts)]
     columns = {c: sub[c].tolist() for c in sub.columns if c != prompt_column}
     columns["completion_ids"] = [[] for _ in texts]
+    columns.update({k: list(v)[:len(texts)] for k, v in (extra_columns or {}).items()})
     failures = []
     for fn in reward_fns:
         name = getattr(fn, "__name__", repr(fn))
@@ -416,19 +422,35 @@ def _overlap_failures(train_df: pd.DataFrame, eval_df: pd.DataFrame, prompt_colu
     return out
 
 
+def environment_failures(df: pd.DataFrame, split: str, names: Sequence[str]) -> list[dict[str, Any]]:
+    """With ``train.environment_factory`` a mapping, every row's ``environment`` column names one of ``names``
+    (TRL's routing column): a row naming none would stop sampling midway."""
+    if "environment" not in df.columns:
+        return [_row(split, None, "environment", "environment_column",
+                     f"column missing: train.environment_factory maps {sorted(names)}, and each row must name its "
+                     f"environment")]
+    return [_row(split, idx, "environment", "environment_unknown",
+                 f"{value!r} is not one of train.environment_factory's {sorted(names)}")
+            for idx, value in df["environment"].items() if value not in names]
+
+
 def validate_frames(train_df: pd.DataFrame, eval_df: pd.DataFrame | None, *, require_answer: bool,
                     reward_fns_for_gold: list | None = None, count_tokens: Callable[[Any], int] | None = None,
                     max_prompt_length: int | None = None, overlong_policy: str = "truncate",
                     max_report_rows: int = 1000, prompt_column: str = "prompt", answer_column: str = "answer",
                     parse_gold: Callable[[Any], Any] | None = None,
-                    reward_fns_for_smoke: list | None = None) -> ValidationReport:
+                    reward_fns_for_smoke: list | None = None,
+                    environments: Sequence[str] | None = None,
+                    smoke_columns: Mapping[str, list] | None = None) -> ValidationReport:
     """Validate both splits, collecting every failure (see the module docstring for the checks).
 
     ``reward_fns_for_gold``: the correctness rewards (TRL signature) the gold completion must max out;
     None/[] skips the smoke test. ``count_tokens`` is called with the raw prompt - a string, or the list
     of messages for chat prompts (so the caller can apply the chat template). ``eval_df`` may be None.
     ``parse_gold`` defaults to ``grpo_core.rewards.parse_gold``. ``reward_fns_for_smoke``: every configured
-    reward, called once on a few train rows (``reward_smoke_failures``).
+    reward, called once on a few train rows (``reward_smoke_failures``). ``environments``: the names of
+    train.environment_factory's mapping, which each row's ``environment`` column must be one of.
+    ``smoke_columns``: more reward keyword lists for the smoke call (``reward_smoke_failures``).
     """
     if overlong_policy not in OVERLONG_POLICIES:
         raise ValueError(f"overlong_policy must be one of {OVERLONG_POLICIES}, got {overlong_policy!r}")
@@ -455,13 +477,15 @@ def validate_frames(train_df: pd.DataFrame, eval_df: pd.DataFrame | None, *, req
                                 prompt_column="prompt", answer_column="answer")
         failures += f
         warnings += w
+        if environments is not None:
+            failures += environment_failures(df, split, environments)
         for fn_name, count in n.get("gold_reward_not_applicable", {}).items():
             notes.append(f"{split}: reward '{fn_name}' returned None (does not apply) for {count} gold "
                          "completion(s); those rows were not smoke-tested")
     if eval_df is not None:
         failures += _overlap_failures(train_df, eval_df, "prompt")
     if reward_fns_for_smoke:
-        failures += reward_smoke_failures(train_df, reward_fns_for_smoke)
+        failures += reward_smoke_failures(train_df, reward_fns_for_smoke, extra_columns=smoke_columns)
 
     summary: dict[str, Any] = {
         "total_failures": len(failures),

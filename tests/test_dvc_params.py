@@ -86,3 +86,22 @@ def test_an_undeclared_section_cannot_be_read():
     assert cfg.generation.temperature == 1.0 and cfg.evaluate is None and cfg.tracking is None
     with pytest.raises(AttributeError):
         cfg.tracking.promotion_metric  # noqa: B018
+
+
+@pytest.mark.parametrize("params_file", ["params.yaml", *sorted(p.relative_to(ROOT).as_posix()
+                                                                 for p in (ROOT / "configs").glob("*.yaml"))])
+def test_every_key_dvc_yaml_tracks_is_written_in_params_and_each_recipe(params_file):
+    """`dvc repro` refuses a stage whose tracked key is missing from params.yaml ("Parameters ... are missing"):
+    params.yaml and every recipe a user copies over it must write each key dvc.yaml names."""
+    values = YAML(typ="safe", pure=True).load((ROOT / params_file).read_text())
+
+    def present(key: str) -> bool:
+        node = values
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        return True
+
+    tracked = {k for stage in STAGES for k in dvc_params(stage)}
+    assert sorted(k for k in tracked if not present(k)) == []

@@ -110,7 +110,7 @@ LAYERS = [
     ("grpo_core.advantages", "grpo_core.loss", "grpo_core.microbatch", "grpo_core.calibration",
      "grpo_core.evaluation"),
     ("grpo_core.model",),
-    ("grpo_core.rollout",),
+    ("grpo_core.tools", "grpo_core.rollout"),
     ("grpo_core.data", "grpo_core.rewards", "grpo_core.sampling", "grpo_core.validation"),
     ("grpo_core.held_out",),
     ("grpo_core.train",),

@@ -1,7 +1,8 @@
 """Comparing two pipelines the way users do: a real `mlflow server` over the store two `dvc` runs wrote
 (the session's built pipeline, then `dvc exp run --temp -S train.learning_rate=0.002`), read with the client
-API and opened in Debian's chromium (selenium, headless). Screenshots go to ``test-artifacts/`` at the repo
-root (or ``$GRPO_TEST_ARTIFACTS``); README's "Comparing runs" shows one.
+API and opened in Debian's chromium (selenium, headless). The experiment, the server, the browser and the
+pictures are flows/pictures.py's - what `make pictures` runs for the README, here on the tiny pipelines; the
+pictures go to ``test-artifacts/`` at the repo root (or ``$GRPO_TEST_ARTIFACTS``).
 """
 
 from __future__ import annotations
@@ -11,15 +12,16 @@ import json
 import os
 import shutil
 import statistics
+import struct
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from flows.comparison import VIEW_TAG, experiment_url
-from tests.test_pipeline import BIN, GIT, REPO, built_pipeline, copy_repo, dvc, pipeline_env, run, stage_runs
-from tests.test_servers import Server, free_port
+from flows.comparison import CURVE_CHARTS, HEADLINE, RUN_COLOR_TAG, VIEW_TAG
+from flows.pictures import chromium, exp_run, mlflow_ui, take_pictures
+from tests.test_pipeline import GIT, REPO, built_pipeline, copy_repo, dvc, pipeline_env, run, stage_runs
 
 pytestmark = pytest.mark.slow
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -32,8 +34,7 @@ def two_pipelines(tmp_path_factory):
     repo = copy_repo(built_pipeline(tmp_path_factory)[0], tmp_path_factory.mktemp("compare") / "repo")
     run(repo, "git", "add", "-A")
     run(repo, *GIT, "commit", "-q", "-m", "results")
-    proc = dvc(repo, "exp", "run", "--temp", "-S", "train.learning_rate=0.002")
-    out = proc.stdout + proc.stderr
+    out = exp_run(repo, "0.002")
     for stage in ("prepare", "validate", "calibrate"):
         assert f"Stage '{stage}' didn't change" in out
     assert "Running stage 'train'" in out and "Running stage 'evaluate'" in out
@@ -47,14 +48,9 @@ def two_pipelines(tmp_path_factory):
 def server(two_pipelines, tmp_path_factory):
     """`mlflow server` on 127.0.0.1 over the repo's sqlite store; yields its URL."""
     repo, _ = two_pipelines
-    port = free_port()
-    server = Server("mlflow server", [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{repo / 'mlflow.db'}",
-                                      "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                    f"http://127.0.0.1:{port}/health", pipeline_env(),
-                    tmp_path_factory.mktemp("mlflow-server") / "server.log")
-    server.start(timeout=120)
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
+    log = tmp_path_factory.mktemp("mlflow-server") / "server.log"
+    with mlflow_ui(f"sqlite:///{repo / 'mlflow.db'}", log, env=pipeline_env()) as url:
+        yield url
 
 
 def client_for(url: str):
@@ -80,6 +76,15 @@ def built_commit(repo: Path) -> str:
     return run(repo, "git", "rev-list", "--max-parents=0", "HEAD").stdout.strip()
 
 
+def six(value: float) -> float:
+    """6 significant digits, what the parent keeps."""
+    return float(f"{value:.6g}")
+
+
+def history(client, run, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+
+
 def train_log(repo: Path) -> list[dict]:
     with open(repo / "metrics/train_log.csv", newline="") as fh:
         return list(csv.DictReader(fh))
@@ -97,18 +102,27 @@ def test_parents_carry_names_summary_params_datasets_and_source(two_pipelines, s
     assert set(by_name) == {f"baseline {sha[:7]}", exp_name}  # what changed, or that nothing did
     base, exp = by_name[f"baseline {sha[:7]}"], by_name[exp_name]
 
-    # the baseline's summary is its outputs', worked out here from the files
+    # the baseline's curves and numbers are its outputs', worked out here from the files
     metrics, rows = json.loads((repo / "metrics/eval.json").read_text()), train_log(repo)
-    summary = base.data.metrics
-    assert summary["summary/accuracy_base"] == metrics["base"]["accuracy"]
-    assert summary["summary/accuracy_trained"] == metrics["trained"]["accuracy"]
-    assert summary["summary/accuracy_delta"] == metrics["delta"]["accuracy"]
+    last = int(rows[-1]["step"])
+    for key in ("reward", "kl", "entropy", "completions/mean_length"):  # each step's, as in the train log
+        assert history(client, base, key) == [(int(r["step"]), float(r[key])) for r in rows]
+    # the held-out evaluation: the base policy at step 0, the trained one at the last step (6 significant digits)
+    assert history(client, base, "accuracy") == [(0, six(metrics["base"]["accuracy"])),
+                                                 (last, six(metrics["trained"]["accuracy"]))]
     for k in (1, 2, 4):
-        assert summary[f"summary/pass_at_{k}"] == metrics["trained"][f"pass@{k}"]
-    assert summary["summary/final_reward"] == float(rows[-1]["reward"])
-    assert summary["summary/final_kl"] == float(rows[-1]["kl"])
-    assert summary["summary/median_step_time"] == statistics.median(float(r["step_time"]) for r in rows)
-    assert {k for k in exp.data.metrics if k.startswith("summary/")} == {k for k in summary if k.startswith("summary/")}
+        assert history(client, base, f"pass_at_{k}") == [(0, six(metrics["base"][f"pass@{k}"])),
+                                                          (last, six(metrics["trained"][f"pass@{k}"]))]
+    latest = base.data.metrics  # what the runs table shows: the final reward and KL, the trained accuracy
+    assert latest["reward"] == float(rows[-1]["reward"]) and latest["kl"] == float(rows[-1]["kl"])
+    assert latest["accuracy"] == six(metrics["trained"]["accuracy"])
+    assert latest["accuracy_gain"] == six(metrics["delta"]["accuracy"]) and latest["steps"] == len(rows)
+    assert latest["step_time"] == six(statistics.median(float(r["step_time"]) for r in rows))
+    assert set(exp.data.metrics) == set(latest)
+    # another learning rate moves the policy otherwise (the tiny model earns no reward: its reward curves are zeros)
+    assert history(client, exp, "kl") != history(client, base, "kl")
+    # two colors, the second the one after the first
+    assert base.data.tags[RUN_COLOR_TAG] != exp.data.tags[RUN_COLOR_TAG]
 
     # the params that differ, named and recorded; the changed value is a param of the parent
     assert json.loads(exp.data.tags["grpo.params_diff"]) == {"train.learning_rate": 0.002}
@@ -133,9 +147,8 @@ def test_parents_carry_names_summary_params_datasets_and_source(two_pipelines, s
     exp_meta = client.get_experiment(base.info.experiment_id)
     assert exp_meta.tags["mlflow.experimentKind"] == "finetuning"
     view = json.loads(json.loads(exp_meta.tags[VIEW_TAG])["state"])
-    assert "params.`train.learning_rate`" in view["selectedColumns"]
-    assert view["selectedColumns"].index("metrics.`summary/accuracy_trained`") < view["selectedColumns"].index(
-        "params.`train.learning_rate`")
+    assert view["selectedColumns"] == [f"metrics.`{m}`" for m in HEADLINE] + ["params.`train.learning_rate`"]
+    assert [c["metricKey"] for c in view["compareRunCharts"]] == list(CURVE_CHARTS)
 
 
 def test_train_run_leads_with_reward_and_kl_and_the_model_is_logged_and_registered(two_pipelines, server,
@@ -192,17 +205,8 @@ def browser():
         if os.environ.get("CI"):
             pytest.fail("chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)")
         pytest.skip("Debian's chromium and chromium-driver are not installed")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=2200,1100"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
-    driver.set_page_load_timeout(120)
-    yield driver
-    driver.quit()
+    with chromium() as driver:
+        yield driver
 
 
 def wait_for(driver, condition, what: str, timeout: float = 90.0, shot: str | None = None):
@@ -217,48 +221,42 @@ def wait_for(driver, condition, what: str, timeout: float = 90.0, shot: str | No
     raise AssertionError(f"the page never showed {what}; body text:\n{driver.find_element('tag name', 'body').text[:3000]}")
 
 
-def test_browser_shows_the_parents_with_metrics_and_the_comparison_chart(two_pipelines, server, browser):
-    from selenium.webdriver.common.by import By
-
+def test_browser_overlays_the_two_pipelines_learning_curves_in_the_pictures(two_pipelines, server, browser):
+    """What `make pictures` checks and shoots, checked here against the store: the runs table with a row per
+    pipeline and no column name cut, and the chart view's learning curves, a curve per pipeline with its values."""
     repo, exp_name = two_pipelines
-    SHOTS.mkdir(parents=True, exist_ok=True)
     client = client_for(server)
     by_name = parents(client)
-    exp_id = next(iter(by_name.values())).info.experiment_id
-    sha = built_commit(repo)
+    base_name = f"baseline {built_commit(repo)[:7]}"
+    exp_id = by_name[base_name].info.experiment_id
+    names = [base_name, exp_name]
 
-    browser.get(experiment_url(server, exp_id))
-    body = lambda d: d.find_element(By.TAG_NAME, "body").text  # noqa: E731
-    wait_for(browser, lambda d: exp_name in body(d) and f"baseline {sha[:7]}" in body(d),
-             "both parent runs in the runs table", shot="runs.png")
-    for close in browser.find_elements(By.CSS_SELECTOR, "button[aria-label='Close']"):  # the assistant panel
-        close.click()
-    wait_for(browser, lambda d: "summary/accuracy_trained" in body(d) and "train.learning_rate" in body(d),
-             "the summary metrics and the changed param as columns", shot="runs.png")
-    for parent in by_name.values():  # each pipeline's row shows its summary and its learning rate
-        kl = f"{parent.data.metrics['summary/final_kl']:.6g}"
-        wait_for(browser, lambda d, kl=kl: kl in body(d), f"final KL {kl}", shot="runs.png")
-    assert "0.002" in body(browser) and "0.001" in body(browser)
-    time.sleep(1)
-    browser.save_screenshot(str(SHOTS / "mlflow-runs.png"))
+    pictures = take_pictures(browser, server, exp_id, names, SHOTS)
 
-    browser.get(experiment_url(server, exp_id, chart=True))
-    for close in browser.find_elements(By.CSS_SELECTOR, "button[aria-label='Close']"):
-        close.click()
-    charts = wait_for(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".js-plotly-plot")) >= 3 and
-                      d.find_elements(By.CSS_SELECTOR, ".js-plotly-plot"), "the comparison charts", shot="charts.png")
-    wait_for(browser, lambda d: "summary" in body(d) and "accuracy_trained" in body(d),
-             "the summary section first", shot="charts.png")
-    # the bar chart of a summary metric has one bar per pipeline
-    bars = wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".js-plotly-plot .bars path, "
-                                                                          ".js-plotly-plot .point path"),
-                    "bars in the charts", shot="charts.png")
-    assert charts and bars
-    time.sleep(1)
-    browser.save_screenshot(str(SHOTS / "mlflow-charts.png"))
+    headers = [h["text"] for h in pictures.headers]
+    assert set(HEADLINE) | {"train.learning_rate"} <= set(headers) and not any(h["cut"] for h in pictures.headers)
+    assert headers.index("accuracy") < headers.index("train.learning_rate")
+    charts = pictures.charts
+    assert set(charts) == set(CURVE_CHARTS) - {"eval/accuracy"}  # no in-training evaluation: no chart for it
+    for title, chart in charts.items():  # each chart draws the two pipelines' curves, as the parents logged them
+        assert set(chart.curves) == set(names)
+        for name in names:
+            assert chart.curves[name] == [(float(s), v) for s, v in history(client, by_name[name], title)]
+    kl = charts["kl"].curves  # two curves, with different values
+    assert kl[base_name] != kl[exp_name] and len(kl[base_name]) == len(kl[exp_name]) == len(train_log(repo))
+    for path in pictures.files:  # PNGs (the header's IHDR chunk holds the size) of a 1600 px wide page
+        head = path.read_bytes()[:24]
+        width, height = struct.unpack(">II", head[16:24])
+        assert head[:8] == b"\x89PNG\r\n\x1a\n" and width == 1600 and height >= 400
+    assert [p.name for p in pictures.files] == ["mlflow-runs.png", "mlflow-charts.png"]
 
-    train = children(client, by_name[f"baseline {sha[:7]}"])["train"]
-    browser.get(f"{server}/#/experiments/{exp_id}/runs/{train.info.run_id}/model-metrics")
+
+def test_train_run_page_opens_on_reward_and_kl(two_pipelines, server, browser):
+    repo, _ = two_pipelines
+    client = client_for(server)
+    train = children(client, parents(client)[f"baseline {built_commit(repo)[:7]}"])["train"]
+    browser.get(f"{server}/#/experiments/{train.info.experiment_id}/runs/{train.info.run_id}/model-metrics")
+    body = lambda d: d.find_element("tag name", "body").text  # noqa: E731
     wait_for(browser, lambda d: "0_overview" in body(d), "the overview section", shot="train.png")
     text = body(browser)
     assert text.index("0_overview") < text.index("clip_ratio")  # reward and KL before the clip ratios

@@ -97,7 +97,9 @@ def test_deploy_schedule_run_and_worker_complete_the_flow(servers, tmp_path_fact
     # resumed from the built run's last checkpoint: this run trained (and logged) the one new step
     assert train.data.tags["train.checkpoints"] == f"resume:checkpoint-{TINY['train']['max_steps']}"
     assert [m.step for m in client.get_metric_history(train.info.run_id, "reward")] == [4]
-    assert parent.data.metrics["summary/steps"] == 4 and "summary/accuracy_trained" in parent.data.metrics
+    assert parent.data.metrics["steps"] == 4 and "accuracy" in parent.data.metrics
+    # the parent's curve is the whole train log's, the resumed run's first steps included
+    assert sorted(m.step for m in client.get_metric_history(parent.info.run_id, "reward")) == [1, 2, 3, 4]
     assert "pipeline_summary.md" in {a.path for a in client.list_artifacts(parent.info.run_id)}
 
     artifacts = read_from_api(env, lambda c: artifacts_of(c, flow_run_id))

@@ -44,8 +44,9 @@ def test_exit_codes_follow_the_exception_class():
     assert isinstance(ConfigError("x"), ValueError) and isinstance(GuardStop("x"), RuntimeError)  # callers' catches
 
 
-# Raised inside one module and handled there, never a stage's failure.
-INTERNAL_ERRORS = {"RewardTimeout", "StageFailed", "PermanentStageFailure", "StageTimeout"}
+# Raised inside one module and handled there, never a stage's failure; PicturesError is `make pictures`' own (no stage
+# and no Prefect task runs flows/pictures.py).
+INTERNAL_ERRORS = {"RewardTimeout", "StageFailed", "PermanentStageFailure", "StageTimeout", "PicturesError"}
 
 
 def test_every_error_class_of_the_project_carries_an_exit_code():

@@ -54,11 +54,12 @@ class CalibrateInputs:
     data: Any
     round_size: Any       # train.per_device_train_batch_size, ...: as many sequences at once as a training round
     reward_calls: Any     # train.reward_errors, reward_timeout_s
+    tool_use: Any         # train.tools, environment_factory, ...: sampled with the tools training samples with
 
 
 def stage_inputs(cfg) -> CalibrateInputs:
     return CalibrateInputs(cfg.calibrate, cfg.generation, cfg.model, cfg.rewards, cfg.data, cfg.train.round_size,
-                           cfg.train.reward_calls)
+                           cfg.train.reward_calls, cfg.train.tool_use)
 
 
 def sampling_rows(inp: CalibrateInputs) -> list[tuple[str, Any, str]]:
@@ -228,6 +229,7 @@ def sample_base_policy(inp: CalibrateInputs, ctx, rows: list[dict]):
     from grpo_core.rewards import build_reward_functions
     from grpo_core.rollout import backend_for, sampling_params
     from grpo_core.sampling import sample_and_score
+    from grpo_core.tools import build_toolbox, load_rollout_func
 
     c, G = inp.calibrate, inp.calibrate.num_generations
     # the base policy as loaded: LoRA adapters (model.lora) would only add zero-initialised weights
@@ -240,7 +242,8 @@ def sample_base_policy(inp: CalibrateInputs, ctx, rows: list[dict]):
                             batch_size=batch_size, on_error=inp.reward_calls.reward_errors, seed=c.seed,
                             reward_timeout_s=inp.reward_calls.reward_timeout_s,
                             backend=backend_for(model, tokenizer, inp.generation, seed=c.seed,
-                                                max_prompt_length=inp.data.max_prompt_length))
+                                                max_prompt_length=inp.data.max_prompt_length),
+                            tools=build_toolbox(inp.tool_use), rollout_func=load_rollout_func(inp.tool_use))
 
 
 def calibration_metrics(weights: dict, difficulty: dict) -> dict[str, float]:

@@ -73,12 +73,13 @@ class EvaluateInputs:
     data: Any
     tracking: Any
     reward_calls: Any     # train.reward_errors, reward_timeout_s
+    tool_use: Any         # train.tools, environment_factory, ...: both policies sampled with the training tools
     output_dir: str = field(metadata={"param": "train.output_dir"})   # where train wrote the model
 
 
 def stage_inputs(cfg) -> EvaluateInputs:
     return EvaluateInputs(cfg.evaluate, cfg.generation, cfg.model, cfg.rewards, cfg.data, cfg.tracking,
-                          cfg.train.reward_calls, cfg.train.output_dir)
+                          cfg.train.reward_calls, cfg.train.tool_use, cfg.train.output_dir)
 
 
 def sampling_rows(inp) -> list[tuple[str, Any, str]]:
@@ -117,9 +118,13 @@ def promotion_decision(metric: str, trained: float | None, base: float | None, c
     return decision
 
 
-def known_metric_names(cfg) -> list[str]:
+def known_metric_names(cfg, tools: bool = False) -> list[str]:
+    """eval.json's metric keys (tools: with the tool metrics, grpo_core/evaluation.py ``tool_metrics``)."""
+    from grpo_core.config import TOOL_EVAL_METRICS
+
     names = [r.name for r in cfg.rewards]
-    per = [*(f"rewards/{n}/mean" for n in names), "format_compliance", "mean_completion_length"]
+    per = [*(f"rewards/{n}/mean" for n in names), "format_compliance", "mean_completion_length",
+           *(TOOL_EVAL_METRICS if tools else ())]
     return ["accuracy", *(f"pass@{k}" for k in cfg.evaluate.pass_k), *per, *(f"sampled/{m}" for m in per)]
 
 
@@ -138,6 +143,7 @@ def sample_policy(policy: str, model_cfg, inp: EvaluateInputs, ctx, rows: list[d
     from grpo_core.rewards import build_reward_functions
     from grpo_core.rewards.judges import build_judges
     from grpo_core.rollout import backend_for, sampling_params
+    from grpo_core.tools import build_toolbox, load_rollout_func
 
     e, g = inp.evaluate, inp.generation
     length = e.max_completion_length or g.max_completion_length
@@ -152,7 +158,8 @@ def sample_policy(policy: str, model_cfg, inp: EvaluateInputs, ctx, rows: list[d
         return score_policy(tokenizer, rows, indices, encoder, build_reward_functions(inp.rewards),
                             [r.name for r in inp.rewards], build_judges(inp.rewards), modes, backend=backend,
                             on_error=inp.reward_calls.reward_errors,
-                            reward_timeout_s=inp.reward_calls.reward_timeout_s, policy=policy)
+                            reward_timeout_s=inp.reward_calls.reward_timeout_s, policy=policy,
+                            tools=build_toolbox(inp.tool_use), rollout_func=load_rollout_func(inp.tool_use))
     finally:
         if hasattr(backend, "close"):  # a vLLM engine: stopped before the next policy's starts
             backend.close()
@@ -308,9 +315,9 @@ def run(ctx) -> int:
     quiet_libraries()
     inp = stage_inputs(with_validated_data(ctx.cfg))
     e = inp.evaluate
-    if inp.tracking.promotion_metric not in known_metric_names(inp):
+    if inp.tracking.promotion_metric not in known_metric_names(inp, inp.tool_use.enabled):
         raise StageConfigError(f"tracking.promotion_metric: '{inp.tracking.promotion_metric}' is not an evaluation "
-                               f"metric; choose one of {', '.join(known_metric_names(inp))}")
+                               f"metric; choose one of {', '.join(known_metric_names(inp, inp.tool_use.enabled))}")
     require_file(ctx.path(VALIDATED_EVAL), "validate")
     model_dir = require_file(ctx.path(inp.output_dir) / "model", "train")
     names = [r.name for r in inp.rewards]

@@ -58,15 +58,21 @@ def _save(fig, path: Path) -> Path:
 
 
 def training_figure(log, path: Path) -> Path:
-    """Reward, KL and length over steps; with evaluation during training, held-out greedy accuracy too."""
+    """Reward, KL and length over steps; with evaluation during training, held-out greedy accuracy too; with tools,
+    tool calls per completion and the share of calls that failed."""
     plt = _pyplot()
     evals = log.dropna(subset=["eval/accuracy"]) if "eval/accuracy" in log.columns else log.iloc[0:0]
-    fig, axes = plt.subplots(1, 4 if len(evals) else 3, figsize=(17 if len(evals) else 13, 3.6))
+    tools = "tools/call_frequency" in log.columns
+    panels = 3 + bool(len(evals)) + tools
+    fig, axes = plt.subplots(1, panels, figsize=(4.3 * panels, 3.6))
     _curve(axes[0], log, "reward", "reward (weighted, mean)", "tab:blue", band="reward_std")
     _curve(axes[1], log, "kl", "KL to reference", "tab:red")
     _curve(axes[2], log, "completions/mean_length", "mean completion length", "tab:green")
     if len(evals):
         _curve(axes[3], evals, "eval/accuracy", "held-out greedy accuracy (eval)", "tab:purple")
+    if tools:
+        _curve(axes[-1], log, "tools/call_frequency", "tool calls per completion", "tab:brown")
+        _curve(axes[-1], log, "tools/failure_frequency", "tool calls (brown) / failed share (olive)", "tab:olive")
     fig.suptitle("GRPO training")
     try:
         return _save(fig, path)
@@ -87,6 +93,8 @@ def evaluation_figure(log, metrics: Mapping[str, Any], pass_k: list[int], path: 
     ax = axes[2]
     labels = ["accuracy\n(greedy)"] + [f"pass@{k}" for k in pass_k]
     keys = ["accuracy"] + [f"pass@{k}" for k in pass_k]
+    if "tool_success_rate" in metrics["trained"]:  # with tools: completions with a call that succeeded (greedy)
+        labels, keys = labels + ["tool\nsuccess"], keys + ["tool_success_rate"]
     base = [_num(metrics["base"].get(k)) for k in keys]
     trained = [_num(metrics["trained"].get(k)) for k in keys]
     width = 0.38

@@ -37,7 +37,10 @@ import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flows.comparison import PipelineSummary
 
 PARENT_RUN_ENV = "GRPO_PARENT_RUN_ID"
 RUN_GROUP_ENV = "GRPO_RUN_GROUP"
@@ -220,18 +223,21 @@ def create_parent_run(uri: str, experiment: str, *, run_name: str, tags: Mapping
 
     First marks KILLED the runs a killed pipeline left RUNNING (``reap_killed_runs``), then creates the run
     (``diff``: the params that differ from the committed params.yaml, tag ``grpo.params_diff``; ``owner``: the
-    process whose death ends it) and refreshes the experiment's kind and saved view
-    (``flows.comparison.prepare_experiment_view``).
+    process whose death ends it; a color other than the previous pipeline's, ``flows.comparison.next_run_color``)
+    and refreshes the experiment's kind and saved view (``flows.comparison.prepare_experiment_view``).
     """
     from mlflow.entities import Param
 
-    from flows.comparison import prepare_experiment_view
+    from flows.comparison import RUN_COLOR_TAG, next_run_color, prepare_experiment_view
     from flows.tracking import default_artifact_location, get_or_create_experiment
 
     client = _client(uri)
     exp_id = get_or_create_experiment(client, experiment, default_artifact_location(uri))
     reap_killed_runs(client, exp_id)
-    extra = {ROLE_TAG: "pipeline", "mlflow.project.entryPoint": "pipeline"}
+    newest = client.search_runs([exp_id], filter_string=f"tags.`{ROLE_TAG}` = 'pipeline'", max_results=1,
+                                order_by=["attribute.start_time DESC"])
+    extra = {ROLE_TAG: "pipeline", "mlflow.project.entryPoint": "pipeline",
+             RUN_COLOR_TAG: next_run_color(newest[0].data.tags.get(RUN_COLOR_TAG) if newest else None)}
     if diff is not None:
         extra["grpo.params_diff"] = json.dumps(diff, default=str)[:7000]
     if owner:
@@ -392,8 +398,9 @@ class StageRun:
             values.update({f"{HEADLINE_SECTION}/{k}": metrics[k] for k in HEADLINE_METRICS if k in metrics})
             self.tracker.log_metrics(values, step=step)
 
-    def log_to_parent(self, summary: Mapping[str, float]) -> None:
-        """Summary metrics on the pipeline's parent run (``flows.comparison.pipeline_summary``)."""
+    def log_to_parent(self, summary: PipelineSummary) -> None:
+        """The learning curves and summary numbers (a ``flows.comparison.PipelineSummary``) on the pipeline's parent
+        run: what the experiment's chart view compares."""
         from flows.comparison import log_summary
 
         if self.client is not None and self.parent_run_id and summary:

@@ -35,7 +35,7 @@ from grpo_core.files import atomic_path, write_json_atomic, write_text_atomic
 from grpo_core.rewards.judges import CORRECTNESS_FUNCTIONS
 
 #: what validate reads of params.yaml (tests/test_dvc_params.py checks dvc.yaml lists each); its code is handed a
-#: config holding only these sections
+#: config holding only these sections, and the tool keys of train: (ToolUseConfig)
 VALIDATE_SECTIONS = ("data", "rewards", "validate", "model")
 
 
@@ -45,10 +45,11 @@ class ValidateInputs:
     rewards: list
     validate: Any
     model: Any
+    tool_use: Any  # train.tools, environment_factory, ... (a ToolUseConfig view)
 
 
 def stage_inputs(cfg) -> ValidateInputs:
-    return ValidateInputs(*(getattr(cfg, name) for name in VALIDATE_SECTIONS))
+    return ValidateInputs(*(getattr(cfg, name) for name in VALIDATE_SECTIONS), cfg.train.tool_use)
 
 
 REPORT_JSON = "reports/validation.json"
@@ -173,18 +174,59 @@ def _to_parquet(df, path: Path) -> None:
         df.to_parquet(tmp, index=False)
 
 
-def check_prompts_render(encoder, train_df, cfg) -> None:
-    """The first train prompt through the encoder every stage uses: a chat-format prompt with a tokenizer that
-    has no chat template fails here, naming the keys, instead of at calibrate."""
+def check_prompts_render(encoder, train_df, cfg, tools: list | None = None) -> None:
+    """The first train prompt through the encoder every stage uses (with the tools' schemas when there are tools):
+    a chat-format prompt with a tokenizer that has no chat template, or a plain-text prompt with tools, fails here,
+    naming the keys, instead of at calibrate."""
     from grpo_core.data import DataError
 
     if train_df.empty or "prompt" not in train_df.columns:
         return  # the schema checks report it
     try:
-        encoder.render(train_df["prompt"].iloc[0])
+        encoder.render(train_df["prompt"].iloc[0], tools)
     except DataError as err:
         raise DataError(f"model.name_or_path '{cfg.model.name_or_path}' with data.prompt_format "
                         f"'{cfg.data.prompt_format}': the train prompts cannot be rendered: {err}") from err
+
+
+def smoke_environments(toolbox, train_df) -> list:
+    """With environments, one reset for each train row the reward smoke test calls the rewards on (so rewards that
+    read ``environments`` are called as training calls them); none when a row names no known environment (the
+    report lists it)."""
+    from grpo_core.tools import EnvironmentFailure
+    from grpo_core.validation import SMOKE_ROWS
+
+    if toolbox is None or toolbox.factories is None:
+        return []
+    rows = train_df.head(SMOKE_ROWS).to_dict("records")
+    try:
+        return toolbox.open(rows, [f"train row {i}" for i in train_df.index[:SMOKE_ROWS]])
+    except EnvironmentFailure:
+        return []
+
+
+def check_tools(toolbox, tokenizer, train_df, cfg) -> list | None:
+    """Tools against the model and the data, before anything samples: the chat template can show tool calls and
+    their results and writes calls in a format with a parser (``ToolChat``), and each environment resets on a
+    train row of its own (its columns taken, None or text returned). Returns every tool a prompt may show (for
+    the prompt-length checks); None without tools. Raises ToolConfigError (exit 2) naming what is wrong."""
+    from grpo_core.tools import ToolChat, ToolConfigError
+
+    if toolbox is None:
+        return None
+    try:
+        ToolChat.for_tokenizer(tokenizer, cfg.data.chat_template_kwargs)
+    except ToolConfigError as err:
+        raise ToolConfigError(f"model.name_or_path '{cfg.model.name_or_path}' with train.tools / "
+                              f"environment_factory: {err}") from err
+    if toolbox.factories is not None and not train_df.empty:
+        first = {}  # one train row per environment it names (known names only: the report lists the others)
+        for idx, row in zip(train_df.index, train_df.to_dict("records")):
+            name = row.get("environment") if toolbox.multi_environment else None
+            if name not in first and (name in toolbox.factories):
+                first[name] = (f"train row {idx}", row)
+        toolbox.check_reset([row for _, row in first.values()], [label for label, _ in first.values()])
+    return toolbox.all_tools()
 
 
 def gold_parser(cfg):
@@ -207,10 +249,14 @@ def run(ctx) -> int:
 
     quiet_libraries()
     from grpo_core.config import only_sections
+    from grpo_core.tools import build_toolbox, close_all, load_rollout_func
 
+    tool_use = ctx.cfg.train.tool_use
     cfg = only_sections(ctx.cfg, VALIDATE_SECTIONS)
-    # fail fast on what would fail later: every reward must import (exit 2), the model folder must load (5)
+    # fail fast on what would fail later: every reward and tool must import (exit 2), the model folder must load (5)
     reward_fns = build_reward_functions(cfg.rewards)
+    toolbox = build_toolbox(tool_use)
+    load_rollout_func(tool_use)  # imports, and takes (prompts, trainer)
     sources = None if cfg.data.hub_dataset else local_sources(ctx)  # and every data path resolves (exit 2 / 5)
     names = source_names(ctx, sources)
     with StageRun(ctx) as run:
@@ -218,15 +264,22 @@ def run(ctx) -> int:
         train_df, eval_df = load_frames(ctx, sources)
         tokenizer = load_tokenizer(cfg.model, ctx.root)
         encoder = PromptEncoder.from_config(tokenizer, cfg.data, truncate=False)
-        check_prompts_render(encoder, train_df, cfg)
+        tools = check_tools(toolbox, tokenizer, train_df, cfg)
+        check_prompts_render(encoder, train_df, cfg, tools)
         correctness = [fn for fn, spec in zip(reward_fns, cfg.rewards) if spec.function in CORRECTNESS_FUNCTIONS]
         gold_fns = correctness if cfg.validate.check_gold_reward and correctness else None
-        report = validate_frames(
-            train_df, eval_df, require_answer=bool(correctness), reward_fns_for_gold=gold_fns,
-            count_tokens=lambda prompt: len(encoder.encode(prompt)),
-            max_prompt_length=cfg.data.max_prompt_length, overlong_policy=cfg.data.overlong_prompt,
-            max_report_rows=cfg.validate.max_report_rows, reward_fns_for_smoke=reward_fns,
-            parse_gold=gold_parser(cfg) if correctness else None)
+        smoke_envs = smoke_environments(toolbox, train_df)
+        try:
+            report = validate_frames(
+                train_df, eval_df, require_answer=bool(correctness), reward_fns_for_gold=gold_fns,
+                count_tokens=lambda prompt: len(encoder.encode(prompt, tools=tools)),
+                max_prompt_length=cfg.data.max_prompt_length, overlong_policy=cfg.data.overlong_prompt,
+                max_report_rows=cfg.validate.max_report_rows, reward_fns_for_smoke=reward_fns,
+                parse_gold=gold_parser(cfg) if correctness else None,
+                environments=toolbox.environment_names if toolbox is not None else None,
+                smoke_columns={"environments": [t.environment for t in smoke_envs]} if smoke_envs else None)
+        finally:
+            close_all(smoke_envs)
 
         header = (f"model: {model_checked}\n"
                   f"sources: train = {', '.join(names['train'])}; eval = {', '.join(names['eval'])} "

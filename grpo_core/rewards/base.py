@@ -41,7 +41,8 @@ class RewardSpec(Protocol):
 
 def completion_text(completion: Any) -> str:
     """The text of one completion: a string as is; a chat completion (list of messages) as the
-    concatenated `content` of its messages; a single message dict as its `content`.
+    concatenated `content` of the model's messages (tool results, ``role: tool``, left out: a conversation with tool
+    calls is scored on what the model wrote); a single message dict as its `content`.
 
     Multimodal content lists (`[{"type": "text", "text": ...}, ...]`) contribute their text parts.
     """
@@ -52,6 +53,7 @@ def completion_text(completion: Any) -> str:
     if isinstance(completion, Sequence):
         return "".join(
             _content_text(m.get("content", "")) if isinstance(m, Mapping) else str(m) for m in completion
+            if not (isinstance(m, Mapping) and m.get("role") == "tool")
         )
     raise TypeError(
         f"completion must be a string or a list of chat messages, got {type(completion).__name__}"

@@ -17,6 +17,7 @@ from grpo_core.errors import ConfigurationError
 from grpo_core.rewards.base import RewardFunction, RewardSpec, named
 from grpo_core.rewards.code import code_execution
 from grpo_core.rewards.correctness import correctness, multiple_choice, numeric
+from grpo_core.rewards.environment import environment_reward
 from grpo_core.rewards.format import soft_format, strict_format, xml_count
 from grpo_core.rewards.isolated import IsolatedReward
 from grpo_core.rewards.keywords import keyword_hits
@@ -39,6 +40,7 @@ BUILTINS: dict[str, Callable[..., RewardFunction]] = {
     "reasoning_length": reasoning_length,
     "keyword_hits": keyword_hits,
     "overlong_penalty": overlong_penalty,
+    "environment_reward": environment_reward,
 }
 
 

@@ -36,6 +36,9 @@ class RolloutBatch:
     is_truncated:                    (N,) bool, True when no EOS was produced within max_new_tokens
     sampling_logps:                  (N, C) float32, the sampler's own log-prob of each completion token (NaN
                                      where it gave none, 0 on padding), from backends that report them; else None
+    tool_mask:                       (N, C) long, multi-turn rollouts with tools (rollout/multiturn.py): 1 on the
+                                     model's tokens, 0 on the tool/template tokens between its turns and on padding;
+                                     None = every completion token is the model's
     """
 
     prompt_ids: torch.Tensor
@@ -44,10 +47,17 @@ class RolloutBatch:
     completion_mask: torch.Tensor
     is_truncated: torch.Tensor
     sampling_logps: torch.Tensor | None = None
+    tool_mask: torch.Tensor | None = None
+
+    @property
+    def model_mask(self) -> torch.Tensor:
+        """(N, C) long: the completion tokens the model sampled (tool/template tokens out)."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
 
     @property
     def completion_lengths(self) -> torch.Tensor:
-        return self.completion_mask.sum(dim=1)
+        """(N,) tokens the model sampled per completion (TRL counts the model's tokens only)."""
+        return self.model_mask.sum(dim=1)
 
 
 class RolloutBackend(Protocol):

@@ -82,8 +82,22 @@ def _round_metrics(accelerator, attempts: list[Round], round_: Round, weights: t
     metrics = reward_metrics(torch.cat([gather_rows(accelerator, r) for r in sampled]), weights, G, reward_names)
     for key in ("generation_time", "reward_errors", "reward_timeouts"):
         metrics[key] = float(sum(a.metrics[key] for a in attempts))
-    metrics.update(length_metrics(accelerator, round_.completion_mask, round_.is_truncated))
+    metrics.update(length_metrics(accelerator, round_.model_mask(), round_.is_truncated))
+    metrics.update(_tool_metrics(attempts))
     return metrics
+
+
+def _tool_metrics(attempts: list[Round]) -> dict[str, float]:
+    """The tools/* metrics over every sampling of the round (each samples as many completions): calls per
+    completion and turns averaged, failures per call weighted by each sampling's calls."""
+    per = [a.metrics for a in attempts if "tools/call_frequency" in a.metrics]
+    if not per:
+        return {}
+    calls = [m["tools/call_frequency"] for m in per]
+    failed = sum(m["tools/failure_frequency"] * c for m, c in zip(per, calls))
+    return {"tools/call_frequency": sum(calls) / len(per),
+            "tools/failure_frequency": failed / sum(calls) if sum(calls) else 0.0,
+            "tools/mean_turns": sum(m["tools/mean_turns"] for m in per) / len(per)}
 
 
 def _groups(rounds: list[Round], group_size: int) -> int:

@@ -70,10 +70,11 @@ def evaluate_held_out(run: TrainingRun, held_out: HeldOutPrompts) -> dict[str, f
             records = score_policy(run.tokenizer, held_out.rows, range(len(held_out.rows)), held_out.encoder,
                                    held_out.reward_fns, held_out.reward_names, held_out.judges, held_out.modes,
                                    backend=run.backend, on_error=calls.reward_errors,
-                                   reward_timeout_s=calls.reward_timeout_s)
+                                   reward_timeout_s=calls.reward_timeout_s, tools=run.round_spec.tools,
+                                   rollout_func=run.round_spec.rollout_func)
         finally:
             set_rng_state(saved)
-        metrics = _eval_metrics(records, run.t.evaluation, held_out.reward_names)
+        metrics = _eval_metrics(records, run.t.evaluation, held_out.reward_names, run.round_spec.tools is not None)
         metrics["eval/runtime"] = time.perf_counter() - start
     if acc.num_processes > 1:
         from accelerate.utils import broadcast_object_list
@@ -82,13 +83,14 @@ def evaluate_held_out(run: TrainingRun, held_out: HeldOutPrompts) -> dict[str, f
     return metrics
 
 
-def _eval_metrics(records: list[dict], e: EvalDuringTrainingConfig, reward_names: list[str]) -> dict[str, float]:
+def _eval_metrics(records: list[dict], e: EvalDuringTrainingConfig, reward_names: list[str],
+                  tools: bool = False) -> dict[str, float]:
     import pandas as pd
 
     G = e.effective_num_generations_eval
     summary = summarize_evaluation(pd.DataFrame.from_records(records), sorted({1, G}) if G else [], reward_names)
     out = {}
-    for key in eval_metric_names(e, reward_names):
+    for key in eval_metric_names(e, reward_names, tools):
         value = summary.get(key.removeprefix("eval/"))
         out[key] = float("nan") if value is None else float(value)
     return out

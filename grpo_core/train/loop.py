@@ -57,7 +57,7 @@ from grpo_core.model.loading import (
 )
 from grpo_core.model.sharding import clip_gradients, is_sharded, shard_model
 from grpo_core.rewards import build_reward_functions
-from grpo_core.rollout import backend_for, sampling_params
+from grpo_core.rollout import backend_for
 from grpo_core.train.checkpoint import latest_checkpoint, remove_stale_temp_dirs
 from grpo_core.train.completions import CompletionLog, as_table, completion_rows
 from grpo_core.train.compute_weights import ComputeWeights, uses_compute_weights
@@ -268,6 +268,44 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
         return_logprobs=t.vllm_importance_sampling_correction or t.off_policy_mask_threshold is not None,
         rank=accelerator.process_index, local_rank=accelerator.local_process_index,
         world_size=accelerator.num_processes, dtype=DTYPES[cfg.model.dtype]))
+    placed = place_policy(cfg, accelerator, parallelism, model, ref_model, lambda m: make_backend(m, tokenizer),
+                          compute_copy=compute_copy)
+    if accelerator.num_processes > 1:
+        # each process samples a stream of its own, as TRL seeds them (device_specific: seed + rank); only now, once
+        # the weights exist: every process must build the same initial weights (FSDP2 shards are not broadcast from
+        # rank 0). One process keeps its stream as it was.
+        set_seed(t.seed, device_specific=True)
+    round_spec = RoundSpec.from_config(cfg.generation, t.num_generations, t.reward_calls, t.tool_use)
+    run = TrainingRun(t=t, generation=cfg.generation, round_spec=round_spec,
+                      logprobs=LogprobOptions.from_config(cfg),
+                      loss_fn=GRPOLoss(t.loss, max_completion_length=cfg.generation.max_completion_length),
+                      accelerator=accelerator, model=placed.model, policy=placed.policy, ref_model=ref_model,
+                      tokenizer=tokenizer, optimizer=placed.optimizer, scheduler=placed.scheduler,
+                      backend=placed.backend, params_hash=training_params_hash(cfg, weights.tolist()),
+                      checkpoint_dir=root / t.output_dir / "checkpoints", replica=placed.replica,
+                      compute_weights=placed.backend if compute_copy else None)
+    held_out = load_held_out(cfg, root, encoder, reward_fns, reward_names)
+    return run, Prompts(dataset, encoder, reward_fns, reward_names, weights, held_out)
+
+
+@dataclass
+class PlacedPolicy:
+    """The policy as training holds it: what trains, what the optimizer steps, and what rollouts sample from."""
+
+    model: Any        # forward and backward: DDP-wrapped, sharded, or the bf16 compute copy
+    policy: Any       # the weights the optimizer steps (unwrapped)
+    optimizer: Any
+    scheduler: Any
+    backend: Any      # the rollout backend
+    replica: Any      # a whole copy that samples (sharded runs, the cast copy), else None
+
+
+def place_policy(cfg: PipelineConfig, accelerator, parallelism, model, ref_model, make_sampler, *,
+                 compute_copy: bool) -> PlacedPolicy:
+    """Shard, wrap or copy the float32 policy (and move or shard the reference) for this run's strategy; build the
+    optimizer over the weights it steps and the rollout backend (``make_sampler``: module -> backend) over the
+    module that samples."""
+    t = cfg.train
     replica = None
     if parallelism.fsdp is not None and accelerator.num_processes > 1:
         # a colocated engine holds the whole copy: no replica beside it (a server's client pushes from the replica)
@@ -278,43 +316,22 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
         if ref_model is not None:
             shard_model(ref_model.to(accelerator.device), parallelism.fsdp)
         optimizer, scheduler = build_optimizer_and_scheduler(model, t.optim)  # over the shards
-        policy = model
-        backend = (EngineFromShards(make_backend(model, tokenizer)) if engine
-                   else ReplicaRollouts(replica, lambda m: make_backend(m, tokenizer)))
-    elif compute_copy:  # float32 masters stepped by the optimizer; their bf16 copy trains and samples
+        backend = EngineFromShards(make_sampler(model)) if engine else ReplicaRollouts(replica, make_sampler)
+        return PlacedPolicy(model, model, optimizer, scheduler, backend, replica)
+    if ref_model is not None and owns_weights(ref_model):
+        ref_model.to(accelerator.device)
+    if compute_copy:  # float32 masters stepped by the optimizer; their bf16 copy trains and samples
         policy = model.to(accelerator.device)
         optimizer, scheduler = build_optimizer_and_scheduler(policy, t.optim)
-        if ref_model is not None:
-            ref_model.to(accelerator.device)
-        backend = ComputeWeights(policy, lambda m: make_backend(m, tokenizer))
-        model = backend.model
-    else:
-        optimizer, scheduler = build_optimizer_and_scheduler(model, t.optim)
-        model, optimizer = accelerator.prepare(model, optimizer)
-        if ref_model is not None and owns_weights(ref_model):
-            ref_model.to(accelerator.device)
-        policy = accelerator.unwrap_model(model)
-        if samples_from_a_cast_copy(cfg, policy):
-            replica = copy.deepcopy(policy).to(DTYPES[cfg.model.dtype]).eval()  # refreshed after every step
-            backend = ReplicaRollouts(replica, lambda m: make_backend(m, tokenizer))
-        else:
-            backend = make_backend(policy, tokenizer)
-    if accelerator.num_processes > 1:
-        # each process samples a stream of its own, as TRL seeds them (device_specific: seed + rank); only now, once
-        # the weights exist: every process must build the same initial weights (FSDP2 shards are not broadcast from
-        # rank 0). One process keeps its stream as it was.
-        set_seed(t.seed, device_specific=True)
-    run = TrainingRun(t=t, generation=cfg.generation, round_spec=RoundSpec(sampling_params(cfg.generation),
-                                                                         t.num_generations, t.reward_calls),
-                      logprobs=LogprobOptions.from_config(cfg),
-                      loss_fn=GRPOLoss(t.loss, max_completion_length=cfg.generation.max_completion_length),
-                      accelerator=accelerator, model=model, policy=policy, ref_model=ref_model,
-                      tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, backend=backend,
-                      params_hash=training_params_hash(cfg, weights.tolist()),
-                      checkpoint_dir=root / t.output_dir / "checkpoints", replica=replica,
-                      compute_weights=backend if compute_copy else None)
-    held_out = load_held_out(cfg, root, encoder, reward_fns, reward_names)
-    return run, Prompts(dataset, encoder, reward_fns, reward_names, weights, held_out)
+        backend = ComputeWeights(policy, make_sampler)
+        return PlacedPolicy(backend.model, policy, optimizer, scheduler, backend, None)
+    optimizer, scheduler = build_optimizer_and_scheduler(model, t.optim)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    policy = accelerator.unwrap_model(model)
+    if samples_from_a_cast_copy(cfg, policy):
+        replica = copy.deepcopy(policy).to(DTYPES[cfg.model.dtype]).eval()  # refreshed after every step
+        return PlacedPolicy(model, policy, optimizer, scheduler, ReplicaRollouts(replica, make_sampler), replica)
+    return PlacedPolicy(model, policy, optimizer, scheduler, make_sampler(policy), None)
 
 
 def launched_processes() -> int:
@@ -430,7 +447,7 @@ def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
         with record_function("grpo/old_logprobs"):  # sampled ahead brings the sampling weights' own)
             round_.old_logps = frozen_logprobs(run.model, round_, run.logprobs)
     if corrected:
-        round_.sampler_ratio = sampler_correction(round_.old_logps, round_.sampling_logps, round_.completion_mask,
+        round_.sampler_ratio = sampler_correction(round_.old_logps, round_.sampling_logps, round_.model_mask(),
                                                   t.vllm_importance_sampling_mode, t.vllm_importance_sampling_clip_min,
                                                   t.vllm_importance_sampling_clip_max)
         round_.metrics.update(sampler_metrics(acc, round_))
@@ -487,7 +504,7 @@ def receive_round(run: TrainingRun, state: TrainState) -> None:
 def sampler_metrics(accelerator, round_: Round) -> dict[str, float]:
     """TRL's sampling/* metrics of a round: |old - sampler| log-prob gap over the scored tokens, and the
     correction's ratio (over tokens, or sequences at sequence level), over every process."""
-    mask = round_.completion_mask.bool()
+    mask = round_.model_mask().bool()
     gap = (round_.old_logps - round_.sampling_logps).abs()
     gap = gap[mask & ~torch.isnan(gap)]
     ratio = round_.sampler_ratio.flatten() if round_.sampler_ratio.shape[1] == 1 else round_.sampler_ratio[mask]
@@ -663,7 +680,8 @@ def apply_update(run: TrainingRun, state: TrainState, skipped: bool) -> None:
     run.optimizer.zero_grad(set_to_none=True)
     state.micro_step += t.gradient_accumulation_steps
     state.step += 1
-    run.backend.sync_weights(run.policy)
+    with record_function("grpo/sync_weights"):
+        run.backend.sync_weights(run.policy)
     if run.ref_model is not None and t.sync_ref_model and state.step % t.ref_model_sync_steps == 0:
         _mix_reference(run.ref_model, run.policy, t.ref_model_mixup_alpha)
         state.reference_synced = True

@@ -8,15 +8,17 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
 from grpo_core.advantages import compute_advantages, nanstd
-from grpo_core.config import AdvantageConfig, RewardCallConfig
+from grpo_core.config import AdvantageConfig, GenerationConfig, RewardCallConfig, ToolUseConfig
 from grpo_core.data import PromptEncoder
-from grpo_core.rollout import RolloutBackend, SamplingParams
+from grpo_core.rollout import RolloutBackend, SamplingParams, sampling_params
 from grpo_core.sampling import sample_and_score
+from grpo_core.tools import Toolbox, build_toolbox, load_rollout_func
 from grpo_core.train.round import Round
 
 
@@ -27,6 +29,17 @@ class RoundSpec:
     sampling: SamplingParams          # generation.* (grpo_core.rollout.sampling_params)
     num_generations: int              # G
     reward_calls: RewardCallConfig    # train.reward_errors, reward_timeout_s
+    tools: Toolbox | None = None      # train.tools / environment_factory (grpo_core.tools.build_toolbox): rollouts
+                                      # are conversations with tool calls
+    rollout_func: Callable | None = None  # train.rollout_func (grpo_core.rollout.custom): the user's own rollout
+
+    @classmethod
+    def from_config(cls, g: GenerationConfig, num_generations: int, reward_calls: RewardCallConfig,
+                    tool_use: ToolUseConfig) -> RoundSpec:
+        """params.yaml ``generation`` and ``train``'s G, reward calls and tools / environments / rollout function
+        (imported and checked here)."""
+        return cls(sampling_params(g), num_generations, reward_calls, tools=build_toolbox(tool_use),
+                   rollout_func=load_rollout_func(tool_use))
 
 
 def sample_round(*, backend: RolloutBackend, tokenizer, rows: list[dict], row_ids: list[int], encoder: PromptEncoder,
@@ -42,20 +55,23 @@ def sample_round(*, backend: RolloutBackend, tokenizer, rows: list[dict], row_id
                                num_generations=G, sampling=spec.sampling, batch_size=len(rows),
                                on_error=spec.reward_calls.reward_errors, backend=backend,
                                reward_timeout_s=spec.reward_calls.reward_timeout_s,
-                               row_ids=row_ids, keep_batches=True)
+                               row_ids=row_ids, keep_batches=True, tools=spec.tools,
+                               rollout_func=spec.rollout_func)
     (batch,) = sampled.batches
     rewards = torch.as_tensor(sampled.rewards, dtype=torch.float32)                     # (N, K)
     metrics = reward_metrics(gather_rows(accelerator, rewards), weights, G, reward_names)
-    metrics.update(length_metrics(accelerator, batch.completion_mask, batch.is_truncated))
+    metrics.update(length_metrics(accelerator, batch.model_mask, batch.is_truncated))
     metrics.update({
         "reward_errors": float(sum(sampled.error_counts.values())),
         "reward_timeouts": float(sum(sampled.timeout_counts.values())),
         "generation_time": sampled.generation_time,
     })
+    if spec.tools is not None:
+        metrics.update(tool_metrics(accelerator, sampled.tool_calls, sampled.tool_failures, sampled.turns))
     return Round(prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask, completion_ids=batch.completion_ids,
                  completion_mask=batch.completion_mask, is_truncated=batch.is_truncated,
                  advantages=torch.zeros(len(rewards)), metrics=metrics, rewards=rewards,
-                 sampling_logps=batch.sampling_logps)
+                 sampling_logps=batch.sampling_logps, tool_mask=batch.tool_mask)
 
 
 def assign_advantages(round_: Round, weights: torch.Tensor, a: AdvantageConfig, accelerator) -> Round:
@@ -90,8 +106,22 @@ def reward_metrics(rewards: torch.Tensor, weights: torch.Tensor, group_size: int
     return out
 
 
+def tool_metrics(accelerator, calls, failures, turns) -> dict[str, float]:
+    """TRL's tools/* metrics over every process's rows - tool calls per completion, failed calls per call - and
+    assistant turns per completion. calls, failures, turns: (N,) per completion."""
+    local = torch.tensor([float(sum(calls)), float(sum(failures)), float(sum(turns)), float(len(turns))],
+                         dtype=torch.float64)
+    if accelerator.num_processes > 1:
+        local = accelerator.reduce(local.to(accelerator.device), "sum").cpu()
+    calls, failures, turns, completions = local.tolist()
+    return {"tools/call_frequency": calls / max(completions, 1.0),
+            "tools/failure_frequency": failures / calls if calls else 0.0,
+            "tools/mean_turns": turns / max(completions, 1.0)}
+
+
 def length_metrics(accelerator, completion_mask: torch.Tensor, is_truncated: torch.Tensor) -> dict[str, float]:
-    """TRL's completions/* metrics over every process's rows: mean/min/max length and the truncated share."""
+    """TRL's completions/* metrics over every process's rows: mean/min/max length and the truncated share.
+    completion_mask: the model's tokens (tool blocks out, as TRL counts)."""
     both = gather_rows(accelerator, torch.stack([completion_mask.sum(1).float(), is_truncated.float()], dim=1))
     lengths, truncated = both[:, 0], both[:, 1]
     return {"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),

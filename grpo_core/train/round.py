@@ -28,6 +28,8 @@ class Round:
                                            # round is assembled (dynamic sampling recomputes the advantages)
     sampling_logps: torch.Tensor | None = None  # (N, C) float32: the sampling engine's own (vLLM), NaN = none
     sampler_ratio: torch.Tensor | None = None   # (N, C) or (N, 1): pi_old / pi_sampler, truncated or masked
+    tool_mask: torch.Tensor | None = None       # (N, C) long, rollouts with tools: 1 on the model's tokens, 0 on the
+                                                # tool/template tokens between its turns (None: all the model's)
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -40,9 +42,16 @@ class Round:
         """Those rows (a slice, or an index tensor) of every per-row tensor; the metrics are the round's."""
         return replace(self, **{name: getattr(self, name)[index] for name in self.row_fields()})
 
+    def model_mask(self) -> torch.Tensor:
+        """(N, C) long: the completion tokens the model sampled - tool results and the template's tokens around them
+        out. What the loss, entropy, the sampler correction and the length metrics count (as TRL's
+        ``completion_mask * tool_mask``); the forward passes attend to every completion token."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
+
     def loss_mask(self, mask_truncated_completions: bool) -> torch.Tensor:
-        """(N, C) long: the completion tokens the loss counts (a truncated row's none, when asked)."""
-        mask = self.completion_mask.clone()
+        """(N, C) long: the completion tokens the loss counts: the model's (``model_mask``), a truncated row's none
+        when asked."""
+        mask = self.model_mask().clone()
         if mask_truncated_completions:
             mask = mask * (~self.is_truncated).unsqueeze(1).long()
         return mask
@@ -64,6 +73,7 @@ class Round:
             return {"prompt_ids": _pad(r.prompt_ids, prompt, left=True), "prompt_mask": _pad(r.prompt_mask, prompt, left=True),
                     "completion_ids": _pad(r.completion_ids, completion), "completion_mask": _pad(r.completion_mask, completion),
                     "sampling_logps": None if r.sampling_logps is None else _pad(r.sampling_logps, completion),
+                    "tool_mask": None if r.tool_mask is None else _pad(r.tool_mask, completion),
                     **{n: getattr(r, n) for n in ("is_truncated", "advantages", "rewards")}}
 
         parts = [widened(r) for r in rounds]

@@ -16,7 +16,7 @@ _LOSS_TYPE_METRICS = {"cispo": ["cispo_clip_ratio"], "vespo": ["vespo/phi_seq_me
 def metric_columns(reward_names: list[str], t: TrainConfig | None = None, backend: str = "auto") -> list[str]:
     """The CSV's columns: TRL's metric names, plus what ``t`` switches on: the loss type's own metric,
     ``entropy_coef`` under an entropy bonus, the ``dynamic/*`` counts under dynamic sampling, ``async/*`` under
-    async rollouts, the ``eval/*`` metrics under evaluation during training (blank on steps without one)."""
+    async rollouts, ``tools/*`` with tools, the ``eval/*`` metrics under evaluation during training (blank on steps without one)."""
     t = t or TrainConfig()  # backend: generation.backend
     extra = list(_LOSS_TYPE_METRICS.get(t.loss_type, []))
     if t.entropy_coef != 0 or t.use_adaptive_entropy:
@@ -29,7 +29,10 @@ def metric_columns(reward_names: list[str], t: TrainConfig | None = None, backen
         extra += ["dynamic/groups_dropped", "dynamic/generation_rounds", "dynamic/tied_groups_used"]
     if t.async_rollouts:
         extra += ["async/staleness", "async/wait_time"]
-    evaluation = [*eval_metric_names(t.evaluation, reward_names), "eval/runtime"] if t.eval_strategy == "steps" else []
+    if t.tool_use.enabled:
+        extra += ["tools/call_frequency", "tools/failure_frequency", "tools/mean_turns"]
+    evaluation = ([*eval_metric_names(t.evaluation, reward_names, t.tool_use.enabled), "eval/runtime"]
+                  if t.eval_strategy == "steps" else [])
     cols = ["step", "loss", "reward", "reward_std", "frac_reward_zero_std"]
     for name in reward_names:
         cols += [f"rewards/{name}/mean", f"rewards/{name}/std"]
