@@ -366,21 +366,17 @@ def test_recipe_is_params_yaml_with_the_calculator_task():
 
     import yaml
 
-    from grpo_core.config import config_from_dict
+    from grpo_core.config import load_config
 
     default = yaml.safe_load((REPO / "params.yaml").read_text())
     recipe = yaml.safe_load((REPO / "configs/embedded-tools.yaml").read_text())
-    module, _, name = recipe["train"]["tools"][0].partition(":")
+    cfg = load_config(REPO / "configs/embedded-tools.yaml")
+    assert cfg.embedded.tasks == ["calculator"] and cfg.train.tool_use.enabled
+    module, _, name = cfg.train.tools[0].partition(":")
     assert getattr(importlib.import_module(module), name) is calculator
-    embedded = config_from_dict({**recipe, "train": {k: v for k, v in recipe["train"].items()
-                                                     if k not in ("tools", "max_tool_calling_iterations")}}).embedded
-    assert embedded.tasks == ["calculator"] and embedded.max_operand == 99
     for (section, key), value in RECIPE_CHANGES.items():
-        assert recipe[section][key] == value and default[section].get(key) != value, (section, key)
-        if key in default[section]:
-            recipe[section][key] = default[section][key]
-        else:
-            del recipe[section][key]
+        assert recipe[section][key] == value and default[section][key] != value, (section, key)
+        recipe[section][key] = default[section][key]
     assert recipe["rewards"] == [{"name": "correctness", "function": "correctness", "kwargs": {}, "target_share": 1.0}]
     assert recipe["guards"]["reward_hacking"]["format_reward"] is None  # no format reward to watch
     recipe["rewards"], recipe["guards"]["reward_hacking"]["format_reward"] = default["rewards"], "format"
