@@ -254,6 +254,20 @@ def test_the_models_turns_parse_back_into_messages(tok):
     assert "tool_calls" not in parse_response(tok, broken, prefix=prefix, tools=TOOLS)
 
 
+def test_the_rollout_core_parses_with_the_tokenizers_response_template(tok):
+    """grpo_core/tools/chat.py (what calibrate, train and evaluate sample with) reads the model's turns and appends
+    the tool result as the template writes it."""
+    from grpo_core.tools import ToolCall, ToolChat
+
+    chat = ToolChat.for_tokenizer(tok)
+    assert chat.source == "tokenizer"  # our response_template, not the probe's recognition
+    turn = chat.parse(ids(tok, CALL), ids(tok, PROMPT), TOOLS)
+    assert turn.calls == [ToolCall("calculator", {"expression": "123*45"})] and turn.message["content"] == ""
+    assert chat.suffix_ids([{"role": "tool", "name": "calculator", "content": "5535"}]) == ids(tok, RESULT)
+    answer = chat.parse(ids(tok, ANSWER), ids(tok, PROMPT + CALL + RESULT), TOOLS)
+    assert answer.calls == [] and answer.message["content"] == "<answer>\n5535\n</answer>"
+
+
 def test_saved_tokenizer_keeps_its_template_parser_and_ids(tok, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
@@ -381,42 +395,3 @@ def test_recipe_is_params_yaml_with_the_calculator_task():
     assert recipe["guards"]["reward_hacking"]["format_reward"] is None  # no format reward to watch
     recipe["rewards"], recipe["guards"]["reward_hacking"]["format_reward"] = default["rewards"], "format"
     assert recipe == default
-
-
-# --- the base-rate loop (benchmarks/embedded_tools.py) ----------------------------------------------------------
-
-
-class ScriptedModel:
-    """A stand-in for a causal LM whose `generate` writes the next scripted turn for each row (then pads)."""
-
-    def __init__(self, tok, turns: list[str]):
-        self.turns, self.tok = [ids(tok, t) for t in turns], tok
-
-    def generate(self, input_ids, attention_mask, max_new_tokens, pad_token_id, eos_token_id, **sampling):
-        turn = self.turns.pop(0)
-        rows = [row + turn[:max_new_tokens] + [pad_token_id] * (max_new_tokens - len(turn)) for row in
-                input_ids.tolist()]
-        return torch.tensor(rows)
-
-
-def test_base_rate_loop_runs_the_call_appends_the_result_and_scores_the_answer(tok):
-    from benchmarks.embedded_tools import rollouts
-
-    prompt = problem().prompt
-    model = ScriptedModel(tok, [CALL, ANSWER])
-    [conv] = rollouts(model, tok, [prompt], temperature=0.0, max_completion_length=64, max_tool_calls=1, seed=0)
-    assert conv.prompt_ids == ids(tok, PROMPT) and conv.completion_ids == ids(tok, CALL + RESULT + ANSWER)
-    assert [m["role"] for m in conv.messages] == ["assistant", "tool", "assistant"]
-    assert conv.messages[1]["content"] == "5535" and (conv.calls, conv.failures, conv.malformed) == (1, 0, 0)
-
-    bad = CALL.replace("123*45", "123 times 45")
-    [conv] = rollouts(ScriptedModel(tok, [bad, ANSWER]), tok, [prompt], temperature=0.0, max_completion_length=64,
-                      max_tool_calls=1, seed=0)
-    assert conv.messages[1]["content"] == "{'error': 'invalid expression'}" and (conv.calls, conv.failures) == (1, 1)
-
-    [conv] = rollouts(ScriptedModel(tok, [ANSWER]), tok, [prompt], temperature=0.0, max_completion_length=64,
-                      max_tool_calls=1, seed=0)  # no call: one turn
-    assert conv.completion_ids == ids(tok, ANSWER) and conv.calls == 0
-    [conv] = rollouts(ScriptedModel(tok, [CALL]), tok, [prompt], temperature=0.0, max_completion_length=30,
-                      max_tool_calls=1, seed=0)  # no room for the result: the row ends after the call (TRL)
-    assert conv.completion_ids == ids(tok, CALL) and conv.calls == 1 and len(conv.messages) == 1
