@@ -40,10 +40,9 @@ def _config_dict(cfg: Any) -> dict[str, Any]:
 def prepare(cfg: EmbeddedConfig, log: Callable[[str], None] | None = print) -> dict[str, Any]:
     """Write `<data_dir>/{train,eval}.jsonl` and `<model_dir>/` (safetensors model + tokenizer).
 
-    Rows are `{"prompt", "answer", "task"}` (prompt: text for the word problems, chat messages for the calculator
-    task). Deterministic in `cfg.seed`: the data byte for byte, the
-    weights bit for bit on CPU with the same thread count. Returns a summary: sizes, warm-start losses,
-    seconds.
+    Rows are `{"prompt", "answer", "task"}` (prompt: text for the word problems, chat messages for the
+    calculator task). Deterministic in `cfg.seed`: the data byte for byte, the weights bit for bit on CPU with
+    the same thread count. Returns a summary: sizes, warm-start losses, seconds.
     """
     threads = torch.get_num_threads()
     if cfg.num_threads:

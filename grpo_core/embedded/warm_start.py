@@ -19,12 +19,26 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 IGNORE_INDEX = -100
+
+
+class Demonstrable(Protocol):
+    """A task's problem as the warm start reads it (tasks.Problem, tool_tasks.CalculatorProblem)."""
+
+    template: int  # index of its template: the wrong variant's rate
+    format_breaks: tuple[str, ...]  # the format_break values `completion` takes
+
+    @property
+    def prompt(self) -> str | list[dict]: ...
+
+    def completion(self, wrong: bool, format_break: int) -> str | list[dict]:
+        """The demonstration after the prompt: text, or chat messages."""
+        ...
 
 
 @dataclass
@@ -71,7 +85,7 @@ def demonstration_tokens(
 
 
 def build_demonstrations(
-    problems: Sequence[Any],
+    problems: Sequence[Demonstrable],
     tokenizer: PreTrainedTokenizerFast,
     rates: Sequence[float],
     tools: Sequence[Callable] = (),
