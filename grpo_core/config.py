@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from grpo_core.embedded.config import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, EmbeddedConfig
+from grpo_core.embedded.tool_tasks import MIN_MAX_OPERAND
+from grpo_core.embedded.tool_tasks import TASK as TOOL_TASK
 from grpo_core.errors import ConfigurationError
 
 
@@ -927,6 +929,7 @@ def _check_consistency(cfg: PipelineConfig) -> None:
     if cfg.data.hub_dataset is None and not cfg.data.paths("train"):
         raise ConfigError(f"data.train_files: empty; name local files ({DATA_FILES_FORMS}) or set data.hub_dataset")
     if cfg.embedded is not None:
+        _check_embedded_tasks(cfg.embedded)
         for key, fixed in (("data_dir", EMBEDDED_DATA_DIR), ("model_dir", EMBEDDED_MODEL_DIR)):
             if getattr(cfg.embedded, key) != fixed:
                 raise ConfigError(f"embedded.{key}: {getattr(cfg.embedded, key)!r}; dvc.yaml names {fixed!r} as "
@@ -982,6 +985,16 @@ def _check_tool_use(u: ToolUseConfig) -> None:
             raise ConfigError("train.rollout_func: not with train.tools or train.environment_factory; a rollout "
                               "function samples the whole conversation itself (return env_mask to mask what it "
                               "inserted), the tool loop is for the built-in rollout")
+
+
+def _check_embedded_tasks(e: EmbeddedConfig) -> None:
+    """The calculator task (chat prompts, a tool) stands alone and needs multi-digit numbers."""
+    if TOOL_TASK in e.tasks and len(e.tasks) > 1:
+        raise ConfigError(f"embedded.tasks: {e.tasks}; {TOOL_TASK} has chat prompts and a tool, the word problems "
+                          f"neither: it cannot be mixed with them (tasks: [{TOOL_TASK}])")
+    if TOOL_TASK in e.tasks and e.max_operand < MIN_MAX_OPERAND:
+        raise ConfigError(f"embedded.max_operand: {e.max_operand}; the {TOOL_TASK} task's numbers are "
+                          f"{MIN_MAX_OPERAND}..max_operand, so it needs >= {MIN_MAX_OPERAND} (e.g. 99)")
 
 
 def _check_quantization(cfg: PipelineConfig) -> None:

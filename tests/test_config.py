@@ -54,6 +54,12 @@ def test_example_configs_validate(path):
         (lambda d: d["rewards"][1].update(name="correctness"), "rewards: names must be unique"),
         (lambda d: d["evaluate"].update(pass_k=[16]), "evaluate.pass_k: k=16 must be between 1 and"),
         (lambda d: d["embedded"].update(label_noise=1.5), "embedded.label_noise: 1.5 is out of range"),
+        (lambda d: d["embedded"].update(tasks=["calculator", "arithmetic"], max_operand=999),
+         "embedded.tasks: ['calculator', 'arithmetic']; calculator has chat prompts and a tool, the word problems "
+         "neither: it cannot be mixed with them"),
+        (lambda d: d["embedded"].update(tasks=["calculator"]), "embedded.max_operand: 9; the calculator task's "
+                                                                "numbers are 10..max_operand, so it needs >= 10"),
+        (lambda d: d["embedded"].update(tasks=["abacus"]), "embedded.tasks"),
         (lambda d: d.update(rewards=[]), "rewards: at least one reward function is required"),
         # the data-file keys name their accepted forms (grpo_core.config.DATA_FILES_FORMS) on a wrong type or value
         (lambda d: d["data"].update(train_files=5), "data.train_files: 5 is not a path or a list of paths, each a "

@@ -6,15 +6,20 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
+from grpo_core.embedded import tool_tasks
 from grpo_core.embedded.config import EmbeddedConfig
 from grpo_core.embedded.model import build_model
-from grpo_core.embedded.tasks import generate_splits, template_noise, vocabulary_words
-from grpo_core.embedded.tokenizer import build_tokenizer
+from grpo_core.embedded.tasks import TEMPLATES, generate_splits, template_noise, vocabulary_words
+from grpo_core.embedded.tokenizer import build_tokenizer, build_tool_tokenizer
+from grpo_core.embedded.tool_tasks import TASK as TOOL_TASK
+from grpo_core.embedded.tools import calculator
 from grpo_core.embedded.warm_start import build_demonstrations, warm_start
 from grpo_core.files import write_dir_atomic, write_jsonl_atomic
 
@@ -35,9 +40,9 @@ def _config_dict(cfg: Any) -> dict[str, Any]:
 def prepare(cfg: EmbeddedConfig, log: Callable[[str], None] | None = print) -> dict[str, Any]:
     """Write `<data_dir>/{train,eval}.jsonl` and `<model_dir>/` (safetensors model + tokenizer).
 
-    Rows are `{"prompt", "answer", "task"}`. Deterministic in `cfg.seed`: the data byte for byte, the
-    weights bit for bit on CPU with the same thread count. Returns a summary: sizes, warm-start losses,
-    seconds.
+    Rows are `{"prompt", "answer", "task"}` (prompt: text for the word problems, chat messages for the
+    calculator task). Deterministic in `cfg.seed`: the data byte for byte, the weights bit for bit on CPU with
+    the same thread count. Returns a summary: sizes, warm-start losses, seconds.
     """
     threads = torch.get_num_threads()
     if cfg.num_threads:
@@ -48,16 +53,43 @@ def prepare(cfg: EmbeddedConfig, log: Callable[[str], None] | None = print) -> d
         torch.set_num_threads(threads)  # leave the caller's process as it was
 
 
-def _prepare(cfg: EmbeddedConfig, log: Callable[[str], None] | None) -> dict[str, Any]:
-    start = time.perf_counter()
+@dataclass
+class TaskSuite:
+    """What `prepare` builds for `cfg.tasks`: the problems, the tokenizer that writes them, the tools the chat
+    template shows (empty for the word problems) and the number of templates (one wrong-variant rate each)."""
+
+    train: list[Any]
+    evaluation: list[Any]
+    tokenizer: PreTrainedTokenizerBase
+    tools: list[Callable]
+    num_templates: int
+
+
+def task_suite(cfg: EmbeddedConfig) -> TaskSuite:
+    """The word problems (arithmetic, multiple_choice; text prompts), or the calculator task (chat prompts and a
+    tool-calling chat template)."""
+    if TOOL_TASK in cfg.tasks:
+        if len(cfg.tasks) > 1:
+            raise ValueError(f"embedded.tasks: {cfg.tasks}; {TOOL_TASK} has chat prompts and a tool, the word "
+                             f"problems neither: it cannot be mixed with them")
+        train, evaluation = tool_tasks.generate_splits(cfg.num_train, cfg.num_eval, cfg.max_operand, cfg.seed)
+        tools: list[Callable] = [calculator]
+        tokenizer = build_tool_tokenizer(tool_tasks.vocabulary_words(), tool_tasks.scaffold_conversations(), tools)
+        return TaskSuite(train, evaluation, tokenizer, tools, len(tool_tasks.TEMPLATES))
     train, evaluation = generate_splits(
         cfg.num_train, cfg.num_eval, cfg.tasks, cfg.max_operand, cfg.seed, cfg.shuffle_options
     )
+    return TaskSuite(train, evaluation, build_tokenizer(vocabulary_words()), [], len(TEMPLATES))
+
+
+def _prepare(cfg: EmbeddedConfig, log: Callable[[str], None] | None) -> dict[str, Any]:
+    start = time.perf_counter()
+    suite = task_suite(cfg)
+    train, evaluation, tokenizer = suite.train, suite.evaluation, suite.tokenizer
     data_dir = Path(cfg.data_dir)
     write_jsonl_atomic(data_dir / "train.jsonl", (p.row() for p in train))
     write_jsonl_atomic(data_dir / "eval.jsonl", (p.row() for p in evaluation))
 
-    tokenizer = build_tokenizer(vocabulary_words())
     model = build_model(
         tokenizer,
         hidden_size=cfg.hidden_size,
@@ -66,8 +98,8 @@ def _prepare(cfg: EmbeddedConfig, log: Callable[[str], None] | None) -> dict[str
         intermediate_size=cfg.intermediate_size,
         seed=cfg.seed,
     )
-    rates = template_noise(cfg.label_noise, cfg.label_noise_spread)
-    demos = build_demonstrations(train, tokenizer, rates)
+    rates = template_noise(cfg.label_noise, cfg.label_noise_spread, suite.num_templates)
+    demos = build_demonstrations(train, tokenizer, rates, suite.tools)
     stats = warm_start(
         model,
         demos,

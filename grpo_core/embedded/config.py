@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-TaskName = Literal["arithmetic", "multiple_choice"]
+TaskName = Literal["arithmetic", "multiple_choice", "calculator"]
 
 #: prepare's outputs in dvc.yaml: the embedded default's data and base model.
 EMBEDDED_DATA_DIR = "data/prepared"
@@ -28,8 +28,18 @@ class EmbeddedConfig:
     seed: int = _f(0, "seed for the data, the model's initial weights and the warm-start batches")
     num_train: int = _f(3000, "training prompts", ge=1)
     num_eval: int = _f(500, "held-out prompts (no prompt shared with train)", ge=1)
-    tasks: list[TaskName] = _f(["arithmetic", "multiple_choice"], "task variants, mixed in equal shares")
-    max_operand: int = _f(9, "largest number in a word problem (operands are 1..max_operand)", ge=3, le=999)
+    tasks: list[TaskName] = _f(
+        ["arithmetic", "multiple_choice"],
+        "task variants, mixed in equal shares; or [calculator] alone: chat prompts answered with the calculator "
+        "tool (grpo_core/embedded/tools.py; configs/embedded-tools.yaml)",
+    )
+    max_operand: int = _f(
+        9,
+        "largest number in a word problem (operands are 1..max_operand); calculator: its numbers are "
+        "10..max_operand (a product's second factor 2..99), >= 10",
+        ge=3,
+        le=999,
+    )
     shuffle_options: bool = _f(
         False, "shuffle multiple-choice options (else A = sum, B = difference, C/D near misses)"
     )
@@ -46,14 +56,26 @@ class EmbeddedConfig:
     warm_start_learning_rate: float = _f(
         3.0e-3, "AdamW peak learning rate (warm-up, then cosine decay)", gt=0
     )
-    label_noise: float = _f(0.5, "mean share of demonstrations that apply the wrong operation", ge=0, le=1)
+    label_noise: float = _f(
+        0.5,
+        "mean share of demonstrations that apply the wrong operation (calculator: that answer a wrong guess "
+        "without calling the tool)",
+        ge=0,
+        le=1,
+    )
     label_noise_spread: float = _f(
         0.3,
-        "per-template wrong-operation share spans label_noise ± this (heterogeneous headroom)",
+        "per-template wrong-operation (calculator: guess) share spans label_noise ± this (heterogeneous headroom)",
         ge=0,
         le=0.5,
     )
-    format_noise: float = _f(0.1, "share of demonstrations with a broken tag layout", ge=0, le=1)
+    format_noise: float = _f(
+        0.1,
+        "share of demonstrations with a broken tag layout (calculator: of tool calls with a broken expression, "
+        "which the tool rejects)",
+        ge=0,
+        le=1,
+    )
     num_threads: int = _f(
         1,
         "torch CPU threads for prepare (0 = torch's default); weights are bit-identical per thread count",

@@ -17,8 +17,11 @@ unless `shuffle_options` (see `_options`).
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar, TypeVar
+
+P = TypeVar("P")
 
 LETTERS = "ABCD"
 NAMES = ("Mia", "Leo", "Ava", "Sam", "Zoe", "Max", "Ivy", "Ben", "Amy", "Tom", "Eva", "Jay", "Kim", "Ray")
@@ -69,6 +72,9 @@ class Problem:
     a: int
     b: int
     options: tuple[int, ...] = ()
+
+    #: the `format_break` values `completion` takes (the warm start draws them)
+    format_breaks: ClassVar[tuple[str, ...]] = FORMAT_BREAKS
 
     @property
     def op(self) -> str:
@@ -164,15 +170,28 @@ def generate_splits(
     if unknown:
         raise ValueError(f"embedded.tasks: unknown task(s) {unknown}; choose arithmetic, multiple_choice")
     rng = random.Random(seed)
+    return distinct_splits(
+        lambda i: sample_problem(rng, tasks[i % len(tasks)], max_operand, shuffle_options),
+        num_train,
+        num_eval,
+        key=lambda p: p.prompt,
+    )
+
+
+def distinct_splits(
+    sample: Callable[[int], P], num_train: int, num_eval: int, key: Callable[[P], str]
+) -> tuple[list[P], list[P]]:
+    """(train, eval) from `sample(i)` (i = problems kept so far), redrawing a problem whose `key` (its prompt
+    text) was seen, so no prompt is in both splits nor twice in one. Eval is the first `num_eval` kept."""
     total, problems, seen = num_train + num_eval, [], set()
     misses = 0  # consecutive duplicates: many in a row means the prompt space is nearly exhausted
     while len(problems) < total and misses < MAX_CONSECUTIVE_DUPLICATES:
-        problem = sample_problem(rng, tasks[len(problems) % len(tasks)], max_operand, shuffle_options)
-        if problem.prompt in seen:
+        problem = sample(len(problems))
+        if key(problem) in seen:
             misses += 1
             continue
         misses = 0
-        seen.add(problem.prompt)
+        seen.add(key(problem))
         problems.append(problem)
     if len(problems) < total:
         raise ValueError(
