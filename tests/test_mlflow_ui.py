@@ -13,12 +13,12 @@ import os
 import shutil
 import statistics
 import struct
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from flows import pictures
 from flows.comparison import CURVE_CHARTS, HEADLINE, RUN_COLOR_TAG, VIEW_TAG
 from flows.pictures import chromium, exp_run, mlflow_ui, take_pictures
 from tests.test_pipeline import GIT, REPO, built_pipeline, copy_repo, dvc, pipeline_env, run, stage_runs
@@ -210,15 +210,13 @@ def browser():
 
 
 def wait_for(driver, condition, what: str, timeout: float = 90.0, shot: str | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition(driver)
-        if value:
-            return value
-        time.sleep(0.5)
-    if shot:
-        driver.save_screenshot(str(SHOTS / f"FAILED-{shot}"))
-    raise AssertionError(f"the page never showed {what}; body text:\n{driver.find_element('tag name', 'body').text[:3000]}")
+    """flows.pictures.wait_for, and a screenshot of the page it gave up on (``shot``)."""
+    try:
+        return pictures.wait_for(driver, condition, what, timeout)
+    except pictures.PicturesError:
+        if shot:
+            driver.save_screenshot(str(SHOTS / f"FAILED-{shot}"))
+        raise
 
 
 def test_browser_overlays_the_two_pipelines_learning_curves_in_the_pictures(two_pipelines, server, browser):

@@ -44,13 +44,11 @@ def pipeline_env(**extra: str) -> dict[str, str]:
     MLFLOW_TRACKING_URI is removed (the Makefile exports the main repo's): the stages must find the
     store at the root of the repo DVC runs in.
     """
-    env = dict(os.environ)
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-    for var in ("MLFLOW_TRACKING_URI", "GRPO_PARENT_RUN_ID", "GRPO_FLOW_RUN_ID", "GRPO_RUN_GROUP",
-                "GRPO_EXPERIMENT_NAME", "DVC_ROOT", "DVC_STAGE", "PREFECT_API_URL"):
-        env.pop(var, None)
-    env.update({"HF_HUB_OFFLINE": "1", "DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true",
-                "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONUNBUFFERED": "1", **extra})
+    from flows.pictures import tool_env
+
+    env = tool_env(REPO)  # what `make pictures` gives make and dvc
+    env["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+    env.update(extra)
     return env
 
 
