@@ -5,7 +5,11 @@ architecture with tied embeddings, saved in bfloat16; a byte-level BPE Qwen2Toke
 as the pad token, ``<|im_end|>`` as EOS (and a generation config stopping on both, as Qwen's does), no BOS;
 and a ChatML chat template with ``<|im_start|>role ... <|im_end|>`` turns, Qwen's default system message, and
 one template keyword (``enable_thinking``, as Qwen3's) so ``data.chat_template_kwargs`` can be seen to arrive.
-The weights are briefly warm-started on the chat-rendered data so completions end with ``<|im_end|>``.
+The weights are briefly warm-started on the chat-rendered data so completions end with ``<|im_end|>``. With
+``tools`` (the hub tools recipe, configs/gsm8k-qwen2.5-0.5b-tools.yaml): Qwen2.5-Instruct's own chat template (the
+bytes TRL 1.16 ships as qwen2_5.jinja, tools listed in the system turn, calls as ``<tool_call>{json}</tool_call>``),
+``<tool_call>``/``</tool_call>`` as Qwen's non-special added tokens, and half the warm-start transcripts call the
+first tool on the question's first two numbers before answering, so sampled completions call it sometimes.
 
 ``make_gsm8k``: parquet files laid out as ``hf download openai/gsm8k --repo-type dataset`` leaves them
 (``main/train-00000-of-00001.parquet``, ``main/test-...``), with GSM8K's columns: ``question`` and ``answer``
@@ -15,6 +19,7 @@ thousands separator, ``#### 1,200``).
 
 from __future__ import annotations
 
+import re
 import random
 from pathlib import Path
 
@@ -35,6 +40,8 @@ CHATML_TEMPLATE = (
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
     "{%- endif %}"
 )
+
+TOOL_TAGS = ("<tool_call>", "</tool_call>")
 
 NAMES = ["Natalia", "Weng", "Betty", "Julie", "James", "Albert", "Ken", "Alexis", "Tina", "Mark"]
 ITEMS = ["clips", "apples", "books", "pages", "dollars", "marbles", "cookies", "stickers"]
@@ -76,7 +83,7 @@ def make_gsm8k(root: Path, num_train: int = 64, num_test: int = 24, seed: int = 
     return out
 
 
-def build_chat_tokenizer(texts: list[str]):
+def build_chat_tokenizer(texts: list[str], chat_template: str = CHATML_TEMPLATE, tool_tags: bool = False):
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
@@ -89,18 +96,31 @@ def build_chat_tokenizer(texts: list[str]):
                          pad_token=PAD, model_max_length=32768, clean_up_tokenization_spaces=False)
     tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, special=True, normalized=False)
                                                           for t in (IM_START, IM_END, PAD)]})
-    tok.chat_template = CHATML_TEMPLATE
+    if tool_tags:  # as Qwen2.5's tokenizer: added, not special (decode keeps them)
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TAGS])
+    tok.chat_template = chat_template
     return tok
 
 
 def make_chat_model(path: Path, texts: list[str], system_prompt: str | None = None, hidden_size: int = 32,
-                    layers: int = 2, warm_start_steps: int = 60, seed: int = 0) -> Path:
+                    layers: int = 2, warm_start_steps: int = 60, seed: int = 0, tools: list | None = None) -> Path:
     """A Qwen2.5-Instruct-shaped folder at ``path`` (see the module docstring), warm-started on ``texts``
-    (user questions) answered in the seed format and closed with ``<|im_end|>``."""
+    (user questions) answered in the seed format and closed with ``<|im_end|>``; ``tools``: the chat template
+    is Qwen2.5's own and half the answers call ``tools[0]`` first."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    tok = build_chat_tokenizer(texts + ["<reasoning>", "</reasoning>", "<answer>", "</answer>"])
+    words = texts + ["<reasoning>", "</reasoning>", "<answer>", "</answer>"]
+    if tools:
+        from tests.tool_fixtures import chat_template
+
+        template = chat_template("qwen2_5")
+        probe = build_chat_tokenizer([], template)  # the template's own words (tool block, schema) join the merges
+        words += [probe.apply_chat_template([{"role": "system", "content": system_prompt or ""}], tools=tools,
+                                            tokenize=False), "<tool_response>", "</tool_response>", '{"expression":']
+        tok = build_chat_tokenizer(words, template, tool_tags=True)
+    else:
+        tok = build_chat_tokenizer(words)
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
@@ -108,7 +128,7 @@ def make_chat_model(path: Path, texts: list[str], system_prompt: str | None = No
                          bos_token_id=None, eos_token_id=tok.convert_tokens_to_ids(IM_END),
                          pad_token_id=tok.pad_token_id)
     model = Qwen2ForCausalLM(config)
-    _warm_start(model, tok, texts, system_prompt, warm_start_steps)
+    _warm_start(model, tok, texts, system_prompt, warm_start_steps, tools)
     model.generation_config = GenerationConfig(
         eos_token_id=[tok.convert_tokens_to_ids(IM_END), tok.pad_token_id], pad_token_id=tok.pad_token_id,
         do_sample=True, temperature=0.7, top_p=0.8, top_k=20)
@@ -117,20 +137,24 @@ def make_chat_model(path: Path, texts: list[str], system_prompt: str | None = No
     return path
 
 
-def _warm_start(model, tok, questions: list[str], system_prompt: str | None, steps: int) -> None:
-    """A few supervised steps on chat-rendered question -> short seed-format answer + <|im_end|>."""
+def _warm_start(model, tok, questions: list[str], system_prompt: str | None, steps: int,
+                tools: list | None = None) -> None:
+    """A few supervised steps on chat-rendered question -> short seed-format answer + <|im_end|>; with ``tools``,
+    every other answer first calls ``tools[0]`` (transcript rendered by the chat template, loss on all of it)."""
     import torch
 
     rng = random.Random(0)
     examples = []
-    for q in questions:
+    for i, q in enumerate(questions):
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": q}]
-        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         answer = f"<reasoning>\n{q.split()[1]}\n</reasoning>\n<answer>\n{rng.randint(1, 99)}\n</answer>{IM_END}"
+        if tools and i % 2 == 0:
+            answer = _tool_transcript(tok, messages, tools, q)[len(prompt):] + answer
         p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
         a_ids = tok(answer, add_special_tokens=False)["input_ids"]
-        examples.append((p_ids[-48:], a_ids))
+        examples.append((p_ids if tools else p_ids[-48:], a_ids))  # a call is learnt in its whole context
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model.train()
     for _ in range(steps):
@@ -147,3 +171,15 @@ def _warm_start(model, tok, questions: list[str], system_prompt: str | None, ste
         opt.step()
         opt.zero_grad()
     model.eval()
+
+
+def _tool_transcript(tok, messages: list[dict], tools: list, question: str) -> str:
+    """The conversation to the next generation prompt after a call of ``tools[0]`` on the question's first two
+    numbers, and its result."""
+    a, b = re.findall(r"\d+", question.split("]", 1)[-1])[:2]
+    expression = f"{a}*{b}"
+    call = {"type": "function", "function": {"name": tools[0].__name__, "arguments": {"expression": expression}}}
+    return tok.apply_chat_template(
+        [*messages, {"role": "assistant", "content": "", "tool_calls": [call]},
+         {"role": "tool", "name": tools[0].__name__, "content": tools[0](expression)}],
+        tools=tools, tokenize=False, add_generation_prompt=True)

@@ -19,6 +19,11 @@ REPO = Path(__file__).resolve().parents[1]
 ALL_CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
 # The hub-model recipes (embedded: null); configs/embedded-*.yaml are the embedded default on another engine.
 CONFIGS = [name for name in ALL_CONFIGS if not name.startswith("embedded-")]
+# What configs/gsm8k-qwen2.5-0.5b-tools.yaml changes of the GSM8K recipe, and nothing else (its header says why).
+TOOLS_RECIPE_CHANGES = {("data", "system_prompt"), ("data", "max_prompt_length"),
+                        ("generation", "max_completion_length"), ("train", "tools"),
+                        ("train", "max_tool_calling_iterations"), ("tracking", "experiment_name"),
+                        ("tracking", "registered_model_name")}
 # What configs/embedded-vllm.yaml changes of params.yaml, and nothing else (its header says why).
 EMBEDDED_VLLM = {("embedded", "num_attention_heads"): 3, ("generation", "backend"): "vllm"}
 MODEL_DIR = "models/Qwen2.5-0.5B-Instruct"  # where README's `hf download` puts the model
@@ -53,6 +58,18 @@ def hub_assets(tmp_path_factory):
     system = recipe(CONFIGS[0])["data"]["system_prompt"]
     make_chat_model(root / "model", [r["question"] for r in gsm8k_rows(64, 0)], system)
     return root / "model", root / "gsm8k"
+
+
+@pytest.fixture(scope="module")
+def hub_tools_model(tmp_path_factory):
+    """The hub-shaped model with Qwen2.5-Instruct's own chat template, warm-started to call the tools recipe's
+    calculator on about half the questions (tests/hub_fixture.py)."""
+    from grpo_core.tools.calculator import calculator
+
+    path = tmp_path_factory.mktemp("hub-tools") / "model"
+    system = recipe("gsm8k-qwen2.5-0.5b-tools.yaml")["data"]["system_prompt"]
+    return make_chat_model(path, [r["question"] for r in gsm8k_rows(64, 0)], system, hidden_size=64,
+                           warm_start_steps=200, tools=[calculator])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -97,6 +114,27 @@ def test_config_is_complete_for_dvc(name):
         assert not Path(cfg.model.name_or_path).is_absolute() and cfg.model.name_or_path == MODEL_DIR
         for split in ("train", "eval"):
             assert cfg.data.paths(split)[0].startswith(DATA_DIR + "/main/")
+
+
+def leaves(raw: dict, prefix: tuple = ()) -> dict[tuple, object]:
+    return {k: v for key, value in raw.items()
+            for k, v in (leaves(value, (*prefix, key)) if isinstance(value, dict) else {(*prefix, key): value}).items()}
+
+
+def test_tools_recipe_is_the_gsm8k_recipe_with_a_calculator():
+    """configs/gsm8k-qwen2.5-0.5b-tools.yaml is the GSM8K recipe with TOOLS_RECIPE_CHANGES changed, and nothing
+    else; its tool imports and passes the registry's checks (type hints, docstring)."""
+    from grpo_core.tools import build_toolbox
+
+    base, tools = leaves(recipe("gsm8k-qwen2.5-0.5b.yaml")), leaves(recipe("gsm8k-qwen2.5-0.5b-tools.yaml"))
+    assert set(base) == set(tools)
+    assert {k for k in base if base[k] != tools[k]} == TOOLS_RECIPE_CHANGES
+    assert tools[("train", "tools")] == ["grpo_core.tools.calculator:calculator"]
+    assert "calculator" in tools[("data", "system_prompt")]
+    from grpo_core.config import load_config
+
+    toolbox = build_toolbox(load_config(REPO / "configs/gsm8k-qwen2.5-0.5b-tools.yaml").train.tool_use)
+    assert [t.__name__ for t in toolbox.tools] == ["calculator"] and toolbox.max_iterations == 4
 
 
 def test_embedded_vllm_recipe_is_the_default_with_the_engine_and_a_head_size_it_runs():
@@ -246,18 +284,25 @@ def test_fixture_is_shaped_like_the_hub(hub_assets):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
-def test_recipe_runs_end_to_end_under_dvc_repro(name, hub_assets, tmp_path):
+def test_recipe_runs_end_to_end_under_dvc_repro(name, hub_assets, tmp_path, request):
     """README's "Switching to a real model": the download steps (here: the hub-shaped stand-ins at the same
     paths), `cp configs/<name> params.yaml`, `dvc repro`; sizes scaled by OVERLAY. Then an edit of the data
-    file re-runs validate and everything after it."""
+    file re-runs validate and everything after it. The tools recipe's model calls the calculator: the calls
+    and their outcomes reach train_log.csv and eval.json."""
     from tests.test_pipeline import dvc, make_clone, run
 
     repo = make_clone(tmp_path / "repo")
     model, gsm8k = hub_assets
+    tools = bool(recipe(name)["train"]["tools"])
+    if tools:
+        model = request.getfixturevalue("hub_tools_model")
     shutil.copytree(model, repo / MODEL_DIR)
     shutil.copytree(gsm8k, repo / DATA_DIR)
     run(repo, "cp", f"configs/{name}", "params.yaml")
-    edit_params(repo, lambda raw: raw.update(scaled(raw)))
+    overlay = json.loads(json.dumps(OVERLAY))
+    if tools:  # a call (~25 tokens), its result block and an answer: room for a second turn
+        overlay["generation"]["max_completion_length"] = overlay["evaluate"]["max_completion_length"] = 96
+    edit_params(repo, lambda raw: raw.update(scaled(raw, overlay)))
     out = dvc(repo, "repro", timeout=1200)
     log = out.stdout + out.stderr
     assert "embedded: null - the embedded default is not used; nothing to prepare" in log
@@ -267,6 +312,13 @@ def test_recipe_runs_end_to_end_under_dvc_repro(name, hub_assets, tmp_path):
     assert {"base", "trained", "delta"} <= set(metrics) and metrics["trained"]["num_prompts"] == 4
     rows = (repo / "metrics/train_log.csv").read_text().splitlines()
     assert len(rows) == 1 + 3
+    if tools:
+        import pandas as pd
+
+        log = pd.read_csv(repo / "metrics/train_log.csv")
+        assert (log["tools/call_frequency"] > 0).all() and log["tools/failure_frequency"].between(0, 1).all()
+        assert log["tools/mean_turns"].max() > 1
+        assert 0 < metrics["base"]["tool_call_frequency"] and 0 <= metrics["base"]["tool_success_rate"] <= 1
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
