@@ -19,8 +19,8 @@ thousands separator, ``#### 1,200``).
 
 from __future__ import annotations
 
-import re
 import random
+import re
 from pathlib import Path
 
 import pandas as pd
