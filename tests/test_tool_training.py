@@ -87,3 +87,17 @@ def test_evaluation_during_training_logs_the_tool_metrics(assets):
                 "eval/sampled/tool_success_rate"):
         assert key in log[0] and log[0][key] != "", key
     assert 0 < float(log[0]["eval/tool_success_rate"]) <= 1 and float(log[0]["eval/tool_failure_frequency"]) == 0
+
+
+def test_the_completion_table_counts_each_rows_tool_calls(assets):
+    """Each logged row carries its calls, failed calls and turns, as its text shows them: a call per <tool_call>
+    block, a turn per generation prompt after the first (special tokens are left out of the text, the role word
+    stays); their mean is the step's tools/call_frequency."""
+    _, log = run(assets, "table", max_steps=1, log_completions_steps=1, num_completions_to_log=100)
+    rows = [json.loads(line) for line in (assets / "table/log.completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and {r["step"] for r in rows} == {1}
+    for r in rows:
+        assert r["tool_calls"] == r["completion"].count("<tool_call>") and r["tool_failures"] == 0
+        assert r["turns"] == 1 + r["completion"].count("</tool_response>\nassistant\n")
+    assert max(r["tool_calls"] for r in rows) == 2 and max(r["turns"] for r in rows) >= 2  # the script's most
+    assert sum(r["tool_calls"] for r in rows) / len(rows) == pytest.approx(float(log[0]["tools/call_frequency"]))

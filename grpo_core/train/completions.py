@@ -18,7 +18,8 @@ from grpo_core.train.round import Round
 
 def completion_rows(round_: Round, tokenizer, reward_names: list[str], step: int, limit: int | None) -> list[dict]:
     """One dict per row of the round (the first ``limit``): step, prompt and completion text (special tokens
-    kept out), each reward (None where the function gave none), advantage."""
+    kept out; with tools the completion holds the tool results between the model's turns), each reward (None where
+    the function gave none), advantage; with tools the row's tool calls, failed calls and assistant turns."""
     n = len(round_) if limit is None else min(limit, len(round_))
     rows = []
     for i in range(n):
@@ -30,6 +31,8 @@ def completion_rows(round_: Round, tokenizer, reward_names: list[str], step: int
             value = None if round_.rewards is None else float(round_.rewards[i, k])
             row[f"reward/{name}"] = None if value is None or math.isnan(value) else value
         row["advantage"] = float(round_.advantages[i])
+        if round_.tool_counts is not None:
+            row.update(zip(("tool_calls", "tool_failures", "turns"), map(int, round_.tool_counts[i])))
         rows.append(row)
     return rows
 

@@ -66,12 +66,15 @@ def sample_round(*, backend: RolloutBackend, tokenizer, rows: list[dict], row_id
         "reward_timeouts": float(sum(sampled.timeout_counts.values())),
         "generation_time": sampled.generation_time,
     })
+    tool_counts = None
     if spec.tools is not None:
         metrics.update(tool_metrics(accelerator, sampled.tool_calls, sampled.tool_failures, sampled.turns))
+        tool_counts = torch.stack([torch.as_tensor(c, dtype=torch.long)
+                                   for c in (sampled.tool_calls, sampled.tool_failures, sampled.turns)], dim=1)  # (N, 3)
     return Round(prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask, completion_ids=batch.completion_ids,
                  completion_mask=batch.completion_mask, is_truncated=batch.is_truncated,
                  advantages=torch.zeros(len(rewards)), metrics=metrics, rewards=rewards,
-                 sampling_logps=batch.sampling_logps, tool_mask=batch.tool_mask)
+                 sampling_logps=batch.sampling_logps, tool_mask=batch.tool_mask, tool_counts=tool_counts)
 
 
 def assign_advantages(round_: Round, weights: torch.Tensor, a: AdvantageConfig, accelerator) -> Round:

@@ -30,6 +30,8 @@ class Round:
     sampler_ratio: torch.Tensor | None = None   # (N, C) or (N, 1): pi_old / pi_sampler, truncated or masked
     tool_mask: torch.Tensor | None = None       # (N, C) long, rollouts with tools: 1 on the model's tokens, 0 on the
                                                 # tool/template tokens between its turns (None: all the model's)
+    tool_counts: torch.Tensor | None = None     # (N, 3) long, rollouts with tools: per row the tool calls the model
+                                                # made, those answered with an error, and its assistant turns
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -74,7 +76,7 @@ class Round:
                     "completion_ids": _pad(r.completion_ids, completion), "completion_mask": _pad(r.completion_mask, completion),
                     "sampling_logps": None if r.sampling_logps is None else _pad(r.sampling_logps, completion),
                     "tool_mask": None if r.tool_mask is None else _pad(r.tool_mask, completion),
-                    **{n: getattr(r, n) for n in ("is_truncated", "advantages", "rewards")}}
+                    **{n: getattr(r, n) for n in ("is_truncated", "advantages", "rewards", "tool_counts")}}
 
         parts = [widened(r) for r in rounds]
         shared = [n for n in parts[0] if all(p[n] is not None for p in parts)]
