@@ -21,9 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from grpo_core.embedded.config import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, EmbeddedConfig
-from grpo_core.embedded.tool_tasks import MIN_MAX_OPERAND
-from grpo_core.embedded.tool_tasks import TASK as TOOL_TASK
+from grpo_core.embedded.config import (
+    EMBEDDED_DATA_DIR,
+    EMBEDDED_MODEL_DIR,
+    MIN_MAX_OPERAND,
+    TOOL_TASK,
+    EmbeddedConfig,
+)
 from grpo_core.errors import ConfigurationError
 
 

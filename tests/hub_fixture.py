@@ -158,7 +158,7 @@ def _warm_start(model, tok, questions: list[str], system_prompt: str | None, ste
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model.train()
     for _ in range(steps):
-        batch = rng.sample(examples, min(16, len(examples)))
+        batch = rng.sample(examples, min(8 if tools else 16, len(examples)))
         width = max(len(p) + len(a) for p, a in batch)
         ids = torch.full((len(batch), width), tok.pad_token_id)
         labels = torch.full((len(batch), width), -100)

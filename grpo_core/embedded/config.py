@@ -11,6 +11,12 @@ from typing import Any, Literal
 
 TaskName = Literal["arithmetic", "multiple_choice", "calculator"]
 
+#: the task with chat prompts and a calculator tool (grpo_core/embedded/tool_tasks.py)
+TOOL_TASK = "calculator"
+#: the smallest embedded.max_operand the tool task accepts (its numbers start at 10). Both live here, with the
+#: fields, so grpo_core/config.py (which every stage imports) checks them without importing the task's code
+MIN_MAX_OPERAND = 10
+
 #: prepare's outputs in dvc.yaml: the embedded default's data and base model.
 EMBEDDED_DATA_DIR = "data/prepared"
 EMBEDDED_MODEL_DIR = "artifacts/base_model"

@@ -24,14 +24,13 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar
 
+from grpo_core.embedded.config import MIN_MAX_OPERAND, TOOL_TASK
 from grpo_core.embedded.tasks import NAMES, OBJECTS, distinct_splits
 from grpo_core.embedded.tools import calculator
 
-TASK = "calculator"
+TASK = TOOL_TASK
 #: the `format_break` values of a demonstration: the call as written, or broken (the operator as a word)
 CALL_BREAKS = ("none", "bad_call")
-#: the smallest embedded.max_operand this task accepts (its numbers start at 10)
-MIN_MAX_OPERAND = 10
 
 
 @dataclass(frozen=True)
