@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ast
 
+from grpo_core.expressions import construct_name, parse_expression
+
 #: longest expression accepted, in characters
 MAX_EXPRESSION_LENGTH = 200
 #: what a syntactically broken expression is answered with (short: the tiny model reads it)
@@ -31,15 +33,11 @@ def calculator(expression: str) -> str:
     Returns:
         The value of the expression, as a decimal integer.
     """
-    if not isinstance(expression, str):
-        raise ValueError(f"expression must be a string, got {type(expression).__name__}")
-    if len(expression) > MAX_EXPRESSION_LENGTH:
-        raise ValueError(f"expression longer than {MAX_EXPRESSION_LENGTH} characters")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        tree = parse_expression(expression, MAX_EXPRESSION_LENGTH)
     except SyntaxError:
         raise ValueError(INVALID) from None
-    return str(_value(tree.body))
+    return str(_value(tree))
 
 
 def _value(node: ast.AST) -> int:
@@ -50,10 +48,4 @@ def _value(node: ast.AST) -> int:
         return _BINARY[type(node.op)](_value(node.left), _value(node.right))
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_value(node.operand))
-    if isinstance(node, ast.BinOp | ast.UnaryOp):
-        what = type(node.op).__name__  # e.g. Pow, Div
-    elif isinstance(node, ast.Constant):
-        what = f"a {type(node.value).__name__} literal"
-    else:
-        what = type(node).__name__  # e.g. Name, Call, Attribute
-    raise ValueError(f"only integers and + - * are allowed, not {what}")
+    raise ValueError(f"only integers and + - * are allowed, not {construct_name(node)}")

@@ -23,6 +23,8 @@ import math
 import operator
 from fractions import Fraction
 
+from grpo_core.expressions import construct_name, parse_expression
+
 #: longest expression accepted, in characters
 MAX_EXPRESSION_LENGTH = 200
 #: largest |exponent| of ``**``
@@ -48,15 +50,11 @@ def calculator(expression: str) -> str:
     Returns:
         The value, as a decimal number (rounded to 6 decimal places when it does not terminate sooner).
     """
-    if not isinstance(expression, str):
-        raise ValueError(f"expression must be a string, got {type(expression).__name__}")
-    if len(expression) > MAX_EXPRESSION_LENGTH:
-        raise ValueError(f"expression longer than {MAX_EXPRESSION_LENGTH} characters")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        tree = parse_expression(expression, MAX_EXPRESSION_LENGTH)
     except SyntaxError as exc:
         raise ValueError(f"not an arithmetic expression: {exc.msg}") from None
-    return decimal_text(_value(tree.body))
+    return decimal_text(_value(tree))
 
 
 def decimal_text(value: Fraction) -> str:
@@ -83,14 +81,7 @@ def _value(node: ast.AST) -> Fraction:
         return Fraction(_BINARY[type(node.op)](left, right))
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_value(node.operand))
-    if isinstance(node, ast.BinOp | ast.UnaryOp):
-        what = type(node.op).__name__  # e.g. BitXor, Not
-    elif isinstance(node, ast.Constant):
-        what = f"a {type(node.value).__name__} literal"
-    elif isinstance(node, ast.Tuple):
-        what = "a comma (write 1200, not 1,200)"
-    else:
-        what = type(node).__name__  # e.g. Name, Call, Attribute
+    what = "a comma (write 1200, not 1,200)" if isinstance(node, ast.Tuple) else construct_name(node)
     raise ValueError(f"only numbers, + - * / // % ** and parentheses are allowed, not {what}")
 
 
