@@ -105,7 +105,7 @@ def test_design_doc_names_every_module_and_only_modules_that_exist():
 
 # grpo_core's layers, bottom to top (grpo_core/__init__.py); flows/ above them all.
 LAYERS = [
-    ("grpo_core.errors", "grpo_core.files", "grpo_core.rng"),
+    ("grpo_core.errors", "grpo_core.files", "grpo_core.rng", "grpo_core.expressions"),
     ("grpo_core.config", "grpo_core.embedded"),
     ("grpo_core.advantages", "grpo_core.loss", "grpo_core.microbatch", "grpo_core.calibration",
      "grpo_core.evaluation"),
