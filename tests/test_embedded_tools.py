@@ -38,6 +38,7 @@ from grpo_core.embedded.warm_start import (
     sample_batch,
 )
 from grpo_core.rewards import correctness
+from tests.tiny import undo_recipe_changes
 
 TOOLS = [calculator]
 REPO = Path(__file__).resolve().parents[1]
@@ -388,9 +389,7 @@ def test_recipe_is_params_yaml_with_the_calculator_task():
     assert cfg.embedded.tasks == ["calculator"] and cfg.train.tool_use.enabled
     module, _, name = cfg.train.tools[0].partition(":")
     assert getattr(importlib.import_module(module), name) is calculator
-    for (section, key), value in RECIPE_CHANGES.items():
-        assert recipe[section][key] == value and default[section][key] != value, (section, key)
-        recipe[section][key] = default[section][key]
+    undo_recipe_changes(recipe, default, RECIPE_CHANGES)
     assert recipe["rewards"] == [{"name": "correctness", "function": "correctness", "kwargs": {}, "target_share": 1.0}]
     assert recipe["guards"]["reward_hacking"]["format_reward"] is None  # no format reward to watch
     recipe["rewards"], recipe["guards"]["reward_hacking"]["format_reward"] = default["rewards"], "format"

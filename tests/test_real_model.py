@@ -13,17 +13,20 @@ import pytest
 import yaml
 
 from tests.hub_fixture import CHATML_TEMPLATE, IM_END, gsm8k_rows, make_chat_model, make_gsm8k
-from tests.tiny import in_stage_repo
+from tests.tiny import in_stage_repo, undo_recipe_changes
 
 REPO = Path(__file__).resolve().parents[1]
 ALL_CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
 # The hub-model recipes (embedded: null); configs/embedded-*.yaml are the embedded default on another engine.
 CONFIGS = [name for name in ALL_CONFIGS if not name.startswith("embedded-")]
-# What configs/gsm8k-qwen2.5-0.5b-tools.yaml changes of the GSM8K recipe, and nothing else (its header says why).
-TOOLS_RECIPE_CHANGES = {("data", "system_prompt"), ("data", "max_prompt_length"),
-                        ("generation", "max_completion_length"), ("train", "tools"),
-                        ("train", "max_tool_calling_iterations"), ("tracking", "experiment_name"),
-                        ("tracking", "registered_model_name")}
+# What configs/gsm8k-qwen2.5-0.5b-tools.yaml changes of the GSM8K recipe besides the system prompt, and nothing
+# else (its header says why).
+TOOLS_RECIPE_CHANGES = {
+    ("data", "max_prompt_length"): 512, ("generation", "max_completion_length"): 768,
+    ("train", "tools"): ["grpo_core.tools.calculator:calculator"], ("train", "max_tool_calling_iterations"): 4,
+    ("tracking", "experiment_name"): "gsm8k-qwen2.5-0.5b-tools",
+    ("tracking", "registered_model_name"): "gsm8k-qwen2.5-0.5b-tools",
+}
 # What configs/embedded-vllm.yaml changes of params.yaml, and nothing else (its header says why).
 EMBEDDED_VLLM = {("embedded", "num_attention_heads"): 3, ("generation", "backend"): "vllm"}
 MODEL_DIR = "models/Qwen2.5-0.5B-Instruct"  # where README's `hf download` puts the model
@@ -116,23 +119,18 @@ def test_config_is_complete_for_dvc(name):
             assert cfg.data.paths(split)[0].startswith(DATA_DIR + "/main/")
 
 
-def leaves(raw: dict, prefix: tuple = ()) -> dict[tuple, object]:
-    return {k: v for key, value in raw.items()
-            for k, v in (leaves(value, (*prefix, key)) if isinstance(value, dict) else {(*prefix, key): value}).items()}
-
-
 def test_tools_recipe_is_the_gsm8k_recipe_with_a_calculator():
-    """configs/gsm8k-qwen2.5-0.5b-tools.yaml is the GSM8K recipe with TOOLS_RECIPE_CHANGES changed, and nothing
-    else; its tool imports and passes the registry's checks (type hints, docstring)."""
+    """configs/gsm8k-qwen2.5-0.5b-tools.yaml is the GSM8K recipe with TOOLS_RECIPE_CHANGES and a system prompt that
+    names the tool, and nothing else; its tool imports and passes the registry's checks (type hints, docstring)."""
+    from grpo_core.config import load_config
     from grpo_core.tools import build_toolbox
 
-    base, tools = leaves(recipe("gsm8k-qwen2.5-0.5b.yaml")), leaves(recipe("gsm8k-qwen2.5-0.5b-tools.yaml"))
-    assert set(base) == set(tools)
-    assert {k for k in base if base[k] != tools[k]} == TOOLS_RECIPE_CHANGES
-    assert tools[("train", "tools")] == ["grpo_core.tools.calculator:calculator"]
-    assert "calculator" in tools[("data", "system_prompt")]
-    from grpo_core.config import load_config
-
+    base, tools = recipe("gsm8k-qwen2.5-0.5b.yaml"), recipe("gsm8k-qwen2.5-0.5b-tools.yaml")
+    undo_recipe_changes(tools, base, TOOLS_RECIPE_CHANGES)
+    prompt = base["data"]["system_prompt"]
+    assert tools["data"]["system_prompt"] == "Use the calculator tool for every computation, then r" + prompt[1:]
+    tools["data"]["system_prompt"] = prompt
+    assert tools == base
     toolbox = build_toolbox(load_config(REPO / "configs/gsm8k-qwen2.5-0.5b-tools.yaml").train.tool_use)
     assert [t.__name__ for t in toolbox.tools] == ["calculator"] and toolbox.max_iterations == 4
 
@@ -142,9 +140,7 @@ def test_embedded_vllm_recipe_is_the_default_with_the_engine_and_a_head_size_it_
     or changed in params.yaml must reach the recipe too (the recipe claims "the embedded default with vLLM")."""
     default = yaml.safe_load((REPO / "params.yaml").read_text())
     vllm = recipe("embedded-vllm.yaml")
-    for (section, key), value in EMBEDDED_VLLM.items():
-        assert vllm[section][key] == value and default[section][key] != value
-        vllm[section][key] = default[section][key]
+    undo_recipe_changes(vllm, default, EMBEDDED_VLLM)
     assert vllm == default
     embedded = recipe("embedded-vllm.yaml")["embedded"]
     assert embedded["hidden_size"] // embedded["num_attention_heads"] == 32  # a size vLLM's CPU attention takes

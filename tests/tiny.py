@@ -22,6 +22,14 @@ def read_log(path: Path) -> list[dict]:
         return list(csv.DictReader(fh))
 
 
+def undo_recipe_changes(recipe: dict, base: dict, changes: dict[tuple[str, str], object]) -> None:
+    """Check that ``recipe`` sets each ``(section, key)`` of ``changes`` to its value where ``base`` does not, then set
+    those keys back to ``base``'s in place, so that ``recipe == base`` says nothing else differs."""
+    for (section, key), value in changes.items():
+        assert recipe[section][key] == value and base[section][key] != value, (section, key)
+        recipe[section][key] = base[section][key]
+
+
 def make_tiny_model(path: Path, hidden_size: int = 32, layers: int = 2, seed: int = 0, heads: int = 4) -> Path:
     """heads: attention heads (hidden_size / heads = 32 for vLLM's CPU attention, which refuses smaller heads)."""
     tokenizer = build_tokenizer(vocabulary_words())
