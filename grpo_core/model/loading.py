@@ -10,6 +10,7 @@ import torch
 
 from grpo_core.config import ModelConfig
 from grpo_core.errors import InputUnreadable
+from grpo_core.model.gguf import converted_model_dir, is_gguf
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +25,11 @@ def resolve_model_path(name_or_path: str, root: str | Path = ".") -> str:
     """A local directory (relative to the repo root) if one exists, else a hub id.
 
     Something that is plainly a path (``./x``, ``/x``, ``~/x``, ``a/b/c``) but does not exist is an
-    error here, rather than a confusing hub lookup later.
+    error here, rather than a confusing hub lookup later. A ``*.gguf`` file stands for the folder the
+    ``convert`` stage made from it.
     """
+    if is_gguf(name_or_path):
+        return str(converted_model_dir(name_or_path, root))
     candidate = Path(root, name_or_path).expanduser()
     if candidate.is_dir():
         return str(candidate)
