@@ -21,7 +21,7 @@ from grpo_core.config import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ["prepare", "validate", "calibrate", "train", "evaluate"]
+STAGES = ["prepare", "convert", "validate", "calibrate", "train", "evaluate"]
 
 
 def dvc_params(stage: str) -> list[str]:

@@ -34,7 +34,9 @@ TINY = {
     "evaluate": {"max_samples": 6, "num_generations": 4, "pass_k": [1, 2, 4], "max_completion_length": 16,
                  "batch_size": 16},
 }
-STAGES = ["prepare", "validate", "calibrate", "train", "evaluate"]
+STAGES = ["prepare", "convert", "validate", "calibrate", "train", "evaluate"]
+# The stages that open an MLflow run here: convert has nothing to convert for the embedded default's model folder.
+TRACKED_STAGES = [s for s in STAGES if s != "convert"]
 GIT = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com", "-c", "commit.gpgsign=false"]
 
 
@@ -187,7 +189,7 @@ def test_mlflow_holds_one_parent_with_a_child_run_per_stage(pipeline):
     parent = parents[0]
     assert parent.info.status == "FINISHED" and parent.data.params["train.max_steps"] == "3"
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert [r.data.tags["stage"] for r in children] == STAGES
+    assert [r.data.tags["stage"] for r in children] == TRACKED_STAGES
     assert all(r.info.status == "FINISHED" for r in children)
     sha = run(repo, "git", "rev-parse", "HEAD").stdout.strip()
     assert all(r.data.tags["git.sha"] == sha for r in children)
