@@ -101,23 +101,37 @@ def trl_args(cfg, workdir: Path, weights: list[float]) -> dict:
 # One run (in its own process)
 
 
-def train_ours(root: Path, cfg, weights: list[float], workdir: Path) -> Path:
+def train_ours(root: Path, cfg, weights: list[float], workdir: Path) -> tuple[Path, list[float]]:
+    """(the trained model's folder, each step's mean completion length)."""
+    import csv
+
     from grpo_core.train.loop import train
 
     result = train(cfg, reward_weights=weights, root=root, progress=False, log_path=workdir / "train_log.csv")
-    return result.model_dir
+    with open(workdir / "train_log.csv", newline="") as fh:
+        lengths = [float(row["completions/mean_length"]) for row in csv.DictReader(fh)]
+    return result.model_dir, lengths
 
 
-def train_trl(root: Path, cfg, weights: list[float], workdir: Path, manual_sampler: bool = False) -> Path:
+def completion_tokens(cfg, mean_lengths: list[float]) -> float:
+    """Completion tokens sampled over the run: each optimizer step trains on per_device_train_batch_size x
+    gradient_accumulation_steps completions (both sides log their mean length per step)."""
+    t = cfg.train
+    return sum(mean_lengths) * t.per_device_train_batch_size * t.gradient_accumulation_steps
+
+
+def train_trl(root: Path, cfg, weights: list[float], workdir: Path,
+              manual_sampler: bool = False) -> tuple[Path, list[float]]:
     """TRL's GRPOTrainer on the validated train split, the base model and our reward functions; ``manual_sampler``:
-    its completions come from our hand-written decode loop instead of HF generate."""
+    its completions come from our hand-written decode loop instead of HF generate. Returns what train_ours does."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo_core.data import load_split
+    from grpo_core.model.loading import resolve_model_path
     from grpo_core.rewards import build_reward_functions
 
-    model_path = str(root / cfg.model.name_or_path)
+    model_path = resolve_model_path(cfg.model.name_or_path, root)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype="float32")
     dataset = load_split(cfg.data, "train", root)
@@ -130,7 +144,8 @@ def train_trl(root: Path, cfg, weights: list[float], workdir: Path, manual_sampl
     model_dir = workdir / "out" / "model"
     trainer.save_model(str(model_dir))
     tokenizer.save_pretrained(str(model_dir))
-    return model_dir
+    lengths = [e["completions/mean_length"] for e in trainer.state.log_history if "completions/mean_length" in e]
+    return model_dir, lengths
 
 
 def manual_generation(trainer, tokenizer, g):
@@ -164,7 +179,7 @@ def greedy_accuracy(root: Path, cfg, model_dir: Path) -> dict:
             "format_compliance": sum(r["format_ok"] for r in records) / len(records), "num_prompts": len(records)}
 
 
-def run_one(root: Path, side: str, seed: int, workdir: Path, max_steps: int | None) -> dict:
+def run_one(root: Path, side: str, seed: int, workdir: Path, max_steps: int | None, with_base: bool) -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -175,14 +190,18 @@ def run_one(root: Path, side: str, seed: int, workdir: Path, max_steps: int | No
     weights = reward_weights(root, cfg)
     t0 = time.perf_counter()
     if side.startswith("trl"):
-        model_dir = train_trl(root, cfg, weights, workdir, manual_sampler=side == "trl-manual")
+        model_dir, lengths = train_trl(root, cfg, weights, workdir, manual_sampler=side == "trl-manual")
     else:
-        model_dir = train_ours(root, cfg, weights, workdir)
+        model_dir, lengths = train_ours(root, cfg, weights, workdir)
     train_s = time.perf_counter() - t0
-    result = {"side": side, "seed": seed, "train_s": round(train_s, 1), "reward_weights": weights,
-              **greedy_accuracy(root, cfg, model_dir)}
-    if side == "ours" and seed == 0:  # the base policy, once: the same evaluator on the untrained model
-        result["base"] = greedy_accuracy(root, cfg, root / cfg.model.name_or_path)
+    tokens = completion_tokens(cfg, lengths)
+    result = {"side": side, "seed": seed, "train_s": round(train_s, 1), "steps": len(lengths),
+              "completion_tokens": round(tokens), "completion_tokens_per_s": round(tokens / train_s, 1),
+              "reward_weights": weights, **greedy_accuracy(root, cfg, model_dir)}
+    if with_base:  # the base policy, once: the same evaluator on the untrained model
+        from grpo_core.model.loading import resolve_model_path
+
+        result["base"] = greedy_accuracy(root, cfg, Path(resolve_model_path(cfg.model.name_or_path, root)))
     return result
 
 
@@ -190,7 +209,7 @@ def run_one(root: Path, side: str, seed: int, workdir: Path, max_steps: int | No
 # The driver
 
 
-def launch(root: Path, side: str, seed: int, workdir: Path, max_steps: int | None) -> dict:
+def launch(root: Path, side: str, seed: int, workdir: Path, max_steps: int | None, with_base: bool) -> dict:
     out = workdir / f"{side}-seed{seed}"
     done = out / "result.json"
     if done.exists():
@@ -200,6 +219,8 @@ def launch(root: Path, side: str, seed: int, workdir: Path, max_steps: int | Non
            "--root", str(root)]
     if max_steps is not None:
         cmd += ["--max-steps", str(max_steps)]
+    if with_base:
+        cmd.append("--with-base")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
                MLFLOW_DISABLE_TELEMETRY="true", PYTHONPATH=str(REPO))
     with open(out / "log.txt", "w") as logf:
@@ -216,8 +237,10 @@ def summarize(results: list[dict], sides: list[str], seeds: list[int]) -> dict:
     summary: dict = {}
     for side in sides:
         values = [acc[(side, s)] for s in seeds if (side, s) in acc]
+        speeds = [r["completion_tokens_per_s"] for r in results if r["side"] == side and "completion_tokens_per_s" in r]
         summary[side] = {"mean": statistics.fmean(values) if values else None,
-                         "std": statistics.stdev(values) if len(values) > 1 else None}
+                         "std": statistics.stdev(values) if len(values) > 1 else None,
+                         "completion_tokens_per_s": statistics.fmean(speeds) if speeds else None}
         if side != "trl" and "trl" in sides:
             diffs = [acc[(side, s)] - acc[("trl", s)] for s in seeds if (side, s) in acc and ("trl", s) in acc]
             summary[side]["mean_minus_trl"] = statistics.fmean(diffs) if diffs else None
@@ -263,6 +286,11 @@ def table(results: list[dict], sides: list[str], seeds: list[int], summary: dict
     tests = [f"{o} − trl: {summary[o]['mean_minus_trl']:+.3f}, 95% CI [{summary[o]['ci95'][0]:+.3f}, "
              f"{summary[o]['ci95'][1]:+.3f}], Welch p = {summary[o]['p_value']:.2f} ({len(seeds)} seeds a side)"
              for o in others if summary[o].get("ci95") is not None]
+    speed = {side: summary[side].get("completion_tokens_per_s") for side in sides}
+    if all(v is not None for v in speed.values()):
+        ratios = [f"{o}/trl {speed[o] / speed['trl']:.2f}x" for o in others if "trl" in sides]
+        tests.append("train-stage completion tokens/s (mean over seeds): "
+                     + ", ".join(f"{side} {speed[side]:,.0f}" for side in sides) + (f" ({', '.join(ratios)})" if ratios else ""))
     return "\n".join(lines + ([""] + tests if tests else []))
 
 
@@ -278,9 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh", action="store_true", help="ignore results kept in --workdir")
     parser.add_argument("--run", choices=SIDES, help=argparse.SUPPRESS)   # one run, in a subprocess
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--with-base", action="store_true", help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
     if a.run:
-        result = run_one(a.root.resolve(), a.run, a.seed, a.workdir, a.max_steps)
+        result = run_one(a.root.resolve(), a.run, a.seed, a.workdir, a.max_steps, a.with_base)
         tmp = a.workdir / "result.json.tmp"
         tmp.write_text(json.dumps(result, indent=1))
         tmp.replace(a.workdir / "result.json")
@@ -292,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(side, seed) for seed in a.seeds for side in a.sides]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=a.jobs) as pool:
-        results = list(pool.map(lambda job: launch(a.root.resolve(), *job, a.workdir.resolve(), a.max_steps), jobs))
+        # the base policy is scored once, with the first seed's first side
+        results = list(pool.map(lambda job: launch(a.root.resolve(), *job, a.workdir.resolve(), a.max_steps,
+                                                   job == jobs[0]), jobs))
     summary = summarize(results, a.sides, a.seeds)
     text = table(results, a.sides, a.seeds, summary)
     base = next((r["base"]["accuracy"] for r in results if "base" in r), None)

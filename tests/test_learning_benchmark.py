@@ -41,8 +41,10 @@ def test_trl_gets_the_recipe_of_params_yaml_value_for_value(tmp_path):
 
 
 def test_summary_and_table_from_hand_numbers():
-    runs = [{"side": "ours", "seed": 0, "accuracy": 0.70}, {"side": "trl", "seed": 0, "accuracy": 0.75},
-            {"side": "ours", "seed": 1, "accuracy": 0.80}, {"side": "trl", "seed": 1, "accuracy": 0.65}]
+    runs = [{"side": "ours", "seed": 0, "accuracy": 0.70, "completion_tokens_per_s": 1400.0},
+            {"side": "trl", "seed": 0, "accuracy": 0.75, "completion_tokens_per_s": 700.0},
+            {"side": "ours", "seed": 1, "accuracy": 0.80, "completion_tokens_per_s": 1600.0},
+            {"side": "trl", "seed": 1, "accuracy": 0.65, "completion_tokens_per_s": 800.0}]
     summary = learning.summarize(runs, ["ours", "trl"], [0, 1])
     assert summary["ours"]["mean"] == pytest.approx(0.75) and summary["trl"]["mean"] == pytest.approx(0.70)
     assert summary["ours"]["std"] == pytest.approx(0.0707107, rel=1e-5)   # sample std of 0.70, 0.80
@@ -56,6 +58,17 @@ def test_summary_and_table_from_hand_numbers():
     assert summary["ours"]["p_value"] == pytest.approx(0.55279, abs=1e-5)
     assert summary["ours"]["ci95"] == pytest.approx([-0.25424, 0.35424], abs=1e-5)
     assert "ours − trl: +0.050, 95% CI [-0.254, +0.354], Welch p = 0.55 (2 seeds a side)" in table
+    assert summary["ours"]["completion_tokens_per_s"] == 1500.0 and summary["trl"]["completion_tokens_per_s"] == 750.0
+    assert "train-stage completion tokens/s (mean over seeds): ours 1,500, trl 750 (ours/trl 2.00x)" in table
+
+
+def test_completion_tokens_count_every_completion_of_every_step():
+    """Each optimizer step trains on per_device_train_batch_size x gradient_accumulation_steps completions."""
+    from grpo_core.config import load_config
+
+    cfg = load_config(REPO / "params.yaml", {"train.per_device_train_batch_size": 16,
+                                               "train.gradient_accumulation_steps": 2})
+    assert learning.completion_tokens(cfg, [10.0, 12.5]) == (10.0 + 12.5) * 16 * 2
 
 
 def tiny_root(root: Path) -> Path:
@@ -93,5 +106,6 @@ def test_one_step_of_every_side_and_the_table(tmp_path):
     assert {r["side"] for r in doc["runs"]} == set(learning.SIDES)
     for run in doc["runs"]:
         assert 0.0 <= run["accuracy"] <= 1.0 and run["num_prompts"] == 4 and run["reward_weights"] == [0.5, 0.5]
+        assert run["steps"] == 1 and 16 <= run["completion_tokens"] <= 16 * 6  # 16 completions of 1..6 tokens
     assert 0.0 <= doc["base_accuracy"] <= 1.0
     assert "| 0 |" in doc["table"] and "| mean |" in doc["table"] and doc["table"] in proc.stdout

@@ -1,0 +1,112 @@
+"""The real pretrained model end to end: configs/smollm2-135m-word-problems.yaml under `dvc repro` in a fresh clone,
+sizes scaled down (SCALE). The GGUF conversion, SmolLM2's own tokenizer and ChatML template in every stage that
+renders a prompt, a checkpoint resume, and an export that generates what the trained policy generates."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from tests.real_model import smollm2_gguf
+from tests.test_pipeline import GIT, copy_repo, dvc, make_clone, run
+
+RECIPE = "configs/smollm2-135m-word-problems.yaml"
+# Sizes only: the recipe's model, data, rewards, precision and algorithm stay as shipped.
+SCALE = {
+    "calibrate": {"num_prompts": 4, "num_generations": 4},
+    "generation": {"max_completion_length": 12},
+    "train": {"per_device_train_batch_size": 8, "max_steps": 2, "save_steps": 1},
+    "evaluate": {"max_samples": 4, "batch_size": 4},
+}
+CHAT_PREFIX = "<|im_start|>system\nSolve the problem. End your reply with: The answer is N.<|im_end|>\n<|im_start|>user\n"
+
+pytestmark = pytest.mark.slow
+
+
+def set_params(repo, updates: dict) -> None:
+    raw = yaml.safe_load((repo / "params.yaml").read_text())
+    for section, values in updates.items():
+        raw[section].update(values)
+    (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+
+
+@pytest.fixture(scope="session")
+def smollm2_pipeline(tmp_path_factory):
+    """(repo, log): a fresh clone where `make setup` put the GGUF in models/, the recipe copied over params.yaml
+    (scaled), and one `dvc repro`."""
+    repo = make_clone(tmp_path_factory.mktemp("smollm2") / "repo")
+    (repo / "models").mkdir()
+    shutil.copy(smollm2_gguf(), repo / "models" / smollm2_gguf().name)
+    shutil.copy(repo / RECIPE, repo / "params.yaml")
+    set_params(repo, SCALE)
+    run(repo, *GIT, "commit", "-qam", "the SmolLM2 recipe")
+    out = dvc(repo, "repro", timeout=1200)
+    return repo, out.stdout + out.stderr
+
+
+def test_the_recipe_converts_the_gguf_and_runs_every_stage(smollm2_pipeline):
+    repo, log = smollm2_pipeline
+    for stage in ("convert", "validate", "calibrate", "train", "evaluate"):
+        assert f"Running stage '{stage}'" in log
+    assert "convert: 134,515,008 parameters (llama) from models/SmolLM2-135M-Instruct.Q4_1.gguf" in log
+    source = json.loads((repo / "artifacts/converted_model/gguf_source.json").read_text())
+    assert source["gguf_file"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and source["bytes"] == smollm2_gguf().stat().st_size
+    assert len(pd.read_csv(repo / "metrics/train_log.csv")) == 2
+    metrics = json.loads((repo / "metrics/eval.json").read_text())
+    assert metrics["base"]["num_prompts"] == metrics["trained"]["num_prompts"] == 4
+    assert dvc(repo, "status").stdout.strip().endswith("Data and pipelines are up to date.")
+
+
+def test_every_stage_renders_the_prompt_with_smollm2s_chatml_template(smollm2_pipeline):
+    """The prompt a stage samples from is the system message and the problem under SmolLM2's own template (its
+    <|im_start|>/<|im_end|> specials), not a stand-in's; the completion ends at <|im_end|> (its EOS)."""
+    from transformers import AutoTokenizer
+
+    repo, _ = smollm2_pipeline
+    tok = AutoTokenizer.from_pretrained(repo / "artifacts/converted_model")
+    assert len(tok) == 49152 and tok.convert_tokens_to_ids("<|im_end|>") == tok.eos_token_id == 2
+    rows = pd.read_parquet(repo / "artifacts/eval/completions.parquet")
+    eval_rows = [json.loads(line) for line in (repo / "data/word-problems/eval.jsonl").read_text().splitlines()]
+    first = rows[(rows["prompt_index"] == 0)].iloc[0]
+    expected = tok.apply_chat_template(
+        [{"role": "system", "content": "Solve the problem. End your reply with: The answer is N."},
+         {"role": "user", "content": eval_rows[0]["prompt"]}], tokenize=False, add_generation_prompt=True)
+    assert expected.startswith(CHAT_PREFIX)
+    assert first["prompt"] in (expected, eval_rows[0]["prompt"])
+
+
+def test_resume_from_a_checkpoint_then_export_generates_what_the_policy_generates(smollm2_pipeline, tmp_path):
+    """max_steps 2 -> 3: train resumes from checkpoint-2 (nothing before it re-runs) and logs step 3 once; the
+    exported model's weights are the last checkpoint's, and both write the same greedy replies."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    repo = copy_repo(smollm2_pipeline[0], tmp_path / "repo")
+    set_params(repo, {"train": {"max_steps": 3}})
+    out = dvc(repo, "repro", timeout=900)
+    log = out.stdout + out.stderr
+    assert "train: resuming from" in log and "checkpoint-2" in log
+    for stage in ("convert", "validate", "calibrate"):
+        assert f"Stage '{stage}' didn't change" in log
+    assert pd.read_csv(repo / "metrics/train_log.csv")["step"].tolist() == [1, 2, 3]
+
+    exported = AutoModelForCausalLM.from_pretrained(repo / "artifacts/model", dtype=torch.float32).eval()
+    policy = AutoModelForCausalLM.from_pretrained(repo / "artifacts/checkpoints/checkpoint-3", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(repo / "artifacts/converted_model", dtype=torch.float32)
+    exported_w, policy_w, base_w = exported.state_dict(), policy.eval().state_dict(), base.state_dict()
+    assert all(torch.equal(exported_w[k], policy_w[k]) for k in policy_w)
+    assert any(not torch.equal(base_w[k], policy_w[k]) for k in policy_w)  # three steps moved it
+    tok = AutoTokenizer.from_pretrained(repo / "artifacts/model")
+    tok.padding_side = "left"
+    problems = [json.loads(line)["prompt"] for line in (repo / "data/word-problems/eval.jsonl").read_text().splitlines()[:3]]
+    chats = [[{"role": "system", "content": "Solve the problem. End your reply with: The answer is N."},
+              {"role": "user", "content": p}] for p in problems]
+    batch = tok.apply_chat_template(chats, add_generation_prompt=True, padding=True, return_tensors="pt",
+                                    return_dict=True)
+    replies = [tok.batch_decode(m.generate(**batch, max_new_tokens=24, do_sample=False)[:, batch["input_ids"].shape[1]:],
+                                skip_special_tokens=True) for m in (exported, policy)]
+    assert replies[0] == replies[1] and all(replies[0])
