@@ -19,9 +19,11 @@ Sides:
 
 Each run is a subprocess with one torch thread (`--jobs` of them at a time); its result is kept in
 `<workdir>/<side>-seed<seed>/result.json`, so an interrupted invocation continues where it stopped (`--fresh`
-starts over). The table (mean, sample std, per-seed difference to TRL, and the difference of the means with its 95%
-confidence interval by Welch's test) goes to stdout and to `benchmarks/results/learning-embedded.json`. `--root`
-names another checkout to take params.yaml and the dvc outputs from (tests use a tiny one).
+starts over). The table (mean, sample std, per-seed difference to the baseline side - TRL when it runs, else the
+first side named - the difference of the means with its 95% confidence interval by Welch's test, and each side's
+train-stage completion tokens/s) goes to stdout and to `--out` (default `benchmarks/results/learning-embedded.json`).
+`--root` names another checkout to take params.yaml and the dvc outputs from (tests use a tiny one; the SmolLM2
+recipe's figures come from a checkout where it ran: benchmarks/README.md, "A real model").
 """
 
 from __future__ import annotations
@@ -232,8 +234,15 @@ def launch(root: Path, side: str, seed: int, workdir: Path, max_steps: int | Non
     return result
 
 
+def baseline_side(sides: list[str]) -> str:
+    """The side every other is compared with: TRL when it runs, else the first one named (``--sides ours ours-async``
+    compares async with the synchronous default)."""
+    return "trl" if "trl" in sides else sides[0]
+
+
 def summarize(results: list[dict], sides: list[str], seeds: list[int]) -> dict:
     acc = {(r["side"], r["seed"]): r["accuracy"] for r in results}
+    base = baseline_side(sides)
     summary: dict = {}
     for side in sides:
         values = [acc[(side, s)] for s in seeds if (side, s) in acc]
@@ -241,12 +250,11 @@ def summarize(results: list[dict], sides: list[str], seeds: list[int]) -> dict:
         summary[side] = {"mean": statistics.fmean(values) if values else None,
                          "std": statistics.stdev(values) if len(values) > 1 else None,
                          "completion_tokens_per_s": statistics.fmean(speeds) if speeds else None}
-        if side != "trl" and "trl" in sides:
-            diffs = [acc[(side, s)] - acc[("trl", s)] for s in seeds if (side, s) in acc and ("trl", s) in acc]
-            summary[side]["mean_minus_trl"] = statistics.fmean(diffs) if diffs else None
-            summary[side]["worst_seed_minus_trl"] = min(diffs) if diffs else None
-            trl = [acc[("trl", s)] for s in seeds if ("trl", s) in acc]
-            summary[side].update(welch(values, trl))
+        if side != base:
+            diffs = [acc[(side, s)] - acc[(base, s)] for s in seeds if (side, s) in acc and (base, s) in acc]
+            summary[side].update(baseline=base, mean_minus_baseline=statistics.fmean(diffs) if diffs else None,
+                                 worst_seed_minus_baseline=min(diffs) if diffs else None)
+            summary[side].update(welch(values, [acc[(base, s)] for s in seeds if (base, s) in acc]))
     return summary
 
 
@@ -264,8 +272,9 @@ def welch(a: list[float], b: list[float]) -> dict:
 
 def table(results: list[dict], sides: list[str], seeds: list[int], summary: dict) -> str:
     acc = {(r["side"], r["seed"]): r["accuracy"] for r in results}
-    others = [s for s in sides if s != "trl"]
-    head = ["train.seed", *sides, *(f"{s} − trl" for s in others if "trl" in sides)]
+    base = baseline_side(sides)
+    others = [s for s in sides if s != base]
+    head = ["train.seed", *sides, *(f"{s} − {base}" for s in others)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def cell(x, signed=False):
@@ -273,24 +282,22 @@ def table(results: list[dict], sides: list[str], seeds: list[int], summary: dict
 
     for s in seeds:
         row = [str(s), *(cell(acc.get((side, s))) for side in sides)]
-        if "trl" in sides:
-            row += [cell(acc[(o, s)] - acc[("trl", s)], True) if (o, s) in acc and ("trl", s) in acc else "–"
-                    for o in others]
+        row += [cell(acc[(o, s)] - acc[(base, s)], True) if (o, s) in acc and (base, s) in acc else "–"
+                for o in others]
         lines.append("| " + " | ".join(row) + " |")
     mean = ["mean", *(cell(summary[side]["mean"]) for side in sides)]
     std = ["std", *(cell(summary[side]["std"]) for side in sides)]
-    if "trl" in sides:
-        mean += [cell(summary[o]["mean_minus_trl"], True) for o in others]
-        std += [f"worst {cell(summary[o]['worst_seed_minus_trl'], True)}" for o in others]
+    mean += [cell(summary[o]["mean_minus_baseline"], True) for o in others]
+    std += [f"worst {cell(summary[o]['worst_seed_minus_baseline'], True)}" for o in others]
     lines += ["| " + " | ".join(mean) + " |", "| " + " | ".join(std) + " |"]
-    tests = [f"{o} − trl: {summary[o]['mean_minus_trl']:+.3f}, 95% CI [{summary[o]['ci95'][0]:+.3f}, "
+    tests = [f"{o} − {base}: {summary[o]['mean_minus_baseline']:+.3f}, 95% CI [{summary[o]['ci95'][0]:+.3f}, "
              f"{summary[o]['ci95'][1]:+.3f}], Welch p = {summary[o]['p_value']:.2f} ({len(seeds)} seeds a side)"
              for o in others if summary[o].get("ci95") is not None]
     speed = {side: summary[side].get("completion_tokens_per_s") for side in sides}
     if all(v is not None for v in speed.values()):
-        ratios = [f"{o}/trl {speed[o] / speed['trl']:.2f}x" for o in others if "trl" in sides]
+        ratios = ", ".join(f"{o}/{base} {speed[o] / speed[base]:.2f}x" for o in others)
         tests.append("train-stage completion tokens/s (mean over seeds): "
-                     + ", ".join(f"{side} {speed[side]:,.0f}" for side in sides) + (f" ({', '.join(ratios)})" if ratios else ""))
+                     + ", ".join(f"{side} {speed[side]:,.0f}" for side in sides) + (f" ({ratios})" if ratios else ""))
     return "\n".join(lines + ([""] + tests if tests else []))
 
 

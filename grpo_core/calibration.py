@@ -301,8 +301,8 @@ def calibrate_weights(rewards: Any, group_size: int, names: Sequence[str],
 
     uniform = np.ones(k)
     approx_uniform = diagonal_shares(uniform, v)
-    for i, n in enumerate(names):
-        if np.isfinite(approx_uniform[i]) and approx_uniform[i] > dominant_share:
+    for i, n in enumerate(names):  # a lone live reward carries all the variance by definition: nothing to flag
+        if live.sum() > 1 and np.isfinite(approx_uniform[i]) and approx_uniform[i] > dominant_share:
             flags[n].append("dominant")
 
     weights = np.zeros(k)

@@ -34,6 +34,18 @@ def constructed() -> np.ndarray:
     return np.array([c, f, k], dtype=float).T
 
 
+def test_a_single_reward_is_not_flagged_dominant():
+    """One reward (the SmolLM2 recipe's correctness alone) carries 100% of the variance: no warning for that; nor when
+    the only other reward is dead."""
+    one = calibrate_weights(constructed()[:, :1], 4, ["correctness"], [1.0], dead_std_threshold=1e-6,
+                            dominant_share=0.9, correctness_index=0)
+    assert one["flags"] == {"correctness": []} and one["warnings"] == []
+    assert one["weights"]["correctness"] == pytest.approx(1.0)
+    with_dead = calibrate_weights(constructed()[:, [0, 2]], 4, ["correctness", "constant"], [0.8, 0.2],
+                                  dead_std_threshold=1e-6, dominant_share=0.9, correctness_index=0)
+    assert with_dead["flags"] == {"correctness": [], "constant": ["dead"]}
+
+
 def test_weight_rule_on_constructed_case():
     out = calibrate_weights(constructed(), 4, NAMES, [0.6, 0.2, 0.2], dead_std_threshold=1e-6,
                             dominant_share=0.9, correctness_index=0)

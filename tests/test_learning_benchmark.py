@@ -48,8 +48,8 @@ def test_summary_and_table_from_hand_numbers():
     summary = learning.summarize(runs, ["ours", "trl"], [0, 1])
     assert summary["ours"]["mean"] == pytest.approx(0.75) and summary["trl"]["mean"] == pytest.approx(0.70)
     assert summary["ours"]["std"] == pytest.approx(0.0707107, rel=1e-5)   # sample std of 0.70, 0.80
-    assert summary["ours"]["mean_minus_trl"] == pytest.approx(0.05)      # (-0.05 + 0.15) / 2
-    assert summary["ours"]["worst_seed_minus_trl"] == pytest.approx(-0.05)
+    assert summary["ours"]["mean_minus_baseline"] == pytest.approx(0.05)      # (-0.05 + 0.15) / 2
+    assert summary["ours"]["worst_seed_minus_baseline"] == pytest.approx(-0.05)
     table = learning.table(runs, ["ours", "trl"], [0, 1], summary)
     assert "| 0 | 0.700 | 0.750 | -0.050 |" in table and "| 1 | 0.800 | 0.650 | +0.150 |" in table
     assert "| mean | 0.750 | 0.700 | +0.050 |" in table
@@ -60,6 +60,21 @@ def test_summary_and_table_from_hand_numbers():
     assert "ours − trl: +0.050, 95% CI [-0.254, +0.354], Welch p = 0.55 (2 seeds a side)" in table
     assert summary["ours"]["completion_tokens_per_s"] == 1500.0 and summary["trl"]["completion_tokens_per_s"] == 750.0
     assert "train-stage completion tokens/s (mean over seeds): ours 1,500, trl 750 (ours/trl 2.00x)" in table
+
+
+def test_without_trl_the_first_side_is_the_baseline():
+    """`--sides ours ours-async`: async is compared with the synchronous default (the async decision's command)."""
+    runs = [{"side": side, "seed": seed, "accuracy": acc} for side, seed, acc in
+            [("ours", 0, 0.60), ("ours-async", 0, 0.70), ("ours", 1, 0.70), ("ours-async", 1, 0.80),
+             ("ours", 2, 0.80), ("ours-async", 2, 0.75)]]
+    summary = learning.summarize(runs, ["ours", "ours-async"], [0, 1, 2])
+    assert "mean_minus_baseline" not in summary["ours"]
+    assert summary["ours-async"]["baseline"] == "ours"
+    assert summary["ours-async"]["mean_minus_baseline"] == pytest.approx(0.05)   # (0.10 + 0.10 - 0.05) / 3
+    assert summary["ours-async"]["worst_seed_minus_baseline"] == pytest.approx(-0.05)
+    table = learning.table(runs, ["ours", "ours-async"], [0, 1, 2], summary)
+    assert "| train.seed | ours | ours-async | ours-async − ours |" in table
+    assert "| 2 | 0.800 | 0.750 | -0.050 |" in table and "ours-async − ours: +0.050, 95% CI" in table
 
 
 def test_completion_tokens_count_every_completion_of_every_step():
