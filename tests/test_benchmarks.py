@@ -99,17 +99,17 @@ TRAINER_PHASES = ("grpo/generate_round", "grpo/ref_logprobs", "grpo/policy_forwa
 
 @pytest.mark.slow
 def test_gpu_kit_smoke_runs_every_part_on_the_tiny_model(tmp_path):
-    """`make bench-gpu ARGS=--smoke`: parts a-d of the kit on CPU, the recipe shrunk (4 rows x 2 micro-batches, G=2,
+    """`make bench-gpu ARGS=--smoke`: parts a-e of the kit on CPU, the recipe shrunk (4 rows x 2 micro-batches, G=2,
     4 tokens), one JSON and one table naming the machine and the commit."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_kit", "--smoke", "--out", str(tmp_path)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads((tmp_path / "cpu-kit.json").read_text())
-    assert (tmp_path / "kit-parts" / "kit-part-abcd.json").is_file()
+    assert (tmp_path / "kit-parts" / "kit-part-abcde.json").is_file()
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     assert result["commit"] == head and result["device"] == "cpu" and result["smoke"] is True
-    assert set(result["parts"]) == {"a", "b", "c", "d"}
+    assert set(result["parts"]) == {"a", "b", "c", "d", "e"}
 
     # (a) + (c): the recipe's own settings, every trainer phase timed and its peak read, the profiled step
     a = result["parts"]["a"]
@@ -142,8 +142,14 @@ def test_gpu_kit_smoke_runs_every_part_on_the_tiny_model(tmp_path):
         assert side["mean_completion_length"] == 4 and side["step_time_s"] > 0
     assert d["ratio_ours_over_trl"]["completion_tokens_per_s"] == pytest.approx(
         ours["completion_tokens_per_s"] / trl["completion_tokens_per_s"])
+    # (e): the real-model recipe's loop on the tiny model: one step of 4 prompts' groups, both policies scored
+    e = result["parts"]["e"]
+    assert e["smoke"] and e["shape"]["steps"] == 1 and len(e["reward_per_step"]) == 1
+    assert e["base"]["num_prompts"] == e["trained"]["num_prompts"] == 4
+    assert e["delta"] == pytest.approx(e["trained"]["accuracy"] - e["base"]["accuracy"])
+    assert 0 < e["completion_tokens_per_s"] and e["train_s"] > 0
     table = (tmp_path / "cpu-kit.md").read_text()
-    for heading in ("## (a) + (c)", "## (b)", "## (d)"):
+    for heading in ("## (a) + (c)", "## (b)", "## (d)", "## (e)"):
         assert heading in table
     assert all(f"| {name} |" in table for name in TRAINER_PHASES) and "| hf-static |" in table
 
