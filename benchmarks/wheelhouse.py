@@ -32,8 +32,12 @@ WHEELHOUSE = REPO / ".whl"
 STAMP = WHEELHOUSE / "kit-stamp.json"
 # What the image lacks or holds at another version, for the sides of the kit: TRL 1.16 and its datasets (with
 # dill, multiprocess), transformers as this project pins it (with the regex it needs), and ruamel.yaml (the
-# config loader, grpo_core.config.load_config).
-WHEELS = ("trl", "datasets", "dill", "multiprocess", "transformers", "regex", "ruamel.yaml")
+# config loader, grpo_core.config.load_config), and gguf (part e converts the real model's GGUF).
+WHEELS = ("trl", "datasets", "dill", "multiprocess", "transformers", "regex", "ruamel.yaml", "gguf")
+# Part e's model: the GGUF `make setup` puts in models/ (94 MiB) is over what one call carries, so it travels in
+# thirds, one per call, into .kit-model/ (ignored by git); the third call joins them (benchmarks/README.md).
+GGUF = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_PIECES = REPO / ".kit-model"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
 UNSTAMPED = ("benchmarks/results/",)  # what the kit itself writes: not part of the code that ran
@@ -104,6 +108,19 @@ def commit_info() -> dict:
     return {"commit": None, "source": "none: no .git and no .whl/kit-stamp.json (make bench-gpu-wheels writes it)"}
 
 
+def split_model(pieces: int = 3) -> list[Path]:
+    """The GGUF in ``pieces`` files of (nearly) equal size in .kit-model/, named in order (``cat`` joins them)."""
+    data = GGUF.read_bytes()
+    MODEL_PIECES.mkdir(exist_ok=True)
+    size = -(-len(data) // pieces)
+    out = []
+    for i in range(pieces):
+        path = MODEL_PIECES / f"{GGUF.name}.part{i}"
+        path.write_bytes(data[i * size:(i + 1) * size])
+        out.append(path)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stamp", action="store_true", help="write the stamp only")
@@ -120,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {w.stat().st_size / 2**20:6.2f} MiB  {w.name}")
     print(f"{len(wheels)} wheels, {total / 2**20:.1f} MiB in {WHEELHOUSE.relative_to(REPO)}/ (a run carries 64 MiB in "
           "all, the work tree included)")
+    if GGUF.is_file():
+        for piece in split_model():
+            print(f"  {piece.stat().st_size / 2**20:6.2f} MiB  {piece.relative_to(REPO)} (part e's model, one per call)")
     return 0
 
 
