@@ -136,7 +136,7 @@ def train_trl(root: Path, cfg, weights: list[float], workdir: Path,
     model_path = resolve_model_path(cfg.model.name_or_path, root)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype="float32")
-    dataset = load_split(cfg.data, "train", root)
+    dataset = load_split(cfg.data, "train", root).map(lambda row: {"prompt": trl_prompt(row["prompt"], cfg.data)})
     trainer = GRPOTrainer(model=model, reward_funcs=build_reward_functions(cfg.rewards),
                           args=GRPOConfig(**trl_args(cfg, workdir, weights)), train_dataset=dataset,
                           processing_class=tokenizer)
@@ -148,6 +148,19 @@ def train_trl(root: Path, cfg, weights: list[float], workdir: Path,
     tokenizer.save_pretrained(str(model_dir))
     lengths = [e["completions/mean_length"] for e in trainer.state.log_history if "completions/mean_length" in e]
     return model_dir, lengths
+
+
+def trl_prompt(prompt, data):
+    """The prompt as TRL must get it to render what our PromptEncoder renders: under ``data.prompt_format: chat`` a
+    string becomes a user message, and a conversation gets ``data.system_prompt`` as its system message (TRL then
+    applies the chat template); plain text gets the system prompt on the line before it."""
+    if data.prompt_format == "chat" and isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list):
+        if data.system_prompt and not any(m["role"] == "system" for m in prompt):
+            prompt = [{"role": "system", "content": data.system_prompt}, *prompt]
+        return prompt
+    return f"{data.system_prompt}\n{prompt}" if data.system_prompt else prompt
 
 
 def manual_generation(trainer, tokenizer, g):

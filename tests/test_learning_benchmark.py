@@ -124,3 +124,24 @@ def test_one_step_of_every_side_and_the_table(tmp_path):
         assert run["steps"] == 1 and 16 <= run["completion_tokens"] <= 16 * 6  # 16 completions of 1..6 tokens
     assert 0.0 <= doc["base_accuracy"] <= 1.0
     assert "| 0 |" in doc["table"] and "| mean |" in doc["table"] and doc["table"] in proc.stdout
+
+
+@pytest.mark.parametrize("prompt_format, system", [("chat", "Solve the problem."), ("chat", None),
+                                                    ("auto", "Solve the problem."), ("auto", None)])
+def test_trl_renders_the_prompt_our_encoder_renders(prompt_format, system):
+    """TRL's chat-template step on ``trl_prompt``'s output gives the text PromptEncoder gives our trainer: the
+    SmolLM2 recipe (chat, a system prompt) and the embedded default (plain text) alike."""
+    from trl.data_utils import maybe_apply_chat_template
+
+    from grpo_core.config import load_config
+    from grpo_core.data import PromptEncoder
+    from tests.hub_fixture import build_chat_tokenizer
+
+    question = "Mia has 9 pens and gives away 3. How many pens are left?"
+    tok = build_chat_tokenizer([question, "Solve the problem."])
+    data = load_config(REPO / "params.yaml", {"data.prompt_format": prompt_format, "data.system_prompt": system}).data
+    ours = PromptEncoder.from_config(tok, data).render(question)
+    theirs = maybe_apply_chat_template({"prompt": learning.trl_prompt(question, data)}, tok)["prompt"]
+    assert theirs == ours
+    if prompt_format == "chat":
+        assert ours.endswith("<|im_start|>assistant\n") and (system is None or f"system\n{system}" in ours)
