@@ -350,7 +350,7 @@ def summary_markdown(root: Path, *, status: str, results: list[dict], selected: 
 # the flow
 
 
-@flow(name="grpo-pipeline", description="GRPO fine-tuning: the DVC stages prepare -> validate -> calibrate -> "
+@flow(name="grpo-pipeline", description="GRPO fine-tuning: the DVC stages prepare -> convert -> validate -> calibrate -> "
                                         "train -> evaluate, tracked in MLflow")
 def grpo_pipeline(experiment_name: str | None = None, params_overrides: dict[str, Any] | None = None,
                   stages: list[str] | None = None, force: bool = False, repo: str | None = None,

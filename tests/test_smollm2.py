@@ -62,22 +62,28 @@ def test_the_recipe_converts_the_gguf_and_runs_every_stage(smollm2_pipeline):
     assert dvc(repo, "status").stdout.strip().endswith("Data and pipelines are up to date.")
 
 
-def test_every_stage_renders_the_prompt_with_smollm2s_chatml_template(smollm2_pipeline):
-    """The prompt a stage samples from is the system message and the problem under SmolLM2's own template (its
-    <|im_start|>/<|im_end|> specials), not a stand-in's; the completion ends at <|im_end|> (its EOS)."""
-    from transformers import AutoTokenizer
+def test_prompts_are_rendered_with_smollm2s_own_chatml_template(smollm2_pipeline):
+    """The prompt is the system message and the problem under SmolLM2's template (its <|im_start|>/<|im_end|>
+    specials; by hand below), and evaluate sampled from exactly that: HF generate on the rendered prompt writes the
+    base policy's greedy reply the stage recorded."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_core.config import load_config
+    from grpo_core.data import PromptEncoder
 
     repo, _ = smollm2_pipeline
     tok = AutoTokenizer.from_pretrained(repo / "artifacts/converted_model")
     assert len(tok) == 49152 and tok.convert_tokens_to_ids("<|im_end|>") == tok.eos_token_id == 2
+    problem = json.loads((repo / "data/word-problems/eval.jsonl").read_text().splitlines()[0])["prompt"]
+    text = PromptEncoder.from_config(tok, load_config(repo / "params.yaml").data).render(problem)
+    assert text == f"{CHAT_PREFIX}{problem}<|im_end|>\n<|im_start|>assistant\n"
+
     rows = pd.read_parquet(repo / "artifacts/eval/completions.parquet")
-    eval_rows = [json.loads(line) for line in (repo / "data/word-problems/eval.jsonl").read_text().splitlines()]
-    first = rows[(rows["prompt_index"] == 0)].iloc[0]
-    expected = tok.apply_chat_template(
-        [{"role": "system", "content": "Solve the problem. End your reply with: The answer is N."},
-         {"role": "user", "content": eval_rows[0]["prompt"]}], tokenize=False, add_generation_prompt=True)
-    assert expected.startswith(CHAT_PREFIX)
-    assert first["prompt"] in (expected, eval_rows[0]["prompt"])
+    (recorded,) = rows[(rows["policy"] == "base") & (rows["mode"] == "greedy") & (rows["prompt_index"] == 0)]["completion"]
+    model = AutoModelForCausalLM.from_pretrained(repo / "artifacts/converted_model", dtype=torch.float32).eval()
+    ids = tok(text, add_special_tokens=False, return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=SCALE["generation"]["max_completion_length"], do_sample=False)
+    assert tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True) == recorded
 
 
 def test_resume_from_a_checkpoint_then_export_generates_what_the_policy_generates(smollm2_pipeline, tmp_path):
@@ -87,7 +93,7 @@ def test_resume_from_a_checkpoint_then_export_generates_what_the_policy_generate
 
     repo = copy_repo(smollm2_pipeline[0], tmp_path / "repo")
     set_params(repo, {"train": {"max_steps": 3}})
-    out = dvc(repo, "repro", timeout=900)
+    out = dvc(repo, "repro", "train", timeout=900)  # the export is train's; evaluate has nothing to add here
     log = out.stdout + out.stderr
     assert "train: resuming from" in log and "checkpoint-2" in log
     for stage in ("convert", "validate", "calibrate"):
