@@ -11,11 +11,15 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
 @pytest.fixture(scope="session")
-def converted_smollm2(tmp_path_factory):
-    """SmolLM2-135M-Instruct converted from its GGUF once for the whole run (~40 s): a safetensors folder."""
-    from grpo_core.model.gguf import convert_gguf
-    from tests.real_model import smollm2_gguf
+def smollm2_pipeline(tmp_path_factory):
+    """(repo, log): configs/smollm2-135m-word-problems.yaml scaled down under `dvc repro` in a fresh clone, once
+    for the whole run (tests/real_model.py)."""
+    from tests.real_model import build_smollm2_pipeline
 
-    out = tmp_path_factory.mktemp("smollm2") / "model"
-    convert_gguf(smollm2_gguf(), out)
-    return out
+    return build_smollm2_pipeline(tmp_path_factory.mktemp("smollm2"))
+
+
+@pytest.fixture(scope="session")
+def converted_smollm2(smollm2_pipeline):
+    """SmolLM2-135M-Instruct as the convert stage wrote it (the suite converts once): a safetensors folder."""
+    return smollm2_pipeline[0] / "artifacts" / "converted_model"

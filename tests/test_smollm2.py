@@ -5,48 +5,17 @@ renders a prompt, a checkpoint resume, and an export that generates what the tra
 from __future__ import annotations
 
 import json
-import shutil
 
 import pandas as pd
 import pytest
 import torch
-import yaml
 
-from tests.real_model import smollm2_gguf
-from tests.test_pipeline import GIT, copy_repo, dvc, make_clone, run
+from tests.real_model import SCALE, set_params, smollm2_gguf
+from tests.test_pipeline import copy_repo, dvc
 
-RECIPE = "configs/smollm2-135m-word-problems.yaml"
-# Sizes only: the recipe's model, data, rewards, precision and algorithm stay as shipped.
-SCALE = {
-    "calibrate": {"num_prompts": 4, "num_generations": 4},
-    "generation": {"max_completion_length": 12},
-    "train": {"per_device_train_batch_size": 8, "max_steps": 2, "save_steps": 1},
-    "evaluate": {"max_samples": 4, "batch_size": 4},
-}
 CHAT_PREFIX = "<|im_start|>system\nSolve the problem. End your reply with: The answer is N.<|im_end|>\n<|im_start|>user\n"
 
 pytestmark = pytest.mark.slow
-
-
-def set_params(repo, updates: dict) -> None:
-    raw = yaml.safe_load((repo / "params.yaml").read_text())
-    for section, values in updates.items():
-        raw[section].update(values)
-    (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-
-
-@pytest.fixture(scope="session")
-def smollm2_pipeline(tmp_path_factory):
-    """(repo, log): a fresh clone where `make setup` put the GGUF in models/, the recipe copied over params.yaml
-    (scaled), and one `dvc repro`."""
-    repo = make_clone(tmp_path_factory.mktemp("smollm2") / "repo")
-    (repo / "models").mkdir()
-    shutil.copy(smollm2_gguf(), repo / "models" / smollm2_gguf().name)
-    shutil.copy(repo / RECIPE, repo / "params.yaml")
-    set_params(repo, SCALE)
-    run(repo, *GIT, "commit", "-qam", "the SmolLM2 recipe")
-    out = dvc(repo, "repro", timeout=1200)
-    return repo, out.stdout + out.stderr
 
 
 def test_the_recipe_converts_the_gguf_and_runs_every_stage(smollm2_pipeline):
