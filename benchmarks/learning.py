@@ -314,6 +314,14 @@ def table(results: list[dict], sides: list[str], seeds: list[int], summary: dict
     return "\n".join(lines + ([""] + tests if tests else []))
 
 
+def run_all(a, jobs: list[tuple[str, int]]) -> list[dict]:
+    """Every (side, seed) run, ``a.jobs`` at a time (a kept result is not run again)."""
+    with ThreadPoolExecutor(max_workers=a.jobs) as pool:
+        # the base policy is scored once, with the first seed's first side
+        return list(pool.map(lambda job: launch(a.root.resolve(), *job, a.workdir.resolve(), a.max_steps,
+                                                job == jobs[0]), jobs))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
@@ -324,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=REPO, help="the repo whose params.yaml and dvc outputs to use")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--fresh", action="store_true", help="ignore results kept in --workdir")
+    parser.add_argument("--cached", action="store_true",
+                        help="no new runs: the table of the results kept in --workdir (a side or seed without one "
+                             "shows as -)")
     parser.add_argument("--run", choices=SIDES, help=argparse.SUPPRESS)   # one run, in a subprocess
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--with-base", action="store_true", help=argparse.SUPPRESS)
@@ -340,10 +351,11 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(a.workdir)
     jobs = [(side, seed) for seed in a.seeds for side in a.sides]
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=a.jobs) as pool:
-        # the base policy is scored once, with the first seed's first side
-        results = list(pool.map(lambda job: launch(a.root.resolve(), *job, a.workdir.resolve(), a.max_steps,
-                                                   job == jobs[0]), jobs))
+    if a.cached:
+        kept = [a.workdir / f"{side}-seed{seed}" / "result.json" for side, seed in jobs]
+        results = [json.loads(f.read_text()) for f in kept if f.is_file()]
+    else:
+        results = run_all(a, jobs)
     summary = summarize(results, a.sides, a.seeds)
     text = table(results, a.sides, a.seeds, summary)
     base = next((r["base"]["accuracy"] for r in results if "base" in r), None)

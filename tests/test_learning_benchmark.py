@@ -145,3 +145,21 @@ def test_trl_renders_the_prompt_our_encoder_renders(prompt_format, system):
     assert theirs == ours
     if prompt_format == "chat":
         assert ours.endswith("<|im_start|>assistant\n") and (system is None or f"system\n{system}" in ours)
+
+
+def test_cached_tables_the_kept_results_without_running_anything(tmp_path):
+    """`--cached`: the results a cut-short invocation kept (here ours seeds 1, 2 and TRL seed 1) become the table;
+    the missing run shows as -, and nothing is launched (there is no repo at --root to run one)."""
+    kept = {("ours", 1): 0.90, ("trl", 1): 0.88, ("ours", 2): 0.80}
+    for (side, seed), acc in kept.items():
+        (tmp_path / "work" / f"{side}-seed{seed}").mkdir(parents=True)
+        result = {"side": side, "seed": seed, "accuracy": acc, "completion_tokens_per_s": 20.0 if side == "ours" else 8.0}
+        if (side, seed) == ("ours", 1):
+            result["base"] = {"accuracy": 0.37}
+        (tmp_path / "work" / f"{side}-seed{seed}" / "result.json").write_text(json.dumps(result))
+    out = tmp_path / "table.json"
+    assert learning.main(["--cached", "--sides", "ours", "trl", "--seeds", "1", "2", "--root", str(tmp_path / "none"),
+                          "--workdir", str(tmp_path / "work"), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert "| 2 | 0.800 | – | – |" in doc["table"] and "| mean | 0.850 | 0.880 | +0.020 |" in doc["table"]
+    assert doc["base_accuracy"] == 0.37 and "(ours/trl 2.50x)" in doc["table"]
