@@ -721,6 +721,14 @@ class RewardHackingGuard:
 
 
 @dataclass
+class RewardSilentGuard:
+    steps: int | None = field(default=3, metadata={
+        "help": "consecutive steps in which a reward scored no completion (every value None or NaN: its "
+                "advantages are zero) before the guard acts (null = off)", "ge": 1})
+    action: Action = field(default="stop", metadata={"help": "warn | skip_step | stop | rollback"})
+
+
+@dataclass
 class GuardsConfig:
     kl_max: ThresholdGuard = field(default_factory=ThresholdGuard, metadata={"help": "kl above threshold"})
     entropy_min: ThresholdGuard = field(default_factory=ThresholdGuard, metadata={"help": "entropy below threshold"})
@@ -730,6 +738,8 @@ class GuardsConfig:
     nonfinite: NonFiniteGuard = field(default_factory=NonFiniteGuard, metadata={"help": "NaN/inf loss or gradients"})
     reward_hacking: RewardHackingGuard = field(default_factory=RewardHackingGuard,
                                                metadata={"help": "format saturating while correctness falls"})
+    reward_silent: RewardSilentGuard = field(default_factory=RewardSilentGuard,
+                                             metadata={"help": "a reward that scores nothing, step after step"})
     rollback_lr_factor: float = field(default=0.5, metadata={"help": "learning rate x this after a rollback",
                                                              "gt": 0, "le": 1})
     max_rollbacks: int = field(default=2, metadata={"help": "rollbacks allowed before a rollback becomes a stop",

@@ -60,10 +60,13 @@ def write_dir_atomic(path: str | Path, fill: Callable[[Path], None]) -> None:
     """Have `fill(tmp_dir)` write a folder's content, then move it to `path` (replacing an old one).
 
     The old folder is renamed aside before the new one is renamed in, so `path` is always absent or
-    complete; the aside copy is removed afterwards.
+    complete; the aside copy is removed afterwards. What a killed earlier write left beside `path` (its
+    ``.<name>.*.tmp`` and ``.<name>.*.old`` folders) is removed first: one writer at a time (the stage lock).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in [*path.parent.glob(f".{path.name}.*.tmp"), *path.parent.glob(f".{path.name}.*.old")]:
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         fill(tmp)

@@ -132,3 +132,8 @@ def hostile_programs(prompts, completions, **kwargs):
     reward = code_execution(timeout_s=1.0, max_workers=4)
     chosen = [f"{fence}python\n{programs[i % len(programs)]}\n{fence}" for i in range(len(completions))]
     return reward(prompts, chosen, tests=[[{"input": "", "output": "ok"}]] * len(completions))
+
+
+def all_nan(prompts, completions, **kwargs):
+    """A broken reward: NaN for every completion (it scores nothing)."""
+    return [float("nan")] * len(completions)

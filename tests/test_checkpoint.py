@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,11 @@ import torch
 
 from grpo_core.rng import restore_rngs, rng_state, set_rng_state
 from grpo_core.train.checkpoint import (
+    MANIFEST_FILE,
     CheckpointError,
+    checkpoint_problem,
     latest_checkpoint,
+    latest_valid_checkpoint,
     list_checkpoints,
     load_checkpoint,
     remove_stale_temp_dirs,
@@ -163,3 +167,73 @@ def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one_valid(tmp_pat
     latest = latest_checkpoint(tmp_path)
     assert latest.name == "checkpoint-1"
     assert load_checkpoint(latest, expected_hash="abc").state["step"] == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# manifests: what resume verifies
+
+
+def test_the_manifest_lists_every_file_with_its_size_and_sha256(tmp_path):
+    import hashlib
+    import json
+
+    path = _save(tmp_path, 1)
+    files = json.loads((path / MANIFEST_FILE).read_text())["files"]
+    on_disk = sorted(p.name for p in path.iterdir() if p.name != MANIFEST_FILE)
+    assert sorted(files) == on_disk and {"model.safetensors", "optimizer.pt", "trainer_state.json"} <= set(files)
+    for name, entry in files.items():
+        data = (path / name).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert checkpoint_problem(path) is None
+
+
+def _halve(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def _flip_tensor_bytes(file: Path) -> None:
+    """Flip bytes inside the tensor data (past safetensors' JSON header): the file still loads, with other values."""
+    data = bytearray(file.read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    data[8 + header + 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, file, message", [
+    (_halve, "optimizer.pt", r"optimizer.pt has \d+ bytes, the manifest says \d+ \(truncated"),
+    (_flip_tensor_bytes, "model.safetensors", r"model.safetensors: its sha256 differs from the manifest's"),
+    (Path.unlink, "scheduler.pt", r"scheduler.pt is missing \(the manifest lists it\)"),
+])
+def test_resume_skips_a_corrupt_newest_checkpoint_naming_the_file(tmp_path, damage, file, message):
+    """The issue's case: the newest checkpoint damaged, two intact ones beside it - resume takes the newest intact
+    one and the warning names the damaged file. Byte flips in tensor data load silently without the manifest."""
+    from safetensors.torch import load_file
+
+    for step in (4, 8, 12):
+        _save(tmp_path, step)
+    damage(tmp_path / "checkpoint-12" / file)
+    if file == "model.safetensors":
+        load_file(tmp_path / "checkpoint-12" / file)  # still loads: only the manifest tells
+    warnings = []
+    assert latest_valid_checkpoint(tmp_path, warn=warnings.append).name == "checkpoint-8"
+    assert len(warnings) == 1 and "checkpoint-12 is corrupt, skipped" in warnings[0]
+    assert re.search(message, warnings[0])
+
+
+def test_no_valid_checkpoint_is_an_error_naming_each(tmp_path):
+    for step in (4, 8):
+        _save(tmp_path, step)
+    _halve(tmp_path / "checkpoint-4" / "optimizer.pt")
+    (tmp_path / "checkpoint-8" / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"no valid checkpoint to resume from: .*checkpoint-8/model.safetensors "
+                                              r"is missing.*checkpoint-4/optimizer.pt has") as err:
+        latest_valid_checkpoint(tmp_path, warn=lambda msg: None)
+    assert err.value.exit_code == 4
+    assert latest_valid_checkpoint(tmp_path / "empty") is None
+
+
+def test_a_checkpoint_without_a_manifest_is_taken_as_written_by_an_older_version(tmp_path, caplog):
+    _save(tmp_path, 3)
+    (tmp_path / "checkpoint-3" / MANIFEST_FILE).unlink()
+    assert latest_valid_checkpoint(tmp_path).name == "checkpoint-3"
+    assert "has no manifest.json (written by an older version)" in caplog.text

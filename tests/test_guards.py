@@ -10,6 +10,7 @@ from grpo_core.train.guards import (
     GuardsConfig,
     NonFiniteGuard,
     RewardHackingGuard,
+    RewardSilentGuard,
     ThresholdGuard,
     decide,
 )
@@ -103,3 +104,25 @@ def test_most_severe_action_decides():
     assert {e.guard for e in events} == {"kl_max", "entropy_min", "nonfinite"}
     assert decide(events).guard == "entropy_min"
     assert decide([]) is None
+
+
+def test_a_reward_scoring_nothing_for_n_steps_in_a_row_fires_naming_it():
+    """NaN (every value None/NaN/failed) counts; two silent steps then a scored one start the count over."""
+    monitor = GuardMonitor(GuardsConfig(reward_silent=RewardSilentGuard(steps=3, action="stop")))
+    silent = {**CALM, "rewards/format/mean": math.nan}
+    assert monitor.check(1, silent) == [] and monitor.check(2, silent) == []
+    assert monitor.check(3, CALM) == []  # format scored something: the count starts over
+    assert monitor.check(4, silent) == [] and monitor.check(5, {**silent, "rewards/format/mean": None}) == []
+    (event,) = monitor.check(6, silent)
+    assert (event.guard, event.action) == ("reward_silent", "stop")
+    assert event.message.startswith("step 6: reward 'format' scored none of the completions") and "3 steps" in event.message
+    monitor.reset_history()  # a rollback: the steps counted no longer exist
+    assert monitor.check(7, silent) == []
+
+
+def test_the_silent_reward_guard_is_on_by_default_and_null_turns_it_off():
+    assert GuardsConfig().reward_silent == RewardSilentGuard(steps=3, action="stop")
+    off = GuardMonitor(GuardsConfig(reward_silent=RewardSilentGuard(steps=None)))
+    assert all(off.check(s, {**CALM, "rewards/correctness/mean": math.nan}) == [] for s in range(1, 10))
+    with pytest.raises(ConfigError, match="guards.reward_silent.steps: 0 is out of range"):
+        config_from_dict({"guards": {"reward_silent": {"steps": 0}}})

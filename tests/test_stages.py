@@ -351,8 +351,9 @@ def eval_repo(tmp_path, monkeypatch):
     return in_stage_repo(tmp_path, raw, monkeypatch, "test-evaluate")
 
 
-def evaluate_with(repo: Path, monkeypatch, trained: float, margin: float) -> dict:
-    """One evaluate run (base accuracy 0.25) under ``tracking.promotion_margin = margin``; its registry JSON."""
+def evaluate_with(repo: Path, monkeypatch, trained: float, margin: float, new_model: bool = True) -> dict:
+    """One evaluate run (base accuracy 0.25) under ``tracking.promotion_margin = margin``; its registry JSON.
+    new_model: the trained model's files change first, as after a retrain."""
     import yaml
 
     import flows.stages.evaluate as evaluate
@@ -361,6 +362,8 @@ def evaluate_with(repo: Path, monkeypatch, trained: float, margin: float) -> dic
     raw = yaml.safe_load((repo / "params.yaml").read_text())
     raw["tracking"]["promotion_margin"] = margin
     (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    if new_model:  # a retrained model: other files (the same files are registered once)
+        (repo / "artifacts/model/config.json").write_text(json.dumps({"trained": trained, "margin": margin}))
     monkeypatch.setattr(evaluate, "sample_policy", scripted_sampling({"base": 0.25, "trained": trained}))
     assert main(["evaluate"]) == 0
     return json.loads((repo / "reports/registry.json").read_text())
@@ -399,6 +402,24 @@ def test_evaluate_writes_its_registry_decision_as_data_and_renders_the_report_fr
     report = (eval_repo / "reports/evaluation.md").read_text()
     section = report.split("## Registry\n\n", 1)[1].split("\n\n## ", 1)[0].strip()
     assert section == registry_markdown(third) and "version 3. Promoted to `@champion`" in section
+
+
+def test_evaluate_run_again_on_the_same_model_registers_no_second_version(eval_repo, monkeypatch):
+    from mlflow import MlflowClient
+
+    from flows.stages.evaluate import MODEL_MD5_TAG, model_files_md5
+
+    first = evaluate_with(eval_repo, monkeypatch, trained=0.75, margin=0.0)
+    assert (first["registered"], first["version"]) == (True, 1)
+    again = evaluate_with(eval_repo, monkeypatch, trained=0.75, margin=0.0, new_model=False)
+    md5 = model_files_md5(eval_repo / "artifacts/model")
+    assert again == {"registered": False, "promote": False, "alias": None,
+                     "reason": f"this trained model (files md5 {md5[:12]}) is already version 1 of grpo-policy; "
+                               "a re-run does not register it twice"}
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    (version,) = client.search_model_versions("name='grpo-policy'")
+    assert version.tags[MODEL_MD5_TAG] == md5
+    assert evaluate_with(eval_repo, monkeypatch, trained=0.8, margin=0.0)["version"] == 2  # retrained: a new one
 
 
 def test_evaluate_records_why_nothing_was_registered(eval_repo, monkeypatch):

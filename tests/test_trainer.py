@@ -255,3 +255,22 @@ def test_exact_resume_after_sigkill(assets, tmp_path):
     log_b = [{k: v for k, v in r.items() if k not in drop} for r in read_log(tmp_path / "killed/metrics/train_log.csv")]
     assert [r["step"] for r in log_b] == [str(i) for i in range(1, 13)]
     assert log_a == log_b
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_and_the_run_ends_the_same(assets, tmp_path, caplog):
+    """Checkpoints at steps 1 and 2, then checkpoint-2's optimizer file halved (a crash while the disk filled, a
+    bad copy): resume verifies the manifest, names the file, restarts from checkpoint-1, and ends on the weights
+    and log of an uninterrupted run."""
+    model_dir, data = assets
+    knobs = {"save_steps": 1, "learning_rate": 1e-2}
+    whole = train(tiny_config(model_dir, data, DIGITS, max_steps=3, **knobs), root=tmp_path / "whole", progress=False)
+    first = train(tiny_config(model_dir, data, DIGITS, max_steps=2, **knobs), root=tmp_path / "split", progress=False)
+    optimizer = first.checkpoint_dir / "checkpoint-2" / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[: optimizer.stat().st_size // 2])
+    split = train(tiny_config(model_dir, data, DIGITS, max_steps=3, **knobs), root=tmp_path / "split", progress=False)
+    assert split.resumed_from.name == "checkpoint-1"
+    assert "checkpoint-2 is corrupt, skipped" in caplog.text and "optimizer.pt has" in caplog.text
+    a, b = load_file(whole.model_dir / "model.safetensors"), load_file(split.model_dir / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    steps = [r["step"] for r in read_log(tmp_path / "split/metrics/train_log.csv")]
+    assert steps == ["1", "2", "3"]

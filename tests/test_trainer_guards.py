@@ -112,3 +112,21 @@ def test_reward_hacking_guard_fires_when_format_rises_while_correctness_falls(as
     with pytest.raises(GuardStop, match=r"guard reward_hacking stopped training: step 4: "):
         train(cfg, root=tmp_path, progress=False)
     assert [int(r["step"]) for r in rows(tmp_path)] == [1, 2, 3]
+
+
+def test_a_reward_that_scores_nothing_stops_the_run_naming_it(assets, tmp_path):
+    """NaN for every row counts as "no score": without the guard training goes on with zero advantages from it.
+    The default guard stops at the 3rd such step in a row, before its update, naming the reward."""
+    model_dir, data = assets
+    cfg = config_from_dict({
+        "data": {"train_files": [str(data)], "eval_files": [str(data)], "max_prompt_length": 48},
+        "model": {"name_or_path": str(model_dir)},
+        "generation": {"max_completion_length": 8},
+        "rewards": [*DIGITS, {"name": "broken", "function": "tests.reward_helpers:all_nan"}],
+        "train": {"learning_rate": 3e-3, "num_generations": 4, "per_device_train_batch_size": 16,
+                  "output_dir": "out", "save_steps": 100, "max_steps": 5, "reward_weights": [1.0, 1.0]},
+    })
+    with pytest.raises(GuardStop, match=r"guard reward_silent stopped training: step 3: reward 'broken' scored none "
+                                        r"of the completions .* for 3 steps in a row"):
+        train(cfg, root=tmp_path, progress=False)
+    assert [r["rewards/broken/mean"] for r in rows(tmp_path)] == ["nan", "nan"]

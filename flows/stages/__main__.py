@@ -12,6 +12,7 @@ import sys
 import traceback
 
 from flows.stages import EXIT_CONFIG, EXIT_ERROR, STAGES, exit_code_for
+from grpo_core.errors import PipelineError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,13 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ctx = common.StageContext.create(args.stage, args.params)
         module = importlib.import_module(f"flows.stages.{args.stage}")
-        return int(module.run(ctx) or 0)
+        if common.is_launched_child():
+            return int(module.run(ctx) or 0)
+        with common.stage_lock(ctx.root, args.stage):
+            return int(module.run(ctx) or 0)
     except KeyboardInterrupt:
         print(f"{args.stage}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - turned into a readable message and an exit code
         code = exit_code_for(exc)
-        if code == EXIT_ERROR:
+        if code == EXIT_ERROR and not isinstance(exc, PipelineError):  # unexpected: where it happened matters
             traceback.print_exc()
         print(f"\n{args.stage} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return code if code else EXIT_CONFIG

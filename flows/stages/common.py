@@ -9,15 +9,17 @@ experiments), falling back to the work root.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_core.errors import ConfigurationError, InputUnreadable
+from grpo_core.errors import ConfigurationError, InputUnreadable, PipelineError
 
 #: validate's outputs, the only data the downstream stages read (canonical `prompt` / `answer` columns).
 VALIDATED_TRAIN = "data/validated/train.parquet"
@@ -33,6 +35,59 @@ class StageInputError(InputUnreadable, RuntimeError):
 
 class StageConfigError(ConfigurationError, ValueError):
     """A stage cannot run with these parameters; the message names the key."""
+
+
+class StageBusy(PipelineError, RuntimeError):
+    """Another stage process holds this repo's stage lock; the message names it. Exit 1: worth a later retry."""
+
+
+# --------------------------------------------------------------------------------------------------
+# one writer at a time
+
+
+def stage_lock_path(root: Path) -> Path:
+    """Where a repo's stage lock lives: DVC's own tmp folder (git-ignored, per work root: a ``dvc exp run --temp``
+    copy has its own), or the repo root without one."""
+    tmp = root / ".dvc" / "tmp"
+    return (tmp if tmp.parent.is_dir() else root) / "grpo-stage.lock"
+
+
+def is_launched_child(environ=None) -> bool:
+    """A process a launcher started (torchrun / accelerate ranks) or another machine's stage: the stage process
+    that launched them, on machine 0, holds the lock for all of them."""
+    env = os.environ if environ is None else environ
+    return (int(env.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in env) or int(env.get("MACHINE_RANK", "0")) > 0
+
+
+@contextlib.contextmanager
+def stage_lock(root: Path, stage: str):
+    """Hold the repo's stage lock while a stage writes its outputs: a second stage process in the same work root
+    (two `python -m flows.stages train`, or evaluate while train runs) is refused at once, naming the holder.
+
+    filelock's lock is the kernel's (flock): it ends with its process, so the lock of a killed stage is free at
+    once and the file it leaves behind is reused. The holder's stage and PID go into ``<lock>.holder``."""
+    from filelock import FileLock, Timeout
+
+    path = stage_lock_path(root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    holder = path.with_suffix(".holder")
+    lock = FileLock(str(path), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        try:
+            who = json.loads(holder.read_text())
+            named = f"`{who['stage']}` (PID {who['pid']}, since {who['since']})"
+        except (OSError, ValueError, KeyError):
+            named = "another process"
+        raise StageBusy(f"{stage}: {named} is running in {root} and holds {path}; two stages writing one "
+                        "repo's outputs at once would mix them. Wait for it to end, or stop it.") from None
+    try:
+        holder.write_text(json.dumps({"stage": stage, "pid": os.getpid(),
+                                      "since": time.strftime("%Y-%m-%d %H:%M:%S")}))
+        yield path
+    finally:
+        lock.release()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -211,6 +211,26 @@ def not_registered(reason: str) -> dict[str, Any]:
     return {"registered": False, "promote": False, "alias": None, "reason": reason}
 
 
+MODEL_MD5_TAG = "model.files_md5"  # a registered version's model files, hashed whole: what makes it the same model
+
+
+def model_files_md5(model_dir: Path) -> str:
+    """md5 over the model folder's files, every byte of each (a re-export writes new mtimes, not new bytes)."""
+    from flows.stages.common import md5_path
+
+    return md5_path(model_dir, max_full_bytes=1 << 62)
+
+
+def registered_version_of(client, name: str, files_md5: str) -> int | None:
+    """The version of registered model ``name`` made from these very files, if any."""
+    try:
+        versions = client.search_model_versions(f"name='{name}'")
+    except Exception:  # noqa: BLE001 - no such registered model yet
+        return None
+    same = [int(v.version) for v in versions if (v.tags or {}).get(MODEL_MD5_TAG) == files_md5]
+    return min(same) if same else None
+
+
 def register_and_gate(run, inp, model_dir, base: dict, trained: dict) -> dict[str, Any]:
     """Register the trained model (new version) and move ``champion`` when the gate passes."""
     from flows.stages.runs import safe_key
@@ -223,6 +243,11 @@ def register_and_gate(run, inp, model_dir, base: dict, trained: dict) -> dict[st
     client, name, metric = run.client, t.registered_model_name, t.promotion_metric
     if not run.flush():
         return not_registered("could not reach MLflow")
+    files_md5 = model_files_md5(model_dir)
+    existing = registered_version_of(client, name, files_md5)
+    if existing is not None:  # evaluate re-run on the same trained model: one model, one version
+        return not_registered(f"this trained model (files md5 {files_md5[:12]}) is already version {existing} of "
+                              f"{name}; a re-run does not register it twice")
     model_id = log_policy_model(client, run.run_id, model_dir, trained)
     try:
         client.get_registered_model(name)
@@ -230,7 +255,8 @@ def register_and_gate(run, inp, model_dir, base: dict, trained: dict) -> dict[st
         client.create_registered_model(name, description="GRPO-trained policies (HF format); alias "
                                                           "`champion` = the one that passed the promotion gate")
     tags = {safe_key(f"metric.{k}"): str(v) for k, v in trained.items() if isinstance(v, int | float)}
-    tags.update({"promotion_metric": metric, "promotion_metric_value": str(trained.get(metric))})
+    tags.update({"promotion_metric": metric, "promotion_metric_value": str(trained.get(metric)),
+                 MODEL_MD5_TAG: files_md5})
     tags.update({k: v for k, v in run.tags.items() if k.startswith(("git.", "prefect.", "dvc."))})
     version = client.create_model_version(name, f"models:/{model_id}", run_id=run.run_id, tags=tags,
                                           description=f"{metric}={trained.get(metric)}", model_id=model_id)

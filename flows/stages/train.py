@@ -130,7 +130,7 @@ def previous_run_id(run_file: Path) -> str | None:
 
 def prepare_checkpoints(ctx, cfg, fp: dict) -> str:
     """Keep the checkpoints (resume) when they belong to this exact run, else empty the directory."""
-    from grpo_core.train.checkpoint import latest_checkpoint
+    from grpo_core.train.checkpoint import latest_checkpoint, latest_valid_checkpoint
 
     ckpt_dir = ctx.path(cfg.train.output_dir) / "checkpoints"
     fp_file = ckpt_dir / FINGERPRINT
@@ -151,7 +151,8 @@ def prepare_checkpoints(ctx, cfg, fp: dict) -> str:
         action = "fresh"
     elif reason or latest is None:
         action = "fresh"
-    else:
+    else:  # the newest whose files match its manifest (a corrupt newer one is named and skipped)
+        latest = latest_valid_checkpoint(ckpt_dir, warn=lambda msg: print(f"train: warning: {msg}", file=sys.stderr))
         print(f"train: resuming from {latest}", file=sys.stderr)
         action = f"resume:{latest.name}"
     ckpt_dir.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,10 @@
 - ``ahead_round.pt`` — ``train.async_rollouts``: the next round, sampled ahead by older weights (its sampling
   step is in ``trainer_state.json``);
 - ``trainer_state.json`` — step, data-sampler position, the RNG states of every process (python, numpy,
-  torch, and the process's own GPU), the params hash, and the metrics of the last step.
+  torch, and the process's own GPU), the params hash, and the metrics of the last step;
+- ``manifest.json`` — written last: each other file's size and sha256. Resume verifies it and falls back to the
+  newest checkpoint that matches (``latest_valid_checkpoint``): a file truncated, changed or lost since it was
+  written is named, never loaded.
 
 A checkpoint is written into ``checkpoint-<step>.tmp-<pid>`` and renamed into place only once every
 file is flushed, so a crash never leaves a partial checkpoint under a valid name: a checkpoint is
@@ -22,10 +25,13 @@ complete or absent.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +47,11 @@ STATE_FILE = "trainer_state.json"
 REFERENCE_FILE = "reference.safetensors"
 PENDING_FILE = "pending_groups.pt"
 AHEAD_FILE = "ahead_round.pt"
+MANIFEST_FILE = "manifest.json"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(TrainingFailure, RuntimeError):
@@ -99,6 +109,7 @@ def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optim
         save_file(untie(reference, model), tmp / REFERENCE_FILE)
     full_state = {**state, "step": step, "rng": rng_states if rng_states is not None else [rng_state()]}
     (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=1))
+    write_manifest(tmp)
     _fsync_tree(tmp)
     if final.exists():  # re-saving the same step (e.g. the end of a resumed run): replace it whole
         shutil.rmtree(final)
@@ -108,6 +119,63 @@ def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optim
             if keep_step is None or old.name != f"checkpoint-{keep_step}":
                 shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """``manifest.json``: every file of the checkpoint folder (relative path -> bytes, sha256), written last."""
+    files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE}
+    (folder / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=1))
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be trusted, naming the file (None: every file is as written).
+
+    A checkpoint from before manifests (none in the folder) is taken as it is, with a warning."""
+    path = Path(path)
+    manifest = path / MANIFEST_FILE
+    if not manifest.is_file():
+        log.warning("%s has no %s (written by an older version): its files are not verified", path, MANIFEST_FILE)
+        return None
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{manifest}: unreadable ({err})"
+    for name, want in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing (the manifest lists it)"
+        size = file.stat().st_size
+        if size != want["bytes"]:
+            return f"{file} has {size} bytes, the manifest says {want['bytes']} (truncated or rewritten)"
+        if _sha256(file) != want["sha256"]:
+            return f"{file}: its sha256 differs from the manifest's (its bytes changed after it was written)"
+    return None
+
+
+def latest_valid_checkpoint(directory: str | Path, warn: Callable[[str], None] = log.warning) -> Path | None:
+    """The newest checkpoint whose files match its manifest; each newer one that does not is skipped with a
+    warning naming the file. None when there is no checkpoint; a CheckpointError when none is valid."""
+    checkpoints = list_checkpoints(directory)
+    problems = []
+    for path in reversed(checkpoints):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        problems.append(problem)
+        warn(f"checkpoint {path.name} is corrupt, skipped: {problem}")
+    if problems:
+        raise CheckpointError(f"{directory}: no valid checkpoint to resume from: " + "; ".join(problems)
+                              + ". Start fresh with train.resume: never (or delete the folder).")
+    return None
 
 
 def untie(weights: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:

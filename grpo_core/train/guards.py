@@ -28,6 +28,7 @@ from grpo_core.config import (  # noqa: F401 - the guards' config sections, re-e
     GuardsConfig,
     NonFiniteGuard,
     RewardHackingGuard,
+    RewardSilentGuard,
     ThresholdGuard,
 )
 from grpo_core.errors import TrainingFailure
@@ -56,6 +57,7 @@ class GuardMonitor:
         self._correct: deque[float] = deque(maxlen=2 * n)
         self._recent: dict[str, deque[float]] = {name: deque(maxlen=getattr(cfg, name).window)
                                                  for name in ("kl_max", "entropy_min", "clipped_ratio_max")}
+        self._silent_steps: dict[str, int] = {}  # reward name -> consecutive steps it scored nothing
 
     def check(self, step: int, metrics: dict) -> list[GuardEvent]:
         """Events for this step (empty if all is well). ``metrics`` uses the trainer's metric names."""
@@ -72,6 +74,28 @@ class GuardMonitor:
         hacking = self._hacking(step, metrics)
         if hacking:
             events.append(hacking)
+        events += self._silent_rewards(step, metrics)
+        return events
+
+    def _silent_rewards(self, step: int, metrics: dict) -> list[GuardEvent]:
+        """A reward whose step mean is None or NaN scored no completion (every call None, NaN or failed): its
+        advantages are zero and training learns nothing from it. One such step can be chance (a reward that
+        applies to some tasks only); ``steps`` of them in a row is a broken reward."""
+        g = self.cfg.reward_silent
+        if g.steps is None:
+            return []
+        events = []
+        for key, value in metrics.items():
+            if not (key.startswith("rewards/") and key.endswith("/mean")):
+                continue
+            name = key[len("rewards/"):-len("/mean")]
+            silent = value is None or not math.isfinite(value)
+            self._silent_steps[name] = self._silent_steps.get(name, 0) + 1 if silent else 0
+            if self._silent_steps[name] >= g.steps:
+                events.append(GuardEvent("reward_silent", g.action, (
+                    f"step {step}: reward '{name}' scored none of the completions (every value None or NaN) for "
+                    f"{self._silent_steps[name]} steps in a row: it gives no advantage, nothing is learnt from it; "
+                    "check the function, its gold column and train.reward_errors")))
         return events
 
     def _threshold(self, events, name, guard: ThresholdGuard, value, step, above: bool) -> None:
@@ -118,6 +142,7 @@ class GuardMonitor:
         """After a rollback the windows describe steps that no longer exist."""
         self._format.clear()
         self._correct.clear()
+        self._silent_steps.clear()
         for recent in self._recent.values():
             recent.clear()
 

@@ -58,7 +58,7 @@ from grpo_core.model.loading import (
 from grpo_core.model.sharding import clip_gradients, is_sharded, shard_model
 from grpo_core.rewards import build_reward_functions
 from grpo_core.rollout import backend_for
-from grpo_core.train.checkpoint import latest_checkpoint, remove_stale_temp_dirs
+from grpo_core.train.checkpoint import latest_valid_checkpoint, remove_stale_temp_dirs
 from grpo_core.train.completions import CompletionLog, as_table, completion_rows
 from grpo_core.train.compute_weights import ComputeWeights, uses_compute_weights
 from grpo_core.train.dynamic import fill_round
@@ -383,7 +383,7 @@ def resume_or_start(run: TrainingRun, sampler: PromptSampler) -> tuple[TrainStat
     if run.accelerator.is_main_process:
         remove_stale_temp_dirs(run.checkpoint_dir)
     run.accelerator.wait_for_everyone()
-    last = latest_checkpoint(run.checkpoint_dir) if run.t.resume == "auto" else None
+    last = latest_valid_checkpoint(run.checkpoint_dir) if run.t.resume == "auto" else None
     if last is None:
         return TrainState(sampler=sampler, entropy_coef=run.t.entropy_coef), None
     state = restore_state(run, last, sampler)
@@ -646,7 +646,7 @@ def guard_decision(run: TrainingRun, guards: GuardsConfig, monitor: GuardMonitor
         event = GuardEvent(event.guard, "stop", f"{event.message} (after {state.rollbacks} rollbacks)")
     if event.action not in ("stop", "rollback"):
         return event
-    kept = latest_checkpoint(run.checkpoint_dir)
+    kept = latest_valid_checkpoint(run.checkpoint_dir)
     if event.action == "stop":
         raise GuardStop(f"guard {event.guard} stopped training: {event.message}; "
                         + (f"the last good checkpoint is {kept}" if kept else "no checkpoint had been written yet"))
@@ -657,7 +657,7 @@ def guard_decision(run: TrainingRun, guards: GuardsConfig, monitor: GuardMonitor
 
 def roll_back(run: TrainingRun, state: TrainState, lr_factor: float) -> TrainState:
     """Back to the newest checkpoint, with the learning rate multiplied by ``lr_factor``."""
-    last = latest_checkpoint(run.checkpoint_dir)
+    last = latest_valid_checkpoint(run.checkpoint_dir)
     run.optimizer.zero_grad(set_to_none=True)
     if run.sampler is not None and run.sampler.in_flight:
         run.sampler.receive()  # sampled by the abandoned weights: dropped (the checkpoint has its own round ahead)
