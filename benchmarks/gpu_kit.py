@@ -139,18 +139,22 @@ def recipe_assets(smoke: bool, workdir: Path) -> dict:
     return prepare(cfg, workdir / "recipe-assets")
 
 
+def run_spec_module(module: str, name: str, spec: dict, workdir: Path, timeout_s: float) -> dict:
+    """``python -m <module> --spec <name>.spec.json --out <name>.result.json`` in its own process; its result."""
+    spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.result.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", module, "--spec", str(spec_path), "--out", str(out_path)],
+                          cwd=REPO, env=_child_env(), capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{module} exited {proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-6000:]}")
+    return json.loads(out_path.read_text())
+
+
 def part_step(assets: dict, smoke: bool, workdir: Path) -> dict:
     """Parts a and c: benchmarks/kit_step.py in its own process."""
     spec = {"recipe": str(RECIPE), "overrides": recipe_overrides(assets, smoke), "assets": assets,
             "workdir": str(workdir / "step"), "threads": step_threads(smoke), **step_counts(smoke)}
-    spec_path, out_path = workdir / "step.spec.json", workdir / "step.result.json"
-    spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.kit_step", "--spec", str(spec_path), "--out",
-                           str(out_path)], cwd=REPO, env=_child_env(), capture_output=True, text=True,
-                          timeout=TIMEOUT_S["step"])
-    if proc.returncode != 0:
-        raise RuntimeError(f"benchmarks.kit_step exited {proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-6000:]}")
-    return json.loads(out_path.read_text())
+    return run_spec_module("benchmarks.kit_step", "step", spec, workdir, TIMEOUT_S["step"])
 
 
 def part_rollout(assets: dict, smoke: bool, backends: list[str], save, out: dict) -> None:
@@ -180,15 +184,7 @@ def part_real_model(smoke: bool, workdir: Path, model_dir: str | None) -> dict:
     """Part e: benchmarks/kit_real_model.py in its own process (the smoke run: on ``model_dir``, the tiny model)."""
     spec = {"workdir": str(workdir / "real-model"), "smoke": smoke, "model_dir": model_dir if smoke else None}
     Path(spec["workdir"]).mkdir(parents=True, exist_ok=True)
-    spec_path, out_path = workdir / "real-model.spec.json", workdir / "real-model.result.json"
-    spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.kit_real_model", "--spec", str(spec_path), "--out",
-                           str(out_path)], cwd=REPO, env=_child_env(), capture_output=True, text=True,
-                          timeout=TIMEOUT_S["real_model"])
-    if proc.returncode != 0:
-        raise RuntimeError(f"benchmarks.kit_real_model exited {proc.returncode}:\n{proc.stdout[-2000:]}"
-                           f"{proc.stderr[-6000:]}")
-    return json.loads(out_path.read_text())
+    return run_spec_module("benchmarks.kit_real_model", "real-model", spec, workdir, TIMEOUT_S["real_model"])
 
 
 def part_compare(cfg: BenchConfig, runs: list[int], workdir: Path, save, result: dict) -> None:

@@ -7,6 +7,7 @@ turn them into null.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -80,6 +81,15 @@ def write_dir_atomic(path: str | Path, fill: Callable[[Path], None]) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    """The file's sha256 (hex), read in chunks: the checksum checkpoint manifests and GGUF sources record."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def finite_or_none(x: float) -> float | None:

@@ -11,12 +11,11 @@ result, with ``gguf_source.json`` naming the file it came from; ``resolve_model_
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 from pathlib import Path
 
 from grpo_core.errors import InputUnreadable
-from grpo_core.files import write_dir_atomic
+from grpo_core.files import sha256_file, write_dir_atomic
 
 CONVERTED_MODEL_DIR = "artifacts/converted_model"  # the convert stage's output (dvc.yaml)
 SOURCE_FILE = "gguf_source.json"
@@ -29,14 +28,6 @@ class GGUFError(InputUnreadable, ValueError):
 
 def is_gguf(name_or_path: str) -> bool:
     return str(name_or_path).lower().endswith(".gguf")
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def read_architecture(path: Path) -> str:

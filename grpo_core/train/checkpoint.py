@@ -25,7 +25,6 @@ complete or absent.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 
 from grpo_core.errors import TrainingFailure
+from grpo_core.files import sha256_file
 from grpo_core.model.loading import is_peft_model
 from grpo_core.model.sharding import is_sharded, load_full_weights
 from grpo_core.rng import rng_state
@@ -121,17 +121,9 @@ def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optim
     return final
 
 
-def _sha256(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_manifest(folder: Path) -> None:
     """``manifest.json``: every file of the checkpoint folder (relative path -> bytes, sha256), written last."""
-    files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE}
     (folder / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=1))
 
@@ -156,7 +148,7 @@ def checkpoint_problem(path: str | Path) -> str | None:
         size = file.stat().st_size
         if size != want["bytes"]:
             return f"{file} has {size} bytes, the manifest says {want['bytes']} (truncated or rewritten)"
-        if _sha256(file) != want["sha256"]:
+        if sha256_file(file) != want["sha256"]:
             return f"{file}: its sha256 differs from the manifest's (its bytes changed after it was written)"
     return None
 
