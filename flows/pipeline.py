@@ -5,7 +5,8 @@
 What the flow adds to ``dvc repro``:
 - **process isolation**: every stage runs in its own ``dvc`` subprocess (and DVC runs the stage's command
   in another), so training's GPU memory is released before evaluation starts;
-- **retries** on transient failures (a crash, an OOM kill, a busy DVC lock: exit code 1 or a signal), never
+- **retries** on transient failures (a dead or silent vLLM server or sampler worker, a full disk, a crash, an OOM
+  kill, a busy DVC lock: exit code 1 or a signal), never
   on permanent ones - failed data validation, bad params, unreadable data, a non-finite loss (stage exit
   codes 2-5, see ``flows/stages/__init__.py``). Training resumes from its newest checkpoint on a retry;
 - **timeouts** per stage (``timeouts`` parameter, seconds; the stage's whole process group is killed);

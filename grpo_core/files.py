@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from grpo_core.errors import disk_full
+
 
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
@@ -78,8 +80,11 @@ def write_dir_atomic(path: str | Path, fill: Callable[[Path], None]) -> None:
         os.replace(tmp, path)
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
-    except BaseException:
+    except BaseException as err:
+        full = disk_full(err, path)  # before the partial folder goes, which frees its space again
         shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from err
         raise
 
 

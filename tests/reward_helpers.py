@@ -2,6 +2,7 @@
 
 import os
 import signal
+import threading
 
 _calls = {"n": 0}
 
@@ -20,6 +21,23 @@ def digit_fraction_then_die(prompts, completions, **kwargs):
     _calls["n"] += 1
     if os.environ.get("GRPO_TEST_DIE_AT") and _calls["n"] == int(os.environ["GRPO_TEST_DIE_AT"]):
         os.kill(os.getpid(), signal.SIGKILL)
+    return digit_fraction(prompts, completions)
+
+
+def digit_fraction_then_die_after(prompts, completions, **kwargs):
+    """digit_fraction; on call number $GRPO_TEST_DIE_AT it SIGKILLs its own process half a second later, once the
+    round it scores has been answered: the worker dies between rounds."""
+    _calls["n"] += 1
+    if os.environ.get("GRPO_TEST_DIE_AT") and _calls["n"] == int(os.environ["GRPO_TEST_DIE_AT"]):
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    return digit_fraction(prompts, completions)
+
+
+def digit_fraction_then_stop(prompts, completions, **kwargs):
+    """digit_fraction, but SIGSTOPs its own process on call number $GRPO_TEST_STOP_AT: alive, silent for good."""
+    _calls["n"] += 1
+    if os.environ.get("GRPO_TEST_STOP_AT") and _calls["n"] == int(os.environ["GRPO_TEST_STOP_AT"]):
+        os.kill(os.getpid(), signal.SIGSTOP)
     return digit_fraction(prompts, completions)
 
 

@@ -15,12 +15,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from grpo_core.config import ConfigError
+from grpo_core.errors import EXIT_ERROR, exit_code_for
 from grpo_core.rewards import RewardFunctionError
 from grpo_core.train.checkpoint import load_checkpoint
 from grpo_core.train.forward import LogprobOptions, frozen_logprobs
 from grpo_core.train.loop import train
 from grpo_core.train.round import Round
-from grpo_core.train.sampler_worker import SamplerWorkerError
+from grpo_core.train.sampler_worker import SamplerWorker, SamplerWorkerLost
 from tests.tiny import make_prompts, make_tiny_model, nan_loss_at, read_log, tiny_config
 
 DIGITS = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}]
@@ -121,12 +122,41 @@ def test_a_reward_raising_in_the_worker_is_raised_by_the_trainer_with_its_name(a
     assert "in the sampler worker" in str(info.value.__cause__)
 
 
-def test_a_worker_killed_mid_round_is_an_error_not_a_hang(assets, tmp_path, monkeypatch):
+def test_a_worker_killed_mid_round_is_a_transient_error_not_a_hang(assets, tmp_path, monkeypatch):
     model_dir, data = assets
     monkeypatch.setenv("GRPO_TEST_DIE_AT", "2")  # the worker SIGKILLs itself scoring its 2nd round
     dying = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction_then_die"}]
-    with pytest.raises(SamplerWorkerError, match=r"the sampler worker died \(exit code -9\)"):
+    with pytest.raises(SamplerWorkerLost, match=r"the sampler worker \(pid \d+\) died \(exit code -9\); the run "
+                                                r"resumes from its last checkpoint") as info:
         train(tiny_config(model_dir, data, dying, **ASYNC), root=tmp_path, progress=False)
+    assert exit_code_for(info.value) == EXIT_ERROR  # retried by the flow, not a permanent training failure
+
+
+def test_a_worker_that_dies_between_rounds_is_the_same_transient_error(assets, tmp_path, monkeypatch):
+    """Killed after answering a round, while the trainer trains on it: the next submit finds the pipe broken."""
+    model_dir, data = assets
+    monkeypatch.setenv("GRPO_TEST_DIE_AT", "2")
+    dying = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction_then_die_after"}]
+    with pytest.raises(SamplerWorkerLost, match=r"the sampler worker \(pid \d+\) died \(exit code -9\)") as info:
+        train(tiny_config(model_dir, data, dying, max_steps=6, **ASYNC), root=tmp_path, progress=False)
+    assert exit_code_for(info.value) == EXIT_ERROR
+
+
+def test_a_stopped_worker_fails_within_its_heartbeat_limit(assets, tmp_path, monkeypatch):
+    """SIGSTOP: alive, so no death to notice; its heartbeat stops and the trainer gives up after the limit."""
+    import time
+
+    model_dir, data = assets
+    monkeypatch.setenv("GRPO_TEST_STOP_AT", "2")
+    stopping = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction_then_stop"}]
+    worker = SamplerWorker(silent_limit_s=3.0)
+    start = time.monotonic()
+    with pytest.raises(SamplerWorkerLost, match=r"has sent no heartbeat for \d+ s .*limit is 3 s\): it is stopped"):
+        train(tiny_config(model_dir, data, stopping, **ASYNC), root=tmp_path, progress=False, sampler_worker=worker)
+    assert time.monotonic() - start < 60
+    import multiprocessing
+
+    assert "grpo-sampler" not in [p.name for p in multiprocessing.active_children()]  # the stopped one was killed
 
 
 @pytest.mark.parametrize(("knobs", "message"), [

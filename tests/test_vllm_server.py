@@ -24,8 +24,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_core.config import ConfigError, config_from_dict
+from grpo_core.errors import EXIT_CONFIG, EXIT_ERROR, exit_code_for
 from grpo_core.rollout import HFGenerateBackend, SamplingParams, backend_for
-from grpo_core.rollout.vllm_server import ServerConnection, VLLMServerBackend, VLLMServerError
+from grpo_core.rollout.vllm_server import (
+    ServerConnection,
+    VLLMServerBackend,
+    VLLMServerError,
+    VLLMServerRefused,
+)
 from grpo_core.train.loop import train
 from tests.tiny import make_prompts, make_tiny_model, read_log, require_vllm, tiny_config
 
@@ -45,8 +51,9 @@ def free_port() -> int:
 class Server:
     """``python -m flows.serve`` for a model folder, as a child process; its log in a file."""
 
-    def __init__(self, model_dir: Path, log_path: Path, max_model_length: int = MAX_MODEL_LENGTH):
-        self.port = free_port()
+    def __init__(self, model_dir: Path, log_path: Path, max_model_length: int = MAX_MODEL_LENGTH,
+                 port: int | None = None):
+        self.port = port or free_port()
         self.log_path = log_path
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(
@@ -214,7 +221,7 @@ def test_other_ranks_sample_only_once_rank_0_pushed_the_weights_they_expect(serv
         rank1.sync_weights(policy)  # a version rank 0 never pushes: an error within the timeout, not a hang
         rank1.server.timeout = 3.0
         start = time.perf_counter()
-        with pytest.raises(VLLMServerError, match=r"HTTP 409: .*weights version 3 was not pushed"):
+        with pytest.raises(VLLMServerRefused, match=r"HTTP 409: .*weights version 3 was not pushed"):
             rank1.generate(PROMPTS, 1, GREEDY)
         assert time.perf_counter() - start < 10
     finally:
@@ -232,8 +239,10 @@ def test_weights_of_another_model_are_refused_with_the_engines_reason_at_once(se
     backend = server.backend(other, tok, timeout=30.0)
     start = time.perf_counter()
     try:
-        with pytest.raises(VLLMServerError, match=rf"127\.0\.0\.1:{server.port} refused /update_weights .*HTTP 500"):
+        with pytest.raises(VLLMServerRefused, match=rf"127\.0\.0\.1:{server.port} refused /update_weights .*HTTP 500") \
+                as info:
             backend.generate(PROMPTS, 1, GREEDY)
+        assert exit_code_for(info.value) == EXIT_CONFIG  # the same answer on every retry: permanent
         assert time.perf_counter() - start < 15
     finally:
         backend.close()
@@ -286,11 +295,52 @@ def test_a_server_killed_mid_run_is_a_clear_error_not_a_hang(assets):
             if sync_first:
                 backend.sync_weights(policy)
             start = time.perf_counter()
-            with pytest.raises(VLLMServerError, match=rf"127\.0\.0\.1:{doomed.port}"):
+            with pytest.raises(VLLMServerError, match=rf"127\.0\.0\.1:{doomed.port}") as info:
                 backend.generate(PROMPTS, 1, GREEDY)
             assert time.perf_counter() - start < 15
+            assert exit_code_for(info.value) == EXIT_ERROR  # transient: the flow retries it
     finally:
         doomed.stop()
+
+
+class KillServerAfter:
+    """A tracker that kills ``server`` once step ``step`` is logged (its checkpoint is written right after)."""
+
+    def __init__(self, server: Server, step: int):
+        self.server, self.step, self.steps = server, step, []
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        self.steps.append(step)
+        if step == self.step:
+            self.server.process.kill()
+            self.server.process.wait()
+
+
+def test_a_server_killed_mid_training_and_started_again_resumes_with_every_step_once(assets, tmp_path):
+    """The server dies after step 2: training stops with the transient error (exit 1) naming it; started again on
+    the same ports, the re-run resumes from checkpoint-2 and train_log.csv holds steps 1-4 once each."""
+    require_vllm()
+    model_dir, data, d = assets
+    doomed = Server(model_dir, d / "killed.log")
+    cfg = tiny_config(model_dir, data, DIGITS, max_steps=4, save_steps=1, learning_rate=2e-2,
+                      generation_backend="vllm", temperature=0.7, vllm_mode="server", vllm_server_port=doomed.port,
+                      vllm_group_port=free_port(), vllm_server_timeout=30.0)
+    tracker = KillServerAfter(doomed, step=2)  # a dead server refuses at once: the timeout only bounds slow answers
+    try:
+        with pytest.raises(VLLMServerError, match=rf"127\.0\.0\.1:{doomed.port}") as info:
+            train(cfg, root=tmp_path, progress=False, tracker=tracker)
+        assert exit_code_for(info.value) == EXIT_ERROR
+        assert tracker.steps == [1, 2]
+    finally:
+        doomed.stop()
+    again = Server(model_dir, d / "again.log", port=doomed.port)
+    try:
+        tracker = KillServerAfter(again, step=0)
+        result = train(cfg, root=tmp_path, progress=False, tracker=tracker)
+    finally:
+        again.stop()
+    assert tracker.steps == [3, 4]  # resumed from checkpoint-2
+    assert [row["step"] for row in read_log(result.log_path)] == ["1", "2", "3", "4"]
 
 
 def test_training_samples_from_the_server_and_pushes_after_each_step(server, assets, tmp_path):

@@ -12,7 +12,7 @@ import sys
 import traceback
 
 from flows.stages import EXIT_CONFIG, EXIT_ERROR, STAGES, exit_code_for
-from grpo_core.errors import PipelineError
+from grpo_core.errors import PipelineError, disk_full
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.stage}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - turned into a readable message and an exit code
+        exc = disk_full(exc) or exc
         code = exit_code_for(exc)
         if code == EXIT_ERROR and not isinstance(exc, PipelineError):  # unexpected: where it happened matters
             traceback.print_exc()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_core.errors import ConfigurationError, InputUnreadable, PipelineError
+from grpo_core.errors import ConfigurationError, InputUnreadable, TransientFailure
 
 #: validate's outputs, the only data the downstream stages read (canonical `prompt` / `answer` columns).
 VALIDATED_TRAIN = "data/validated/train.parquet"
@@ -37,7 +37,7 @@ class StageConfigError(ConfigurationError, ValueError):
     """A stage cannot run with these parameters; the message names the key."""
 
 
-class StageBusy(PipelineError, RuntimeError):
+class StageBusy(TransientFailure):
     """Another stage process holds this repo's stage lock; the message names it. Exit 1: worth a later retry."""
 
 

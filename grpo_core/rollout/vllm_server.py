@@ -19,8 +19,9 @@ not wait at a barrier: every request carries the weights version its sender expe
 version. That keeps ``generate`` free of collectives, so rank 0 may sample alone (evaluation during training).
 
 Nothing waits unbounded: every HTTP request, the group's forming and each weight sent are bounded by
-``vllm_server_timeout``; past it, or when the server's connection is refused or reset, ``VLLMServerError`` names
-host:port and what was waited for. The HTTP side needs torch and the standard library only (no vllm on the
+``vllm_server_timeout``; past it, or when the server's connection is refused or reset, ``VLLMServerError`` (transient:
+the stage exits 1 and a retry resumes once the server is back) names host:port and what was waited for. An error the
+server answers with (weights of another model) is ``VLLMServerRefused``, permanent. The HTTP side needs torch and the standard library only (no vllm on the
 trainer's side); the NCCL group (CUDA) uses vLLM's communicator, as TRL does.
 """
 
@@ -39,6 +40,7 @@ from types import SimpleNamespace
 
 import torch
 
+from grpo_core.errors import TransientFailure
 from grpo_core.rollout.types import RolloutBatch, SamplingParams, pad_and_eos_ids
 from grpo_core.rollout.vllm import (
     VLLMUnavailable,
@@ -57,10 +59,15 @@ SERVER_RANK, TRAINER_RANK = 0, 1  # the server hosts the rendezvous; the trainer
 START_HINT = "start it with `python -m flows.serve --model DIR --host HOST --port PORT` (README: Server mode)"
 
 
-class VLLMServerError(VLLMUnavailable):
+class VLLMServerError(TransientFailure):
     """The vLLM server (``generation.vllm_mode: server``) did not answer within ``vllm_server_timeout``, refused
-    or dropped the connection (not started, or died), answered an error, or the weight-sync group did not form;
-    the message names host:port and what was waited for."""
+    or dropped the connection (not started, or died), or the weight-sync group did not form: transient, a retry
+    resumes once it is back. The message names host:port and what was waited for."""
+
+
+class VLLMServerRefused(VLLMUnavailable):
+    """The vLLM server answered with an error of its own (weights it cannot load, a weights version never pushed,
+    a count of loaded weights that differs): a retry gets the same answer."""
 
 
 class ServerConnection:
@@ -80,8 +87,8 @@ class ServerConnection:
                 return json.loads(reply.read())
         except urllib.error.HTTPError as err:  # the server answered, with its own reason
             detail = err.read().decode(errors="replace")[:2000]
-            raise VLLMServerError(f"the vLLM server at {self.host}:{self.port} refused {path} ({waiting_for}): "
-                                  f"HTTP {err.code}: {detail}") from err
+            raise VLLMServerRefused(f"the vLLM server at {self.host}:{self.port} refused {path} ({waiting_for}): "
+                                    f"HTTP {err.code}: {detail}") from err
         except (urllib.error.URLError, http.client.HTTPException, OSError) as err:
             reason = getattr(err, "reason", err)
             raise VLLMServerError(f"the vLLM server at {self.host}:{self.port} did not answer {path} "
@@ -254,8 +261,8 @@ class VLLMServerBackend:
         reply = call.result(s.timeout, f"the vLLM server at {s.host}:{s.port} did not answer /update_weights "
                                        f"({waiting_for}) within {s.timeout:g} s")
         if reply.get("loaded") != len(specs):
-            raise VLLMServerError(f"the vLLM server at {s.host}:{s.port} loaded {reply.get('loaded')} of "
-                                  f"{len(specs)} weights")
+            raise VLLMServerRefused(f"the vLLM server at {s.host}:{s.port} loaded {reply.get('loaded')} of "
+                                    f"{len(specs)} weights")
         self.pushed, self.weights_pushed = self.version, self.weights_pushed + 1
         self.push_seconds.append(time.perf_counter() - start)
         log.debug("vLLM server: weights version %d pushed in %.3f s", self.version, self.push_seconds[-1])
@@ -282,6 +289,6 @@ class VLLMServerBackend:
             try:
                 self.server.request("/close_weight_group", {}, waiting_for="leaving the weight-sync group",
                                     timeout=min(self.server.timeout, 10.0))
-            except VLLMServerError as err:  # a server already gone has nothing to release
+            except (VLLMServerError, VLLMServerRefused) as err:  # a server already gone has nothing to release
                 log.warning("%s", err)
             self.group = None

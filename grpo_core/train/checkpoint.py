@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from grpo_core.errors import TrainingFailure
+from grpo_core.errors import TrainingFailure, disk_full
 from grpo_core.files import sha256_file
 from grpo_core.model.loading import is_peft_model
 from grpo_core.model.sharding import is_sharded, load_full_weights
@@ -88,29 +88,36 @@ def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optim
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"checkpoint-{step}"
+    for stale in directory.glob("checkpoint-*.tmp-*"):  # a killed or failed earlier write's (one writer: the lock)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = directory / f"checkpoint-{step}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
-    if weights is None:
-        model.save_pretrained(tmp, safe_serialization=True)
-    else:  # transformers writes config.json (architecture without the FSDP prefix) and the tensors given
-        model.save_pretrained(tmp, safe_serialization=True, state_dict=untie(weights, model))
-    tokenizer.save_pretrained(tmp)
-    torch.save(optimizer_state, tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    if rollout_buffer is not None:
-        torch.save(rollout_buffer, tmp / "rollout_buffer.pt")
-    if pending_groups is not None:
-        torch.save(pending_groups, tmp / PENDING_FILE)
-    if ahead_round is not None:
-        torch.save(ahead_round, tmp / AHEAD_FILE)
-    if reference is not None:  # a tied tensor once (safetensors refuses shared storage); loading re-ties it
-        save_file(untie(reference, model), tmp / REFERENCE_FILE)
-    full_state = {**state, "step": step, "rng": rng_states if rng_states is not None else [rng_state()]}
-    (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=1))
-    write_manifest(tmp)
-    _fsync_tree(tmp)
+    try:
+        if weights is None:
+            model.save_pretrained(tmp, safe_serialization=True)
+        else:  # transformers writes config.json (architecture without the FSDP prefix) and the tensors given
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=untie(weights, model))
+        tokenizer.save_pretrained(tmp)
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        if rollout_buffer is not None:
+            torch.save(rollout_buffer, tmp / "rollout_buffer.pt")
+        if pending_groups is not None:
+            torch.save(pending_groups, tmp / PENDING_FILE)
+        if ahead_round is not None:
+            torch.save(ahead_round, tmp / AHEAD_FILE)
+        if reference is not None:  # a tied tensor once (safetensors refuses shared storage); loading re-ties it
+            save_file(untie(reference, model), tmp / REFERENCE_FILE)
+        full_state = {**state, "step": step, "rng": rng_states if rng_states is not None else [rng_state()]}
+        (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=1))
+        write_manifest(tmp)
+        _fsync_tree(tmp)
+    except BaseException as err:
+        full = disk_full(err, final)  # before the partial folder goes, which frees its space again
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from err
+        raise
     if final.exists():  # re-saving the same step (e.g. the end of a resumed run): replace it whole
         shutil.rmtree(final)
     os.replace(tmp, final)

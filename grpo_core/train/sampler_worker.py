@@ -26,6 +26,8 @@ the round in flight and saves it (``TrainState.ahead``), so a resumed run equals
 from __future__ import annotations
 
 import copy
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 
 from grpo_core.config import GenerationConfig
-from grpo_core.errors import TrainingFailure
+from grpo_core.errors import TrainingFailure, TransientFailure
 from grpo_core.model.loading import AdapterDisabledReference
 from grpo_core.rewards import build_reward_functions
 from grpo_core.train.forward import LogprobOptions, frozen_logprobs
@@ -44,10 +46,18 @@ from grpo_core.train.round import Round
 ADAPTERS_OFF = "adapters-off"  # the reference a LoRA worker builds from its own copy
 _START_TIMEOUT_S = 300.0  # a spawned worker imports torch and transformers before it answers
 _POLL_S = 1.0             # how often a waiting trainer checks that the worker is still alive
+_BEAT_S = 1.0             # how often the worker's heartbeat thread stamps the shared clock
+SILENT_LIMIT_S = 120.0    # a worker whose heartbeat is older than this is stopped or starved: the trainer gives up
+LOST_HINT = ("the run resumes from its last checkpoint when the stage runs again; if it recurs, check memory "
+             "(an OOM kill shows in `dmesg`) and what else runs on the machine")
 
 
 class SamplerWorkerError(TrainingFailure, RuntimeError):
-    """The sampler worker could not start, died, or (with the worker's traceback as the cause) raised."""
+    """The sampler worker was used out of order, or (with the worker's traceback as the cause) raised."""
+
+
+class SamplerWorkerLost(TransientFailure):
+    """The sampler worker died, did not start in time, or went silent (no heartbeat): a retry resumes."""
 
 
 @dataclass(frozen=True)
@@ -98,10 +108,19 @@ def _unpack(packed: dict[str, Any]) -> SampledRound:
     return SampledRound(Round.from_buffer(buffer), torch.from_numpy(packed["rng_state"]), packed["policy_step"])
 
 
-def _serve(conn) -> None:
+def _heartbeat(beat) -> None:
+    """Stamp ``beat`` with the (system-wide) monotonic clock every second, for the life of the process: a worker
+    that is stopped (SIGSTOP) or starved stops stamping, however long its rounds take."""
+    while True:
+        beat.value = time.monotonic()
+        time.sleep(_BEAT_S)
+
+
+def _serve(conn, beat) -> None:
     """The worker's life: import what unpickling a model needs while the trainer sets up, take the set-up (the
     policy copy, the reference, tokenizer, config, rewards), build the backend and rewards, then answer requests
     until the trainer says stop (None) or goes away (EOF)."""
+    threading.Thread(target=_heartbeat, args=(beat,), name="grpo-sampler-heartbeat", daemon=True).start()
     import transformers.modeling_utils  # noqa: F401 - the bulk of a model class's import, done ahead
     try:
         setup = conn.recv()
@@ -187,11 +206,14 @@ class SamplerWorker:
     inference engine; only the CPU worker exists so far.
     """
 
-    def __init__(self):
-        """Spawn the worker now: it imports torch, transformers and this package while the caller sets up."""
+    def __init__(self, silent_limit_s: float = SILENT_LIMIT_S):
+        """Spawn the worker now: it imports torch, transformers and this package while the caller sets up.
+        silent_limit_s: how old its heartbeat may get while the trainer waits for it (seconds)."""
         ctx = torch.multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=_serve, args=(child,), name="grpo-sampler",
+        self._beat = ctx.Value("d", 0.0, lock=False)  # monotonic seconds of its last heartbeat; 0 before the first
+        self.silent_limit_s = silent_limit_s
+        self._process = ctx.Process(target=_serve, args=(child, self._beat), name="grpo-sampler",
                                     daemon=False)  # not daemonic: isolated rewards start processes of their own
         self._process.start()
         child.close()
@@ -231,7 +253,11 @@ class SamplerWorker:
         if not self._ready:
             self._await(_START_TIMEOUT_S)
             self._ready = self._answer()[0] == "ready"
-        self._conn.send(request)
+        try:
+            self._conn.send(request)
+        except (BrokenPipeError, ConnectionResetError) as err:  # it died between rounds
+            self._process.join(timeout=5)
+            raise self._lost(f"died (exit code {self._process.exitcode}) before it took the next round") from err
         self.in_flight = True
 
     def receive(self) -> SampledRound:
@@ -264,22 +290,30 @@ class SamplerWorker:
         self._process = None
         self.in_flight = False
 
+    def _lost(self, what: str) -> SamplerWorkerLost:
+        return SamplerWorkerLost(f"the sampler worker (pid {self._process.pid}) {what}; {LOST_HINT}")
+
     def _await(self, timeout_s: float | None) -> None:
-        """Until the worker answers; SamplerWorkerError when it dies first or takes longer than ``timeout_s``."""
+        """Until the worker answers; SamplerWorkerLost when it dies first, takes longer than ``timeout_s``, or its
+        heartbeat is older than ``silent_limit_s``."""
         waited = 0.0
         while not self._conn.poll(_POLL_S):
             waited += _POLL_S
             if not self._process.is_alive():
-                raise SamplerWorkerError(f"the sampler worker died (exit code {self._process.exitcode})")
+                raise self._lost(f"died (exit code {self._process.exitcode})")
             if timeout_s is not None and waited >= timeout_s:
-                raise SamplerWorkerError(f"the sampler worker did not start within {timeout_s:g}s")
+                raise self._lost(f"did not start within {timeout_s:g} s")
+            silent = time.monotonic() - self._beat.value
+            if self._beat.value and silent > self.silent_limit_s:
+                raise self._lost(f"has sent no heartbeat for {silent:.0f} s (train.async_rollouts; the limit is "
+                                 f"{self.silent_limit_s:g} s): it is stopped (SIGSTOP, a debugger) or starved")
 
     def _answer(self) -> tuple[str, Any]:
         try:
             status, value = self._conn.recv()
-        except EOFError as err:
+        except (EOFError, ConnectionResetError) as err:  # its end closed as it died
             self._process.join(timeout=5)
-            raise SamplerWorkerError(f"the sampler worker died (exit code {self._process.exitcode})") from err
+            raise self._lost(f"died (exit code {self._process.exitcode})") from err
         if status == "error":
             exc, text = value
             cause = SamplerWorkerError(f"in the sampler worker:\n{text}")
