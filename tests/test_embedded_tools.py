@@ -373,6 +373,7 @@ RECIPE_CHANGES = {
     ("embedded", "tasks"): ["calculator"], ("embedded", "max_operand"): 99, ("embedded", "warm_start_steps"): 600,
     ("embedded", "label_noise"): 0.6, ("generation", "max_completion_length"): 64, ("train", "max_steps"): 200,
     ("train", "tools"): ["grpo_core.embedded.tools:calculator"], ("train", "max_tool_calling_iterations"): 1,
+    ("train", "async_rollouts"): False,
 }
 
 

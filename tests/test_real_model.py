@@ -29,7 +29,8 @@ TOOLS_RECIPE_CHANGES = {
     ("tracking", "registered_model_name"): "gsm8k-qwen2.5-0.5b-tools",
 }
 # What configs/embedded-vllm.yaml changes of params.yaml, and nothing else (its header says why).
-EMBEDDED_VLLM = {("embedded", "num_attention_heads"): 3, ("generation", "backend"): "vllm"}
+EMBEDDED_VLLM = {("embedded", "num_attention_heads"): 3, ("generation", "backend"): "vllm",
+                 ("train", "async_rollouts"): False}
 MODEL_DIR = "models/Qwen2.5-0.5B-Instruct"  # where README's `hf download` puts the model
 DATA_DIR = "data/gsm8k"
 # What the end-to-end runs scale down (sizes only: the recipe's algorithm, precision and format stay).
