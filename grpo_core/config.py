@@ -370,7 +370,9 @@ class TrainConfig:
         None, "tool-calling turns per completion at most (None = until the model stops calling tools or "
         "max_completion_length is reached; TRL's)", ge=0)
     tool_timeout_s: float = _f(30.0, "seconds one tool call may take; past it the model is answered with the error "
-                               "and the call counts as a failure (0 = no limit)", ge=0)
+                               "and the call counts as a failure (0 = no limit). It also bounds an environment's "
+                               "constructor, reset and close: past it the stage fails naming the one that hung",
+                               ge=0)
     rollout_func: str | None = _f(
         None, "`package.module:function` that samples a round itself (TRL's rollout_func): called as "
         "fn(prompts, trainer) and returning {prompt_ids, completion_ids, logprobs[, env_mask]}; not with tools or "

@@ -19,6 +19,7 @@ from grpo_core.tools import (
     ToolChat,
     ToolConfigError,
     build_toolbox,
+    close_all,
     run_calls,
 )
 from tests.tool_fixtures import Counter, add, hermes_call, llama_tokenizer, multiply, qwen_tokenizer
@@ -110,6 +111,35 @@ class BadObservation(Counter):
         return 7
 
 
+class SleepingReset(Counter):
+    """reset() hangs on the row that asks it to (the probe's build and close are quick)."""
+
+    def reset(self, sleep: float = 0.0, **row):
+        time.sleep(sleep)
+        return None
+
+
+class SleepingClose(Counter):
+    closes = 0
+
+    def close(self) -> None:
+        SleepingClose.closes += 1
+        if SleepingClose.closes > 1:  # the probe's close is quick; the rollouts' hang
+            time.sleep(SLEEP_S)
+
+
+class SleepingInit(Counter):
+    built = 0
+
+    def __init__(self):
+        SleepingInit.built += 1
+        if SleepingInit.built > 1:  # the probe builds it quickly; the rollouts' builds hang
+            time.sleep(SLEEP_S)
+
+
+SLEEP_S = 30.0  # far past the tests' 0.5 s bound: only the bound can end the wait
+
+
 def test_tools_import_with_their_schemas():
     box = build_toolbox(tool_use(["tests.tool_fixtures:multiply", "tests.tool_fixtures:add"]))
     assert box.tools == [multiply, add] and box.factories is None
@@ -177,6 +207,30 @@ def test_a_reset_that_returns_neither_none_nor_text_is_an_error_and_closes_the_e
     with pytest.raises(EnvironmentFailure, match="row 0: BadObservation.reset\\(\\) returned int"):
         box.open([{"prompt": "p"}])
     assert len(Counter.closed) == 2  # the probe and the failed rollout's
+
+
+@pytest.mark.parametrize("factory, rows, what", [
+    ("SleepingReset", [{"prompt": "p", "sleep": SLEEP_S}], r"row 0: SleepingReset.reset\(\)"),
+    ("SleepingClose", [{"prompt": "p"}], r"SleepingClose.close\(\)"),
+    ("SleepingInit", [{"prompt": "p"}], r"row 0: SleepingInit\(\)"),
+])
+def test_an_environment_that_hangs_fails_within_the_bound_naming_what_hung(factory, rows, what):
+    """A sleeping constructor, reset or close: EnvironmentFailure within train.tool_timeout_s, not a hang."""
+    SleepingInit.built = SleepingClose.closes = 0
+    box = build_toolbox(tool_use(environment_factory=f"tests.test_tools:{factory}", timeout=0.5))
+    start = time.monotonic()
+    with pytest.raises(EnvironmentFailure, match=rf"{what} did not return within train.tool_timeout_s = 0.5 s"):
+        close_all(box.open(rows, ["row 0"]))
+    assert time.monotonic() - start < 5
+
+
+def test_a_probe_that_hangs_on_building_the_environment_is_bounded():
+    SleepingInit.built = 1  # every build hangs, the probe's too
+    start = time.monotonic()
+    with pytest.raises(EnvironmentFailure, match=r"train.environment_factory \(tests.test_tools:SleepingInit\): "
+                                                 r"building the environment did not return within"):
+        build_toolbox(tool_use(environment_factory="tests.test_tools:SleepingInit", timeout=0.5))
+    assert time.monotonic() - start < 5
 
 
 @pytest.mark.parametrize("train, words", [

@@ -11,14 +11,12 @@ process open), and the rollout's later calls of that turn are not run (its envir
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from grpo_core.tools.bounded import Running
 from grpo_core.tools.chat import ToolCall, error_content
 from grpo_core.tools.registry import RESULT_TYPES
 
@@ -34,24 +32,6 @@ class CallResult:
     @property
     def message(self) -> dict:
         return {"role": "tool", "name": self.name, "content": self.content}
-
-
-class _Running:
-    """One call in its daemon thread; ``value`` or ``error`` once it returns."""
-
-    def __init__(self, fn: Callable, arguments: dict):
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(fn, arguments), daemon=True,
-                                       name=f"tool-{getattr(fn, '__name__', 'call')}")
-        self.thread.start()
-
-    def _run(self, fn: Callable, arguments: dict) -> None:
-        try:
-            result = fn(**arguments)
-            self.value = asyncio.run(result) if inspect.isawaitable(result) else result
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-            self.error = exc
 
 
 def render_result(name: str, value: Any) -> CallResult:
@@ -76,7 +56,7 @@ def run_calls(batch: Sequence[tuple[dict[str, Callable], Sequence[ToolCall]]],
     results: list[list[CallResult | None]] = [[None] * len(calls) for _, calls in batch]
     timed_out = [False] * len(batch)
     for k in range(max((len(calls) for _, calls in batch), default=0)):
-        running: list[tuple[int, ToolCall, _Running]] = []
+        running: list[tuple[int, ToolCall, Running]] = []
         for r, (functions, calls) in enumerate(batch):
             if k >= len(calls):
                 continue
@@ -88,7 +68,7 @@ def run_calls(batch: Sequence[tuple[dict[str, Callable], Sequence[ToolCall]]],
             elif call.name not in functions:
                 results[r][k] = failure(call.name, f"Tool {call.name} not found.")  # TRL's words
             else:
-                running.append((r, call, _Running(functions[call.name], call.arguments)))
+                running.append((r, call, Running(functions[call.name], call.arguments)))
         deadline = time.monotonic() + timeout_s if timeout_s else None
         for r, call, run in running:
             run.thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))

@@ -24,6 +24,7 @@ from typing import Any
 
 from grpo_core.config import IMPORT_PATH_FORM, ToolUseConfig
 from grpo_core.errors import ConfigurationError, TrainingFailure
+from grpo_core.tools.bounded import call_within
 
 #: an environment's methods that are not tools
 NOT_TOOLS = ("reset", "get_reward", "close")
@@ -41,7 +42,17 @@ class ToolConfigError(ConfigurationError, ValueError):
 
 class EnvironmentFailure(TrainingFailure, RuntimeError):
     """An environment misbehaved while sampling (a reset that returned neither None nor a string, a row naming no
-    configured environment); the message names the environment and the row."""
+    configured environment, a constructor, reset or close that did not return within train.tool_timeout_s); the
+    message names the environment and the row."""
+
+
+def bounded(fn: Callable, timeout_s: float | None, what: str, arguments: Mapping | None = None) -> Any:
+    """``fn(**arguments)`` within ``timeout_s`` (train.tool_timeout_s), else EnvironmentFailure naming ``what``."""
+    try:
+        return call_within(fn, dict(arguments or {}), timeout_s)
+    except TimeoutError:
+        raise EnvironmentFailure(f"{what} did not return within train.tool_timeout_s = {timeout_s:g} s; an "
+                                 f"environment's constructor, reset and close are bounded as its tools are") from None
 
 
 def import_path(path: str, key: str) -> Any:
@@ -114,6 +125,7 @@ class RolloutTools:
     functions: dict[str, Callable]
     environment: Any = None
     observation: str | None = None    # what reset() returned, appended to the prompt's last message
+    timeout_s: float | None = None    # the bound on the environment's close (train.tool_timeout_s)
 
     @property
     def schemas(self) -> list[Callable]:
@@ -123,7 +135,7 @@ class RolloutTools:
     def close(self) -> None:
         close = getattr(self.environment, "close", None)
         if callable(close):
-            close()
+            bounded(close, self.timeout_s, f"{type(self.environment).__name__}.close()")
 
 
 @dataclass
@@ -150,12 +162,12 @@ class Toolbox:
         when rows pick among several environments)."""
         tools = list(self.tools)
         for factory in (self.factories or {}).values():
-            environment = factory()
+            environment = bounded(factory, self.timeout_s, f"{getattr(factory, '__name__', factory)}()")
             try:
                 tools += [m for name, m in environment_tools(environment).items()
                           if name not in {getattr(t, "__name__", None) for t in tools}]
             finally:
-                RolloutTools({}, environment).close()
+                RolloutTools({}, environment, timeout_s=self.timeout_s).close()
         return tools
 
     def check_reset(self, rows: Sequence[Mapping], where: Sequence[str]) -> None:
@@ -200,11 +212,13 @@ class Toolbox:
         if self.factories is None:
             return RolloutTools(functions)
         name = self.environment_of(row, where)
-        environment = self.factories[name]()
+        factory = self.factories[name]
+        environment = bounded(factory, self.timeout_s, f"{where}: {getattr(factory, '__name__', factory)}()")
         kwargs = {k: v for k, v in row.items() if k != ENVIRONMENT_COLUMN} if self.multi_environment else dict(row)
-        tools = RolloutTools({**functions, **environment_tools(environment)}, environment)
+        tools = RolloutTools({**functions, **environment_tools(environment)}, environment, timeout_s=self.timeout_s)
         try:
-            observation = environment.reset(**kwargs)
+            observation = bounded(environment.reset, self.timeout_s, f"{where}: {type(environment).__name__}.reset()",
+                                  kwargs)
         except BaseException:
             tools.close()
             raise
@@ -249,17 +263,20 @@ def build_toolbox(u: ToolUseConfig) -> Toolbox | None:
         for name, path in named.items():
             key = "train.environment_factory" + ("" if name is None else f".{name}")
             factories[name] = import_path(path, key)
-            probe_environment(factories[name], f"{key} ({path})", [getattr(fn, "__name__", "") for fn in tools])
+            probe_environment(factories[name], f"{key} ({path})", [getattr(fn, "__name__", "") for fn in tools],
+                              u.tool_timeout_s)
     return Toolbox(tools, factories, u.max_tool_calling_iterations, u.tool_timeout_s)
 
 
-def probe_environment(factory: Callable, where: str, standalone: Sequence[str]) -> None:
+def probe_environment(factory: Callable, where: str, standalone: Sequence[str], timeout_s: float | None = None) -> None:
     """Build one environment and check it: a callable ``reset``, a schema for every tool method, no tool name
-    taken twice; then close it."""
+    taken twice; then close it. Building and closing are bounded by ``timeout_s``."""
     if not callable(factory):
         raise ToolConfigError(f"{where}: {factory!r} is not callable; name an environment class")
     try:
-        environment = factory()
+        environment = bounded(factory, timeout_s, f"{where}: building the environment")
+    except EnvironmentFailure:
+        raise
     except Exception as exc:
         raise ToolConfigError(f"{where}: building the environment raised {type(exc).__name__}: {exc} (it is built "
                               f"with no arguments, once per rollout)") from exc
@@ -277,9 +294,7 @@ def probe_environment(factory: Callable, where: str, standalone: Sequence[str]) 
                                       f"name must be unique")
             tool_schema(method, f"{where}, method {name}")
     finally:
-        close = getattr(environment, "close", None)
-        if callable(close):
-            close()
+        RolloutTools({}, environment, timeout_s=timeout_s).close()
 
 
 def load_rollout_func(u: ToolUseConfig) -> Callable | None:
