@@ -27,6 +27,7 @@ Tracking never fails a stage: if the store cannot be reached the stage warns and
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -35,7 +36,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -296,6 +297,24 @@ def dataset_input(ctx, name: str, path: str, context: str, commit: str | None, d
 # the stage's run
 
 
+OPEN_ATTEMPTS = 4      # the stage's MLflow runs are opened with this many tries ...
+OPEN_BACKOFF_S = 1.0   # ... 1, 2, 4 s apart: a store restarting as the stage starts still gets its record
+
+
+def mlflow_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys a stage logs ``metrics`` under: MLflow-safe names, and ``reward`` / ``kl`` again in the overview."""
+    values = {safe_key(k): v for k, v in metrics.items()}
+    values.update({f"{HEADLINE_SECTION}/{k}": metrics[k] for k in HEADLINE_METRICS if k in metrics})
+    return values
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        return not math.isnan(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
 class StageRun:
     """Context manager around one stage's MLflow child run; a no-op (with a warning) if the store fails.
 
@@ -313,6 +332,7 @@ class StageRun:
         self.parent_run_id: str | None = None
         self.tags: dict[str, str] = {}
         self._owns_parent = False
+        self.untracked = ""  # why the store could not be opened, when it could not
         self._tmp = tempfile.TemporaryDirectory(prefix=f"grpo-{ctx.stage}-")
         self._tables: list[dict] = []  # the table artifacts logged so far (mlflow.loggedArtifacts)
         self._md5: dict[Path, str | None] = {}  # data_md5's hashes, by file
@@ -324,12 +344,18 @@ class StageRun:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def __enter__(self) -> StageRun:
-        try:
-            self._open()
-        except Exception as exc:  # noqa: BLE001 - tracking must not stop the stage
-            warnings.warn(f"{self.ctx.stage}: MLflow tracking is off for this run ({self.uri}): "
-                          f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
-            self.tracker = None
+        for attempt in range(1, OPEN_ATTEMPTS + 1):
+            try:
+                self._open()
+                break
+            except Exception as exc:  # noqa: BLE001 - tracking must not stop the stage
+                self.tracker = None
+                self.untracked = f"{type(exc).__name__}: {exc}"
+                if attempt == OPEN_ATTEMPTS:
+                    warnings.warn(f"{self.ctx.stage}: MLflow tracking is off for this run ({self.uri}), "
+                                  f"{OPEN_ATTEMPTS} attempts failed: {self.untracked}", RuntimeWarning, stacklevel=2)
+                else:
+                    time.sleep(OPEN_BACKOFF_S * 2 ** (attempt - 1))
         return self
 
     def _open(self) -> None:
@@ -343,7 +369,8 @@ class StageRun:
         self.tags = tags
         group = None
         params = flatten_params(ctx.cfg.to_dict())
-        self.parent_run_id = (os.environ.get(PARENT_RUN_ENV) or "").strip() or None
+        if self.parent_run_id is None:  # an earlier attempt that created the parent keeps it
+            self.parent_run_id = (os.environ.get(PARENT_RUN_ENV) or "").strip() or None
         if self.parent_run_id is None:
             group = run_group()
             if group:
@@ -375,8 +402,14 @@ class StageRun:
         failed = exc_type is not None and not (exc_type is SystemExit and not getattr(exc, "code", 1))
         status = "FAILED" if failed else "FINISHED"
         try:
-            if self.tracker is not None:
-                self.tracker.close(status)
+            if self.tracker is None:
+                print(f"{self.ctx.stage}: MLflow recorded nothing for this stage ({self.uri}: {self.untracked}); "
+                      f"a train stage's steps are in its train log and go to MLflow when the stage next runs",
+                      file=sys.stderr)
+            elif unsent := self.tracker.close(status):
+                print(f"{self.ctx.stage}: {unsent} value(s) did not reach MLflow ({self.uri}, run "
+                      f"{self.tracker.run_id or 'never created'}); a train stage's steps go there from its train "
+                      f"log when the stage next runs", file=sys.stderr)
             if self._owns_parent and self.client is not None and self.parent_run_id:
                 self.client.set_terminated(self.parent_run_id, status)
         except Exception as err:  # noqa: BLE001
@@ -394,9 +427,33 @@ class StageRun:
         """Under their own names; ``reward`` and ``kl`` also as ``0_overview/<name>``, the section the run page
         shows first (MLflow orders sections by name: prefixed ones alphabetically, unprefixed ones last)."""
         if self.tracker is not None:
-            values = {safe_key(k): v for k, v in metrics.items()}
-            values.update({f"{HEADLINE_SECTION}/{k}": metrics[k] for k in HEADLINE_METRICS if k in metrics})
-            self.tracker.log_metrics(values, step=step)
+            self.tracker.log_metrics(mlflow_metrics(metrics), step=step)
+
+    def backfill(self, rows: Iterable[Mapping[str, Any]]) -> int:
+        """Send each row's metrics (a train log's rows: ``step`` and values) that this run does not hold yet at that
+        step: what an outage's backlog lost when the stage was killed, or never sent. Returns how many values went
+        out; a key already logged at a step is never sent twice."""
+        if self.tracker is None or self.run_id is None or self.client is None:
+            return 0
+        rows = [dict(r) for r in rows]
+        held: dict[str, set[int]] = {}
+        sent = 0
+        try:
+            for row in rows:
+                step = int(row.pop("step"))
+                values = mlflow_metrics(row)
+                for key in values:
+                    if key not in held:
+                        held[key] = {m.step for m in self.client.get_metric_history(self.run_id, key)}
+                missing = {k: v for k, v in values.items() if step not in held[k] and _is_number(v)}
+                if missing:
+                    self.tracker.log_metrics(missing, step=step)
+                    sent += len(missing)
+            self.tracker.flush()
+        except Exception as exc:  # noqa: BLE001 - tracking must not fail the stage
+            warnings.warn(f"{self.ctx.stage}: could not compare the train log with MLflow: {exc}", RuntimeWarning,
+                          stacklevel=2)
+        return sent
 
     def log_to_parent(self, summary: PipelineSummary) -> None:
         """The learning curves and summary numbers (a ``flows.comparison.PipelineSummary``) on the pipeline's parent

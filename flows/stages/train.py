@@ -319,8 +319,11 @@ def run(ctx) -> int:
                              + ([("eval", VALIDATED_EVAL, "evaluation")] if evaluates else []))
             result = _train(ctx, cfg, weights, allowed, tracker=run if run.tracker is not None else None,
                             sampler_worker=worker)
+            log = read_train_log(ctx.path(TRAIN_LOG))
+            if sent := run.backfill(log.to_dict("records")):  # what an outage or a killed run's backlog lost
+                print(f"train: {sent} metric value(s) from {TRAIN_LOG} that MLflow lacked were sent", file=sys.stderr)
             run.log_to_parent(pipeline_summary(ctx.root, eval_path=None, train_log=TRAIN_LOG))
-            training_figure(read_train_log(ctx.path(TRAIN_LOG)), ctx.path(PLOT))
+            training_figure(log, ctx.path(PLOT))
             run.set_tags({"train.final_step": str(result.final_step),
                           "train.resumed_from": str(result.resumed_from) if result.resumed_from else "none",
                           "train.exported_step": str(result.exported_step)})
