@@ -78,7 +78,8 @@ def test_a_store_down_throughout_says_so_at_the_end(ctx, monkeypatch, capsys):
 
 def test_a_killed_runs_lost_steps_reach_mlflow_from_the_train_log_exactly_once(ctx):
     """The first run logged steps 1-2 and was killed with 3-4 in its in-memory backlog (MLflow down); the resumed
-    stage continues the same run and backfills 3-4 from the train log; a second backfill sends nothing."""
+    stage continues the same run, redoes steps 2-3 from its checkpoint (step 2 is not logged again) and backfills
+    step 4 from the train log; a second backfill sends nothing."""
     rows = [{"step": s, "reward": 0.1 * s, "kl": 0.01 * s, "pass@4": 0.5} for s in (1, 2, 3, 4)]
     killed = StageRun(ctx).__enter__()  # never closed: the process died
     for row in rows[:2]:
@@ -88,7 +89,9 @@ def test_a_killed_runs_lost_steps_reach_mlflow_from_the_train_log_exactly_once(c
 
     with StageRun(ctx, continue_run_id=run_id) as resumed:
         assert resumed.run_id == run_id
-        assert resumed.backfill(rows) == 2 * 5  # steps 3 and 4: reward, kl, pass_at_4 and the two overview keys
+        resumed.log_metrics({k: v for k, v in rows[1].items() if k != "step"}, step=2)  # redone from checkpoint-1
+        resumed.log_metrics({k: v for k, v in rows[2].items() if k != "step"}, step=3)
+        assert resumed.backfill(rows) == 5  # step 4: reward, kl, pass_at_4 and the two overview keys
         assert resumed.backfill(rows) == 0
     for key in ("reward", "kl", "pass_at_4", "0_overview/reward", "0_overview/kl"):
         assert history(ctx, run_id, key) == [1, 2, 3, 4], key

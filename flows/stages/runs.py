@@ -333,6 +333,7 @@ class StageRun:
         self.tags: dict[str, str] = {}
         self._owns_parent = False
         self.untracked = ""  # why the store could not be opened, when it could not
+        self._steps: dict[str, set[int]] = {}  # metric key -> steps logged in this run (see _steps_of)
         self._tmp = tempfile.TemporaryDirectory(prefix=f"grpo-{ctx.stage}-")
         self._tables: list[dict] = []  # the table artifacts logged so far (mlflow.loggedArtifacts)
         self._md5: dict[Path, str | None] = {}  # data_md5's hashes, by file
@@ -427,33 +428,44 @@ class StageRun:
         """Under their own names; ``reward`` and ``kl`` also as ``0_overview/<name>``, the section the run page
         shows first (MLflow orders sections by name: prefixed ones alphabetically, unprefixed ones last)."""
         if self.tracker is not None:
-            self.tracker.log_metrics(mlflow_metrics(metrics), step=step)
+            self._log_new(mlflow_metrics(metrics), step)
 
     def backfill(self, rows: Iterable[Mapping[str, Any]]) -> int:
-        """Send each row's metrics (a train log's rows: ``step`` and values) that this run does not hold yet at that
-        step: what an outage's backlog lost when the stage was killed, or never sent. Returns how many values went
-        out; a key already logged at a step is never sent twice."""
-        if self.tracker is None or self.run_id is None or self.client is None:
+        """Send each row's metrics (a train log's rows: ``step`` and values) that this run neither holds nor has
+        queued at that step: what an outage's backlog lost when the stage was killed. Returns how many values went
+        out; a key is never logged twice at one step."""
+        if self.tracker is None:
             return 0
-        rows = [dict(r) for r in rows]
-        held: dict[str, set[int]] = {}
         sent = 0
-        try:
-            for row in rows:
-                step = int(row.pop("step"))
-                values = mlflow_metrics(row)
-                for key in values:
-                    if key not in held:
-                        held[key] = {m.step for m in self.client.get_metric_history(self.run_id, key)}
-                missing = {k: v for k, v in values.items() if step not in held[k] and _is_number(v)}
-                if missing:
-                    self.tracker.log_metrics(missing, step=step)
-                    sent += len(missing)
-            self.tracker.flush()
-        except Exception as exc:  # noqa: BLE001 - tracking must not fail the stage
-            warnings.warn(f"{self.ctx.stage}: could not compare the train log with MLflow: {exc}", RuntimeWarning,
-                          stacklevel=2)
+        for row in rows:
+            row = dict(row)
+            step = int(row.pop("step"))
+            sent += self._log_new({k: v for k, v in mlflow_metrics(row).items() if _is_number(v)}, step)
+        self.tracker.flush()
         return sent
+
+    def _log_new(self, values: Mapping[str, Any], step: int) -> int:
+        """Queue the values this run does not hold at ``step`` yet; how many."""
+        new = {k: v for k, v in values.items() if step not in self._steps_of(k)}
+        if new:
+            self.tracker.log_metrics(new, step=step)
+            for key in new:
+                self._steps[key].add(step)
+        return len(new)
+
+    def _steps_of(self, key: str) -> set[int]:
+        """The steps ``key`` is logged at in this run: queued by this process, and for a run it continues (a resumed
+        stage's) what MLflow held when first asked - the steps the killed process got through before."""
+        if key not in self._steps:
+            held: set[int] = set()
+            if self.tracker.continued:
+                try:
+                    held = {m.step for m in self.client.get_metric_history(self.run_id, key)}
+                except Exception as exc:  # noqa: BLE001 - tracking must not fail the stage
+                    warnings.warn(f"{self.ctx.stage}: could not read {key}'s history from MLflow: {exc}",
+                                  RuntimeWarning, stacklevel=3)
+            self._steps[key] = held
+        return self._steps[key]
 
     def log_to_parent(self, summary: PipelineSummary) -> None:
         """The learning curves and summary numbers (a ``flows.comparison.PipelineSummary``) on the pipeline's parent
