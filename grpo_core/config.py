@@ -319,10 +319,12 @@ class TrainConfig:
         "(FSDP2: MixedPrecisionPolicy), LoRA under autocast; fp16: accelerate autocast with loss scaling; "
         "docs/precision.md")
     gradient_checkpointing: bool = _f(False, "trade compute for activation memory")
-    async_rollouts: bool = _f(
+    async_rollouts: bool | Literal["auto"] = _f(
         False, "sample the next round in a sampler worker process (its own copy of the policy, fed the new weights "
         "after each optimizer step, as many torch threads as this process) while this process trains on the current "
-        "round (grpo_core/train/sampler_worker.py); one training process, CPU, generation.backend auto/hf/manual")
+        "round (grpo_core/train/sampler_worker.py); one training process, CPU, generation.backend auto/hf/manual, no "
+        "dynamic_sampling, no model.quantization. auto: on where all of these hold (resolved when the config loads), "
+        "off elsewhere")
     max_staleness: int = _f(
         1, "async_rollouts: generation rounds the sampler may run ahead of training. 1: one-step off-policy, the "
         "clipped ratio takes the sampler's log-probs as old log-probs; 0: the worker samples with the current "
@@ -954,6 +956,8 @@ def _check_consistency(cfg: PipelineConfig) -> None:
     _check_eval(cfg)
     _check_generation_kwargs(cfg.generation)
     _check_vllm_server(cfg.generation)
+    if t.async_rollouts == "auto":  # resolved here: what the trainer and the checks below read is a bool
+        t.async_rollouts = async_rollouts_blocker(cfg) is None
     _check_async_rollouts(t.rollouts, t.num_processes, cfg.generation)
     if t.sync_ref_model and cfg.model.lora is not None:
         raise ConfigError("train.sync_ref_model: not with model.lora; under LoRA the reference is the base model with "
@@ -1032,7 +1036,7 @@ def _check_quantization(cfg: PipelineConfig) -> None:
     if cfg.train.async_rollouts:
         raise ConfigError("train.async_rollouts: not with model.quantization; the sampler worker copies the policy "
                           "into shared memory, which bitsandbytes' packed 4-bit weights and their quantization "
-                          "state are not built for - train synchronously")
+                          "state are not built for - set train.async_rollouts: false")
     import importlib.util
 
     if importlib.util.find_spec("bitsandbytes") is None:
@@ -1088,18 +1092,39 @@ def _check_vllm_server(g: GenerationConfig) -> None:
         raise ConfigError("generation.vllm_server_host: empty; the host flows.serve runs on (e.g. 127.0.0.1)")
 
 
+def async_rollouts_blocker(cfg: PipelineConfig) -> str | None:
+    """Why the sampler worker cannot serve ``cfg`` (None: it can); what ``train.async_rollouts: auto`` decides by.
+    The worker samples on the CPU, so a machine with a CUDA device (where the policy trains) rules it out."""
+    t = cfg.train
+    if t.num_processes > 1:
+        return f"train.num_processes is {t.num_processes}"
+    if cfg.generation.backend == "vllm":
+        return "generation.backend is vllm"
+    if t.dynamic_sampling:
+        return "train.dynamic_sampling is on"
+    if cfg.model.quantization is not None:
+        return "model.quantization is set"
+    import torch  # only for auto: whether training will run on a GPU
+
+    if torch.cuda.is_available():
+        return "a CUDA device is present (the policy trains there; the worker samples on the CPU)"
+    return None
+
+
 def _check_async_rollouts(r: RolloutConfig, num_processes: int, g: GenerationConfig) -> None:
     if not r.async_rollouts:
         return
     if num_processes > 1:
         raise ConfigError(f"train.async_rollouts: one training process with one sampler worker; "
-                          f"train.num_processes is {num_processes}")
+                          f"train.num_processes is {num_processes} - set train.async_rollouts: false")
     if g.backend == "vllm":
         raise ConfigError("train.async_rollouts: the sampler worker samples with generation.backend auto, hf or "
-                          "manual; vllm (colocated or server) samples in the training process")
+                          "manual; vllm (colocated or server) samples in the training process - set "
+                          "train.async_rollouts: false")
     if r.dynamic_sampling:
         raise ConfigError("train.async_rollouts: not with train.dynamic_sampling (a round's size is only known "
-                          "once its groups are scored, so it cannot be requested one step ahead)")
+                          "once its groups are scored, so it cannot be requested one step ahead) - set "
+                          "train.async_rollouts: false")
 
 
 def _check_eval(cfg: PipelineConfig) -> None:

@@ -169,3 +169,27 @@ def test_combinations_the_worker_cannot_serve_are_config_errors(assets, knobs, m
     model_dir, data = assets
     with pytest.raises(ConfigError, match=message):
         tiny_config(model_dir, data, DIGITS, **{**ASYNC, **knobs})
+
+
+@pytest.mark.parametrize(("knobs", "cuda", "resolved"), [
+    ({}, False, True),                                # one process on a CPU: on
+    ({}, True, False),                                # a CUDA device: the policy trains there, off
+    ({"num_processes": 2}, False, False),
+    ({"generation_backend": "vllm"}, False, False),
+    ({"dynamic_sampling": True}, False, False),
+])
+def test_auto_turns_async_on_exactly_where_the_worker_can_serve(assets, monkeypatch, knobs, cuda, resolved):
+    """params.yaml's `async_rollouts: auto`: resolved at load, where an explicit true would be a config error."""
+    model_dir, data = assets
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    cfg = tiny_config(model_dir, data, DIGITS, async_rollouts="auto", **knobs)
+    assert cfg.train.async_rollouts is resolved and cfg.train.rollouts.async_rollouts is resolved
+
+
+def test_params_yaml_asks_for_auto():
+    from pathlib import Path
+
+    import yaml
+
+    params = Path(__file__).resolve().parents[1] / "params.yaml"
+    assert yaml.safe_load(params.read_text())["train"]["async_rollouts"] == "auto"

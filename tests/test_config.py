@@ -118,10 +118,11 @@ def test_params_hash_ignores_bookkeeping_but_not_training_keys():
 
 
 def test_params_hash_sees_the_global_batch_not_its_split_over_processes():
-    one = config_from_dict(base(), {"train.per_device_train_batch_size": 16, "train.num_generations": 4})
+    sync = {"train.async_rollouts": False}  # auto would differ: on for one process, off for two
+    one = config_from_dict(base(), {"train.per_device_train_batch_size": 16, "train.num_generations": 4, **sync})
     two = config_from_dict(base(), {"train.per_device_train_batch_size": 8, "train.num_processes": 2,
-                                    "train.num_generations": 4})
-    half = config_from_dict(base(), {"train.per_device_train_batch_size": 8, "train.num_generations": 4})
+                                    "train.num_generations": 4, **sync})
+    half = config_from_dict(base(), {"train.per_device_train_batch_size": 8, "train.num_generations": 4, **sync})
     assert training_params_hash(one) == training_params_hash(two)  # a resume on another world size
     assert training_params_hash(one) != training_params_hash(half)  # half the global batch: another run
 

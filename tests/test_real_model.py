@@ -29,8 +29,7 @@ TOOLS_RECIPE_CHANGES = {
     ("tracking", "registered_model_name"): "gsm8k-qwen2.5-0.5b-tools",
 }
 # What configs/embedded-vllm.yaml changes of params.yaml, and nothing else (its header says why).
-EMBEDDED_VLLM = {("embedded", "num_attention_heads"): 3, ("generation", "backend"): "vllm",
-                 ("train", "async_rollouts"): False}
+EMBEDDED_VLLM = {("embedded", "num_attention_heads"): 3, ("generation", "backend"): "vllm"}
 MODEL_DIR = "models/Qwen2.5-0.5B-Instruct"  # where README's `hf download` puts the model
 DATA_DIR = "data/gsm8k"
 # What the end-to-end runs scale down (sizes only: the recipe's algorithm, precision and format stay).
