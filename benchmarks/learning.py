@@ -306,7 +306,7 @@ def table(results: list[dict], sides: list[str], seeds: list[int], summary: dict
     std += [f"worst {cell(summary[o]['worst_seed_minus_baseline'], True)}" for o in others]
     lines += ["| " + " | ".join(mean) + " |", "| " + " | ".join(std) + " |"]
     tests = [f"{o} − {base}: {summary[o]['mean_minus_baseline']:+.3f}, 95% CI [{summary[o]['ci95'][0]:+.3f}, "
-             f"{summary[o]['ci95'][1]:+.3f}], Welch p = {summary[o]['p_value']:.2f} ({len(seeds)} seeds a side)"
+             f"{summary[o]['ci95'][1]:+.3f}], Welch p = {summary[o]['p_value']:.2f} ({seed_counts(acc, [o, base], seeds)})"
              for o in others if summary[o].get("ci95") is not None]
     speed = {side: summary[side].get("completion_tokens_per_s") for side in sides}
     if all(v is not None for v in speed.values()):
@@ -314,6 +314,14 @@ def table(results: list[dict], sides: list[str], seeds: list[int], summary: dict
         tests.append("train-stage completion tokens/s (mean over seeds): "
                      + ", ".join(f"{side} {speed[side]:,.0f}" for side in sides) + (f" ({ratios})" if ratios else ""))
     return "\n".join(lines + ([""] + tests if tests else []))
+
+
+def seed_counts(acc: dict, sides: list[str], seeds: list[int]) -> str:
+    """'12 seeds a side', or each side's own count where they differ (a side stopped early)."""
+    counts = [sum((side, s) in acc for s in seeds) for side in sides]
+    if len(set(counts)) == 1:
+        return f"{counts[0]} seeds a side"
+    return ", ".join(f"{side} {n} seeds" for side, n in zip(sides, counts))
 
 
 def run_all(a, jobs: list[tuple[str, int]]) -> list[dict]:

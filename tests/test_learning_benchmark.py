@@ -107,6 +107,11 @@ def tiny_root(root: Path) -> Path:
     return root
 
 
+# ours-vllm needs a head size vLLM's CPU attention takes (>= 32); the tiny model's is 8. The vLLM side's one run
+# on a real model is the SmolLM2 recipe's (benchmarks/README.md), its backend tests/test_vllm_engine.py.
+SIDES_ON_THE_TINY_MODEL = [s for s in learning.SIDES if s != "ours-vllm"]
+
+
 @pytest.mark.slow
 def test_one_step_of_every_side_and_the_table(tmp_path):
     root = tiny_root(tmp_path / "repo")
@@ -114,11 +119,11 @@ def test_one_step_of_every_side_and_the_table(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.learning", "--root", str(root), "--seeds", "0", "--max-steps", "1",
-         "--sides", *learning.SIDES, "--workdir", str(tmp_path / "work"), "--out", str(out)],
+         "--sides", *SIDES_ON_THE_TINY_MODEL, "--workdir", str(tmp_path / "work"), "--out", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert {r["side"] for r in doc["runs"]} == set(learning.SIDES)
+    assert {r["side"] for r in doc["runs"]} == set(SIDES_ON_THE_TINY_MODEL)
     for run in doc["runs"]:
         assert 0.0 <= run["accuracy"] <= 1.0 and run["num_prompts"] == 4 and run["reward_weights"] == [0.5, 0.5]
         assert run["steps"] == 1 and 16 <= run["completion_tokens"] <= 16 * 6  # 16 completions of 1..6 tokens

@@ -342,6 +342,11 @@ class StageRun:
     def run_id(self) -> str | None:
         return getattr(self.tracker, "run_id", None)
 
+    @property
+    def continued(self) -> bool:
+        """The run is ``continue_run_id``'s, reopened: a resumed stage logging on into its killed predecessor's run."""
+        return bool(getattr(self.tracker, "continued", False))
+
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def __enter__(self) -> StageRun:
@@ -458,7 +463,7 @@ class StageRun:
         stage's) what MLflow held when first asked - the steps the killed process got through before."""
         if key not in self._steps:
             held: set[int] = set()
-            if self.tracker.continued:
+            if self.continued:
                 try:
                     held = {m.step for m in self.client.get_metric_history(self.run_id, key)}
                 except Exception as exc:  # noqa: BLE001 - tracking must not fail the stage

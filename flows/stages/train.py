@@ -122,10 +122,26 @@ def md5_bytes(data: bytes) -> str:
 
 def previous_run_id(run_file: Path) -> str | None:
     """The MLflow run the checkpoints were written under (``checkpoints/mlflow_run.json``), if recorded."""
+    return _run_record(run_file).get("run_id") or None
+
+
+def first_logged_step(run_file: Path, run, action: str) -> int:
+    """The step the MLflow run's curve starts after: 0 for a fresh run; for a new run that resumed from checkpoint-k
+    (an extended run, or one whose old run had finished), k - the steps before it are the earlier run's; a continued
+    run keeps what its first process recorded."""
+    from grpo_core.train.checkpoint import checkpoint_step
+
+    if run.continued:
+        return int(_run_record(run_file).get("first_step", 0))
+    return checkpoint_step(action.removeprefix("resume:")) if action.startswith("resume:") else 0
+
+
+def _run_record(run_file: Path) -> dict:
     try:
-        return json.loads(run_file.read_text()).get("run_id") or None
-    except (OSError, ValueError, AttributeError):
-        return None
+        record = json.loads(run_file.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def prepare_checkpoints(ctx, cfg, fp: dict) -> str:
@@ -308,8 +324,9 @@ def run(ctx) -> int:
     worker = _spawn_sampler(cfg)
     try:
         with StageRun(ctx, continue_run_id=previous_run_id(run_file) if action.startswith("resume:") else None) as run:
+            first = first_logged_step(run_file, run, action)
             if run.run_id:  # a resume after a crash logs on into this run: one continuous curve
-                write_json_atomic(run_file, {"run_id": run.run_id})
+                write_json_atomic(run_file, {"run_id": run.run_id, "first_step": first})
             run.set_tags({"train.reward_weights_source": weights_source, "train.checkpoints": action,
                           "train.num_allowed_prompts": "all" if allowed is None else str(len(allowed))})
             run.log_params({f"reward_weight.{r.name}": w for r, w in zip(cfg.rewards, weights)})
@@ -320,7 +337,8 @@ def run(ctx) -> int:
             result = _train(ctx, cfg, weights, allowed, tracker=run if run.tracker is not None else None,
                             sampler_worker=worker)
             log = read_train_log(ctx.path(TRAIN_LOG))
-            if sent := run.backfill(log.to_dict("records")):  # what an outage or a killed run's backlog lost
+            # what an outage or a killed run's backlog lost, of the steps this MLflow run owns
+            if sent := run.backfill(r for r in log.to_dict("records") if r["step"] > first):
                 print(f"train: {sent} metric value(s) from {TRAIN_LOG} that MLflow lacked were sent", file=sys.stderr)
             run.log_to_parent(pipeline_summary(ctx.root, eval_path=None, train_log=TRAIN_LOG))
             training_figure(log, ctx.path(PLOT))

@@ -184,6 +184,14 @@ def untie(weights: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
     return {k: v for k, v in weights.items() if not (k in tied and tied[k] in weights)}
 
 
+def checkpoint_step(path: str | Path) -> int:
+    """The step of a ``checkpoint-<step>`` folder."""
+    m = _NAME.match(Path(path).name)
+    if m is None:
+        raise ValueError(f"{path} is not a checkpoint-<step> folder")
+    return int(m.group(1))
+
+
 def list_checkpoints(directory: str | Path) -> list[Path]:
     """Complete checkpoints, oldest first (temp dirs and dirs without a state file are ignored)."""
     directory = Path(directory)
