@@ -81,11 +81,17 @@ def write_dir_atomic(path: str | Path, fill: Callable[[Path], None]) -> None:
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
     except BaseException as err:
-        full = disk_full(err, path)  # before the partial folder goes, which frees its space again
-        shutil.rmtree(tmp, ignore_errors=True)
-        if full is not None:
-            raise full from err
+        discard_partial(tmp, path, err)
         raise
+
+
+def discard_partial(tmp: Path, target: Path, err: BaseException) -> None:
+    """Remove a failed write's partial folder ``tmp``; raise a TransientFailure naming ``target`` and the free space
+    (from ``err``) when a full disk is why, else return so the caller re-raises ``err``."""
+    full = disk_full(err, target)  # measured before the partial folder goes, which frees its space again
+    shutil.rmtree(tmp, ignore_errors=True)
+    if full is not None:
+        raise full from err
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from grpo_core.errors import TrainingFailure, disk_full
-from grpo_core.files import sha256_file
+from grpo_core.errors import TrainingFailure
+from grpo_core.files import discard_partial, sha256_file
 from grpo_core.model.loading import is_peft_model
 from grpo_core.model.sharding import is_sharded, load_full_weights
 from grpo_core.rng import rng_state
@@ -113,10 +113,7 @@ def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optim
         write_manifest(tmp)
         _fsync_tree(tmp)
     except BaseException as err:
-        full = disk_full(err, final)  # before the partial folder goes, which frees its space again
-        shutil.rmtree(tmp, ignore_errors=True)
-        if full is not None:
-            raise full from err
+        discard_partial(tmp, final, err)
         raise
     if final.exists():  # re-saving the same step (e.g. the end of a resumed run): replace it whole
         shutil.rmtree(final)
