@@ -958,7 +958,7 @@ def _check_consistency(cfg: PipelineConfig) -> None:
     _check_vllm_server(cfg.generation)
     if t.async_rollouts == "auto":  # resolved here: what the trainer and the checks below read is a bool
         t.async_rollouts = async_rollouts_blocker(cfg) is None
-    _check_async_rollouts(t.rollouts, t.num_processes, cfg.generation)
+    _check_async_rollouts(cfg)
     if t.sync_ref_model and cfg.model.lora is not None:
         raise ConfigError("train.sync_ref_model: not with model.lora; under LoRA the reference is the base model with "
                           "the adapters switched off, so there is no separate reference to mix the policy into "
@@ -1033,10 +1033,6 @@ def _check_quantization(cfg: PipelineConfig) -> None:
         raise ConfigError("model.quantization: not with generation.backend vllm; the engine is fed the policy's merged "
                           "weights (base + adapters, layer by layer) after each step, and a 4-bit base has no "
                           "full-precision weight to merge into - use generation.backend auto or hf")
-    if cfg.train.async_rollouts:
-        raise ConfigError("train.async_rollouts: not with model.quantization; the sampler worker copies the policy "
-                          "into shared memory, which bitsandbytes' packed 4-bit weights and their quantization "
-                          "state are not built for - set train.async_rollouts: false")
     import importlib.util
 
     if importlib.util.find_spec("bitsandbytes") is None:
@@ -1095,15 +1091,9 @@ def _check_vllm_server(g: GenerationConfig) -> None:
 def async_rollouts_blocker(cfg: PipelineConfig) -> str | None:
     """Why the sampler worker cannot serve ``cfg`` (None: it can); what ``train.async_rollouts: auto`` decides by.
     The worker samples on the CPU, so a machine with a CUDA device (where the policy trains) rules it out."""
-    t = cfg.train
-    if t.num_processes > 1:
-        return f"train.num_processes is {t.num_processes}"
-    if cfg.generation.backend == "vllm":
-        return "generation.backend is vllm"
-    if t.dynamic_sampling:
-        return "train.dynamic_sampling is on"
-    if cfg.model.quantization is not None:
-        return "model.quantization is set"
+    why = _async_config_blocker(cfg)
+    if why is not None:
+        return why
     import torch  # only for auto: whether training will run on a GPU
 
     if torch.cuda.is_available():
@@ -1111,20 +1101,28 @@ def async_rollouts_blocker(cfg: PipelineConfig) -> str | None:
     return None
 
 
-def _check_async_rollouts(r: RolloutConfig, num_processes: int, g: GenerationConfig) -> None:
-    if not r.async_rollouts:
-        return
-    if num_processes > 1:
-        raise ConfigError(f"train.async_rollouts: one training process with one sampler worker; "
-                          f"train.num_processes is {num_processes} - set train.async_rollouts: false")
-    if g.backend == "vllm":
-        raise ConfigError("train.async_rollouts: the sampler worker samples with generation.backend auto, hf or "
-                          "manual; vllm (colocated or server) samples in the training process - set "
-                          "train.async_rollouts: false")
-    if r.dynamic_sampling:
-        raise ConfigError("train.async_rollouts: not with train.dynamic_sampling (a round's size is only known "
-                          "once its groups are scored, so it cannot be requested one step ahead) - set "
-                          "train.async_rollouts: false")
+def _async_config_blocker(cfg: PipelineConfig) -> str | None:
+    """What in ``cfg`` itself the sampler worker cannot serve (None: nothing); the device is checked at run time."""
+    t = cfg.train
+    if t.num_processes > 1:
+        return f"one training process with one sampler worker; train.num_processes is {t.num_processes}"
+    if cfg.generation.backend == "vllm":
+        return ("the sampler worker samples with generation.backend auto, hf or manual; vllm (colocated or server) "
+                "samples in the training process")
+    if t.dynamic_sampling:
+        return ("not with train.dynamic_sampling (a round's size is only known once its groups are scored, so it "
+                "cannot be requested one step ahead)")
+    if cfg.model.quantization is not None:
+        return ("not with model.quantization; the sampler worker copies the policy into shared memory, which "
+                "bitsandbytes' packed 4-bit weights and their quantization state are not built for")
+    return None
+
+
+def _check_async_rollouts(cfg: PipelineConfig) -> None:
+    """An explicit ``train.async_rollouts: true`` the sampler worker cannot serve is an error saying what to set."""
+    why = _async_config_blocker(cfg) if cfg.train.async_rollouts is True else None
+    if why is not None:
+        raise ConfigError(f"train.async_rollouts: {why} - set train.async_rollouts: false")
 
 
 def _check_eval(cfg: PipelineConfig) -> None:
