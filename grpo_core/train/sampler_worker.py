@@ -256,8 +256,7 @@ class SamplerWorker:
         try:
             self._conn.send(request)
         except (BrokenPipeError, ConnectionResetError) as err:  # it died between rounds
-            self._process.join(timeout=5)
-            raise self._lost(f"died (exit code {self._process.exitcode}) before it took the next round") from err
+            raise self._died(" before it took the next round") from err
         self.in_flight = True
 
     def receive(self) -> SampledRound:
@@ -293,6 +292,11 @@ class SamplerWorker:
     def _lost(self, what: str) -> SamplerWorkerLost:
         return SamplerWorkerLost(f"the sampler worker (pid {self._process.pid}) {what}; {LOST_HINT}")
 
+    def _died(self, when: str = "") -> SamplerWorkerLost:
+        """Its end of the pipe closed: wait for the exit code the message names."""
+        self._process.join(timeout=5)
+        return self._lost(f"died (exit code {self._process.exitcode}){when}")
+
     def _await(self, timeout_s: float | None) -> None:
         """Until the worker answers; SamplerWorkerLost when it dies first, takes longer than ``timeout_s``, or its
         heartbeat is older than ``silent_limit_s``."""
@@ -300,7 +304,7 @@ class SamplerWorker:
         while not self._conn.poll(_POLL_S):
             waited += _POLL_S
             if not self._process.is_alive():
-                raise self._lost(f"died (exit code {self._process.exitcode})")
+                raise self._died()
             if timeout_s is not None and waited >= timeout_s:
                 raise self._lost(f"did not start within {timeout_s:g} s")
             silent = time.monotonic() - self._beat.value
@@ -312,8 +316,7 @@ class SamplerWorker:
         try:
             status, value = self._conn.recv()
         except (EOFError, ConnectionResetError) as err:  # its end closed as it died
-            self._process.join(timeout=5)
-            raise self._lost(f"died (exit code {self._process.exitcode})") from err
+            raise self._died() from err
         if status == "error":
             exc, text = value
             cause = SamplerWorkerError(f"in the sampler worker:\n{text}")
