@@ -51,7 +51,16 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.stages import PERMANENT_EXIT_CODES, STAGES
-from flows.stages.common import CALIBRATION_WEIGHTS, find_repo_root, load_params, store_root
+from flows.stages.common import (
+    CALIBRATION_WEIGHTS,
+    FlowBusy,
+    exclusive,
+    find_repo_root,
+    flow_lock_path,
+    load_params,
+    stage_lock,
+    store_root,
+)
 from flows.stages.evaluate import METRICS as EVAL_METRICS
 from flows.stages.evaluate import REGISTERED_KEYS, REGISTRY, REGISTRY_KEYS, registry_markdown
 from flows.stages.runs import (
@@ -219,7 +228,8 @@ def apply_params_overrides(params_path: Path, overrides: Mapping[str, Any]) -> N
         raise ConfigError(f"params_overrides: keys must be dotted params.yaml keys like 'train.learning_rate', got {bad}")
     cfg_raw = _yaml12(params_path)
     config_from_dict(cfg_raw, dict(overrides), source=f"{params_path} + params_overrides")  # raises naming the key
-    with modify_yaml(str(params_path)) as data:
+    # a stage running now (started by hand or by `dvc repro`) read the old values: refused, not rewritten under it
+    with stage_lock(params_path.parent, "params.yaml overrides"), modify_yaml(str(params_path)) as data:
         for dotted, value in overrides.items():
             node = data
             parts = dotted.split(".")
@@ -375,59 +385,64 @@ def grpo_pipeline(experiment_name: str | None = None, params_overrides: dict[str
     selected = [s for s in STAGES if s in selected]  # always in pipeline order
     limits = {**DEFAULT_TIMEOUTS, **(timeouts or {})}
 
-    params_path = root / "params.yaml"
-    if params_overrides:
-        apply_params_overrides(params_path, params_overrides)
-        logger.info("params.yaml overrides applied: %s", params_overrides)
-    cfg = load_params(params_path)
-    experiment = experiment_name or cfg.tracking.experiment_name
-    uri = tracking_uri_for(cfg, store_root(root))
-    flow_run_id = str(flow_run.id) if flow_run.id else None
-    tags = {**common_tags(root), "prefect.flow_run_name": flow_run.name or "", "grpo.stages": ",".join(selected)}
-    if flow_run_id:
-        tags["prefect.flow_run_id"] = flow_run_id
-    if params_overrides:
-        tags["grpo.params_overrides"] = json.dumps(params_overrides, default=str)[:5000]
-    parent_run_id = None
-    try:
-        name, diff = run_name_and_diff(root, params_path)
-        parent_run_id = create_parent_run(uri, experiment, run_name=name, tags=tags, params=flatten_params(cfg.to_dict()),
-                                          diff=diff, owner=process_owner())
-        logger.info("MLflow parent run %s in experiment '%s' (%s)", parent_run_id, experiment, uri)
-        link_flow_run_and_parent(uri, parent_run_id, flow_run_id, logger)
-    except Exception as exc:  # noqa: BLE001 - tracking must not stop the pipeline
-        logger.warning("MLflow unavailable (%s): stages will log runs without the flow's parent", exc)
-
-    run_env = {PARENT_RUN_ENV: parent_run_id, FLOW_RUN_ENV: flow_run_id, EXPERIMENT_ENV: experiment,
-               "MLFLOW_TRACKING_URI": uri}
-    results: list[dict] = []
-    status, error = "FINISHED", None
-    try:
-        for stage in selected:
-            run_stage = stage_task.with_options(retries=retries, retry_delay_seconds=retry_delay_seconds)
-            results.append(run_stage(stage, str(root), run_env, force=force, timeout_s=limits.get(stage)))
-    except BaseException as exc:
-        status, error = "FAILED", str(exc)
-        raise
-    finally:
-        outputs = stage_results(root, {r["stage"] for r in results})
-        for problem in outputs[1]:
-            logger.warning("stage result not shown: %s", problem.replace("`", ""))
-        markdown = summary_markdown(root, status=status, results=results, selected=selected, flow_run_id=flow_run_id,
-                                    parent_run_id=parent_run_id, experiment=experiment, tracking_uri=uri, error=error,
-                                    outputs=outputs)
+    # one flow run per repo: its params.yaml overrides stay what its stages read, and two runs' stages never interleave
+    path = flow_lock_path(root)
+    with exclusive(path, f"flow run {flow_run.name or flow_run.id or os.getpid()}", lambda named: FlowBusy(
+            f"{named} is running the pipeline in {root} and holds {path}; a second flow run would rewrite "
+            "params.yaml under its stages. Wait for it to end, or stop it.")):
+        params_path = root / "params.yaml"
+        if params_overrides:
+            apply_params_overrides(params_path, params_overrides)
+            logger.info("params.yaml overrides applied: %s", params_overrides)
+        cfg = load_params(params_path)
+        experiment = experiment_name or cfg.tracking.experiment_name
+        uri = tracking_uri_for(cfg, store_root(root))
+        flow_run_id = str(flow_run.id) if flow_run.id else None
+        tags = {**common_tags(root), "prefect.flow_run_name": flow_run.name or "", "grpo.stages": ",".join(selected)}
+        if flow_run_id:
+            tags["prefect.flow_run_id"] = flow_run_id
+        if params_overrides:
+            tags["grpo.params_overrides"] = json.dumps(params_overrides, default=str)[:5000]
+        parent_run_id = None
         try:
-            create_markdown_artifact(key=SUMMARY_ARTIFACT_KEY, markdown=markdown,
-                                     description="GRPO pipeline: calibration, evaluation and registry")
-        except Exception as exc:  # noqa: BLE001
-            logger.warning("could not create the summary artifact: %s", exc)
-        if parent_run_id:
-            _log_parent_summary(uri, parent_run_id, markdown, root)
-            end_run(uri, parent_run_id, status)
-    evaluated = "evaluate" in selected
-    return {"parent_run_id": parent_run_id, "flow_run_id": flow_run_id, "experiment": experiment, "stages": results,
-            "eval": outputs[0]["eval"] if evaluated else None,
-            "registry": outputs[0]["registry"] if evaluated else None}
+            name, diff = run_name_and_diff(root, params_path)
+            parent_run_id = create_parent_run(uri, experiment, run_name=name, tags=tags, params=flatten_params(cfg.to_dict()),
+                                              diff=diff, owner=process_owner())
+            logger.info("MLflow parent run %s in experiment '%s' (%s)", parent_run_id, experiment, uri)
+            link_flow_run_and_parent(uri, parent_run_id, flow_run_id, logger)
+        except Exception as exc:  # noqa: BLE001 - tracking must not stop the pipeline
+            logger.warning("MLflow unavailable (%s): stages will log runs without the flow's parent", exc)
+
+        run_env = {PARENT_RUN_ENV: parent_run_id, FLOW_RUN_ENV: flow_run_id, EXPERIMENT_ENV: experiment,
+                   "MLFLOW_TRACKING_URI": uri}
+        results: list[dict] = []
+        status, error = "FINISHED", None
+        try:
+            for stage in selected:
+                run_stage = stage_task.with_options(retries=retries, retry_delay_seconds=retry_delay_seconds)
+                results.append(run_stage(stage, str(root), run_env, force=force, timeout_s=limits.get(stage)))
+        except BaseException as exc:
+            status, error = "FAILED", str(exc)
+            raise
+        finally:
+            outputs = stage_results(root, {r["stage"] for r in results})
+            for problem in outputs[1]:
+                logger.warning("stage result not shown: %s", problem.replace("`", ""))
+            markdown = summary_markdown(root, status=status, results=results, selected=selected, flow_run_id=flow_run_id,
+                                        parent_run_id=parent_run_id, experiment=experiment, tracking_uri=uri, error=error,
+                                        outputs=outputs)
+            try:
+                create_markdown_artifact(key=SUMMARY_ARTIFACT_KEY, markdown=markdown,
+                                         description="GRPO pipeline: calibration, evaluation and registry")
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("could not create the summary artifact: %s", exc)
+            if parent_run_id:
+                _log_parent_summary(uri, parent_run_id, markdown, root)
+                end_run(uri, parent_run_id, status)
+        evaluated = "evaluate" in selected
+        return {"parent_run_id": parent_run_id, "flow_run_id": flow_run_id, "experiment": experiment, "stages": results,
+                "eval": outputs[0]["eval"] if evaluated else None,
+                "registry": outputs[0]["registry"] if evaluated else None}
 
 
 def link_flow_run_and_parent(uri: str, parent_run_id: str, flow_run_id: str | None, logger) -> None:

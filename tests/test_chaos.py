@@ -72,6 +72,24 @@ def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 600)
         time.sleep(0.0005)
 
 
+def partial_writes(checkpoints: Path) -> set[str]:
+    return {e.name for e in os.scandir(checkpoints) if ".tmp-" in e.name} if checkpoints.is_dir() else set()
+
+
+def freeze_inside_a_checkpoint_write(checkpoints: Path, proc: subprocess.Popen, attempts: int = 20) -> None:
+    """SIGSTOP the process group while a new checkpoint write is under way. A write can end between seeing its temp
+    folder and the signal; the folder, looked at once the group is stopped, says whether the stop landed inside it,
+    and a miss lets the run go on to the next write."""
+    stale = partial_writes(checkpoints)  # an earlier kill's leftover, removed by the next save
+    for _ in range(attempts):
+        wait_for(lambda: bool(partial_writes(checkpoints) - stale), proc, "a checkpoint write")
+        os.killpg(proc.pid, signal.SIGSTOP)
+        if partial_writes(checkpoints) - stale:
+            return
+        os.killpg(proc.pid, signal.SIGCONT)
+    raise AssertionError(f"every one of {attempts} checkpoint writes ended before the process group stopped")
+
+
 def run_and_kill(repo: Path, kill: str, rng: random.Random) -> str:
     """`dvc repro train`, SIGKILLed at ``kill``; returns where it was (for the failure message)."""
     checkpoints = repo / "artifacts/checkpoints"
@@ -81,8 +99,7 @@ def run_and_kill(repo: Path, kill: str, rng: random.Random) -> str:
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         if kill == "checkpoint write":
-            wait_for(lambda: any(".tmp-" in e.name for e in os.scandir(checkpoints)) if checkpoints.is_dir() else False,
-                     proc, "a checkpoint write")
+            freeze_inside_a_checkpoint_write(checkpoints, proc)
         else:
             wait_for(lambda: logged_steps(repo) > start_rows, proc, "a new step")
             if kill == "before an evaluation":  # the step before an eval step: its sampling, update and the eval

@@ -5,7 +5,11 @@ One session-scoped ``prefect_test_harness`` (a temporary Prefect server) serves 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,6 +82,43 @@ def test_overrides_are_validated_and_written_like_dvc_exp_run(tmp_path):
     cfg = load_params(params)
     assert cfg.train.learning_rate == 1e-4 and cfg.evaluate.pass_k == [1, 2]
     assert cfg.train.mixed_precision == "no"  # survives the ruamel rewrite
+
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from flows.stages.common import exclusive
+with exclusive(Path(sys.argv[1]), sys.argv[2], RuntimeError):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+@contextlib.contextmanager
+def held(path: Path, holder: str):
+    """``path``'s lock held by another process as ``holder``; yields that process."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path), holder], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_overrides_are_refused_while_a_stage_runs_and_nothing_is_written(tmp_path):
+    from flows.stages.common import StageBusy, stage_lock_path
+
+    (tmp_path / ".dvc").mkdir()
+    params = tmp_path / "params.yaml"
+    params.write_text((REPO / "params.yaml").read_text())
+    with held(stage_lock_path(tmp_path), "train") as stage:
+        with pytest.raises(StageBusy, match=f"params.yaml overrides: `train` \\(PID {stage.pid}, since "):
+            apply_params_overrides(params, {"train.learning_rate": 1e-4})
+    assert params.read_text() == (REPO / "params.yaml").read_text()
+    apply_params_overrides(params, {"train.learning_rate": 1e-4})  # the stage ended: its lock with it
+    assert load_params(params).train.learning_rate == 1e-4
 
 
 def test_summary_lists_stages_weights_evaluation_and_registry(tmp_path):
@@ -209,6 +250,22 @@ def test_transient_failures_are_retried_and_validation_failures_are_not(prefect_
     assert parent.info.status == "FAILED"
     md = artifact_markdown(parent.data.tags["prefect.flow_run_id"])
     assert "Status **FAILED**" in md and "| validate | failed | - |" in md
+
+
+@pytest.mark.slow
+def test_a_second_flow_run_on_a_repo_is_refused_before_it_touches_params_yaml(prefect_harness, clean_env, tmp_path):
+    from flows.pipeline import grpo_pipeline
+    from flows.stages.common import FlowBusy, flow_lock_path
+
+    repo = fake_repo(tmp_path / "repo", "ok")
+    before = (repo / "params.yaml").read_text()
+    with held(flow_lock_path(repo), "flow run brave-otter") as other:
+        with pytest.raises(FlowBusy, match=f"`flow run brave-otter` \\(PID {other.pid}, since .*would rewrite "
+                                           "params.yaml under its stages"):
+            grpo_pipeline(stages=["validate"], repo=str(repo), params_overrides={"train.max_steps": 7}, retries=0)
+    assert (repo / "params.yaml").read_text() == before and not (repo / "attempts").exists()
+    result = grpo_pipeline(stages=["validate"], repo=str(repo), params_overrides={"train.max_steps": 7}, retries=0)
+    assert result["stages"][0]["ran"] and load_params(repo / "params.yaml").train.max_steps == 7
 
 
 EVALUATE_SCRIPT = """

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,10 @@ class StageBusy(TransientFailure):
     """Another stage process holds this repo's stage lock; the message names it. Exit 1: worth a later retry."""
 
 
+class FlowBusy(TransientFailure):
+    """Another flow run holds this repo (its params.yaml and stages); the message names it."""
+
+
 # --------------------------------------------------------------------------------------------------
 # one writer at a time
 
@@ -52,6 +57,11 @@ def stage_lock_path(root: Path) -> Path:
     return (tmp if tmp.parent.is_dir() else root) / "grpo-stage.lock"
 
 
+def flow_lock_path(root: Path) -> Path:
+    """The lock a Prefect flow run holds on its repo from its params.yaml overrides to its last stage."""
+    return stage_lock_path(root).with_name("grpo-flow.lock")
+
+
 def is_launched_child(environ=None) -> bool:
     """A process a launcher started (torchrun / accelerate ranks) or another machine's stage: the stage process
     that launched them, on machine 0, holds the lock for all of them."""
@@ -60,34 +70,40 @@ def is_launched_child(environ=None) -> bool:
 
 
 @contextlib.contextmanager
-def stage_lock(root: Path, stage: str):
-    """Hold the repo's stage lock while a stage writes its outputs: a second stage process in the same work root
-    (two `python -m flows.stages train`, or evaluate while train runs) is refused at once, naming the holder.
+def exclusive(path: Path, holder: str, refused: Callable[[str], Exception]):
+    """Hold the lock file ``path`` as ``holder`` or raise ``refused(<who holds it>)`` at once.
 
-    filelock's lock is the kernel's (flock): it ends with its process, so the lock of a killed stage is free at
-    once and the file it leaves behind is reused. The holder's stage and PID go into ``<lock>.holder``."""
+    filelock's lock is the kernel's (flock): it ends with its process, so the lock of a killed holder is free at
+    once and the file it leaves behind is reused. The holder's name and PID go into ``<path>.holder``."""
     from filelock import FileLock, Timeout
 
-    path = stage_lock_path(root)
     path.parent.mkdir(parents=True, exist_ok=True)
-    holder = path.with_suffix(".holder")
+    holder_file = path.with_suffix(".holder")
     lock = FileLock(str(path), timeout=0)
     try:
         lock.acquire()
     except Timeout:
         try:
-            who = json.loads(holder.read_text())
+            who = json.loads(holder_file.read_text())
             named = f"`{who['stage']}` (PID {who['pid']}, since {who['since']})"
         except (OSError, ValueError, KeyError):
             named = "another process"
-        raise StageBusy(f"{stage}: {named} is running in {root} and holds {path}; two stages writing one "
-                        "repo's outputs at once would mix them. Wait for it to end, or stop it.") from None
+        raise refused(named) from None
     try:
-        holder.write_text(json.dumps({"stage": stage, "pid": os.getpid(),
-                                      "since": time.strftime("%Y-%m-%d %H:%M:%S")}))
+        holder_file.write_text(json.dumps({"stage": holder, "pid": os.getpid(),
+                                           "since": time.strftime("%Y-%m-%d %H:%M:%S")}))
         yield path
     finally:
         lock.release()
+
+
+def stage_lock(root: Path, stage: str):
+    """Hold the repo's stage lock while a stage writes its outputs: a second stage process in the same work root
+    (two `python -m flows.stages train`, or evaluate while train runs) is refused at once, naming the holder."""
+    path = stage_lock_path(root)
+    return exclusive(path, stage, lambda named: StageBusy(
+        f"{stage}: {named} is running in {root} and holds {path}; two stages writing one repo's outputs at once "
+        "would mix them. Wait for it to end, or stop it."))
 
 
 # --------------------------------------------------------------------------------------------------
