@@ -47,9 +47,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import httpx
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from flows.prefect_records import settle_previous_run, write_outcome
 from flows.stages import PERMANENT_EXIT_CODES, STAGES
 from flows.stages.common import (
     CALIBRATION_WEIGHTS,
@@ -371,10 +373,8 @@ def grpo_pipeline(experiment_name: str | None = None, params_overrides: dict[str
     stage did, the evaluation metrics (``metrics/eval.json``) and the registry decision (``reports/registry.json``:
     registered, version, promote, alias, the compared values, margin, reason); both None when evaluate was not
     selected or its file is missing or malformed (the summary and the log then name the file)."""
-    from prefect.artifacts import create_markdown_artifact
     from prefect.runtime import flow_run
-
-    from flows.tracking import end_run, flatten_params
+    from prefect.settings import PREFECT_API_URL
 
     logger = get_run_logger()
     root = find_repo_root(repo)
@@ -383,66 +383,86 @@ def grpo_pipeline(experiment_name: str | None = None, params_overrides: dict[str
     if unknown:
         raise ValueError(f"stages: unknown {unknown}; the stages are {list(STAGES)}")
     selected = [s for s in STAGES if s in selected]  # always in pipeline order
-    limits = {**DEFAULT_TIMEOUTS, **(timeouts or {})}
 
     # one flow run per repo: its params.yaml overrides stay what its stages read, and two runs' stages never interleave
     path = flow_lock_path(root)
+    record = {"flow_run_id": str(flow_run.id) if flow_run.id else None, "prefect_api": PREFECT_API_URL.value()}
     with exclusive(path, f"flow run {flow_run.name or flow_run.id or os.getpid()}", lambda named: FlowBusy(
             f"{named} is running the pipeline in {root} and holds {path}; a second flow run would rewrite "
-            "params.yaml under its stages. Wait for it to end, or stop it.")):
-        params_path = root / "params.yaml"
-        if params_overrides:
-            apply_params_overrides(params_path, params_overrides)
-            logger.info("params.yaml overrides applied: %s", params_overrides)
-        cfg = load_params(params_path)
-        experiment = experiment_name or cfg.tracking.experiment_name
-        uri = tracking_uri_for(cfg, store_root(root))
-        flow_run_id = str(flow_run.id) if flow_run.id else None
-        tags = {**common_tags(root), "prefect.flow_run_name": flow_run.name or "", "grpo.stages": ",".join(selected)}
-        if flow_run_id:
-            tags["prefect.flow_run_id"] = flow_run_id
-        if params_overrides:
-            tags["grpo.params_overrides"] = json.dumps(params_overrides, default=str)[:5000]
-        parent_run_id = None
-        try:
-            name, diff = run_name_and_diff(root, params_path)
-            parent_run_id = create_parent_run(uri, experiment, run_name=name, tags=tags, params=flatten_params(cfg.to_dict()),
-                                              diff=diff, owner=process_owner())
-            logger.info("MLflow parent run %s in experiment '%s' (%s)", parent_run_id, experiment, uri)
-            link_flow_run_and_parent(uri, parent_run_id, flow_run_id, logger)
-        except Exception as exc:  # noqa: BLE001 - tracking must not stop the pipeline
-            logger.warning("MLflow unavailable (%s): stages will log runs without the flow's parent", exc)
+            "params.yaml under its stages. Wait for it to end, or stop it."), record) as previous:
+        settle_previous_run(previous, logger)
+        return run_pipeline(root, selected, experiment_name=experiment_name, params_overrides=params_overrides,
+                            force=force, limits={**DEFAULT_TIMEOUTS, **(timeouts or {})},
+                            retry_policy={"retries": retries, "retry_delay_seconds": retry_delay_seconds},
+                            outcome=lambda **done: write_outcome(path.with_suffix(".holder"), record, **done))
 
-        run_env = {PARENT_RUN_ENV: parent_run_id, FLOW_RUN_ENV: flow_run_id, EXPERIMENT_ENV: experiment,
-                   "MLFLOW_TRACKING_URI": uri}
-        results: list[dict] = []
-        status, error = "FINISHED", None
+
+def run_pipeline(root: Path, selected: list[str], *, experiment_name: str | None,
+                 params_overrides: dict[str, Any] | None, force: bool, limits: dict[str, float],
+                 retry_policy: dict[str, float], outcome) -> dict[str, Any]:
+    """The flow's body, under its repo lock: overrides, the MLflow parent, the stages, the summary. ``outcome``
+    is told the end (status, the stages' results) before Prefect is, for the next flow run to settle a record
+    Prefect could not take (flows/prefect_records.py)."""
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.runtime import flow_run
+
+    from flows.tracking import end_run, flatten_params
+
+    logger = get_run_logger()
+    params_path = root / "params.yaml"
+    if params_overrides:
+        apply_params_overrides(params_path, params_overrides)
+        logger.info("params.yaml overrides applied: %s", params_overrides)
+    cfg = load_params(params_path)
+    experiment = experiment_name or cfg.tracking.experiment_name
+    uri = tracking_uri_for(cfg, store_root(root))
+    flow_run_id = str(flow_run.id) if flow_run.id else None
+    tags = {**common_tags(root), "prefect.flow_run_name": flow_run.name or "", "grpo.stages": ",".join(selected)}
+    if flow_run_id:
+        tags["prefect.flow_run_id"] = flow_run_id
+    if params_overrides:
+        tags["grpo.params_overrides"] = json.dumps(params_overrides, default=str)[:5000]
+    parent_run_id = None
+    try:
+        name, diff = run_name_and_diff(root, params_path)
+        parent_run_id = create_parent_run(uri, experiment, run_name=name, tags=tags, params=flatten_params(cfg.to_dict()),
+                                          diff=diff, owner=process_owner())
+        logger.info("MLflow parent run %s in experiment '%s' (%s)", parent_run_id, experiment, uri)
+        link_flow_run_and_parent(uri, parent_run_id, flow_run_id, logger)
+    except Exception as exc:  # noqa: BLE001 - tracking must not stop the pipeline
+        logger.warning("MLflow unavailable (%s): stages will log runs without the flow's parent", exc)
+
+    run_env = {PARENT_RUN_ENV: parent_run_id, FLOW_RUN_ENV: flow_run_id, EXPERIMENT_ENV: experiment,
+               "MLFLOW_TRACKING_URI": uri}
+    results: list[dict] = []
+    status, error = "FINISHED", None
+    try:
+        for stage in selected:
+            run_stage = stage_task.with_options(**retry_policy)
+            results.append(run_stage(stage, str(root), run_env, force=force, timeout_s=limits.get(stage)))
+    except BaseException as exc:
+        status, error = "FAILED", str(exc)
+        raise
+    finally:
+        outputs = stage_results(root, {r["stage"] for r in results})
+        for problem in outputs[1]:
+            logger.warning("stage result not shown: %s", problem.replace("`", ""))
+        markdown = summary_markdown(root, status=status, results=results, selected=selected, flow_run_id=flow_run_id,
+                                    parent_run_id=parent_run_id, experiment=experiment, tracking_uri=uri, error=error,
+                                    outputs=outputs)
         try:
-            for stage in selected:
-                run_stage = stage_task.with_options(retries=retries, retry_delay_seconds=retry_delay_seconds)
-                results.append(run_stage(stage, str(root), run_env, force=force, timeout_s=limits.get(stage)))
-        except BaseException as exc:
-            status, error = "FAILED", str(exc)
-            raise
-        finally:
-            outputs = stage_results(root, {r["stage"] for r in results})
-            for problem in outputs[1]:
-                logger.warning("stage result not shown: %s", problem.replace("`", ""))
-            markdown = summary_markdown(root, status=status, results=results, selected=selected, flow_run_id=flow_run_id,
-                                        parent_run_id=parent_run_id, experiment=experiment, tracking_uri=uri, error=error,
-                                        outputs=outputs)
-            try:
-                create_markdown_artifact(key=SUMMARY_ARTIFACT_KEY, markdown=markdown,
-                                         description="GRPO pipeline: calibration, evaluation and registry")
-            except Exception as exc:  # noqa: BLE001
-                logger.warning("could not create the summary artifact: %s", exc)
-            if parent_run_id:
-                _log_parent_summary(uri, parent_run_id, markdown, root)
-                end_run(uri, parent_run_id, status)
-        evaluated = "evaluate" in selected
-        return {"parent_run_id": parent_run_id, "flow_run_id": flow_run_id, "experiment": experiment, "stages": results,
-                "eval": outputs[0]["eval"] if evaluated else None,
-                "registry": outputs[0]["registry"] if evaluated else None}
+            create_markdown_artifact(key=SUMMARY_ARTIFACT_KEY, markdown=markdown,
+                                     description="GRPO pipeline: calibration, evaluation and registry")
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("could not create the summary artifact: %s", exc)
+        if parent_run_id:
+            _log_parent_summary(uri, parent_run_id, markdown, root)
+            end_run(uri, parent_run_id, status)
+        outcome(status=status, stages=results, mlflow_parent=parent_run_id)
+    evaluated = "evaluate" in selected
+    return {"parent_run_id": parent_run_id, "flow_run_id": flow_run_id, "experiment": experiment, "stages": results,
+            "eval": outputs[0]["eval"] if evaluated else None,
+            "registry": outputs[0]["registry"] if evaluated else None}
 
 
 def link_flow_run_and_parent(uri: str, parent_run_id: str, flow_run_id: str | None, logger) -> None:
@@ -507,8 +527,17 @@ def main(argv: list[str] | None = None) -> int:
         if not sep:
             parser.error(f"--set {item!r}: expected KEY=VALUE")
         overrides[key.strip()] = _parse_value(value)
-    result = grpo_pipeline(experiment_name=args.experiment_name, params_overrides=overrides or None,
-                           stages=args.stages.split(",") if args.stages else None, force=args.force)
+    try:
+        result = grpo_pipeline(experiment_name=args.experiment_name, params_overrides=overrides or None,
+                               stages=args.stages.split(",") if args.stages else None, force=args.force)
+    except httpx.TransportError as exc:  # the Prefect server, down past the client's retries
+        from prefect.settings import PREFECT_API_URL
+
+        print(f"flows.pipeline: the Prefect server at {PREFECT_API_URL.value()} could not be reached "
+              f"({type(exc).__name__}: {exc}). The stages that ran are recorded by DVC (dvc.lock) and MLflow; the "
+              "next flow run in this repo gives this run's Prefect record the end it could not report.",
+              file=sys.stderr)
+        return 1
     print(json.dumps({k: v for k, v in result.items() if k != "eval"}, indent=2, default=str))
     return 0
 

@@ -70,11 +70,12 @@ def is_launched_child(environ=None) -> bool:
 
 
 @contextlib.contextmanager
-def exclusive(path: Path, holder: str, refused: Callable[[str], Exception]):
-    """Hold the lock file ``path`` as ``holder`` or raise ``refused(<who holds it>)`` at once.
+def exclusive(path: Path, holder: str, refused: Callable[[str], Exception], record: dict | None = None):
+    """Hold the lock file ``path`` as ``holder`` or raise ``refused(<who holds it>)`` at once; yields what the
+    previous holder left in ``<path>.holder`` (None if nothing readable).
 
     filelock's lock is the kernel's (flock): it ends with its process, so the lock of a killed holder is free at
-    once and the file it leaves behind is reused. The holder's name and PID go into ``<path>.holder``."""
+    once and the file it leaves behind is reused. The holder's name, PID and ``record`` go into ``<path>.holder``."""
     from filelock import FileLock, Timeout
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,9 +91,13 @@ def exclusive(path: Path, holder: str, refused: Callable[[str], Exception]):
             named = "another process"
         raise refused(named) from None
     try:
-        holder_file.write_text(json.dumps({"stage": holder, "pid": os.getpid(),
+        previous = json.loads(holder_file.read_text())
+    except (OSError, ValueError):
+        previous = None
+    try:
+        holder_file.write_text(json.dumps({**(record or {}), "stage": holder, "pid": os.getpid(),
                                            "since": time.strftime("%Y-%m-%d %H:%M:%S")}))
-        yield path
+        yield previous if isinstance(previous, dict) else None
     finally:
         lock.release()
 
