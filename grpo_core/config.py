@@ -134,6 +134,9 @@ class ModelConfig:
         None, "QLoRA: the frozen base in 4 bits (bitsandbytes, the `qlora` extra) under model.lora's adapters; "
         "null = the base in model.dtype. The export merges the adapters into the full-precision base")
     cpu_threads: int = _f(0, "torch CPU threads in stages that run the model (0 = torch's default)", ge=0)
+    cpu_kernels: Literal["native", "avx2", "avx512", "scalar"] = _f(
+        "native", "instruction set torch's CPU kernels may use in every stage (ATen, oneDNN, MKL): avx2 = the same "
+        "bytes on every x86-64 CPU with AVX2; native = the CPU's best (grpo_core/model/cpu_kernels.py)")
 
 
 @dataclass

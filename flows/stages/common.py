@@ -193,6 +193,9 @@ class StageContext:
         if not params_path.is_absolute():
             params_path = root / params_path
         cfg = load_params(params_path)
+        from grpo_core.model.cpu_kernels import pin_cpu_kernels
+
+        pin_cpu_kernels(cfg.model.cpu_kernels)  # before the stage's first tensor op
         return cls(stage=stage, root=root, store_root=store_root(root), params_path=params_path, cfg=cfg)
 
     def path(self, relative: str | os.PathLike) -> Path:
