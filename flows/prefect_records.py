@@ -10,6 +10,7 @@ record: COMPLETED or FAILED as the run ended, CRASHED when its process died befo
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +23,20 @@ FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 def write_outcome(holder: Path, record: dict[str, Any], *, status: str, stages: list[dict],
                   mlflow_parent: str | None) -> None:
-    """The flow's end, into its holder file, before Prefect is told: status and what each stage did."""
-    done = {**json.loads(holder.read_text()), **record, "ended": status, "mlflow_parent": mlflow_parent,
+    """The flow's end, into its holder file, before Prefect is told: status and what each stage did. Never raises:
+    it runs while the flow ends, maybe on its way out with another error."""
+    try:
+        held = json.loads(holder.read_text())
+    except (OSError, ValueError):
+        held = {}
+    done = {**held, **record, "ended": status, "mlflow_parent": mlflow_parent,
             "stages": {r["stage"]: "ran" if r["ran"] else "up to date" for r in stages}}
     tmp = holder.with_name(holder.name + ".tmp")
-    tmp.write_text(json.dumps(done))
-    tmp.replace(holder)
+    try:
+        tmp.write_text(json.dumps(done))
+        tmp.replace(holder)
+    except OSError as exc:
+        logging.getLogger(__name__).warning("could not record the flow's end in %s: %s", holder, exc)
 
 
 def settle_message(previous: dict[str, Any]) -> str:

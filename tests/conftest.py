@@ -23,3 +23,21 @@ def smollm2_pipeline(tmp_path_factory):
 def converted_smollm2(smollm2_pipeline):
     """SmolLM2-135M-Instruct as the convert stage wrote it (the suite converts once): a safetensors folder."""
     return smollm2_pipeline[0] / "artifacts" / "converted_model"
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A temporary Prefect server for flow runs in this process (one for the whole run)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture()
+def clean_env(monkeypatch):
+    """No tracking URI or run ids inherited from the caller: the stages find the store at their repo's root."""
+    for var in ("MLFLOW_TRACKING_URI", "GRPO_PARENT_RUN_ID", "GRPO_FLOW_RUN_ID", "GRPO_RUN_GROUP",
+                "GRPO_EXPERIMENT_NAME", "DVC_ROOT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")

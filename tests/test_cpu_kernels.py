@@ -31,13 +31,13 @@ needs_avx2 = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in (
                                 reason="an x86-64 CPU with AVX2 (the level the checks compare against)")
 
 
-def clean_env(**extra: str) -> dict[str, str]:
+def unpinned_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in PIN_VARS}
     return {**env, "PYTHONPATH": str(REPO), **extra}
 
 
 def pinned(level: str, order: str = "pin first") -> tuple[dict, str]:
-    proc = subprocess.run([sys.executable, "-c", PIN, level, order], capture_output=True, text=True, env=clean_env(),
+    proc = subprocess.run([sys.executable, "-c", PIN, level, order], capture_output=True, text=True, env=unpinned_env(),
                           check=True)
     return json.loads(proc.stdout.splitlines()[-1]), proc.stderr
 
@@ -80,7 +80,7 @@ def prepare_bytes(tmp_path: Path, name: str, level: str, **env: str) -> str:
     raw["model"]["cpu_kernels"] = level
     (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     subprocess.run([sys.executable, "-m", "flows.stages", "prepare"], cwd=repo, check=True, capture_output=True,
-                   env=clean_env(MLFLOW_TRACKING_URI=f"sqlite:///{repo / 'mlflow.db'}", **env))
+                   env=unpinned_env(MLFLOW_TRACKING_URI=f"sqlite:///{repo / 'mlflow.db'}", **env))
     return hashlib.sha256((repo / "artifacts/base_model/model.safetensors").read_bytes()).hexdigest()
 
 

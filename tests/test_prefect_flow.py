@@ -1,6 +1,7 @@
 """The Prefect flow: retry policy, params overrides, the summary artifact, and a run of the real pipeline.
 
-One session-scoped ``prefect_test_harness`` (a temporary Prefect server) serves every flow run here.
+One session-scoped ``prefect_test_harness`` (a temporary Prefect server, tests/conftest.py) serves every flow
+run here.
 """
 
 from __future__ import annotations
@@ -26,22 +27,6 @@ from flows.pipeline import (
 from flows.stages.common import load_params
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="session")
-def prefect_harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
-@pytest.fixture()
-def clean_env(monkeypatch):
-    for var in ("MLFLOW_TRACKING_URI", "GRPO_PARENT_RUN_ID", "GRPO_FLOW_RUN_ID", "GRPO_RUN_GROUP",
-                "GRPO_EXPERIMENT_NAME", "DVC_ROOT"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The Prefect server restarted under a running flow (`python -m flows.pipeline` against `prefect server start`).
 
-- down for seconds while train runs: the client's retries carry the flow over; it completes, and Prefect, MLflow
+- killed (SIGKILL) while train runs and started again seconds later: the client's retries carry the flow over; it completes, and Prefect, MLflow
   and the train log all say so, each step once;
 - down past the client's retries (``PREFECT_CLIENT_MAX_RETRIES=1`` here: one retry, 2 s): every stage still
   runs, the MLflow parent is FINISHED as the stages were, the flow exits 1 naming the Prefect server, and its
@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import csv
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +23,7 @@ from tests.test_pipeline import BIN, built_pipeline, copy_repo, mlflow_client
 from tests.test_servers import Server, _env, free_port, prefect_post
 
 pytestmark = pytest.mark.slow
+STEPS = 40  # the tiny pipeline's steps take ~0.1 s: enough of them that the server dies inside the train stage
 
 
 @pytest.fixture()
@@ -77,6 +80,12 @@ def latest_flow_run(api: str) -> tuple[dict, list[dict]]:
     return run, prefect_post(api, "/task_runs/filter", {"flow_runs": {"id": {"any_": [run["id"]]}}})
 
 
+def crash(server: Server) -> None:
+    """SIGKILL the server's process group: down at once, as a crashed or restarted machine's would be."""
+    os.killpg(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(timeout=30)
+
+
 def mlflow_parent(repo: Path, flow_run_id: str):
     client = mlflow_client(repo)
     exp = client.get_experiment_by_name("grpo-pipeline")
@@ -89,11 +98,11 @@ def test_a_restart_under_a_running_flow_completes_and_a_long_outage_is_settled_b
         server, tmp_path, tmp_path_factory):
     repo = copy_repo(built_pipeline(tmp_path_factory)[0], tmp_path / "repo")
 
-    # down for seconds while train runs: the flow completes
-    flow = start_flow(repo, server.api, tmp_path / "flow1.log", "train.max_steps=8")
+    # killed while train runs, started again seconds later: the flow completes
+    flow = start_flow(repo, server.api, tmp_path / "flow1.log", f"train.max_steps={STEPS}")
     wait_for_a_train_step(repo, tmp_path / "flow1.log", flow)
-    server.stop()
-    assert flow.poll() is None and len(steps(repo)) < 8  # the stop landed inside the train stage
+    crash(server)
+    assert flow.poll() is None and len(steps(repo)) < STEPS  # the server died inside the train stage
     time.sleep(10)
     server.start()
     assert flow.wait(timeout=600) == 0, (tmp_path / "flow1.log").read_text()[-3000:]
@@ -102,17 +111,17 @@ def test_a_restart_under_a_running_flow_completes_and_a_long_outage_is_settled_b
     assert sorted(t["name"].split("-")[0] for t in tasks if t["state_type"] == "COMPLETED") == sorted(
         ["prepare", "convert", "validate", "calibrate", "train", "evaluate"])
     assert mlflow_parent(repo, run["id"]).info.status == "FINISHED"
-    assert steps(repo) == list(range(1, 9))
+    assert steps(repo) == list(range(1, STEPS + 1))
 
     # down past the client's retries from the train stage on: the stages finish, the flow says it lost Prefect
     log2 = tmp_path / "flow2.log"
-    flow = start_flow(repo, server.api, log2, "train.max_steps=9", PREFECT_CLIENT_MAX_RETRIES="1")
+    flow = start_flow(repo, server.api, log2, f"train.max_steps={STEPS + 1}", PREFECT_CLIENT_MAX_RETRIES="1")
     wait_for(lambda: "Running stage 'train'" in log2.read_text(), flow, "the train stage")
-    server.stop()
+    crash(server)
     assert flow.wait(timeout=600) == 1
     out = log2.read_text()
     assert f"flows.pipeline: the Prefect server at {server.api} could not be reached (ConnectError" in out
-    assert steps(repo) == list(range(1, 10))
+    assert steps(repo) == list(range(1, STEPS + 2))
     server.start()
     stale, _ = latest_flow_run(server.api)
     assert stale["state_type"] == "RUNNING"  # what Prefect knows; MLflow knows the stages' end
