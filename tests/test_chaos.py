@@ -64,12 +64,13 @@ def logged_steps(repo: Path) -> int:
     return max(0, len(path.read_text().splitlines()) - 1) if path.is_file() else 0
 
 
-def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 600) -> None:
+def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 600, every: float = 0.0005) -> None:
+    """Until ``condition()``, polled ``every`` seconds; fails if ``proc`` ends first or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert proc.poll() is None, f"training ended before {what}"
+        assert proc.poll() is None, f"the process watched ended before {what}"
         assert time.monotonic() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.0005)
+        time.sleep(every)
 
 
 def partial_writes(checkpoints: Path) -> set[str]:

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_pipeline import BIN, built_pipeline, copy_repo, mlflow_client
-from tests.test_servers import Server, _env, free_port, prefect_post
+from tests.test_chaos import wait_for
+from tests.test_pipeline import built_pipeline, copy_repo, mlflow_client
+from tests.test_servers import Server, _env, prefect_post, started_prefect_server
 
 pytestmark = pytest.mark.slow
 STEPS = 40  # the tiny pipeline's steps take ~0.1 s: enough of them that the server dies inside the train stage
@@ -28,17 +29,9 @@ STEPS = 40  # the tiny pipeline's steps take ~0.1 s: enough of them that the ser
 
 @pytest.fixture()
 def server(tmp_path):
-    port = free_port()
-    env = _env(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_UI_ENABLED="false")
-    server = Server("prefect server",
-                    [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui",
-                     "--analytics-off", "--no-scheduler", "--no-late-runs"],
-                    f"http://127.0.0.1:{port}/api/health", env, tmp_path / "server.log")
-    server.api = f"http://127.0.0.1:{port}/api"
-    server.start()
-    yield server
-    server.stop()
+    served = started_prefect_server(tmp_path / "prefect")
+    yield served
+    served.stop()
 
 
 def start_flow(repo: Path, api: str, log: Path, *overrides: str, **env: str) -> subprocess.Popen:
@@ -48,14 +41,6 @@ def start_flow(repo: Path, api: str, log: Path, *overrides: str, **env: str) -> 
                             env=_env(PREFECT_API_URL=api, MLFLOW_TRACKING_URI=f"sqlite:///{repo / 'mlflow.db'}", **env))
 
 
-def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert proc.poll() is None, f"the flow ended before {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.2)
-
-
 def train_log_text(repo: Path) -> str:
     path = repo / "metrics/train_log.csv"
     return path.read_text() if path.is_file() else ""
@@ -63,10 +48,10 @@ def train_log_text(repo: Path) -> str:
 
 def wait_for_a_train_step(repo: Path, log: Path, flow: subprocess.Popen) -> None:
     """Until this flow's train stage has written a step (the repo's train log holds an earlier run's steps)."""
-    wait_for(lambda: "Running stage 'train'" in log.read_text(), flow, "the train stage")
+    wait_for(lambda: "Running stage 'train'" in log.read_text(), flow, "the train stage", every=0.2)
     before = train_log_text(repo)
     wait_for(lambda: train_log_text(repo) not in (before, "") and train_log_text(repo).endswith("\n"), flow,
-             "a train step")
+             "a train step", every=0.2)
 
 
 def steps(repo: Path) -> list[int]:
@@ -116,7 +101,7 @@ def test_a_restart_under_a_running_flow_completes_and_a_long_outage_is_settled_b
     # down past the client's retries from the train stage on: the stages finish, the flow says it lost Prefect
     log2 = tmp_path / "flow2.log"
     flow = start_flow(repo, server.api, log2, f"train.max_steps={STEPS + 1}", PREFECT_CLIENT_MAX_RETRIES="1")
-    wait_for(lambda: "Running stage 'train'" in log2.read_text(), flow, "the train stage")
+    wait_for(lambda: "Running stage 'train'" in log2.read_text(), flow, "the train stage", every=0.2)
     crash(server)
     assert flow.wait(timeout=600) == 1
     out = log2.read_text()

@@ -103,9 +103,9 @@ def mlflow_server(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("prefect-server")
+def started_prefect_server(d: Path) -> Server:
+    """`prefect server start` on a free port, its database and log in ``d``; ``.api`` is its API URL."""
+    d.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = _env(PREFECT_HOME=str(d), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false")
     server = Server("prefect server",
@@ -114,6 +114,12 @@ def prefect_server(tmp_path_factory):
                     f"http://127.0.0.1:{port}/api/health", env, d / "server.log")
     server.api = f"http://127.0.0.1:{port}/api"
     server.start()
+    return server
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    server = started_prefect_server(tmp_path_factory.mktemp("prefect-server"))
     yield server
     server.stop()
 
