@@ -93,8 +93,8 @@ def recipe_shape(smoke: bool) -> dict:
     cfg = load_config(RECIPE, {**overrides, "model.name_or_path": ".", "data.train_files": ["x.jsonl"],
                                "data.eval_files": ["x.jsonl"]})
     t = cfg.train
-    return {"prompts": t.per_device_train_batch_size * t.effective_steps_per_generation // t.num_generations,
-            "generations": t.num_generations, "tokens": cfg.generation.max_completion_length,
+    return {"prompts": t.batch_plan.prompts_per_round,
+            "generations": t.batch.num_generations, "tokens": cfg.generation.max_completion_length,
             "dtype": cfg.model.dtype}
 
 

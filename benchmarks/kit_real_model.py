@@ -75,9 +75,9 @@ def run(spec: dict) -> dict:
     trained = greedy_accuracy(REPO, cfg, result.model_dir)
     t = cfg.train
     return {"recipe": str(RECIPE.relative_to(REPO)), "smoke": bool(spec.get("smoke")),
-            "shape": {"prompts_per_step": t.per_device_train_batch_size // t.num_generations,
-                      "num_generations": t.num_generations, "max_completion_length": cfg.generation.max_completion_length,
-                      "steps": t.max_steps, "learning_rate": t.learning_rate, "held_out_prompts": base["num_prompts"]},
+            "shape": {"prompts_per_step": t.batch.per_device_train_batch_size // t.batch.num_generations,
+                      "num_generations": t.batch.num_generations, "max_completion_length": cfg.generation.max_completion_length,
+                      "steps": t.max_steps, "learning_rate": t.optim.learning_rate, "held_out_prompts": base["num_prompts"]},
             "convert_s": round(convert_s, 1), "train_s": round(train_s, 1),
             "completion_tokens_per_s": round(completion_tokens(cfg, lengths) / train_s, 1),
             "cuda_peak_allocated_mib": peak, "base": base, "trained": trained,

@@ -120,13 +120,13 @@ def run(spec: dict) -> dict:
     t, g = cfg.train, cfg.generation
     return {
         "recipe": spec["recipe"], "overrides": spec["overrides"],
-        "shape": {"per_device_train_batch_size": t.per_device_train_batch_size,
-                  "gradient_accumulation_steps": t.gradient_accumulation_steps,
-                  "num_generations": t.num_generations, "rows_per_step": t.per_device_train_batch_size
-                  * t.gradient_accumulation_steps, "max_prompt_length": cfg.data.max_prompt_length,
+        "shape": {"per_device_train_batch_size": t.batch.per_device_train_batch_size,
+                  "gradient_accumulation_steps": t.batch.gradient_accumulation_steps,
+                  "num_generations": t.batch.num_generations, "rows_per_step": t.batch.per_device_train_batch_size
+                  * t.batch.gradient_accumulation_steps, "max_prompt_length": cfg.data.max_prompt_length,
                   "max_completion_length": g.max_completion_length, "model_dtype": cfg.model.dtype,
-                  "mixed_precision": t.mixed_precision, "gradient_checkpointing": t.gradient_checkpointing,
-                  "beta": t.beta, "loss_type": t.loss_type, "generation_backend": g.backend,
+                  "mixed_precision": t.forward.mixed_precision, "gradient_checkpointing": t.forward.gradient_checkpointing,
+                  "beta": t.loss.beta, "loss_type": t.loss.loss_type, "generation_backend": g.backend,
                   "cache_implementation": g.cache_implementation},
         "num_parameters": spec["assets"]["num_parameters"],
         "mean_prompt_tokens": sum(lengths) / len(lengths), "max_prompt_tokens": max(lengths),

@@ -83,6 +83,8 @@ def reward_weights(root: Path, cfg) -> list[float]:
 def trl_args(cfg, workdir: Path, weights: list[float]) -> dict:
     """GRPOConfig keyword arguments for params ``cfg``'s train and generation sections: the same values under TRL's
     names (most are the same name)."""
+    from grpo_core.config import flat_train
+
     t, g = cfg.train, cfg.generation
     sampling = ("max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
     same = ("learning_rate", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "beta",
@@ -91,11 +93,13 @@ def trl_args(cfg, workdir: Path, weights: list[float]) -> dict:
             "lr_scheduler_type", "weight_decay", "adam_beta1", "adam_beta2", "max_grad_norm",
             "gradient_checkpointing", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
             "disable_dropout", "cast_lm_head_to_fp32", "shuffle_dataset")
-    args = {**{name: getattr(t, name) for name in same}, **{name: getattr(g, name) for name in sampling}}
-    args.update(steps_per_generation=t.effective_steps_per_generation, reward_weights=weights,
-                warmup_steps=t.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of max_steps
+    train = flat_train(t)  # params.yaml's flat train: keys, TRL's names
+    args = {**{name: train[name] for name in same}, **{name: getattr(g, name) for name in sampling}}
+    args.update(steps_per_generation=t.batch_plan.micro_batches_per_round, reward_weights=weights,
+                warmup_steps=t.optim.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of max_steps
                 generation_kwargs=dict(g.generation_kwargs) or None,
-                output_dir=str(workdir / "trl-out"), bf16=t.mixed_precision == "bf16", fp16=t.mixed_precision == "fp16",
+                output_dir=str(workdir / "trl-out"), bf16=train["mixed_precision"] == "bf16",
+                fp16=train["mixed_precision"] == "fp16",
                 use_cpu=True, report_to="none", save_strategy="no", logging_steps=t.logging_steps,
                 disable_tqdm=True, dataloader_num_workers=0, use_vllm=False)
     return args
@@ -121,7 +125,7 @@ def completion_tokens(cfg, mean_lengths: list[float]) -> float:
     """Completion tokens sampled over the run: each optimizer step trains on per_device_train_batch_size x
     gradient_accumulation_steps completions (both sides log their mean length per step)."""
     t = cfg.train
-    return sum(mean_lengths) * t.per_device_train_batch_size * t.gradient_accumulation_steps
+    return sum(mean_lengths) * t.batch.per_device_train_batch_size * t.batch.gradient_accumulation_steps
 
 
 def train_trl(root: Path, cfg, weights: list[float], workdir: Path,

@@ -82,7 +82,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_core.config import ConfigError, LoraConfig, PipelineConfig, load_config
+from grpo_core.config import ConfigError, PipelineConfig, load_config
+from grpo_core.model.loading import LoraConfig
 from grpo_core.model.logprobs import DEFAULT_CHUNK_SIZE
 from grpo_core.train.compute_weights import ALL_REDUCE_BUCKET_NUMEL, uses_compute_weights
 
@@ -230,9 +231,9 @@ class Recipe:
             raise ConfigError("data.max_prompt_length: null (any length); the plan needs a prompt length")
         # A recipe without LoRA is planned at the LoRA recipe's rank (grpo_core.config.LoraConfig's default).
         lora = cfg.model.lora or LoraConfig()
-        return cls(t.per_device_train_batch_size, t.effective_steps_per_generation, prompt_length,
-                   cfg.generation.max_completion_length, t.beta, t.gradient_checkpointing, t.mixed_precision, cfg.model.dtype,
-                   t.fused_lm_head, lora.r)
+        return cls(t.batch.per_device_train_batch_size, t.batch_plan.micro_batches_per_round, prompt_length,
+                   cfg.generation.max_completion_length, t.loss.beta, t.forward.gradient_checkpointing, t.forward.mixed_precision, cfg.model.dtype,
+                   t.forward.fused_lm_head, lora.r)
 
     @property
     def tokens(self) -> int:

@@ -116,7 +116,7 @@ def run_ours(cfg: BenchConfig, assets: dict, workdir: Path, variant: dict) -> di
 
     # async_rollouts: the worker process builds its own backend (a closure does not reach a spawned process),
     # and the generation time is the worker's, from the round's metrics
-    asynchronous = pcfg.train.async_rollouts
+    asynchronous = pcfg.train.rollouts.async_rollouts
     t0 = time.perf_counter()
     collector.cpu_mark = time.process_time()
     train(pcfg, reward_weights=[1.0], tracker=collector, root=workdir, progress=False,

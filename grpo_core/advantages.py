@@ -19,11 +19,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
+from grpo_core.options import Options, option
+
 SCALES = ("group", "batch", "none")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+
+@dataclass
+class AdvantageOptions(Options):
+    """params.yaml `train:` keys of how a group's rewards become advantages (``compute_advantages``)."""
+
+    scale_rewards: Literal["group", "batch", "none"] = option(
+        "group", "advantage std: per group, whole batch, or none")
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = option(
+        "sum_then_normalize", "combine rewards before (GRPO) or after (GDPO) per-function normalisation")
+    reward_weights: list[float] | None = option(None, "pin reward weights (None = calibration's, else all 1)")
 
 
 def compute_advantages(

@@ -44,11 +44,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from grpo_core.files import finite_or_none
+from grpo_core.options import Options, option
 
 #: A completion "passes" when its correctness reward is at least this (binary 0/1 correctness).
 DEFAULT_PASS_THRESHOLD = 1.0 - 1e-9
@@ -62,6 +64,20 @@ RULE_TEXT = (
     "the live weights sum to the sum of the configured target shares. Dead functions (mean within-group "
     "std < dead_std_threshold) get weight 0 and their share is redistributed."
 )
+
+
+@dataclass
+class CalibrateConfig(Options):
+    enabled: bool = option(True, "sample the base policy and derive reward weights; off = equal weights")
+    num_prompts: int = option(64, "training prompts sampled for calibration", ge=1)
+    num_generations: int = option(8, "completions per calibration prompt", ge=2)
+    temperature: float | None = option(None, "override of generation.temperature for calibration (None = sample as "
+                                   "training samples); shown in reports/calibration.md", gt=0)
+    dead_std_threshold: float = option(1e-6, "mean within-group std below this marks a reward dead", ge=0)
+    dominant_share: float = option(0.9, "flag a reward above this share of advantage variance", gt=0, le=1)
+    drop_always_solved: bool = option(False, "drop prompts the base policy always solves (zero advantage)")
+    drop_never_solved: bool = option(False, "drop prompts the base policy never solves (zero advantage)")
+    seed: int = option(0, "seed for prompt choice and sampling")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,10 +17,62 @@ from typing import Any, Literal
 
 import pandas as pd
 
-from grpo_core.config import DATA_FILES_FORMS, DataConfig
 from grpo_core.errors import InputUnreadable
+from grpo_core.options import ConfigError, Options, option
 
 log = logging.getLogger(__name__)
+
+#: What data.train_files / data.eval_files accept; every error about their values repeats it.
+DATA_FILES_FORMS = ("a path or a list of paths, each a file, a folder (its jsonl / json / parquet / csv files, "
+                    "recursively, in name order) or a glob such as data/raw/train-*.parquet (its matches in name "
+                    "order); relative to the repo root")
+
+
+def _files_field(help: str) -> Any:
+    """train_files / eval_files: a wrong type is reported with the accepted forms."""
+    return option([], help, expected=DATA_FILES_FORMS)
+
+
+@dataclass
+class DataConfig(Options):
+    train_files: str | list[str] = _files_field(
+        "local train data: a file, a folder, a glob or a list of these (jsonl / json / parquet / csv); "
+        "ignored when hub_dataset is set")
+    eval_files: str | list[str] = _files_field("local held-out data, as train_files")
+    # DVC cannot take a list or a glob as a dependency (dvc.yaml can only interpolate one path), so validate's
+    # dependency is one path per split that holds the files; validate refuses files outside it.
+    train_dir: str | None = option(None, "the folder (or the one file) DVC hashes as validate's dependency for "
+                               "train_files: it must hold every file they name, so editing, adding or removing one "
+                               "re-runs validate; null: not checked (no DVC)")
+    eval_dir: str | None = option(None, "as train_dir, for eval_files (may be the same folder)")
+    hub_dataset: str | None = option(None, "a dataset id for datasets.load_dataset (e.g. openai/gsm8k)")
+    hub_config: str | None = option(None, "the dataset's configuration name (e.g. main)")
+    train_split: str = option("train", "split of hub_dataset used for training")
+    eval_split: str = option("test", "split of hub_dataset held out for evaluation")
+    prompt_column: str = option("prompt", "column holding the prompt (a string or chat messages)")
+    answer_column: str = option("answer", "column holding the gold answer, passed to rewards as `answer`")
+    system_prompt: str | None = option(None, "system message prepended to every prompt (chat template)")
+    chat_template_kwargs: dict = option({}, "extra keyword arguments for the tokenizer's chat template (TRL's name), "
+                                    "e.g. {enable_thinking: false}")
+    prompt_format: Literal["auto", "chat"] = option(
+        "auto", "auto: chat messages use the chat template, strings stay plain text; chat: wrap strings as a user message")
+    max_prompt_length: int | None = option(512, "prompt tokens kept (left-truncated, as overlong_prompt says) or "
+                                       "allowed; None = any length (TRL's name)", ge=1)
+    overlong_prompt: Literal["truncate", "error"] = option(
+        "truncate", "a prompt over max_prompt_length: left-truncate with a counted warning, or error")
+
+    def paths(self, split: Literal["train", "eval"]) -> list[str]:
+        """The configured paths of one split as a list (a single path is a one-element list)."""
+        spec = self.train_files if split == "train" else self.eval_files
+        return [spec] if isinstance(spec, str) else list(spec)
+
+    def check(self) -> None:
+        for split in ("train", "eval"):
+            spec = self.train_files if split == "train" else self.eval_files
+            for i, entry in enumerate(self.paths(split)):
+                if not isinstance(entry, str) or not entry.strip():
+                    key = f"{split}_files" + ("" if isinstance(spec, str) else f"[{i}]")
+                    raise ConfigError(f"{key}: {entry!r} is not a path; expected {DATA_FILES_FORMS}")
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 

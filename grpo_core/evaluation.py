@@ -8,18 +8,79 @@ Generation happens elsewhere; this module turns a per-sample table into the numb
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from numbers import Real
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
 
 from grpo_core.files import finite_or_none
+from grpo_core.options import ConfigError, Options, option
 
 GREEDY = "greedy"
 SAMPLED = "sampled"
+#: what an evaluation with tools adds per mode (``tool_metrics``)
+TOOL_EVAL_METRICS = ("tool_call_frequency", "tool_failure_frequency", "tool_success_rate")
+
+
+@dataclass
+class EvalOptions(Options):
+    """params.yaml `train:` keys of evaluation during training and of the best checkpoint."""
+
+    eval_strategy: Literal["no", "steps"] = option(
+        "no", "steps = score the policy on held-out prompts (the eval split) every eval_steps and at the last "
+        "step, into the step log and the tracker as eval/* (grpo_core/train/evaluation.py); no = never")
+    eval_steps: int | None = option(None, "eval_strategy steps: optimizer steps between evaluations (None = "
+                                    "logging_steps, as in TRL)", ge=1)
+    eval_max_samples: int | None = option(100, "held-out prompts each evaluation scores: the first N of the eval "
+                                          "split (None = all)", ge=1)
+    num_generations_eval: int | None = option(
+        None, "completions sampled per held-out prompt at the training temperature, for eval/pass@N and "
+        "eval/sampled/* (None = num_generations, TRL's default; 0 = greedy decoding only)", ge=0)
+    per_device_eval_batch_size: int = option(64, "sequences per generate call during evaluation", ge=1)
+    metric_for_best_model: str | None = option(
+        None, "an eval metric (eval/accuracy, eval/pass@N, eval/rewards/<name>/mean, ...; the eval/ prefix may be "
+        "left out): the best checkpoint by it is never pruned by save_total_limit (None = eval/accuracy under "
+        "load_best_model_at_end, else no best is tracked)")
+    greater_is_better: bool = option(True, "metric_for_best_model: a larger value is better (false: smaller, e.g. "
+                                     "eval/mean_completion_length)")
+    load_best_model_at_end: bool = option(
+        False, "export the best checkpoint's weights by metric_for_best_model instead of the last step's (needs "
+        "save_steps to be a multiple of eval_steps, so every checkpoint has an evaluation)")
+
+    def check(self) -> None:
+        wants_eval = self.metric_for_best_model is not None or self.load_best_model_at_end
+        if wants_eval and self.eval_strategy != "steps":
+            key = "metric_for_best_model" if self.metric_for_best_model is not None else "load_best_model_at_end"
+            raise ConfigError(f"{key}: the best checkpoint is judged by evaluations; set train.eval_strategy: steps")
+
+    def resolved(self, *, num_generations: int, logging_steps: int) -> EvalOptions:
+        """A copy with the defaults that follow other keys filled in: eval_steps, num_generations_eval."""
+        return dataclasses.replace(
+            self, eval_steps=self.eval_steps or logging_steps,
+            num_generations_eval=num_generations if self.num_generations_eval is None else self.num_generations_eval)
+
+    @property
+    def best_metric(self) -> str | None:
+        """metric_for_best_model as a step-log key (``eval/...``); eval/accuracy under load_best_model_at_end."""
+        name = self.metric_for_best_model or ("accuracy" if self.load_best_model_at_end else None)
+        if name is None:
+            return None
+        return name if name.startswith("eval/") else f"eval/{name}"
+
+
+def eval_metric_names(e: EvalOptions, reward_names: Sequence[str], tools: bool = False) -> list[str]:
+    """The step-log keys of one evaluation during training (``e`` resolved) a best model can be chosen by
+    (``eval/runtime``, seconds, is logged besides); tools: with the tool metrics."""
+    G = e.num_generations_eval
+    per = [*(f"rewards/{n}/mean" for n in reward_names), "format_compliance", "mean_completion_length",
+           *(TOOL_EVAL_METRICS if tools else ())]
+    sampled = [*(f"pass@{k}" for k in sorted({1, G})), *(f"sampled/{m}" for m in per)] if G > 0 else []
+    return [f"eval/{m}" for m in ("accuracy", *per, *sampled)]
 REQUIRED_COLUMNS = ("prompt_index", "sample_index", "mode", "correct", "format_ok", "completion_length")
 
 
@@ -102,7 +163,7 @@ def summarize_evaluation(per_sample: pd.DataFrame, ks: Iterable[int],
       ``accuracy``: greedy pass@1 = mean over prompts of the greedy sample's correctness;
       ``pass@k`` for each k: mean over prompts of ``pass_at_k(n_p, c_p, k)`` on the sampled rows;
       ``rewards/<name>/mean``, ``format_compliance``, ``mean_completion_length`` (and with tools, records
-      with ``tool_calls`` / ``tool_failures``, config.TOOL_EVAL_METRICS): over greedy rows (the policy's answer), and
+      with ``tool_calls`` / ``tool_failures``, TOOL_EVAL_METRICS): over greedy rows (the policy's answer), and
       the same under ``sampled/`` over sampled rows;
       ``num_prompts``, ``num_samples_per_prompt`` (sampled, minimum over prompts).
     """

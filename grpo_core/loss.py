@@ -1,12 +1,10 @@
-"""The GRPO objective: clipped importance-ratio surrogate + k3 KL penalty + token aggregation.
+"""The GRPO objective: clipped importance-ratio surrogate + k3 KL penalty + token aggregation + entropy bonus.
 
 Same numbers and gradients as TRL 1.16 ``GRPOTrainer._compute_loss`` for every loss type (grpo, bnpo, dr_grpo,
 dapo, luspo: the clipped surrogate; cispo, sapo, vespo: their own policy terms), token- and sequence-level (GSPO)
 importance sampling, two-sided clipping (``delta``), the off-policy sequence mask (OPSM) and the importance-ratio
-corrected KL (``use_bias_correction_kl``). ``GRPOLoss`` is built once from the run's ``LossConfig`` (TRL's names)
-and called per micro-batch; ``grpo_loss`` is its functional form, every option a keyword. Gradient accumulation
-is the caller's business: the loss never divides by the number of accumulation steps (TRL does, for every loss type except ``TOKEN_SUM_LOSS_TYPES``, whose
-``num_items`` already spans the whole generation batch).
+corrected KL (``use_bias_correction_kl``). ``GRPOLoss`` is built once from the run's ``LossOptions`` (TRL's
+names, declared here) and called per micro-batch; ``grpo_loss`` is its functional form.
 
 Per token t of completion i (shapes: (B, T) per token, (B, 1) per sequence):
 
@@ -18,35 +16,107 @@ Per token t of completion i (shapes: (B, T) per token, (B, 1) per sequence):
            = -phi(w_i) * A_i * logp_it                                             vespo
     l_it  *= OPSM's keep mask (B, 1) when off_policy_mask_threshold is set
     kl_it  = exp(ref_it - logp_it) - (ref_it - logp_it) - 1   (k3), times r when kl_ratio_correction
-    loss   = aggregate(l + beta * kl, mask)
+    L      = aggregate(l + beta * kl, mask) / ga  -  coef * H / ga
 
-See docs/algorithm.md for the formulas beside each function.
+ga is the step's gradient accumulation (micro-batches per optimizer step; not for dapo, cispo, vespo, whose
+normaliser already counts the whole step's tokens) and H the mean entropy of the trained tokens: L summed over
+a step's micro-batches is the step's loss. See docs/algorithm.md for the formulas beside each function.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from grpo_core.config import LossConfig
+from grpo_core.options import ConfigError, Options, option
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 _CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the PPO-clip surrogate; the others have their own term
 # Normalised by num_items, the token count of the step's whole batch: never divided again for accumulation.
 TOKEN_SUM_LOSS_TYPES = ("dapo", "cispo", "vespo")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+SAMPLER_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+@dataclass
+class LossOptions(Options):
+    """params.yaml `train:` keys of the policy term, its clipping and aggregation, and the KL term."""
+
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = option(
+        "dapo", "the policy term and its aggregation, TRL's names (formulas in docs/algorithm.md)")
+    beta: float = option(0.0, "KL coefficient against the reference model (0 = no reference model)", ge=0)
+    epsilon: float = option(0.2, "lower clip range: ratio >= 1 - epsilon", gt=0, lt=1)
+    epsilon_high: float | None = option(None, "upper clip range: ratio <= 1 + epsilon_high (None = epsilon); "
+                                        "cispo: the cap on the importance weight itself (e.g. 5.0)", gt=0)
+    delta: float | None = option(None, "two-sided clipping: cap on the unclipped ratio (None = off)", gt=1)
+    importance_sampling_level: Literal["token", "sequence"] = option(
+        "token", "token ratios, or GSPO sequence ratios")
+    sapo_temperature_pos: float = option(1.0, "sapo: gate temperature for positive advantages", gt=0)
+    sapo_temperature_neg: float = option(1.05, "sapo: gate temperature for non-positive advantages", gt=0)
+    vespo_k_pos: float = option(2.0, "vespo: gamma shape k for advantages >= 0", ge=0)
+    vespo_lambda_pos: float = option(3.0, "vespo: gamma rate lambda for advantages >= 0", ge=0)
+    vespo_k_neg: float = option(3.0, "vespo: gamma shape k for negative advantages", ge=0)
+    vespo_lambda_neg: float = option(2.0, "vespo: gamma rate lambda for negative advantages", ge=0)
+    off_policy_mask_threshold: float | None = option(
+        None, "OPSM (DeepSeek-V3.2): drop negative-advantage sequences whose mean KL(sampler || policy) exceeds "
+        "this (None = off)", ge=0)
+
+
+@dataclass
+class EntropyOptions(Options):
+    """params.yaml `train:` keys of the entropy bonus, its adaptive control and the high-entropy token mask."""
+
+    top_entropy_quantile: float = option(
+        1.0, "train the policy term on this top share of tokens by entropy, over the step's micro-batch on every "
+        "process (1 = all; 0.2 = the 20% most uncertain)", gt=0, le=1)
+    entropy_coef: float = option(0.0, "entropy bonus: loss -= entropy_coef * mean entropy of the trained tokens "
+                                 "(use_adaptive_entropy: the starting value)", ge=0)
+    use_adaptive_entropy: bool = option(False, "move entropy_coef by entropy_coef_delta each step: up while the "
+                                        "entropy is at or below entropy_target, down above it; applied only at or "
+                                        "below it")
+    entropy_target: float = option(0.2, "use_adaptive_entropy: the entropy (nats per token) to hold", ge=0)
+    entropy_coef_min: float = option(0.0, "use_adaptive_entropy: lowest entropy_coef", ge=0)
+    entropy_coef_max: float = option(1.0, "use_adaptive_entropy: highest entropy_coef", ge=0)
+    entropy_coef_delta: float = option(0.005, "use_adaptive_entropy: change of entropy_coef per step", ge=0)
+
+    def check(self) -> None:
+        if self.entropy_coef_min > self.entropy_coef_max:
+            raise ConfigError(f"entropy_coef_min: {self.entropy_coef_min} is above entropy_coef_max "
+                              f"({self.entropy_coef_max})")
+
+    @property
+    def logged(self) -> bool:
+        """Whether the coefficient is a metric of the step log (a bonus is on, or may come on)."""
+        return self.entropy_coef != 0.0 or self.use_adaptive_entropy
+
+
+@dataclass
+class SamplerCorrectionOptions(Options):
+    """params.yaml `train:` keys of the trainer-vs-engine importance weight of vLLM samples (``sampler_correction``)."""
+
+    vllm_importance_sampling_correction: bool = option(
+        True, "generation.backend vllm: weight each token's loss by pi_old / pi_sampler, the trainer's to the "
+        "engine's log-probs, which differ by kernels and precision (TRL's name and default)")
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
+        option("sequence_mask", "that ratio per token or per sequence; truncate = clamp to the clip range, mask = 0 "
+               "outside"))
+    vllm_importance_sampling_clip_min: float | None = option(
+        None, "lower end of the ratio's range (None = 0 / unbounded)", ge=0)
+    vllm_importance_sampling_clip_max: float | None = option(
+        3.0, "upper end of the ratio's range (None = unbounded)", gt=0)
 
 
 class GRPOLoss:
-    """The GRPO objective of a run: built once from its ``LossConfig`` (TRL ``GRPOConfig`` names), called per
+    """The GRPO objective of a run: built once from its options (TRL ``GRPOConfig`` names), called per
     micro-batch with tensors.
 
-        loss_fn = GRPOLoss(train_config.loss, max_completion_length=generation.max_completion_length)
-        loss, stats = loss_fn(logps, old_logps, ref_logps, advantages, mask, num_items=...)
+        loss_fn = GRPOLoss(options, max_completion_length=generation.max_completion_length,
+                           gradient_accumulation_steps=ga)
+        loss, stats = loss_fn(logps, old_logps, ref_logps, advantages, mask, num_items=..., entropies=...)
 
-    Construction checks the options (a ValueError naming the first bad one); a call checks its tensors, num_items
-    and, for dr_grpo, max_completion_length against their T.
+    A call checks its tensors, num_items and, for dr_grpo, max_completion_length against their T.
     A call, phase by phase (B completions, T completion tokens; per-sequence values are (B, 1)):
 
         inputs      padding neutralised: logp 0 there, old and ref = logp                (B, T)
@@ -56,25 +126,24 @@ class GRPOLoss:
         weights     OPSM's keep mask (B, 1), the entropy mask (B, T), the sampler ratio
         kl          beta * k3, times the ratio when kl_ratio_correction                  (B, T)
         aggregate   the loss type's normaliser                                            ()
+        step share  / gradient_accumulation_steps (not the token-sum types), minus the entropy bonus
         stats       detached 0-dim diagnostics
 
     max_completion_length: dr_grpo's constant normaliser L (None = the micro-batch's T); the generation section's
     ``max_completion_length`` in a run. The other loss types ignore it.
     """
 
-    def __init__(self, config: LossConfig, max_completion_length: int | None = None) -> None:
-        _check_options(config.loss_type, config.importance_sampling_level, config.beta, config.epsilon,
-                       config.epsilon_high, config.delta)
-        _check_shape_options(config.sapo_temperature_pos, config.sapo_temperature_neg, config.vespo_k_pos,
-                             config.vespo_lambda_pos, config.vespo_k_neg, config.vespo_lambda_neg,
-                             config.off_policy_mask_threshold)
-        self.config = config
+    def __init__(self, options: LossOptions, max_completion_length: int | None = None, *,
+                 gradient_accumulation_steps: int = 1) -> None:
+        self.options = options
         self.max_completion_length = max_completion_length
-        self.epsilon_low = config.epsilon
-        self.epsilon_high = config.epsilon if config.epsilon_high is None else config.epsilon_high
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.epsilon_low = options.epsilon
+        self.epsilon_high = options.epsilon if options.epsilon_high is None else options.epsilon_high
 
     def __repr__(self) -> str:
-        return f"GRPOLoss({self.config!r}, max_completion_length={self.max_completion_length!r})"
+        return (f"GRPOLoss({self.options!r}, max_completion_length={self.max_completion_length!r}, "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps})")
 
     def __call__(
         self,
@@ -89,25 +158,36 @@ class GRPOLoss:
         entropy_mask: torch.Tensor | None = None,
         sampler_ratio: torch.Tensor | None = None,
         kl_ratio_correction: bool = True,
+        entropies: torch.Tensor | None = None,
+        entropy_coef: float = 0.0,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Loss of one micro-batch and its statistics; the arguments and the result are ``grpo_loss``'s."""
+        """Loss of one micro-batch, its share of the step's loss, and its statistics; the arguments and the result
+        are ``grpo_loss``'s. entropies: (B, T) per-token entropies with gradient, for the bonus
+        ``entropy_coef * H`` (H their mean over the trained tokens: ``entropy_mask``, else ``mask``)."""
         self._check_inputs(logps, old_logps, ref_logps, advantages, mask, num_items=num_items,
-                           sampling_logps=sampling_logps, entropy_mask=entropy_mask, sampler_ratio=sampler_ratio)
+                           sampling_logps=sampling_logps, entropy_mask=entropy_mask, sampler_ratio=sampler_ratio,
+                           entropies=entropies, entropy_coef=entropy_coef)
         present = mask > 0                                                     # (B, T) bool, the real tokens
         mask = mask.to(logps.dtype)                                            # (B, T)
         logps, old_logps, ref_logps = _neutralise_padding(present, logps, old_logps, ref_logps)  # (B, T) each
         advantages = advantages.unsqueeze(1)                                   # (B, 1), broadcast over tokens
         logratio = logps - old_logps                                           # (B, T)
-        ratio = ratio_from_logratio(logratio, mask, self.config.importance_sampling_level)  # (B, T) | (B, 1)
+        ratio = ratio_from_logratio(logratio, mask, self.options.importance_sampling_level)  # (B, T) | (B, 1)
         per_token_loss, stats = self.policy_term(ratio, logratio, logps, advantages, mask, sampler_ratio)
         per_token_loss = self.weighted(per_token_loss, advantages, logps, old_logps, present, mask,
                                        sampling_logps=sampling_logps, entropy_mask=entropy_mask,
                                        sampler_ratio=sampler_ratio)            # (B, T) | (B, 1)
         per_token_kl = None
-        if self.config.beta != 0.0:
+        if self.options.beta != 0.0:
             per_token_kl = self.kl_term(logps, ref_logps, ratio, kl_ratio_correction)  # (B, T)
-            per_token_loss = per_token_loss + self.config.beta * per_token_kl
-        loss = aggregate(per_token_loss, mask, self.config.loss_type, self.max_completion_length, num_items)  # ()
+            per_token_loss = per_token_loss + self.options.beta * per_token_kl
+        loss = aggregate(per_token_loss, mask, self.options.loss_type, self.max_completion_length, num_items)  # ()
+        ga = self.gradient_accumulation_steps
+        if self.options.loss_type not in TOKEN_SUM_LOSS_TYPES and ga != 1:  # those count the whole step's tokens
+            loss = loss / ga
+        if entropy_coef != 0.0:  # the same bonus whatever the loss type's normaliser (TRL)
+            trained = present if entropy_mask is None else entropy_mask
+            loss = loss - entropy_coef * entropy_mean(entropies, trained) / ga
         return loss, self.stats(stats, ratio, per_token_kl, mask)
 
     def policy_term(self, ratio: torch.Tensor, logratio: torch.Tensor, logps: torch.Tensor, advantages: torch.Tensor,
@@ -116,7 +196,7 @@ class GRPOLoss:
 
         ratio (B, T) | (B, 1); logratio, logps, mask (B, T); advantages (B, 1).
         """
-        c = self.config
+        c = self.options
         if c.loss_type in _CLIPPED:
             pg_loss = clipped_surrogate(ratio, advantages, self.epsilon_low, self.epsilon_high, c.delta)
             return pg_loss, clip_stats(_capped(ratio, c.delta), advantages, mask, self.epsilon_low, self.epsilon_high)
@@ -136,13 +216,13 @@ class GRPOLoss:
                  sampler_ratio: torch.Tensor | None) -> torch.Tensor:
         """The policy loss times OPSM's keep mask (B, 1), the entropy mask (B, T) and the sampler ratio (B, T) |
         (B, 1) - each only when set; vespo has already folded the sampler ratio into its weight."""
-        if self.config.off_policy_mask_threshold is not None:
+        if self.options.off_policy_mask_threshold is not None:
             sampled = old_logps if sampling_logps is None else torch.where(present, sampling_logps, logps.detach())
-            keep = off_policy_mask(advantages, logps, sampled, mask, self.config.off_policy_mask_threshold)
+            keep = off_policy_mask(advantages, logps, sampled, mask, self.options.off_policy_mask_threshold)
             per_token_loss = per_token_loss * keep
         if entropy_mask is not None:
             per_token_loss = per_token_loss * entropy_mask.to(per_token_loss.dtype)
-        if sampler_ratio is not None and self.config.loss_type != "vespo":
+        if sampler_ratio is not None and self.options.loss_type != "vespo":
             per_token_loss = per_token_loss * sampler_ratio.to(per_token_loss.dtype)
         return per_token_loss
 
@@ -167,7 +247,7 @@ class GRPOLoss:
         return stats
 
     def _check_inputs(self, logps, old_logps, ref_logps, advantages, mask, *, num_items, sampling_logps,
-                      entropy_mask, sampler_ratio) -> None:
+                      entropy_mask, sampler_ratio, entropies, entropy_coef) -> None:
         """Raise ValueError naming the first tensor (or per-call count) out of contract."""
         _check_tensors(logps, old_logps, ref_logps, advantages, mask)
         for name, extra in (("sampling_logps", sampling_logps), ("entropy_mask", entropy_mask)):
@@ -176,13 +256,16 @@ class GRPOLoss:
         if sampler_ratio is not None and tuple(sampler_ratio.shape) not in (tuple(logps.shape), (logps.shape[0], 1)):
             raise ValueError(
                 f"sampler_ratio must be (B, T) {tuple(logps.shape)} or (B, 1), got {_describe(sampler_ratio)}")
-        if (sampler_ratio is not None and self.config.loss_type == "vespo" and sampler_ratio.shape[1] == 1
+        if (sampler_ratio is not None and self.options.loss_type == "vespo" and sampler_ratio.shape[1] == 1
                 and logps.shape[1] != 1):
             raise ValueError("sampler_ratio: vespo takes a token-level correction (token_truncate or token_mask)")
-        _check_normalisers(self.config.loss_type, self.max_completion_length, num_items,
+        _check_normalisers(self.options.loss_type, self.max_completion_length, num_items,
                            completion_length=logps.shape[1])
-        if self.config.beta != 0.0 and ref_logps is None:
-            raise ValueError(f"ref_logps is required when beta != 0 (beta={self.config.beta})")
+        if entropy_coef != 0.0 and (entropies is None or tuple(entropies.shape) != tuple(logps.shape)):
+            raise ValueError(f"entropies must have the shape of logps {tuple(logps.shape)} when entropy_coef != 0, "
+                             f"got {_describe(entropies)}")
+        if self.options.beta != 0.0 and ref_logps is None:
+            raise ValueError(f"ref_logps is required when beta != 0 (beta={self.options.beta})")
 
 
 def _neutralise_padding(present: torch.Tensor, logps: torch.Tensor, old_logps: torch.Tensor | None,
@@ -207,27 +290,17 @@ def grpo_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    loss_type: str = "dapo",
-    beta: float = 0.0,
     epsilon_low: float = 0.2,
-    epsilon_high: float | None = None,
-    delta: float | None = None,
-    importance_sampling_level: str = "token",
     kl_ratio_correction: bool = True,
     max_completion_length: int | None = None,
     num_items: int | float | torch.Tensor | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-    vespo_k_pos: float = 2.0,
-    vespo_lambda_pos: float = 3.0,
-    vespo_k_neg: float = 3.0,
-    vespo_lambda_neg: float = 2.0,
-    off_policy_mask_threshold: float | None = None,
     sampling_logps: torch.Tensor | None = None,
     entropy_mask: torch.Tensor | None = None,
     sampler_ratio: torch.Tensor | None = None,
+    **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO loss of one micro-batch and its statistics: ``GRPOLoss`` built from these options, then called.
+    """GRPO loss of one micro-batch and its statistics: ``GRPOLoss`` built from ``LossOptions(epsilon=epsilon_low,
+    **options)``, then called. ``options`` are LossOptions' keys (TRL's names; defaults and limits there).
 
     Args:
         logps: (B, T) log-probs of the sampled completion tokens under the current policy (with grad).
@@ -266,35 +339,19 @@ def grpo_loss(
         "clip_ratio/region_mean" (the clipped family), "cispo_clip_ratio" (cispo), "vespo/phi_seq_mean"
         (vespo); always "ratio_mean"; "kl" only when beta != 0 (as TRL logs it).
     """
-    # The tensors first, as before the loss was an object: with several bad arguments the same one is named.
-    _check_tensors(logps, old_logps, ref_logps, advantages, mask)
-    config = LossConfig(
-        loss_type=loss_type, beta=beta, epsilon=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-        importance_sampling_level=importance_sampling_level, sapo_temperature_pos=sapo_temperature_pos,
-        sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
-        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg, off_policy_mask_threshold=off_policy_mask_threshold,
-    )
-    return GRPOLoss(config, max_completion_length)(
+    _check_tensors(logps, old_logps, ref_logps, advantages, mask)  # with several bad arguments, a tensor is named
+    try:
+        loss_options = LossOptions(epsilon=epsilon_low, **options)
+    except ConfigError as err:  # this form's name for TRL's epsilon
+        raise ConfigError(str(err).replace("epsilon:", "epsilon_low:", 1)) from None
+    return GRPOLoss(loss_options, max_completion_length)(
         logps, old_logps, ref_logps, advantages, mask, num_items=num_items, sampling_logps=sampling_logps,
-        entropy_mask=entropy_mask, sampler_ratio=sampler_ratio, kl_ratio_correction=kl_ratio_correction,
-    )
-
-
-def importance_ratio(
-    logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str
-) -> torch.Tensor:
-    """pi_theta / pi_old per token (B, T), or per sequence (B, 1) as the exp of the masked mean log-ratio.
-
-    token:    r_it = exp(logp_it - old_it)
-    sequence: r_i  = exp( sum_t m_it (logp_it - old_it) / max(1, sum_t m_it) )   (GSPO, length-normalised)
-    TRL 1.16 uses the sequence ratio as is (no stop-gradient trick), so each token's gradient is
-    r_i * A_i / |o_i| * grad logp_it while unclipped.
-    """
-    return ratio_from_logratio(logps - old_logps, mask, level)
+        entropy_mask=entropy_mask, sampler_ratio=sampler_ratio, kl_ratio_correction=kl_ratio_correction)
 
 
 def ratio_from_logratio(logratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
-    """``importance_ratio`` of the log-ratio logp - old (B, T): (B, T) at token level, (B, 1) at sequence level."""
+    """pi_theta / pi_old from the log-ratio logp - old (B, T): per token (B, T), or per sequence (B, 1) as the exp
+    of the masked mean log-ratio (GSPO, length-normalised; TRL 1.16 uses it as is, no stop-gradient trick)."""
     if level == "token":
         return torch.exp(logratio)
     mean_logratio = (logratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # empty row -> 0 -> ratio 1
@@ -356,7 +413,6 @@ def vespo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-SAMPLER_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @torch.no_grad()
@@ -549,37 +605,6 @@ def _check_tensors(logps, old_logps, ref_logps, advantages, mask) -> None:
             raise ValueError(f"{name} must have the shape of logps {shape}, got {_describe(tensor)}")
     if not isinstance(advantages, torch.Tensor) or tuple(advantages.shape) != shape[:1]:
         raise ValueError(f"advantages must have shape (B,) = {shape[:1]}, got {_describe(advantages)}")
-
-
-def _check_options(loss_type, level, beta, epsilon_low, epsilon_high, delta) -> None:
-    """Raise ValueError naming the first option that is out of contract."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    if level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(
-            f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {level!r}"
-        )
-    if not _is_real(beta) or beta < 0:
-        raise ValueError(f"beta must be a number >= 0, got {beta!r}")
-    if not _is_real(epsilon_low) or not 0 <= epsilon_low <= 1:
-        raise ValueError(f"epsilon_low must be in [0, 1], got {epsilon_low!r}")
-    if epsilon_high is not None and (not _is_real(epsilon_high) or epsilon_high < 0):
-        raise ValueError(f"epsilon_high must be a number >= 0 or None, got {epsilon_high!r}")
-    if delta is not None and (not _is_real(delta) or delta <= 0):
-        raise ValueError(f"delta must be a number > 0 or None, got {delta!r}")
-
-
-def _check_shape_options(sapo_pos, sapo_neg, k_pos, lambda_pos, k_neg, lambda_neg, opsm) -> None:
-    """Raise ValueError naming the first SAPO / VESPO / OPSM option out of contract."""
-    for name, value in (("sapo_temperature_pos", sapo_pos), ("sapo_temperature_neg", sapo_neg)):
-        if not _is_real(value) or value <= 0:
-            raise ValueError(f"{name} must be a number > 0, got {value!r}")
-    for name, value in (("vespo_k_pos", k_pos), ("vespo_lambda_pos", lambda_pos), ("vespo_k_neg", k_neg),
-                        ("vespo_lambda_neg", lambda_neg)):
-        if not _is_real(value) or value < 0:
-            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-    if opsm is not None and (not _is_real(opsm) or opsm < 0):
-        raise ValueError(f"off_policy_mask_threshold must be a number >= 0 or None, got {opsm!r}")
 
 
 def _check_normalisers(loss_type, max_completion_length, num_items, completion_length: int) -> None:

@@ -38,6 +38,7 @@ import pandas as pd
 from pandera.typing import Series
 
 from grpo_core.errors import ValidationFailure
+from grpo_core.options import Options, option
 from grpo_core.rewards.scoring import call_reward
 
 try:
@@ -49,6 +50,12 @@ KNOWN_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 OVERLONG_POLICIES = ("truncate", "error")
 VALUE_CHARS = 200  # report values are truncated to this many characters
 GOLD_REASONING = "Reasoning omitted: validating the gold answer."
+
+
+@dataclass
+class ValidateConfig(Options):
+    check_gold_reward: bool = option(True, "the gold answer must score the maximum under each correctness reward")
+    max_report_rows: int = option(1000, "failures listed in the report at most", ge=1)
 
 
 class DataValidationError(ValidationFailure, ValueError):

@@ -184,7 +184,7 @@ def test_auto_turns_async_on_exactly_where_the_worker_can_serve(assets, monkeypa
     model_dir, data = assets
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     cfg = tiny_config(model_dir, data, DIGITS, async_rollouts="auto", **knobs)
-    assert cfg.train.async_rollouts is resolved and cfg.train.rollouts.async_rollouts is resolved
+    assert cfg.train.rollouts.async_rollouts is resolved and cfg.train.rollouts.async_rollouts is resolved
 
 
 def test_params_yaml_asks_for_auto():

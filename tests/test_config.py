@@ -7,14 +7,15 @@ import yaml
 
 from grpo_core.config import (
     ConfigError,
-    DataConfig,
-    GenerationConfig,
-    TrainConfig,
     config_from_dict,
-    describe,
+    describe_train,
     load_config,
+    train_key_owner,
     training_params_hash,
 )
+from grpo_core.data import DataConfig
+from grpo_core.options import describe
+from grpo_core.rollout import GenerationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,10 +26,10 @@ def base() -> dict:
 
 def test_shipped_params_validate():
     cfg = load_config(ROOT / "params.yaml")
-    assert cfg.train.num_generations >= 2
+    assert cfg.train.batch.num_generations >= 2
     assert [r.name for r in cfg.rewards] == ["correctness", "format"]
     # 64 completions per generation round = 8 whole groups of 8
-    assert cfg.train.generation_batch_size % cfg.train.num_generations == 0
+    assert cfg.train.batch_plan.generation_batch_size % cfg.train.batch.num_generations == 0
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")) if (ROOT / "configs").exists() else [])
@@ -48,7 +49,7 @@ def test_example_configs_validate(path):
         (lambda d: d["train"].update(mask_truncated_completions="yes"), "train.mask_truncated_completions: expected true or false"),
         (lambda d: d["train"].update(per_device_train_batch_size=12), "must be divisible by train.num_generations (8)"),
         (lambda d: d["train"].update(reward_weights=[1.0]), "train.reward_weights: 1 weights for 2 reward functions"),
-        (lambda d: d["train"].update(epsilon_high=0.1), "train.epsilon_high: 0.1 is below train.epsilon"),
+        (lambda d: d["train"].update(epsilon_high=0.1), "train.epsilon_high: 0.1 is below epsilon (0.2)"),
         (lambda d: d["model"].update(lora={"r": 0}), "model.lora.r: 0 is out of range; allowed: >= 1"),
         (lambda d: d["rewards"][0].update(weight=2.0), "rewards[0].weight: unknown key"),
         (lambda d: d["rewards"][1].update(name="correctness"), "rewards: names must be unique"),
@@ -87,14 +88,14 @@ def test_bad_params_name_the_key(mutate, message):
 
 def test_overrides_apply_and_are_checked():
     cfg = config_from_dict(base(), {"train.learning_rate": 1e-4, "train.max_steps": 3})
-    assert cfg.train.learning_rate == 1e-4 and cfg.train.max_steps == 3
+    assert cfg.train.optim.learning_rate == 1e-4 and cfg.train.max_steps == 3
     with pytest.raises(ConfigError, match="train.max_stepz: unknown key; did you mean 'max_steps'"):
         config_from_dict(base(), {"train.max_stepz": 3})
 
 
 def test_ints_are_accepted_for_floats_but_not_bools():
     cfg = config_from_dict(base(), {"train.beta": 0})
-    assert cfg.train.beta == 0.0 and isinstance(cfg.train.beta, float)
+    assert cfg.train.loss.beta == 0.0 and isinstance(cfg.train.loss.beta, float)
     with pytest.raises(ConfigError, match="train.beta: expected a number"):
         config_from_dict(base(), {"train.beta": True})
 
@@ -128,7 +129,7 @@ def test_params_hash_sees_the_global_batch_not_its_split_over_processes():
 
 
 def test_every_train_field_is_documented():
-    rows = describe(TrainConfig)
+    rows = describe_train()
     assert all(meaning for _, _, _, meaning in rows)
     names = {r[0] for r in rows}
     # TRL GRPOConfig names the contract promises
@@ -148,7 +149,9 @@ def test_every_train_field_is_documented():
     assert "max_prompt_length" in {r[0] for r in describe(DataConfig) if r[3]}
     import typing
 
-    assert set(typing.get_args(typing.get_type_hints(TrainConfig)["loss_type"])) == {
+    from grpo_core.loss import LossOptions
+
+    assert set(typing.get_args(typing.get_type_hints(LossOptions)["loss_type"])) == {
         "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"}  # TRL 1.16's loss types
 
 
@@ -156,7 +159,7 @@ def test_every_train_field_is_documented():
 def test_cispo_needs_its_cap_above_one(epsilon_high):
     with pytest.raises(ConfigError, match="train.epsilon_high: cispo caps the importance weight"):
         config_from_dict(base(), {"train.loss_type": "cispo", "train.epsilon_high": epsilon_high})
-    assert config_from_dict(base(), {"train.loss_type": "cispo", "train.epsilon_high": 5.0}).train.epsilon_high == 5.0
+    assert config_from_dict(base(), {"train.loss_type": "cispo", "train.epsilon_high": 5.0}).train.loss.epsilon_high == 5.0
 
 
 @pytest.mark.parametrize(("key", "value"), [("sapo_temperature_pos", 0.0), ("vespo_k_neg", -1.0),
@@ -172,7 +175,7 @@ def test_params_are_read_as_yaml_1_2_like_dvc_writes_them(tmp_path):
     text = text.replace("learning_rate: 5.0e-4", "learning_rate: 5e-4")
     (tmp_path / "params.yaml").write_text(text)
     cfg = load_config(tmp_path / "params.yaml")
-    assert cfg.train.mixed_precision == "no"
+    assert cfg.train.forward.mixed_precision == "no"
 
 
 def test_generation_options_reach_sampling_and_bad_generation_kwargs_name_the_key():
@@ -216,8 +219,8 @@ def test_generation_batch_size_sets_steps_per_generation_as_in_trl():
     base = {"rewards": [{"name": "c", "function": "correctness"}], "data": {"train_files": ["t.jsonl"]},
             "train": {"per_device_train_batch_size": 8, "num_generations": 4}}
     cfg = config_from_dict({**base, "generation": {"generation_batch_size": 32}})
-    assert cfg.train.steps_per_generation == 4 and cfg.train.generation_batch_size == 32   # 32 / (8 x 1 process)
-    assert config_from_dict(base).train.generation_batch_size == 8    # null: per_device x processes x ga
+    assert cfg.train.batch.steps_per_generation == 4 and cfg.train.batch_plan.generation_batch_size == 32   # 32 / (8 x 1 process)
+    assert config_from_dict(base).train.batch_plan.generation_batch_size == 8    # null: per_device x processes x ga
     with pytest.raises(ConfigError, match="generation.generation_batch_size: 20 is not a multiple of"):
         config_from_dict({**base, "generation": {"generation_batch_size": 20}})
     with pytest.raises(ConfigError, match="set together with train.steps_per_generation"):
@@ -226,15 +229,12 @@ def test_generation_batch_size_sets_steps_per_generation_as_in_trl():
 
 
 def test_train_keys_are_grouped_by_owner_and_every_key_has_one_group():
-    """The views of `train:` (t.loss, t.optim, ...) together hold every train key but reward_weights (read by
-    calibration.training_reward_weights beside them), each under its own name."""
-    import dataclasses
-
-    from grpo_core.config import TRAIN_VIEWS, TrainConfig
-
-    t = TrainConfig()
-    grouped = {f.name for view in TRAIN_VIEWS for f in dataclasses.fields(view)}
-    assert {f.name for f in dataclasses.fields(TrainConfig)} - grouped == {"reward_weights"}
-    assert grouped <= {f.name for f in dataclasses.fields(TrainConfig)}
-    assert t.loss.epsilon == t.epsilon and t.optim.learning_rate == t.learning_rate
-    assert t.batch.steps_per_round == t.effective_steps_per_generation
+    """params.yaml's flat `train:` keys each live in one group (t.loss, t.optim, ...) or on TrainConfig itself, with
+    TRL's names; a key set flat lands in its group and nowhere else."""
+    owner = train_key_owner()
+    assert len(owner) == 86 and owner["epsilon"] == "loss" and owner["learning_rate"] == "optim"
+    assert owner["seed"] is None and owner["reward_weights"] == "advantage"
+    cfg = config_from_dict(base(), {"train.epsilon": 0.3, "train.steps_per_generation": 2})
+    assert cfg.train.loss.epsilon == 0.3 and cfg.train.batch_plan.micro_batches_per_round == 2
+    assert not hasattr(cfg.train, "epsilon")  # one place: the group, not a copy on the train config
+    assert {row[0] for row in describe_train()} == set(owner)

@@ -7,8 +7,15 @@ import json
 import pandas as pd
 import pytest
 
-from grpo_core.config import DATA_FILES_FORMS, DataConfig
-from grpo_core.data import DataError, PromptEncoder, completion_for_reward, load_split, resolve_data_paths
+from grpo_core.data import (
+    DATA_FILES_FORMS,
+    DataConfig,
+    DataError,
+    PromptEncoder,
+    completion_for_reward,
+    load_split,
+    resolve_data_paths,
+)
 from grpo_core.embedded.tasks import vocabulary_words
 from grpo_core.embedded.tokenizer import build_tokenizer
 

@@ -80,7 +80,7 @@ def test_a_checkpoint_that_fills_the_disk_keeps_the_last_one_and_resumes_once_th
                                                r"on its filesystem\)") as info:
         train(cfg, root=root, progress=False)
     assert exit_code_for(info.value) == EXIT_ERROR
-    checkpoints = root / cfg.train.output_dir / "checkpoints"
+    checkpoints = root / cfg.train.checkpoints.output_dir / "checkpoints"
     assert [p.name for p in list_checkpoints(checkpoints)] == ["checkpoint-1"]
     assert checkpoint_problem(checkpoints / "checkpoint-1") is None  # the previous checkpoint stays valid
     assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-1"]  # the partial write is gone

@@ -1,6 +1,6 @@
-"""dvc.yaml's `params:` cover what each stage reads (issue 29): the keys are derived from the inputs each stage
-is handed (``stage_inputs`` in flows/stages/<stage>.py, a record of sections and views of `train:`), never listed
-twice by hand. A stage missing a key would let `dvc repro` serve an old calibration or evaluation as current."""
+"""dvc.yaml's `params:` cover what each stage reads: the keys are derived from the inputs each stage is handed
+(``stage_inputs`` in flows/stages/<stage>.py, a record of sections and groups of `train:`), never listed twice by
+hand. A stage missing a key would let `dvc repro` serve an old calibration or evaluation as current."""
 
 from __future__ import annotations
 
@@ -11,14 +11,8 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from grpo_core.config import (
-    PipelineConfig,
-    RewardCallConfig,
-    RoundSizeConfig,
-    load_config,
-    only_sections,
-    params_read,
-)
+from grpo_core.config import PipelineConfig, load_config, only_sections, params_read
+from grpo_core.rewards.scoring import RewardCallOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ["prepare", "convert", "validate", "calibrate", "train", "evaluate"]
@@ -48,26 +42,25 @@ def test_dvc_yaml_lists_every_key_the_stage_reads(stage):
 
 
 def test_the_sampling_stages_track_the_whole_generation_section():
-    """The bug of issue 29: calibrate and evaluate ignored train.min_p / repetition_penalty / generation_kwargs."""
+    """Calibrate and evaluate sample as training does: a change of generation.* re-runs them too."""
     cfg = load_config(ROOT / "params.yaml")
     for stage in ("calibrate", "train", "evaluate"):
         assert "generation" in params_read(importlib.import_module(f"flows.stages.{stage}").stage_inputs(cfg))
         assert "generation" in dvc_params(stage)
 
 
-def test_params_read_derives_keys_from_sections_views_and_named_fields():
+def test_params_read_derives_keys_from_sections_groups_and_named_fields():
     @dataclasses.dataclass
     class Inputs:
         generation: object
-        round_size: RoundSizeConfig
-        calls: RewardCallConfig
+        calls: RewardCallOptions
         seed: int = dataclasses.field(default=0, metadata={"param": "train.seed"})
+        size: int = dataclasses.field(default=0, metadata={"param": ("train.num_generations", "train.num_processes")})
 
     t = PipelineConfig().train
-    assert params_read(Inputs(PipelineConfig().generation, t.round_size, t.reward_calls)) == [
-        "generation", "train.per_device_train_batch_size", "train.gradient_accumulation_steps",
-        "train.steps_per_generation", "train.num_processes", "train.reward_errors", "train.reward_timeout_s",
-        "train.seed"]
+    assert params_read(Inputs(PipelineConfig().generation, t.reward_calls)) == [
+        "generation", "train.reward_errors", "train.reward_timeout_s", "train.seed", "train.num_generations",
+        "train.num_processes"]
 
 
 def test_a_missing_key_is_caught():

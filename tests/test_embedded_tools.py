@@ -388,7 +388,7 @@ def test_recipe_is_params_yaml_with_the_calculator_task():
     recipe = yaml.safe_load((REPO / "configs/embedded-tools.yaml").read_text())
     cfg = load_config(REPO / "configs/embedded-tools.yaml")
     assert cfg.embedded.tasks == ["calculator"] and cfg.train.tool_use.enabled
-    module, _, name = cfg.train.tools[0].partition(":")
+    module, _, name = cfg.train.tool_use.tools[0].partition(":")
     assert getattr(importlib.import_module(module), name) is calculator
     undo_recipe_changes(recipe, default, RECIPE_CHANGES)
     assert recipe["rewards"] == [{"name": "correctness", "function": "correctness", "kwargs": {}, "target_share": 1.0}]

@@ -105,15 +105,15 @@ def test_design_doc_names_every_module_and_only_modules_that_exist():
 
 # grpo_core's layers, bottom to top (grpo_core/__init__.py); flows/ above them all.
 LAYERS = [
-    ("grpo_core.errors", "grpo_core.files", "grpo_core.rng", "grpo_core.expressions"),
-    ("grpo_core.config", "grpo_core.embedded"),
+    ("grpo_core.errors", "grpo_core.files", "grpo_core.rng", "grpo_core.expressions", "grpo_core.options"),
+    ("grpo_core.embedded",),
     ("grpo_core.advantages", "grpo_core.loss", "grpo_core.microbatch", "grpo_core.calibration",
      "grpo_core.evaluation"),
     ("grpo_core.model",),
     ("grpo_core.tools", "grpo_core.rollout"),
     ("grpo_core.data", "grpo_core.rewards", "grpo_core.sampling", "grpo_core.validation"),
     ("grpo_core.held_out",),
-    ("grpo_core.train",),
+    ("grpo_core.train", "grpo_core.config"),  # config assembles the options the layers below declare
     ("flows",),
 ]
 

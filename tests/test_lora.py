@@ -170,8 +170,7 @@ def test_disable_dropout_makes_the_training_forward_repeatable(assets):
     """LoRA's adapter dropout (0.5 here) makes two training-mode forwards differ; disable_dropout (TRL's
     disable_dropout) switches every dropout module off, so they agree - the log-probs the loss sees are the
     sampled policy's."""
-    from grpo_core.config import LoraConfig, ModelConfig
-    from grpo_core.model.loading import disable_dropout, load_policy
+    from grpo_core.model.loading import LoraConfig, ModelConfig, disable_dropout, load_policy
 
     model_dir, _ = assets
     cfg = ModelConfig(name_or_path=str(model_dir), lora=LoraConfig(**{**LORA, "lora_dropout": 0.5}))
@@ -195,8 +194,7 @@ def test_the_lora_reference_is_scored_as_the_policy_with_its_adapters_off(assets
     logits_to_keep), never the (B, L, V) logits of the prompt too; its log-probs are the base model's."""
     from transformers import AutoModelForCausalLM
 
-    from grpo_core.config import LoraConfig, ModelConfig
-    from grpo_core.model.loading import AdapterDisabledReference, load_policy
+    from grpo_core.model.loading import AdapterDisabledReference, LoraConfig, ModelConfig, load_policy
     from grpo_core.model.logprobs import token_logprobs_and_entropy
 
     model_dir, _ = assets

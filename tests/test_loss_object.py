@@ -1,5 +1,5 @@
-"""GRPOLoss: built once from a LossConfig (TRL names), called per micro-batch; the same numbers as grpo_loss, bit for
-bit, for every loss type and importance-sampling level; options checked at construction; fed by TrainConfig().loss."""
+"""GRPOLoss: built once from LossOptions (TRL names), called per micro-batch; the same numbers as grpo_loss, bit for
+bit, for every loss type and importance-sampling level; options checked when they are made; fed by TrainConfig().loss."""
 
 import ast
 import dataclasses
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_core.config import LossConfig, TrainConfig
-from grpo_core.loss import GRPOLoss, grpo_loss
+from grpo_core.config import TrainConfig
+from grpo_core.loss import GRPOLoss, LossOptions, grpo_loss
 
 F64 = torch.float64
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
@@ -18,12 +18,12 @@ LEVELS = ["token", "sequence"]
 REPO = Path(__file__).resolve().parents[1]
 
 
-def loss_config(**changes) -> LossConfig:
+def loss_config(**changes) -> LossOptions:
     """The loss section of the default train config (TRL GRPOConfig's defaults), with ``changes``."""
     return dataclasses.replace(TrainConfig().loss, **changes)
 
 
-def functional_options(config: LossConfig) -> dict:
+def functional_options(config: LossOptions) -> dict:
     """The same options as grpo_loss keywords (TRL's ``epsilon`` is grpo_loss's ``epsilon_low``)."""
     options = dataclasses.asdict(config)
     options["epsilon_low"] = options.pop("epsilon")
@@ -151,14 +151,10 @@ def test_a_call_checks_only_what_comes_with_it():
 def test_train_config_loss_feeds_it_directly():
     t = TrainConfig()
     loss_fn = GRPOLoss(t.loss, max_completion_length=32)
-    assert loss_fn.config == t.loss and loss_fn.max_completion_length == 32
+    assert loss_fn.options == t.loss and loss_fn.max_completion_length == 32
     logps, tensors, _ = micro_batch()
     ours = run(loss_fn, logps, tensors)
-    theirs = run(grpo_loss, logps, tensors, loss_type=t.loss_type, beta=t.beta, epsilon_low=t.epsilon,
-                 epsilon_high=t.epsilon_high, delta=t.delta, importance_sampling_level=t.importance_sampling_level,
-                 sapo_temperature_pos=t.sapo_temperature_pos, sapo_temperature_neg=t.sapo_temperature_neg,
-                 vespo_k_pos=t.vespo_k_pos, vespo_lambda_pos=t.vespo_lambda_pos, vespo_k_neg=t.vespo_k_neg,
-                 vespo_lambda_neg=t.vespo_lambda_neg, off_policy_mask_threshold=t.off_policy_mask_threshold)
+    theirs = run(grpo_loss, logps, tensors, **functional_options(t.loss))
     assert_same_results(ours, theirs)
 
 
@@ -170,16 +166,33 @@ def test_max_completion_length_is_dr_grpos_normaliser():
     torch.testing.assert_close(with_32 * 32, with_t * 7, rtol=1e-12, atol=0)
 
 
-def test_grpo_loss_keeps_its_signature_and_wraps_the_object():
+CONTRACT_KEYWORDS = {  # ../shared/CONTRACT.md's grpo_loss keywords, with TRL's names
+    "loss_type": "dapo", "beta": 0.0, "epsilon_low": 0.2, "epsilon_high": None, "delta": None,
+    "importance_sampling_level": "token", "kl_ratio_correction": True, "max_completion_length": None,
+    "num_items": None, "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05, "vespo_k_pos": 2.0,
+    "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0, "off_policy_mask_threshold": None}
+
+
+def test_grpo_loss_takes_the_contracts_keywords_with_their_defaults_and_nothing_else():
     parameters = inspect.signature(grpo_loss).parameters
     assert list(parameters)[:5] == ["logps", "old_logps", "ref_logps", "advantages", "mask"]
-    assert {name for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY} == {
-        "loss_type", "beta", "epsilon_low", "epsilon_high", "delta", "importance_sampling_level",
-        "kl_ratio_correction", "max_completion_length", "num_items", "sapo_temperature_pos", "sapo_temperature_neg",
-        "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold",
-        "sampling_logps", "entropy_mask", "sampler_ratio"}
+    logps, tensors, extras = micro_batch()
+    defaults = run(grpo_loss, logps, tensors)
+    assert_same_results(run(grpo_loss, logps, tensors, **CONTRACT_KEYWORDS), defaults)
+    assert_same_results(run(grpo_loss, logps, tensors, sampling_logps=extras["sampling_logps"],
+                            entropy_mask=extras["entropy_mask"], sampler_ratio=extras["sampler_ratio"]),
+                        run(GRPOLoss(TrainConfig().loss), logps, tensors, sampling_logps=extras["sampling_logps"],
+                            entropy_mask=extras["entropy_mask"], sampler_ratio=extras["sampler_ratio"]))
+    with pytest.raises(TypeError, match="epsilonn"):
+        grpo_loss(logps, None, None, tensors["advantages"], tensors["mask"], epsilonn=0.1)
+
+
+def test_grpo_loss_is_a_thin_call_onto_the_object():
+    """Its options are LossOptions' (one list, one set of defaults and limits), not a second list."""
     source = inspect.getsource(grpo_loss)
-    assert "GRPOLoss(" in source and len(source.splitlines()) < 90
+    assert "GRPOLoss(" in source and "LossOptions(" in source
+    body = source[source.index('"""', source.index('"""') + 3) + 3:]
+    assert len(body.strip().splitlines()) <= 8
 
 
 @pytest.mark.parametrize("path", ["grpo_core/loss.py", "grpo_core/model/fastforward.py",

@@ -89,7 +89,7 @@ def test_values_golds_that_do_not_parse_and_chat_completions():
 
 
 def test_it_is_a_built_in_and_judges_correctness_in_evaluation():
-    from grpo_core.config import RewardSpec
+    from grpo_core.rewards.base import RewardSpec
 
     spec = RewardSpec(name="math", function="math_verify", kwargs={"correct": 3.0})
     (fn,) = build_reward_functions([spec])

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from benchmarks import memory_plan as mp
-from grpo_core.config import LoraConfig, ModelConfig, TrainConfig
-from grpo_core.model.loading import load_policy
+from grpo_core.config import TrainConfig
+from grpo_core.model.loading import LoraConfig, ModelConfig, load_policy
 from grpo_core.train.optim import build_optimizer_and_scheduler
 from tests.tiny import make_tiny_model
 

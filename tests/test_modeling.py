@@ -6,8 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo_core.config import ModelConfig
-from grpo_core.model.loading import ModelLoadError, load_model, load_tokenizer
+from grpo_core.model.loading import ModelConfig, ModelLoadError, load_model, load_tokenizer
 from grpo_core.train.loop import train
 from tests.tiny import make_prompts, make_tiny_model, tiny_config
 

@@ -195,7 +195,7 @@ def test_tools_need_chat_prompts(tok):
 
 
 def _tool_use(tools=(), environment_factory=None):
-    from grpo_core.config import ToolUseConfig
+    from grpo_core.tools import ToolUseOptions as ToolUseConfig
 
     return ToolUseConfig(list(tools), environment_factory, None, 10.0, None)
 

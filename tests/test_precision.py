@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_core.config import ModelConfig
-from grpo_core.model.loading import load_policy
+from grpo_core.model.loading import ModelConfig, load_policy
 from tests.tiny import make_prompts, make_tiny_model, read_log
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,7 +31,7 @@ def test_trained_weights_are_float32_masters_whatever_the_model_dtype(assets):
 
 def test_lora_keeps_the_frozen_base_in_model_dtype_and_the_adapters_in_float32(assets):
     pytest.importorskip("peft")
-    from grpo_core.config import LoraConfig
+    from grpo_core.model.loading import LoraConfig
 
     model, _ = load_policy(ModelConfig(name_or_path=str(assets[0]), dtype="bfloat16", lora=LoraConfig(r=2)))
     trainable = {p.dtype for p in model.parameters() if p.requires_grad}

@@ -65,8 +65,8 @@ def test_overrides_are_validated_and_written_like_dvc_exp_run(tmp_path):
     text = params.read_text()
     assert "# grpo-pipeline parameters" in text  # comments kept
     cfg = load_params(params)
-    assert cfg.train.learning_rate == 1e-4 and cfg.evaluate.pass_k == [1, 2]
-    assert cfg.train.mixed_precision == "no"  # survives the ruamel rewrite
+    assert cfg.train.optim.learning_rate == 1e-4 and cfg.evaluate.pass_k == [1, 2]
+    assert cfg.train.forward.mixed_precision == "no"  # survives the ruamel rewrite
 
 
 HOLD = """
@@ -103,7 +103,7 @@ def test_overrides_are_refused_while_a_stage_runs_and_nothing_is_written(tmp_pat
             apply_params_overrides(params, {"train.learning_rate": 1e-4})
     assert params.read_text() == (REPO / "params.yaml").read_text()
     apply_params_overrides(params, {"train.learning_rate": 1e-4})  # the stage ended: its lock with it
-    assert load_params(params).train.learning_rate == 1e-4
+    assert load_params(params).train.optim.learning_rate == 1e-4
 
 
 def test_summary_lists_stages_weights_evaluation_and_registry(tmp_path):

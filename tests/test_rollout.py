@@ -7,8 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_core.config import ModelConfig
-from grpo_core.model.loading import load_policy
+from grpo_core.model.loading import ModelConfig, load_policy
 from grpo_core.model.logprobs import token_logprobs_and_entropy
 from grpo_core.rollout import (
     HFGenerateBackend,

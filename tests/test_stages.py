@@ -104,8 +104,8 @@ def test_params_are_read_as_dvc_writes_them(tmp_path):
     assert "mixed_precision: no " in text
     (tmp_path / "params.yaml").write_text(text)
     cfg = load_params(tmp_path / "params.yaml")
-    assert cfg.train.mixed_precision == "no"
-    assert cfg.train.learning_rate == 5e-4
+    assert cfg.train.forward.mixed_precision == "no"
+    assert cfg.train.optim.learning_rate == 5e-4
 
 
 def test_bad_params_name_the_key_and_exit_2(tmp_path, capsys, monkeypatch):

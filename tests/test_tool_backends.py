@@ -103,7 +103,7 @@ def ours(path, rows, make_backend):
 
 
 def _tool_use():
-    from grpo_core.config import ToolUseConfig
+    from grpo_core.tools import ToolUseOptions as ToolUseConfig
 
     return ToolUseConfig(["tests.tool_fixtures:multiply"], None, None, 10.0, None)
 

@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from grpo_core.config import ConfigError, ToolUseConfig, config_from_dict
+from grpo_core.config import ConfigError, config_from_dict
+from grpo_core.tools import ToolUseOptions as ToolUseConfig
 from grpo_core.tools import (
     EnvironmentFailure,
     RolloutTools,

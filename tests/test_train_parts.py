@@ -3,13 +3,12 @@ the public switches benchmarks turn (train.* keys, ``train(export=...)``), all a
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from benchmarks.levers import train_overrides
+from grpo_core.config import train_key_owner
 from grpo_core.microbatch import trim_padding
 from grpo_core.train.checkpoint import list_checkpoints
 from grpo_core.train.loop import train
@@ -88,8 +87,8 @@ def test_trim_padding_drops_all_padding_columns_on_both_sides():
 
 def test_fused_adamw_is_a_train_key():
     model = torch.nn.Linear(3, 2)
-    fused, _ = build_optimizer_and_scheduler(model, train_options().optim)
-    plain, _ = build_optimizer_and_scheduler(model, train_options(fused_adamw=False).optim)
+    fused, _ = build_optimizer_and_scheduler(model, train_options().optim, max_steps=10)
+    plain, _ = build_optimizer_and_scheduler(model, train_options(fused_adamw=False).optim, max_steps=10)
     assert fused.defaults["fused"] is True and not plain.defaults["fused"]
 
 
@@ -98,7 +97,7 @@ def test_benchmark_levers_are_train_keys_and_unknown_levers_are_refused():
                             "forward": "hf", "generation": "hf"}) == {
         "fused_lm_head": False, "trim_padding": False, "padding_free": False, "fused_adamw": False,
         "forward_backend": "hf"}
-    fields = {f.name for f in dataclasses.fields(train_options())}
+    fields = set(train_key_owner())
     assert set(train_overrides({"fused_head": 1, "trim": 1, "padding_free": 1, "fused_adamw": 1, "forward": 1})) <= fields
     with pytest.raises(ValueError, match=r"unknown lever\(s\) \['fused_heads'\]"):
         train_overrides({"fused_heads": False})

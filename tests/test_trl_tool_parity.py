@@ -134,7 +134,7 @@ def test_the_tokens_masks_and_messages_are_trls(fixture, trl_run):
 
 
 def _tool_use():
-    from grpo_core.config import ToolUseConfig
+    from grpo_core.tools import ToolUseOptions as ToolUseConfig
 
     return ToolUseConfig(tools=["tests.tool_fixtures:multiply", "tests.tool_fixtures:add"], environment_factory=None,
                          max_tool_calling_iterations=None, tool_timeout_s=10.0, rollout_func=None)

@@ -90,8 +90,7 @@ def test_the_engine_runs_in_model_dtype_from_float32_masters(tmp_path):
     """The trainer's weights are float32 masters; the engine is built and fed in model.dtype (backend_for's dtype:
     the trainer passes model.dtype), bfloat16 here, so sampling costs what a bf16 model costs."""
     require_vllm()
-    from grpo_core.config import GenerationConfig
-    from grpo_core.rollout import backend_for
+    from grpo_core.rollout import GenerationConfig, backend_for
     from grpo_core.rollout.vllm import engine_dtype, engine_weights
 
     folder = make_tiny_model(tmp_path / "model", hidden_size=64, heads=2)

@@ -106,24 +106,22 @@ def as_round(mb: dict):
 
 
 def train_options(**overrides):
-    """``train.*`` defaults with ``overrides``."""
-    import dataclasses
+    """``train.*`` defaults with ``overrides`` (params.yaml's flat keys)."""
+    from grpo_core.config import build_train
 
-    from grpo_core.config import TrainConfig
-
-    return dataclasses.replace(TrainConfig(), **overrides)
+    return build_train(overrides)
 
 
 def logprob_options(temperature: float = 1.0, batch_size: int = 8, **forward):
     """The trainer's log-prob options: train's forward keys (``forward``) and the sampling temperature."""
-    from grpo_core.train.forward import LogprobOptions
+    from grpo_core.train.forward import ForwardOptions, LogprobOptions
 
-    return LogprobOptions(train_options(**forward).forward, temperature, batch_size)
+    return LogprobOptions(ForwardOptions(**forward), temperature, batch_size)
 
 
 def generation_options(**overrides):
     """params.yaml ``generation`` defaults with ``overrides``."""
-    from grpo_core.config import GenerationConfig
+    from grpo_core.rollout import GenerationConfig
 
     return GenerationConfig(**overrides)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -52,14 +52,16 @@ class CalibrateInputs:
     model: Any
     rewards: list
     data: Any
-    round_size: Any       # train.per_device_train_batch_size, ...: as many sequences at once as a training round
     reward_calls: Any     # train.reward_errors, reward_timeout_s
     tool_use: Any         # train.tools, environment_factory, ...: sampled with the tools training samples with
+    generation_batch_size: int = field(metadata={"param": (  # as many sequences at once as a training round
+        "train.per_device_train_batch_size", "train.gradient_accumulation_steps", "train.steps_per_generation",
+        "train.num_processes")})
 
 
 def stage_inputs(cfg) -> CalibrateInputs:
-    return CalibrateInputs(cfg.calibrate, cfg.generation, cfg.model, cfg.rewards, cfg.data, cfg.train.round_size,
-                           cfg.train.reward_calls, cfg.train.tool_use)
+    return CalibrateInputs(cfg.calibrate, cfg.generation, cfg.model, cfg.rewards, cfg.data, cfg.train.reward_calls,
+                           cfg.train.tool_use, cfg.train.batch_plan.generation_batch_size)
 
 
 def sampling_rows(inp: CalibrateInputs) -> list[tuple[str, Any, str]]:
@@ -236,7 +238,7 @@ def sample_base_policy(inp: CalibrateInputs, ctx, rows: list[dict]):
     model, tokenizer = load_for_inference(dataclasses.replace(inp.model, lora=None), ctx.root)
     encoder = PromptEncoder.from_config(tokenizer, inp.data)
     # prompts per generate call: as many sequences at once as one training generation round
-    batch_size = max(1, inp.round_size.generation_batch_size // G)
+    batch_size = max(1, inp.generation_batch_size // G)
     return sample_and_score(model, tokenizer, rows, encoder, build_reward_functions(inp.rewards),
                             num_generations=G, sampling=sampling_params(inp.generation, temperature=c.temperature),
                             batch_size=batch_size, on_error=inp.reward_calls.reward_errors, seed=c.seed,

@@ -79,7 +79,7 @@ class EvaluateInputs:
 
 def stage_inputs(cfg) -> EvaluateInputs:
     return EvaluateInputs(cfg.evaluate, cfg.generation, cfg.model, cfg.rewards, cfg.data, cfg.tracking,
-                          cfg.train.reward_calls, cfg.train.tool_use, cfg.train.output_dir)
+                          cfg.train.reward_calls, cfg.train.tool_use, cfg.train.checkpoints.output_dir)
 
 
 def sampling_rows(inp) -> list[tuple[str, Any, str]]:
@@ -120,7 +120,7 @@ def promotion_decision(metric: str, trained: float | None, base: float | None, c
 
 def known_metric_names(cfg, tools: bool = False) -> list[str]:
     """eval.json's metric keys (tools: with the tool metrics, grpo_core/evaluation.py ``tool_metrics``)."""
-    from grpo_core.config import TOOL_EVAL_METRICS
+    from grpo_core.evaluation import TOOL_EVAL_METRICS
 
     names = [r.name for r in cfg.rewards]
     per = [*(f"rewards/{n}/mean" for n in names), "format_compliance", "mean_completion_length",

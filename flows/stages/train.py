@@ -83,7 +83,7 @@ def reward_weights(ctx, cfg) -> tuple[list[float], str]:
     """(weights, where they came from): grpo_core's own rule (the one train() applies), calibration required."""
     from grpo_core.train.reward_weights import training_reward_weights
 
-    return training_reward_weights([r.name for r in cfg.rewards], cfg.train.reward_weights, ctx.root,
+    return training_reward_weights([r.name for r in cfg.rewards], cfg.train.advantage.reward_weights, ctx.root,
                                    calibration_required=True)
 
 
@@ -148,13 +148,13 @@ def prepare_checkpoints(ctx, cfg, fp: dict) -> str:
     """Keep the checkpoints (resume) when they belong to this exact run, else empty the directory."""
     from grpo_core.train.checkpoint import latest_checkpoint, latest_valid_checkpoint
 
-    ckpt_dir = ctx.path(cfg.train.output_dir) / "checkpoints"
+    ckpt_dir = ctx.path(cfg.train.checkpoints.output_dir) / "checkpoints"
     fp_file = ckpt_dir / FINGERPRINT
     old = json.loads(fp_file.read_text()) if fp_file.is_file() else None
     latest = latest_checkpoint(ckpt_dir)
     latest_step = int(latest.name.rsplit("-", 1)[1]) if latest is not None else 0
     reason = None
-    if cfg.train.resume == "never":
+    if cfg.train.checkpoints.resume == "never":
         reason = "train.resume is 'never'"
     elif old != fp:
         reason = "the training inputs changed (params, data, base model or reward weights)"
@@ -205,14 +205,14 @@ class Machine:
 
 
 def _launch_marker(ctx, cfg) -> Path:
-    return ctx.path(cfg.train.output_dir) / "checkpoints" / LAUNCH_MARKER
+    return ctx.path(cfg.train.checkpoints.output_dir) / "checkpoints" / LAUNCH_MARKER
 
 
 def announce_launch(ctx, cfg, environ=None) -> None:
     """Machine 0, about to launch: tell the other machines (waiting in ``wait_for_machine_zero``) to follow."""
     env = os.environ if environ is None else environ
     write_json_atomic(_launch_marker(ctx, cfg), {"launch_id": env.get("LAUNCH_ID", ""),
-                                                 "machines": cfg.train.num_machines, "time": time.time()})
+                                                 "machines": cfg.train.parallel.num_machines, "time": time.time()})
 
 
 def wait_for_machine_zero(ctx, cfg, environ=None, poll_s: float = 2.0) -> None:
@@ -269,16 +269,16 @@ def launch_plan(ctx, cfg, *, cuda: bool, environ=None) -> list[str]:
     the trainer would refuse is refused here, before any process starts), the launcher, then this stage."""
     from grpo_core.train.parallel import check_parallelism, read_parallelism
 
-    t = cfg.train
-    config = t.accelerate_config
+    p = cfg.train.parallel
+    config = p.accelerate_config
     if config:
         config = Path(config) if Path(config).is_absolute() else ctx.root / config
         if not config.is_file():
             raise StageConfigError(f"train.accelerate_config: {config} is not a file (see infra/accelerate/)")
-    check_parallelism(read_parallelism(config), lora=cfg.model.lora is not None, mixed_precision=t.mixed_precision,
-                      quantized=cfg.model.quantization is not None)
-    machine = Machine.from_environment(t.num_machines, environ)
-    cmd = launch_command(t.num_processes, cuda=cuda, accelerate_config=config, machines=t.num_machines,
+    check_parallelism(read_parallelism(config), lora=cfg.model.lora is not None,
+                      mixed_precision=cfg.train.forward.mixed_precision, quantized=cfg.model.quantization is not None)
+    machine = Machine.from_environment(p.num_machines, environ)
+    cmd = launch_command(p.num_processes, cuda=cuda, accelerate_config=config, machines=p.num_machines,
                          machine=machine)
     return cmd + ["-m", "flows.stages", "train", "--params", str(ctx.params_path)]
 
@@ -287,7 +287,8 @@ def _relaunch(ctx, cfg) -> int:
     import torch
 
     cmd = launch_plan(ctx, cfg, cuda=torch.cuda.is_available())
-    print(f"train: launching {cfg.train.num_processes} processes: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    print(f"train: launching {cfg.train.parallel.num_processes} processes: {' '.join(cmd)}", file=sys.stderr,
+          flush=True)
     return subprocess.call(cmd, cwd=ctx.root)
 
 
@@ -297,7 +298,7 @@ def run(ctx) -> int:
 
     drop_prompts = stage_inputs(ctx.cfg).drop_prompts
     cfg = only_sections(with_validated_data(ctx.cfg), TRAINER_SECTIONS)
-    machine = Machine.from_environment(cfg.train.num_machines)
+    machine = Machine.from_environment(cfg.train.parallel.num_machines)
     if machine.rank > 0 and not _launched():
         wait_for_machine_zero(ctx, cfg)  # its stages before train write what this one reads
     require_file(ctx.path(VALIDATED_TRAIN), "validate")
@@ -308,9 +309,9 @@ def run(ctx) -> int:
         # filesystem only after machine 0's processes have joined the rendezvous, i.e. after this
         if machine.rank == 0:
             action = prepare_checkpoints(ctx, cfg, fingerprint(ctx, cfg, weights, allowed))
-            if cfg.train.num_machines > 1:
+            if cfg.train.parallel.num_machines > 1:
                 announce_launch(ctx, cfg)
-        if cfg.train.num_processes > 1:
+        if cfg.train.parallel.num_processes > 1:
             return _relaunch(ctx, cfg)
     else:
         action = "distributed"
@@ -320,7 +321,7 @@ def run(ctx) -> int:
     quiet_libraries()
     from flows.stages.plots import read_train_log, training_figure
 
-    run_file = ctx.path(cfg.train.output_dir) / "checkpoints" / MLFLOW_RUN_FILE
+    run_file = ctx.path(cfg.train.checkpoints.output_dir) / "checkpoints" / MLFLOW_RUN_FILE
     worker = _spawn_sampler(cfg)
     try:
         with StageRun(ctx, continue_run_id=previous_run_id(run_file) if action.startswith("resume:") else None) as run:
@@ -330,7 +331,7 @@ def run(ctx) -> int:
             run.set_tags({"train.reward_weights_source": weights_source, "train.checkpoints": action,
                           "train.num_allowed_prompts": "all" if allowed is None else str(len(allowed))})
             run.log_params({f"reward_weight.{r.name}": w for r, w in zip(cfg.rewards, weights)})
-            evaluates = cfg.train.eval_strategy == "steps"
+            evaluates = cfg.train.evaluation.eval_strategy == "steps"
             run.log_data_hashes([VALIDATED_TRAIN, VALIDATED_EVAL] if evaluates else [VALIDATED_TRAIN])
             run.log_datasets([("train", VALIDATED_TRAIN, "training")]
                              + ([("eval", VALIDATED_EVAL, "evaluation")] if evaluates else []))
@@ -367,7 +368,7 @@ def run(ctx) -> int:
 def _spawn_sampler(cfg):
     """train.async_rollouts: the sampler worker, spawned before the MLflow run and the trainer's set-up, which its
     imports (seconds) then overlap; None otherwise."""
-    if not cfg.train.async_rollouts:
+    if not cfg.train.rollouts.async_rollouts:
         return None
     from grpo_core.train.sampler_worker import SamplerWorker
 

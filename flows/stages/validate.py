@@ -35,7 +35,7 @@ from grpo_core.files import atomic_path, write_json_atomic, write_text_atomic
 from grpo_core.rewards.judges import CORRECTNESS_FUNCTIONS
 
 #: what validate reads of params.yaml (tests/test_dvc_params.py checks dvc.yaml lists each); its code is handed a
-#: config holding only these sections, and the tool keys of train: (ToolUseConfig)
+#: config holding only these sections, and the tool keys of train: (ToolUseOptions)
 VALIDATE_SECTIONS = ("data", "rewards", "validate", "model")
 
 
@@ -45,7 +45,7 @@ class ValidateInputs:
     rewards: list
     validate: Any
     model: Any
-    tool_use: Any  # train.tools, environment_factory, ... (a ToolUseConfig view)
+    tool_use: Any  # train.tools, environment_factory, ... (a ToolUseOptions group)
 
 
 def stage_inputs(cfg) -> ValidateInputs:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import typing
+from typing import Literal
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +22,8 @@ KERNEL_ENV = {
     "avx2": ("avx2", "AVX2", "AVX2"),
     "avx512": ("avx512", "AVX512_CORE", "AVX512"),
 }
-CHOICES = ("native", *KERNEL_ENV)
+CpuKernels = Literal["native", "avx2", "avx512", "scalar"]
+CHOICES = typing.get_args(CpuKernels)
 
 
 def pin_cpu_kernels(level: str) -> str | None:

@@ -4,15 +4,73 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
-from grpo_core.config import ModelConfig
 from grpo_core.errors import InputUnreadable
+from grpo_core.model.cpu_kernels import CpuKernels
 from grpo_core.model.gguf import converted_model_dir, is_gguf
+from grpo_core.options import ConfigError, Options, option
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoraConfig(Options):
+    r: int = option(16, "LoRA rank", ge=1)
+    lora_alpha: float = option(32.0, "LoRA scaling numerator", gt=0)
+    lora_dropout: float = option(0.05, "dropout on the LoRA path", ge=0, lt=1)
+    target_modules: str | list[str] = option("all-linear", "modules to adapt (peft's target_modules)")
+
+
+@dataclass
+class QuantizationConfig(Options):
+    """params.yaml `model.quantization:` - QLoRA: the frozen base loaded in 4 bits through bitsandbytes (the `qlora`
+    extra), LoRA adapters trained over it in float32 (docs/precision.md). Transformers' BitsAndBytesConfig names in
+    brackets."""
+
+    load_in_4bit: bool = option(True, "a 4-bit base (load_in_4bit); the only mode offered: 8-bit bases are not")
+    quant_type: Literal["nf4", "fp4"] = option("nf4", "the 4-bit format (bnb_4bit_quant_type): nf4 = QLoRA's NormalFloat, "
+                                          "built for normally distributed weights")
+    compute_dtype: Literal["bfloat16", "float16", "float32"] = option(
+        "bfloat16", "dtype the 4-bit layers dequantize to and multiply in (bnb_4bit_compute_dtype)")
+    double_quant: bool = option(True, "quantize the per-block quantization constants too (bnb_4bit_use_double_quant; "
+                            "QLoRA's double quantization: ~0.4 bit per parameter saved)")
+
+
+@dataclass
+class ModelConfig(Options):
+    """params.yaml `model:`: which model, in which dtype, how it is adapted (LoRA, QLoRA) and run on CPUs."""
+
+    name_or_path: str = option("artifacts/base_model", "a local directory or a hub model id")
+    dtype: Literal["float32", "bfloat16", "float16"] = option(
+        "float32", "dtype of the exported model, of the frozen reference and of sampling in calibrate/evaluate; "
+        "trained weights are float32 master weights whatever this says (train.mixed_precision sets the compute "
+        "dtype), and LoRA keeps the frozen base in this dtype")
+    trust_remote_code: bool = option(False, "run code shipped with the model (only for models you trust)")
+    attn_implementation: str | None = option(None, "transformers attn_implementation (sdpa, flash_attention_2, ...)")
+    lora: LoraConfig | None = option(None, "train LoRA adapters instead of all weights (needs the `lora` extra)")
+    quantization: QuantizationConfig | None = option(
+        None, "QLoRA: the frozen base in 4 bits (bitsandbytes, the `qlora` extra) under model.lora's adapters; "
+        "null = the base in model.dtype. The export merges the adapters into the full-precision base")
+    cpu_threads: int = option(0, "torch CPU threads in stages that run the model (0 = torch's default)", ge=0)
+    cpu_kernels: CpuKernels = option(
+        "native", "instruction set torch's CPU kernels may use in every stage (ATen, oneDNN, MKL): avx2 = the same "
+        "bytes on every x86-64 CPU with AVX2; native = the CPU's best (grpo_core/model/cpu_kernels.py)")
+
+    def check(self) -> None:
+        q = self.quantization
+        if q is not None and not q.load_in_4bit:
+            raise ConfigError("quantization.load_in_4bit: false is not offered (no 8-bit base); for a base in "
+                              "model.dtype set model.quantization: null")
+        if q is not None and self.lora is None:
+            raise ConfigError("quantization: needs model.lora; a 4-bit base is frozen (its packed weights take no "
+                              "gradient), so only LoRA adapters over it can be trained - set model.lora, e.g. "
+                              "{r: 16}")
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -13,7 +13,10 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
+
+from grpo_core.options import ConfigError, Options, option
 
 RewardValue = float | None
 
@@ -27,16 +30,24 @@ class RewardFunction(Protocol):
     def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[RewardValue]: ...
 
 
-class RewardSpec(Protocol):
-    """What `build_reward_functions` reads from each params.yaml `rewards:` entry (the lead's config objects)."""
+@dataclass
+class RewardSpec(Options):
+    """One params.yaml `rewards:` entry: which function, its arguments, and how calibration and scoring treat it."""
 
-    name: str  # metric name
-    function: str  # built-in name or `package.module:function`
-    kwargs: Mapping[
-        str, Any
-    ]  # factory kwargs (built-in) or kwargs bound with functools.partial (import path)
-    target_share: float  # used by calibration, ignored here
-    clip: Sequence[float] | None  # [lo, hi] applied to every non-None value, or None
+    name: str = option("", "metric name: logged as rewards/<name>/mean")
+    function: str = option("", "built-in reward name, or package.module:function (trusted code)")
+    kwargs: dict = option({}, "keyword arguments for the built-in factory or bound to the function")
+    target_share: float = option(1.0, "share of within-group advantage variance calibration aims for", ge=0)
+    clip: list[float] | None = option(None, "[low, high]: clip this reward to the range")
+    isolated: bool = option(False, "run it in a worker process of its own: a call past train.reward_timeout_s "
+                            "kills the worker (the work ends) instead of abandoning a thread "
+                            "(grpo_core/rewards/isolated.py)")
+
+    def check(self) -> None:
+        if not self.name or not self.function:
+            raise ConfigError("name: both `name` and `function` are required")
+        if self.clip is not None and (len(self.clip) != 2 or self.clip[0] > self.clip[1]):
+            raise ConfigError(f"clip: expected [low, high] with low <= high, got {self.clip}")
 
 
 def completion_text(completion: Any) -> str:

@@ -14,9 +14,20 @@ from typing import Any, Literal
 import numpy as np
 
 from grpo_core.errors import TrainingFailure
+from grpo_core.options import Options, option
 from grpo_core.rewards.base import RewardFunction, is_async_reward
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class RewardCallOptions(Options):
+    """params.yaml `train:` keys of how reward functions are called, in every stage that scores (calibrate, train,
+    evaluate)."""
+
+    reward_errors: Literal["raise", "none"] = option("raise", "a raising reward function: stop, or count as None")
+    reward_timeout_s: float = option(60.0, "seconds one reward-function call may take; a call past it scores None "
+                                     "for its samples and is counted (0 = no limit)", ge=0)
 
 
 class RewardFunctionError(TrainingFailure, RuntimeError):

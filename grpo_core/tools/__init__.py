@@ -18,6 +18,7 @@ from grpo_core.tools.registry import (
     RolloutTools,
     Toolbox,
     ToolConfigError,
+    ToolUseOptions,
     build_toolbox,
     close_all,
     environment_tools,
@@ -26,5 +27,5 @@ from grpo_core.tools.registry import (
 )
 
 __all__ = ["CallResult", "ENVIRONMENT_COLUMN", "EnvironmentFailure", "RolloutTools", "ToolCall", "ToolChat",
-           "ToolConfigError", "Toolbox", "Turn", "build_toolbox", "close_all", "environment_tools", "load_rollout_func", "run_calls",
+           "ToolConfigError", "ToolUseOptions", "Toolbox", "Turn", "build_toolbox", "close_all", "environment_tools", "load_rollout_func", "run_calls",
            "tool_schema"]

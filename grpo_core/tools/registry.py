@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from grpo_core.config import IMPORT_PATH_FORM, ToolUseConfig
 from grpo_core.errors import ConfigurationError, TrainingFailure
+from grpo_core.options import ConfigError, Options, option
 from grpo_core.tools.bounded import call_within
 
 #: an environment's methods that are not tools
@@ -33,6 +33,80 @@ NOT_TOOLS = ("reset", "get_reward", "close")
 RESULT_TYPES: tuple[type, ...] = (str, numbers.Number, type(None), list, tuple, dict)
 #: the row column that picks an environment when ``environment_factory`` is a mapping (TRL's name)
 ENVIRONMENT_COLUMN = "environment"
+
+
+#: how an import path of a tool, an environment or a rollout function is written
+IMPORT_PATH_FORM = "'package.module:name'"
+
+
+def is_import_path(value: Any) -> bool:
+    module, _, attr = value.partition(":") if isinstance(value, str) else ("", "", "")
+    return bool(module.strip()) and bool(attr.strip()) and " " not in value
+
+
+@dataclass
+class ToolUseOptions(Options):
+    """params.yaml `train:` keys of agentic rollouts (TRL's names and semantics; docs/agentic.md): the tools and
+    environments calibrate, train and evaluate sample with. Whether they import and have usable signatures is
+    validate's to check (``build_toolbox``), before anything samples; here only their shapes."""
+
+    tools: list[str] = option([], "functions the model may call, each `package.module:function` (TRL's tools): "
+                              "type hints on every argument and a docstring (Args: section) make the schema its "
+                              "chat template shows; a completion then runs tool calls turn by turn, tool output "
+                              "masked from the loss. Needs chat prompts")
+    environment_factory: str | dict | None = option(
+        None, "`package.module:Class` built per rollout: reset(**row) at its start (a string it returns is "
+        "appended to the prompt), its public methods are tools, close() (when defined) after scoring; or {name: "
+        "package.module:Class}, chosen per row by its `environment` column (TRL's environment_factory)")
+    max_tool_calling_iterations: int | None = option(
+        None, "tool-calling turns per completion at most (None = until the model stops calling tools or "
+        "max_completion_length is reached; TRL's)", ge=0)
+    tool_timeout_s: float = option(
+        30.0, "seconds one tool call may take; past it the model is answered with the error and the call counts as "
+        "a failure (0 = no limit). It also bounds an environment's constructor, reset and close: past it the "
+        "stage fails naming the one that hung", ge=0)
+    rollout_func: str | None = option(
+        None, "`package.module:function` that samples a round itself (TRL's rollout_func): called as "
+        "fn(prompts, trainer) and returning {prompt_ids, completion_ids, logprobs[, env_mask]}; not with tools "
+        "or environment_factory")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether completions are multi-turn conversations with tool calls."""
+        return bool(self.tools) or self.environment_factory is not None
+
+    def check(self) -> None:
+        for i, path in enumerate(self.tools):
+            if not is_import_path(path):
+                raise ConfigError(f"tools[{i}]: {path!r} is not an import path; write {IMPORT_PATH_FORM}")
+        if len(set(self.tools)) != len(self.tools):
+            raise ConfigError(f"tools: a tool is named twice ({self.tools}); each tool may appear once")
+        self._check_environment_factory()
+        if self.rollout_func is not None:
+            if not is_import_path(self.rollout_func):
+                raise ConfigError(f"rollout_func: {self.rollout_func!r} is not an import path; write "
+                                  f"{IMPORT_PATH_FORM}")
+            if self.enabled:
+                raise ConfigError("rollout_func: not with train.tools or train.environment_factory; a rollout "
+                                  "function samples the whole conversation itself (return env_mask to mask what "
+                                  "it inserted), the tool loop is for the built-in rollout")
+
+    def _check_environment_factory(self) -> None:
+        factory = self.environment_factory
+        if isinstance(factory, str) and not is_import_path(factory):
+            raise ConfigError(f"environment_factory: {factory!r} is not an import path; write {IMPORT_PATH_FORM} "
+                              f"or a mapping name -> {IMPORT_PATH_FORM}")
+        if not isinstance(factory, dict):
+            return
+        if not factory:
+            raise ConfigError("environment_factory: an empty mapping; name at least one environment, or null")
+        for name, path in factory.items():
+            if not isinstance(name, str) or not name.strip():
+                raise ConfigError(f"environment_factory: {name!r} is not an environment name (the values of the "
+                                  f"rows' `environment` column)")
+            if not is_import_path(path):
+                raise ConfigError(f"environment_factory.{name}: {path!r} is not an import path; write "
+                                  f"{IMPORT_PATH_FORM}")
 
 
 class ToolConfigError(ConfigurationError, ValueError):
@@ -243,7 +317,7 @@ def close_all(opened: Sequence[RolloutTools]) -> None:
         raise first
 
 
-def build_toolbox(u: ToolUseConfig) -> Toolbox | None:
+def build_toolbox(u: ToolUseOptions) -> Toolbox | None:
     """The tools and environment factories of ``train.*`` imported and checked (None when there are none): each
     tool's schema; each environment built once (as TRL probes it), with a ``reset`` and schemas for its methods,
     no method named like a standalone tool, then closed."""
@@ -297,7 +371,7 @@ def probe_environment(factory: Callable, where: str, standalone: Sequence[str], 
         RolloutTools({}, environment, timeout_s=timeout_s).close()
 
 
-def load_rollout_func(u: ToolUseConfig) -> Callable | None:
+def load_rollout_func(u: ToolUseOptions) -> Callable | None:
     """``train.rollout_func`` imported and checked - callable as ``fn(prompts, trainer)`` (TRL's
     ``rollout_func``, run by grpo_core/rollout/custom.py) - or None when unset."""
     if u.rollout_func is None:

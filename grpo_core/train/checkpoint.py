@@ -33,7 +33,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -41,6 +41,7 @@ from grpo_core.errors import TrainingFailure
 from grpo_core.files import discard_partial, sha256_file
 from grpo_core.model.loading import is_peft_model
 from grpo_core.model.sharding import is_sharded, load_full_weights
+from grpo_core.options import Options, option
 from grpo_core.rng import rng_state
 
 STATE_FILE = "trainer_state.json"
@@ -52,6 +53,20 @@ _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class CheckpointOptions(Options):
+    """params.yaml `train:` keys of where checkpoints go, how often, how many are kept, and resuming."""
+
+    output_dir: str = option("artifacts", "checkpoints go to <output_dir>/checkpoints, the model to "
+                             "<output_dir>/model")
+    save_strategy: Literal["steps", "no"] = option(
+        "steps", "steps = a checkpoint every save_steps and at the end; no = none (nothing to resume or roll back "
+        "to)")
+    save_steps: int = option(50, "checkpoint every N optimizer steps (and at the end)", ge=1)
+    save_total_limit: int = option(2, "checkpoints kept (oldest deleted first)", ge=1)
+    resume: Literal["auto", "never"] = option("auto", "resume from the latest valid checkpoint, or start fresh")
 
 
 class CheckpointError(TrainingFailure, RuntimeError):

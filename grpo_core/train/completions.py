@@ -10,10 +10,23 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_core.files import atomic_path
+from grpo_core.options import Options, option
 from grpo_core.train.round import Round
+
+
+@dataclass
+class CompletionLogOptions(Options):
+    """params.yaml `train:` keys of the completions log."""
+
+    log_completions_steps: int = option(
+        0, "every this many steps, the round's samples (prompt, completion, each reward, advantage) go to <step "
+        "log>.completions.jsonl and the tracker's tables (0 = never)", ge=0)
+    num_completions_to_log: int | None = option(
+        None, "log_completions_steps: rows per table (None = the whole round)", ge=1)
 
 
 def completion_rows(round_: Round, tokenizer, reward_names: list[str], step: int, limit: int | None) -> list[dict]:

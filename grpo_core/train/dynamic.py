@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from grpo_core.config import AdvantageConfig
+from grpo_core.advantages import AdvantageOptions
 from grpo_core.train.rollouts import assign_advantages, gather_rows, length_metrics, reward_metrics
 from grpo_core.train.round import Round
 
@@ -48,12 +48,12 @@ class Filled:
     metrics: dict[str, float]  # the round's metrics: rewards over everything sampled, and the dynamic/* counts
 
 
-def fill_round(sample, pending: Round | None, *, quota: int, weights: torch.Tensor, a: AdvantageConfig,
-               max_rounds: int, accelerator, reward_names: list[str]) -> Filled:
+def fill_round(sample, pending: Round | None, *, quota: int, weights: torch.Tensor, a: AdvantageOptions,
+               group_size: int, max_rounds: int, accelerator, reward_names: list[str]) -> Filled:
     """Sample with ``sample()`` (-> ``sample_round``'s Round, rewards kept) until this process holds ``quota``
     non-tied groups, or ``max_rounds`` (train.dynamic_sampling_max_rounds) samplings were made; see the module
     docstring."""
-    G = a.num_generations
+    G = group_size
     kept, tied, attempts = [pending] if pending is not None else [], [], []
     while len(attempts) < max_rounds and _any_process(accelerator, _groups(kept, G) < quota):
         attempt = sample()
@@ -71,7 +71,7 @@ def fill_round(sample, pending: Round | None, *, quota: int, weights: torch.Tens
     metrics = _round_metrics(accelerator, attempts, round_, weights, G, reward_names)
     metrics.update(_counts(accelerator, dropped=sum(len(r) for r in tied) // G, rounds=len(attempts),
                            filled_with_tied=short))
-    return Filled(assign_advantages(replace(round_, metrics=metrics), weights, a, accelerator), rest, metrics)
+    return Filled(assign_advantages(replace(round_, metrics=metrics), weights, a, G, accelerator), rest, metrics)
 
 
 def _round_metrics(accelerator, attempts: list[Round], round_: Round, weights: torch.Tensor, G: int,

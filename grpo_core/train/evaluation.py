@@ -18,13 +18,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_core.config import EvalDuringTrainingConfig, PipelineConfig, eval_metric_names
-from grpo_core.data import PromptEncoder, load_split
-from grpo_core.evaluation import summarize_evaluation
+from grpo_core.data import DataConfig, PromptEncoder, load_split
+from grpo_core.evaluation import EvalOptions, eval_metric_names, summarize_evaluation
 from grpo_core.held_out import EvalMode, eval_modes, score_policy
 from grpo_core.rewards.judges import Judges, build_judges
 from grpo_core.rng import rng_state, set_rng_state
-from grpo_core.rollout import sampling_params
+from grpo_core.rollout import GenerationConfig, sampling_params
 from grpo_core.train.checkpoint import load_weights
 from grpo_core.train.state import TrainingRun, TrainState
 
@@ -41,28 +40,26 @@ class HeldOutPrompts:
     modes: list[EvalMode]       # greedy, then sampled when num_generations_eval > 0
 
 
-def load_held_out(cfg: PipelineConfig, root: str | Path, encoder: PromptEncoder, reward_fns: list,
-                  reward_names: list[str]) -> HeldOutPrompts | None:
-    """The held-out prompts when ``train.eval_strategy`` is steps, else None."""
-    e, g = cfg.train.evaluation, cfg.generation
+def load_held_out(e: EvalOptions, data: DataConfig, g: GenerationConfig, reward_specs: list, *, root: str | Path,
+                  seed: int, encoder: PromptEncoder, reward_fns: list) -> HeldOutPrompts | None:
+    """The held-out prompts when ``e.eval_strategy`` (resolved) is steps, else None."""
     if e.eval_strategy == "no":
         return None
-    dataset = load_split(cfg.data, "eval", root)
+    dataset = load_split(data, "eval", root)
     n = len(dataset) if e.eval_max_samples is None else min(e.eval_max_samples, len(dataset))
-    modes = eval_modes(max_new_tokens=g.max_completion_length, num_generations=e.effective_num_generations_eval,
-                       sampling=sampling_params(g), sequences_per_call=e.per_device_eval_batch_size,
-                       seed=cfg.train.seed)
-    return HeldOutPrompts([dataset[i] for i in range(n)], encoder, reward_fns, reward_names, build_judges(cfg.rewards),
-                          modes)
+    modes = eval_modes(max_new_tokens=g.max_completion_length, num_generations=e.num_generations_eval,
+                       sampling=sampling_params(g), sequences_per_call=e.per_device_eval_batch_size, seed=seed)
+    return HeldOutPrompts([dataset[i] for i in range(n)], encoder, reward_fns, [r.name for r in reward_specs],
+                          build_judges(reward_specs), modes)
 
 
-def evaluation_due(e: EvalDuringTrainingConfig, step: int) -> bool:
-    return e.eval_strategy == "steps" and (step % e.effective_eval_steps == 0 or step == e.max_steps)
+def evaluation_due(e: EvalOptions, step: int, max_steps: int) -> bool:
+    return e.eval_strategy == "steps" and (step % e.eval_steps == 0 or step == max_steps)
 
 
 def evaluate_held_out(run: TrainingRun, held_out: HeldOutPrompts) -> dict[str, float]:
     """The eval/* metrics of the policy as it is now (NaN where a mean has no value), on every process."""
-    calls, acc = run.t.reward_calls, run.accelerator
+    calls, acc = run.round_spec.reward_calls, run.accelerator
     metrics: dict[str, float] | None = None
     if acc.is_main_process:
         start, saved = time.perf_counter(), rng_state()
@@ -74,7 +71,7 @@ def evaluate_held_out(run: TrainingRun, held_out: HeldOutPrompts) -> dict[str, f
                                    rollout_func=run.round_spec.rollout_func)
         finally:
             set_rng_state(saved)
-        metrics = _eval_metrics(records, run.t.evaluation, held_out.reward_names, run.round_spec.tools is not None)
+        metrics = _eval_metrics(records, run.evaluation, held_out.reward_names, run.round_spec.tools is not None)
         metrics["eval/runtime"] = time.perf_counter() - start
     if acc.num_processes > 1:
         from accelerate.utils import broadcast_object_list
@@ -83,11 +80,11 @@ def evaluate_held_out(run: TrainingRun, held_out: HeldOutPrompts) -> dict[str, f
     return metrics
 
 
-def _eval_metrics(records: list[dict], e: EvalDuringTrainingConfig, reward_names: list[str],
+def _eval_metrics(records: list[dict], e: EvalOptions, reward_names: list[str],
                   tools: bool = False) -> dict[str, float]:
     import pandas as pd
 
-    G = e.effective_num_generations_eval
+    G = e.num_generations_eval
     summary = summarize_evaluation(pd.DataFrame.from_records(records), sorted({1, G}) if G else [], reward_names)
     out = {}
     for key in eval_metric_names(e, reward_names, tools):
@@ -96,7 +93,7 @@ def _eval_metrics(records: list[dict], e: EvalDuringTrainingConfig, reward_names
     return out
 
 
-def update_best(e: EvalDuringTrainingConfig, state: TrainState, metrics: dict) -> None:
+def update_best(e: EvalOptions, state: TrainState, metrics: dict) -> None:
     """Before a checkpoint is written: its step becomes the best when its metric_for_best_model beats the best so
     far (strictly: a tie keeps the earlier checkpoint, as transformers' Trainer does)."""
     key = e.best_metric
@@ -110,7 +107,7 @@ def update_best(e: EvalDuringTrainingConfig, state: TrainState, metrics: dict) -
 def load_best_weights(run: TrainingRun, state: TrainState) -> Path | None:
     """load_best_model_at_end: the best checkpoint's weights into the policy (and the sampling engine) before the
     export; returns that checkpoint, or None when the last step's weights are already the ones to export."""
-    if not run.t.load_best_model_at_end or state.best_step is None or state.best_step == state.step:
+    if not run.evaluation.load_best_model_at_end or state.best_step is None or state.best_step == state.step:
         return None
     path = run.checkpoint_dir / f"checkpoint-{state.best_step}"
     load_weights(run.policy, path)

@@ -5,28 +5,49 @@ the rows per frozen pass)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from grpo_core.config import ForwardConfig
 from grpo_core.microbatch import trim_padding
 from grpo_core.model.loading import model_device
 from grpo_core.model.logprobs import token_logprobs_and_entropy
+from grpo_core.options import Options, option
 from grpo_core.train.round import Round
+
+
+@dataclass
+class ForwardOptions(Options):
+    """params.yaml `train:` keys of the log-prob passes of policy and reference (and their precision)."""
+
+    forward_backend: Literal["auto", "hf", "manual"] = option(
+        "auto", "log-prob passes (reference, old, policy forward/backward): hf = the model's forward; manual = the "
+        "hand-written Qwen2/Llama forward (grpo_core/model/fastforward.py, a shared prompt computed once per "
+        "group); auto = manual on CPU for a plain model it supports without gradient checkpointing, else hf")
+    padding_free: bool = option(True, "forward_backend manual: only real tokens go through the dense layers and "
+                                "the LM head (attention alone sees the padded layout); false runs every column")
+    fused_lm_head: bool = option(True, "apply the LM head chunk by chunk to the hidden states, so a micro-batch's "
+                                 "(rows, tokens, vocab) logits never exist (plain Qwen2/Qwen3/Llama/Mistral heads)")
+    trim_padding: bool = option(True, "drop a micro-batch's all-padding columns before its forward passes")
+    mixed_precision: Literal["no", "bf16", "fp16"] = option(
+        "no", "compute dtype. bf16: full fine-tuning trains and samples on a bf16 copy of the float32 masters "
+        "(FSDP2: MixedPrecisionPolicy), LoRA under autocast; fp16: accelerate autocast with loss scaling; "
+        "docs/precision.md")
+    gradient_checkpointing: bool = option(False, "trade compute for activation memory")
+    cast_lm_head_to_fp32: bool = option(False, "policy and reference LM heads compute their logits in float32, "
+                                        "outside autocast (TRL's name; the ScaleRL recipe): bf16 logits round "
+                                        "log-probs")
+    disable_dropout: bool = option(False, "set every dropout module of policy and reference to p = 0 (LoRA's "
+                                   "adapter dropout too), so training-mode log-probs match the sampling ones")
 
 
 @dataclass(frozen=True)
 class LogprobOptions:
     """How the trainer computes log-probs."""
 
-    forward: ForwardConfig   # train.forward_backend, fused_lm_head, padding_free, trim_padding, ...
+    forward: ForwardOptions  # train.forward_backend, fused_lm_head, padding_free, trim_padding, ...
     temperature: float       # generation.temperature: the log-probs of the distribution that was sampled
     batch_size: int          # rows per frozen pass (train.per_device_train_batch_size)
-
-    @classmethod
-    def from_config(cls, cfg) -> LogprobOptions:
-        """The options of a PipelineConfig's train and generation sections."""
-        return cls(cfg.train.forward, cfg.generation.temperature, cfg.train.per_device_train_batch_size)
 
 
 def policy_logprobs(model, mb: Round, opts: LogprobOptions, compute_entropy: bool):

@@ -21,17 +21,65 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
-from grpo_core.config import (  # noqa: F401 - the guards' config sections, re-exported
-    Action,
-    GuardsConfig,
-    NonFiniteGuard,
-    RewardHackingGuard,
-    RewardSilentGuard,
-    ThresholdGuard,
-)
 from grpo_core.errors import TrainingFailure
+from grpo_core.options import Options, option
+
+Action = Literal["warn", "skip_step", "stop", "rollback"]
+
+
+@dataclass
+class ThresholdGuard(Options):
+    threshold: float | None = option(None, "trigger level (null = guard off)")
+    action: Action = option("warn", "warn | skip_step | stop | rollback")
+    window: int = option(1, "the median of the last `window` steps' values is compared with the threshold (1 = "
+                         "each step alone): a single step's outlier, e.g. the heavy-tailed KL estimate, does not "
+                         "act", ge=1)
+
+
+@dataclass
+class NonFiniteGuard(Options):
+    action: Literal["skip_step", "stop", "rollback"] = option(
+        "stop", "NaN/inf loss or gradient norm: skip_step | stop | rollback")
+
+
+@dataclass
+class RewardHackingGuard(Options):
+    format_reward: str | None = option(None, "name of the format reward watched (null = off)")
+    correctness_reward: str | None = option(None, "name of the correctness reward watched")
+    window: int = option(10, "steps per window: the last window is compared with the one before", ge=1)
+    format_rise: float = option(0.1, "format mean rose by at least this", ge=0)
+    correctness_drop: float = option(0.05, "while correctness fell by at least this", ge=0)
+    action: Action = option("warn", "warn | skip_step | stop | rollback")
+
+
+@dataclass
+class RewardSilentGuard(Options):
+    steps: int | None = option(3, "consecutive steps in which a reward scored no completion (every value None or "
+                               "NaN: its advantages are zero) before the guard acts (null = off)", ge=1)
+    action: Action = option("stop", "warn | skip_step | stop | rollback")
+
+
+@dataclass
+class GuardsConfig(Options):
+    """params.yaml `guards:`: what the guards watch and how each acts."""
+
+    kl_max: ThresholdGuard = field(default_factory=ThresholdGuard, metadata={"help": "kl above threshold"})
+    entropy_min: ThresholdGuard = field(default_factory=ThresholdGuard,
+                                        metadata={"help": "entropy below threshold"})
+    clipped_ratio_max: ThresholdGuard = field(
+        default_factory=ThresholdGuard,
+        metadata={"help": "share of completions hitting max_completion_length above threshold (length blow-up)"})
+    nonfinite: NonFiniteGuard = field(default_factory=NonFiniteGuard,
+                                      metadata={"help": "NaN/inf loss or gradients"})
+    reward_hacking: RewardHackingGuard = field(default_factory=RewardHackingGuard,
+                                               metadata={"help": "format saturating while correctness falls"})
+    reward_silent: RewardSilentGuard = field(default_factory=RewardSilentGuard,
+                                             metadata={"help": "a reward that scores nothing, step after step"})
+    rollback_lr_factor: float = option(0.5, "learning rate x this after a rollback", gt=0, le=1)
+    max_rollbacks: int = option(2, "rollbacks allowed before a rollback becomes a stop", ge=0)
 
 SEVERITY = {"warn": 0, "skip_step": 1, "rollback": 2, "stop": 3}
 

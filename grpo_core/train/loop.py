@@ -33,13 +33,11 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from grpo_core.config import BatchConfig, GuardsConfig, PipelineConfig, training_params_hash
+from grpo_core.config import PipelineConfig, training_params_hash
 from grpo_core.data import PromptEncoder, load_split
 from grpo_core.loss import (
-    TOKEN_SUM_LOSS_TYPES,
     GRPOLoss,
     applied_entropy_coef,
-    entropy_mean,
     high_entropy_mask,
     next_entropy_coef,
     sampler_correction,
@@ -58,6 +56,7 @@ from grpo_core.model.loading import (
 from grpo_core.model.sharding import clip_gradients, is_sharded, shard_model
 from grpo_core.rewards import build_reward_functions
 from grpo_core.rollout import backend_for
+from grpo_core.train.batching import BatchPlan
 from grpo_core.train.checkpoint import latest_valid_checkpoint, remove_stale_temp_dirs
 from grpo_core.train.completions import CompletionLog, as_table, completion_rows
 from grpo_core.train.compute_weights import ComputeWeights, uses_compute_weights
@@ -72,9 +71,10 @@ from grpo_core.train.evaluation import (
 )
 from grpo_core.train.export import export_model, whole_model
 from grpo_core.train.forward import LogprobOptions, frozen_logprobs, policy_logprobs
-from grpo_core.train.guards import GuardEvent, GuardMonitor, GuardStop, decide
+from grpo_core.train.guards import GuardEvent, GuardMonitor, GuardsConfig, GuardStop, decide
 from grpo_core.train.optim import build_optimizer_and_scheduler, scale_learning_rate
 from grpo_core.train.parallel import ParallelConfigError, check_parallelism, read_parallelism
+from grpo_core.train.reference import mix_reference
 from grpo_core.train.replica import EngineFromShards, ReplicaRollouts
 from grpo_core.train.reward_weights import training_reward_weights
 from grpo_core.train.rollouts import RoundSpec, assign_advantages, sample_round
@@ -150,11 +150,11 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
     Resumes from the newest complete checkpoint unless train.resume=never.
     """
     t, root = cfg.train, Path(root)
-    log_path, model_dir = root / log_path, root / t.output_dir / "model"
-    worker = sampler_worker or (SamplerWorker() if t.async_rollouts else None)  # spawned first: its imports
+    log_path, model_dir = root / log_path, root / t.checkpoints.output_dir / "model"
+    worker = sampler_worker or (SamplerWorker() if t.rollouts.async_rollouts else None)  # spawned first: its imports
     with worker or contextlib.nullcontext():                                     # overlap the set-up
         run, prompts = set_up(cfg, root, reward_weights, backend_factory)
-        sampler = PromptSampler(len(prompts.dataset), t.seed, allowed_prompts, shuffle=t.shuffle_dataset)
+        sampler = PromptSampler(len(prompts.dataset), t.seed, allowed_prompts, shuffle=t.batch.shuffle_dataset)
         state, resumed_from = resume_or_start(run, sampler)
         step_log = open_step_log(run, log_path, prompts.reward_names, state.step)
         samples_log = open_completion_log(run, log_path, state.step)
@@ -168,11 +168,12 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
             start_sampler(run, cfg.rewards, prompts, worker, backend_factory)
         while state.step < t.max_steps:
             step_start = time.perf_counter()
-            if not _inside_round(state, t.batch):
+            if not _inside_round(state, run.plan):
                 state.round = new_round(run, prompts, state)
-            entropy_coef = applied_entropy_coef(state.entropy_coef, state.last_entropy, adaptive=t.use_adaptive_entropy,
-                                                target=t.entropy_target)
-            grads = accumulate_gradients(run, step_micro_batches(state, t.batch), entropy_coef)
+            entropy_coef = applied_entropy_coef(state.entropy_coef, state.last_entropy,
+                                                adaptive=run.entropy.use_adaptive_entropy,
+                                                target=run.entropy.entropy_target)
+            grads = accumulate_gradients(run, step_micro_batches(state, run.plan), entropy_coef)
             metrics = step_metrics(run, state, grads)
             event = guard_decision(run, cfg.guards, monitor, state, metrics, tracker)
             if event is not None and event.action == "rollback":
@@ -185,13 +186,13 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
             skipped = event is not None and event.action == "skip_step"
             apply_update(run, state, skipped=skipped)
             adapt_entropy_coef(run, state, grads)
-            if t.entropy_coef != 0.0 or t.use_adaptive_entropy:
+            if run.entropy.logged:
                 metrics["entropy_coef"] = state.entropy_coef
             metrics.update({"guard/skipped": float(skipped),
                             "learning_rate": run.scheduler.get_last_lr()[0],
                             "num_tokens": grads.num_items * run.accelerator.num_processes,
                             "step_time": time.perf_counter() - step_start})  # generation included when it sampled
-            if prompts.held_out is not None and evaluation_due(t.evaluation, state.step):
+            if prompts.held_out is not None and evaluation_due(run.evaluation, state.step, run.max_steps):
                 with record_function("grpo/evaluate"):
                     metrics.update(evaluate_held_out(run, prompts.held_out))
             log_step(run, state, metrics, step_log, tracker, bar)
@@ -202,7 +203,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
 
     best = load_best_weights(run, state)
     if best is not None:
-        log.info("load_best_model_at_end: exporting %s (%s %.4g)", best, t.evaluation.best_metric, state.best_value)
+        log.info("load_best_model_at_end: exporting %s (%s %.4g)", best, run.evaluation.best_metric, state.best_value)
     if export:
         with record_function("grpo/export"):
             final = whole_model(run.policy, run.replica)  # collective when sharded without a replica
@@ -231,13 +232,14 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
     from accelerate.utils import set_seed
 
     t = cfg.train
-    parallelism = read_parallelism(_resolve(root, t.accelerate_config))
-    check_parallelism(parallelism, lora=cfg.model.lora is not None, mixed_precision=t.mixed_precision,
+    f = t.forward
+    parallelism = read_parallelism(_resolve(root, t.parallel.accelerate_config))
+    check_parallelism(parallelism, lora=cfg.model.lora is not None, mixed_precision=f.mixed_precision,
                       quantized=cfg.model.quantization is not None)
-    compute_copy = uses_compute_weights(t.mixed_precision, lora=cfg.model.lora is not None,
+    compute_copy = uses_compute_weights(f.mixed_precision, lora=cfg.model.lora is not None,
                                         quantized=cfg.model.quantization is not None,
                                         sharded=parallelism.fsdp is not None and launched_processes() > 1)
-    accelerator = Accelerator(mixed_precision="no" if compute_copy else t.mixed_precision,  # bf16 weights: no autocast
+    accelerator = Accelerator(mixed_precision="no" if compute_copy else f.mixed_precision,  # bf16 weights: no autocast
                               cpu=not torch.cuda.is_available())
     if accelerator.device.type == "cuda":
         allow_tf32()
@@ -246,26 +248,27 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
                                   "; this trainer shards by itself: launch with infra/accelerate/fsdp2.yaml "
                                   "(train.accelerate_config)")
     set_seed(t.seed)
-    model, tokenizer = load_policy(cfg.model, root, gradient_checkpointing=t.gradient_checkpointing)
-    ref_model = load_reference(cfg.model, root, model) if t.beta > 0 else None
+    model, tokenizer = load_policy(cfg.model, root, gradient_checkpointing=f.gradient_checkpointing)
+    ref_model = load_reference(cfg.model, root, model) if t.loss.beta > 0 else None
     for module in (model, ref_model):
-        if module is not None and t.disable_dropout:
+        if module is not None and f.disable_dropout:
             disable_dropout(module)
-        if module is not None and t.cast_lm_head_to_fp32 and owns_weights(module):  # LoRA: one head for both
+        if module is not None and f.cast_lm_head_to_fp32 and owns_weights(module):  # LoRA: one head for both
             cast_lm_head_to_fp32(module)
     dataset = load_split(cfg.data, "train", root)
     encoder = PromptEncoder.from_config(tokenizer, cfg.data)
     reward_fns = build_reward_functions(cfg.rewards)
     reward_names = [r.name for r in cfg.rewards]
     if reward_weights is None:  # as `dvc repro` does: pinned, else calibrate's file, else 1 each
-        reward_weights, source = training_reward_weights(reward_names, cfg.train.reward_weights, root)
+        reward_weights, source = training_reward_weights(reward_names, t.advantage.reward_weights, root)
         log.info("reward weights %s from %s", reward_weights, source)
     weights = torch.tensor(reward_weights, dtype=torch.float32)
     if len(weights) != len(reward_fns):
         raise TrainingError(f"{len(weights)} reward weights for {len(reward_fns)} reward functions {reward_names}")
     make_backend = backend_factory or (lambda m, tok: backend_for(
         m, tok, cfg.generation, seed=t.seed, max_prompt_length=cfg.data.max_prompt_length,
-        return_logprobs=t.vllm_importance_sampling_correction or t.off_policy_mask_threshold is not None,
+        return_logprobs=(t.sampler_correction.vllm_importance_sampling_correction
+                         or t.loss.off_policy_mask_threshold is not None),
         rank=accelerator.process_index, local_rank=accelerator.local_process_index,
         world_size=accelerator.num_processes, dtype=DTYPES[cfg.model.dtype]))
     placed = place_policy(cfg, accelerator, parallelism, model, ref_model, lambda m: make_backend(m, tokenizer),
@@ -275,16 +278,23 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
         # the weights exist: every process must build the same initial weights (FSDP2 shards are not broadcast from
         # rank 0). One process keeps its stream as it was.
         set_seed(t.seed, device_specific=True)
-    round_spec = RoundSpec.from_config(cfg.generation, t.num_generations, t.reward_calls, t.tool_use)
-    run = TrainingRun(t=t, generation=cfg.generation, round_spec=round_spec,
-                      logprobs=LogprobOptions.from_config(cfg),
-                      loss_fn=GRPOLoss(t.loss, max_completion_length=cfg.generation.max_completion_length),
-                      accelerator=accelerator, model=placed.model, policy=placed.policy, ref_model=ref_model,
-                      tokenizer=tokenizer, optimizer=placed.optimizer, scheduler=placed.scheduler,
-                      backend=placed.backend, params_hash=training_params_hash(cfg, weights.tolist()),
-                      checkpoint_dir=root / t.output_dir / "checkpoints", replica=placed.replica,
+    round_spec = RoundSpec.from_config(cfg.generation, t.batch.num_generations, t.reward_calls, t.tool_use)
+    loss_fn = GRPOLoss(t.loss, max_completion_length=cfg.generation.max_completion_length,
+                       gradient_accumulation_steps=t.batch.gradient_accumulation_steps)
+    run = TrainingRun(seed=t.seed, max_steps=t.max_steps, logging_steps=t.logging_steps, plan=t.batch_plan,
+                      batch=t.batch, optim=t.optim, entropy=t.entropy, sampler_correction=t.sampler_correction,
+                      advantage=t.advantage, reference=t.reference, checkpoints=t.checkpoints,
+                      evaluation=t.eval_plan, rollouts=t.rollouts, completions=t.completions,
+                      generation=cfg.generation, round_spec=round_spec,
+                      logprobs=LogprobOptions(f, cfg.generation.temperature, t.batch.per_device_train_batch_size),
+                      loss_fn=loss_fn, accelerator=accelerator, model=placed.model, policy=placed.policy,
+                      ref_model=ref_model, tokenizer=tokenizer, optimizer=placed.optimizer,
+                      scheduler=placed.scheduler, backend=placed.backend,
+                      params_hash=training_params_hash(cfg, weights.tolist()),
+                      checkpoint_dir=root / t.checkpoints.output_dir / "checkpoints", replica=placed.replica,
                       compute_weights=placed.backend if compute_copy else None)
-    held_out = load_held_out(cfg, root, encoder, reward_fns, reward_names)
+    held_out = load_held_out(run.evaluation, cfg.data, cfg.generation, cfg.rewards, root=root, seed=t.seed,
+                             encoder=encoder, reward_fns=reward_fns)
     return run, Prompts(dataset, encoder, reward_fns, reward_names, weights, held_out)
 
 
@@ -312,20 +322,20 @@ def place_policy(cfg: PipelineConfig, accelerator, parallelism, model, ref_model
         engine = cfg.generation.backend == "vllm" and cfg.generation.vllm_mode == "colocate"
         if not engine:
             replica = copy.deepcopy(model).to(accelerator.device, DTYPES[cfg.model.dtype])  # whole, before sharding
-        shard_model(model.to(accelerator.device), parallelism.fsdp, t.mixed_precision)
+        shard_model(model.to(accelerator.device), parallelism.fsdp, t.forward.mixed_precision)
         if ref_model is not None:
             shard_model(ref_model.to(accelerator.device), parallelism.fsdp)
-        optimizer, scheduler = build_optimizer_and_scheduler(model, t.optim)  # over the shards
+        optimizer, scheduler = build_optimizer_and_scheduler(model, t.optim, t.max_steps)  # over the shards
         backend = EngineFromShards(make_sampler(model)) if engine else ReplicaRollouts(replica, make_sampler)
         return PlacedPolicy(model, model, optimizer, scheduler, backend, replica)
     if ref_model is not None and owns_weights(ref_model):
         ref_model.to(accelerator.device)
     if compute_copy:  # float32 masters stepped by the optimizer; their bf16 copy trains and samples
         policy = model.to(accelerator.device)
-        optimizer, scheduler = build_optimizer_and_scheduler(policy, t.optim)
+        optimizer, scheduler = build_optimizer_and_scheduler(policy, t.optim, t.max_steps)
         backend = ComputeWeights(policy, make_sampler)
         return PlacedPolicy(backend.model, policy, optimizer, scheduler, backend, None)
-    optimizer, scheduler = build_optimizer_and_scheduler(model, t.optim)
+    optimizer, scheduler = build_optimizer_and_scheduler(model, t.optim, t.max_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
     policy = accelerator.unwrap_model(model)
     if samples_from_a_cast_copy(cfg, policy):
@@ -364,7 +374,7 @@ def start_sampler(run: TrainingRun, reward_specs: list, prompts: Prompts, worker
     """train.async_rollouts: set the sampler worker up with a copy of the policy and the reference it scores rounds
     sampled ahead with (``run.sampler``)."""
     reference = run.ref_model
-    if reference is None or run.t.sync_ref_model:  # none, or one that moves (TR-DPO): the trainer scores it
+    if reference is None or run.reference.sync_ref_model:  # none, or one that moves (TR-DPO): the trainer scores it
         reference = None
     elif not owns_weights(reference):
         reference = ADAPTERS_OFF
@@ -383,14 +393,14 @@ def resume_or_start(run: TrainingRun, sampler: PromptSampler) -> tuple[TrainStat
     if run.accelerator.is_main_process:
         remove_stale_temp_dirs(run.checkpoint_dir)
     run.accelerator.wait_for_everyone()
-    last = latest_valid_checkpoint(run.checkpoint_dir) if run.t.resume == "auto" else None
+    last = latest_valid_checkpoint(run.checkpoint_dir) if run.checkpoints.resume == "auto" else None
     if last is None:
-        return TrainState(sampler=sampler, entropy_coef=run.t.entropy_coef), None
+        return TrainState(sampler=sampler, entropy_coef=run.entropy.entropy_coef), None
     state = restore_state(run, last, sampler)
     run.backend.sync_weights(run.policy)
     log.info("resumed from %s (step %d)", last, state.step)
-    if state.step >= run.t.max_steps:
-        log.info("already trained to step %d >= max_steps %d", state.step, run.t.max_steps)
+    if state.step >= run.max_steps:
+        log.info("already trained to step %d >= max_steps %d", state.step, run.max_steps)
     return state, last
 
 
@@ -398,7 +408,7 @@ def open_step_log(run: TrainingRun, path: Path, reward_names: list[str], step: i
     """Rank 0 alone owns the log (two ranks rewriting one file race on its temp name)."""
     if not run.accelerator.is_main_process:
         return None
-    return StepLog(path, metric_columns(reward_names, run.t, run.generation.backend), step)
+    return StepLog(path, metric_columns(run, reward_names), step)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -413,8 +423,8 @@ def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
     One global prompt order: each sampling takes the global batch and every process its own slice of it, so N
     processes train on exactly the prompts one process would.
     """
-    t, acc = run.t, run.accelerator
-    per_process = t.per_device_train_batch_size * t.effective_steps_per_generation // t.num_generations
+    plan, acc = run.plan, run.accelerator
+    per_process = plan.prompts_per_round
     rank = acc.process_index
 
     def sample() -> Round:
@@ -427,29 +437,31 @@ def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
     with record_function("grpo/generate_round"):
         if run.sampler is not None:
             round_ = assign_advantages(take_round_ahead(run, prompts, state, per_process), prompts.weights,
-                                       t.advantage, acc)
-        elif t.dynamic_sampling:
-            filled = fill_round(sample, state.pending, quota=per_process, weights=prompts.weights, a=t.advantage,
-                                max_rounds=t.dynamic_sampling_max_rounds, accelerator=acc,
-                                reward_names=prompts.reward_names)
+                                       run.advantage, plan.group_size, acc)
+        elif run.rollouts.dynamic_sampling:
+            filled = fill_round(sample, state.pending, quota=per_process, weights=prompts.weights, a=run.advantage,
+                                group_size=plan.group_size, max_rounds=run.rollouts.dynamic_sampling_max_rounds,
+                                accelerator=acc, reward_names=prompts.reward_names)
             round_, state.pending = filled.round, filled.pending
         else:
-            round_ = assign_advantages(sample(), prompts.weights, t.advantage, acc)
-    ga = t.gradient_accumulation_steps
-    if t.group_by_length and ga > 1:  # one micro-batch per step: nothing to regroup
-        order = length_grouped_order(round_.prompt_mask.sum(1), round_.completion_mask.sum(1), t.num_generations,
-                                     span=ga * t.per_device_train_batch_size,
-                                     keep_groups=use_manual_forward(run.model, t.forward_backend))
+            round_ = assign_advantages(sample(), prompts.weights, run.advantage, plan.group_size, acc)
+    ga = plan.micro_batches_per_step
+    if run.batch.group_by_length and ga > 1:  # one micro-batch per step: nothing to regroup
+        order = length_grouped_order(round_.prompt_mask.sum(1), round_.completion_mask.sum(1), plan.group_size,
+                                     span=ga * plan.micro_batch_size,
+                                     keep_groups=use_manual_forward(run.model, run.logprobs.forward.forward_backend))
         round_ = round_.rows(order)
-    corrected = round_.sampling_logps is not None and t.vllm_importance_sampling_correction
-    outlives = t.num_iterations > 1 or t.effective_steps_per_generation > ga or corrected
+    sc = run.sampler_correction
+    corrected = round_.sampling_logps is not None and sc.vllm_importance_sampling_correction
+    outlives = plan.passes_per_round > 1 or plan.micro_batches_per_round > ga or corrected
     if outlives and round_.old_logps is None:  # the round outlives this policy, or the sampler is not it (a round
         with record_function("grpo/old_logprobs"):  # sampled ahead brings the sampling weights' own)
             round_.old_logps = frozen_logprobs(run.model, round_, run.logprobs)
     if corrected:
         round_.sampler_ratio = sampler_correction(round_.old_logps, round_.sampling_logps, round_.model_mask(),
-                                                  t.vllm_importance_sampling_mode, t.vllm_importance_sampling_clip_min,
-                                                  t.vllm_importance_sampling_clip_max)
+                                                  sc.vllm_importance_sampling_mode,
+                                                  sc.vllm_importance_sampling_clip_min,
+                                                  sc.vllm_importance_sampling_clip_max)
         round_.metrics.update(sampler_metrics(acc, round_))
     if run.ref_model is not None and round_.ref_logps is None:  # a round sampled ahead brings them
         with record_function("grpo/ref_logprobs"):
@@ -474,7 +486,7 @@ def take_round_ahead(run: TrainingRun, prompts: Prompts, state: TrainState, per_
     round_, sampled_at = state.ahead, state.ahead_step
     state.ahead = state.ahead_step = None
     waited = time.perf_counter() - wait_start
-    if run.t.max_staleness > 0:
+    if run.rollouts.max_staleness > 0:
         submit_round(run, prompts, state, per_process, ahead=True)
     round_.metrics.update({"async/staleness": float(state.step - sampled_at), "async/wait_time": waited})
     return round_
@@ -520,10 +532,10 @@ def sampler_metrics(accelerator, round_: Round) -> dict[str, float]:
             "sampling/importance_sampling_ratio/max": stat(ratio, torch.max)}
 
 
-def step_micro_batches(state: TrainState, b: BatchConfig) -> list[Round]:
+def step_micro_batches(state: TrainState, plan: BatchPlan) -> list[Round]:
     """The ga micro-batches (B rows each) of this optimizer step: slices (micro_step + j) % spg of the round."""
-    spg, bs = b.steps_per_round, b.per_device_train_batch_size
-    slices = [(state.micro_step + j) % spg for j in range(b.gradient_accumulation_steps)]
+    spg, bs = plan.micro_batches_per_round, plan.micro_batch_size
+    slices = [(state.micro_step + j) % spg for j in range(plan.micro_batches_per_step)]
     return [state.round.rows(slice(s * bs, (s + 1) * bs)) for s in slices]
 
 
@@ -537,9 +549,9 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[Round], entropy_c
     A non-finite loss never reaches the gradients; the nonfinite guard acts on it. entropy_coef: the entropy
     bonus this step applies (``applied_entropy_coef``).
     """
-    t, acc = run.t, run.accelerator
+    acc = run.accelerator
     ga = len(micro_batches)
-    loss_masks = [mb.loss_mask(t.mask_truncated_completions) for mb in micro_batches]
+    loss_masks = [mb.loss_mask(run.rollouts.mask_truncated_completions) for mb in micro_batches]
     local_tokens = sum(int(m.sum()) for m in loss_masks)
     num_items = _global_sum(acc, local_tokens) / acc.num_processes
     losses, stats, entropies, window = [], [], [], None
@@ -549,7 +561,7 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[Round], entropy_c
         defer_sync = j < ga - 1 and acc.num_processes > 1 and not is_sharded(run.model)
         with acc.no_sync(run.model) if defer_sync else contextlib.nullcontext():
             with record_function("grpo/policy_forward"):
-                part = micro_batch_loss(run, mb, loss_mask, num_items=num_items, ga=ga, entropy_coef=entropy_coef)
+                part = micro_batch_loss(run, mb, loss_mask, num_items=num_items, entropy_coef=entropy_coef)
             if _finite_everywhere(acc, part.loss):  # one answer on every process, or their backward passes part ways
                 with record_function("grpo/backward"):
                     acc.backward(part.loss)
@@ -560,7 +572,7 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[Round], entropy_c
             window = part.trained_entropy if window is None else window + part.trained_entropy
     if run.compute_weights is not None:  # the masters' float32 gradients, averaged over processes as DDP would
         run.compute_weights.all_reduce_gradients(acc.num_processes)
-    max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
+    max_norm = run.optim.max_grad_norm if run.optim.max_grad_norm > 0 else float("inf")
     grad_norm = (clip_gradients(run.policy.parameters(), max_norm) if is_sharded(run.model)
                  else acc.clip_grad_norm_(run.policy.parameters(), max_norm))  # the masters' gradients
     return StepGradients(losses, stats, entropies, grad_norm, num_items, local_tokens, window)
@@ -575,30 +587,28 @@ class MicroBatchLoss:
                                           # (use_adaptive_entropy only)
 
 
-def micro_batch_loss(run: TrainingRun, mb: Round, loss_mask: torch.Tensor, *, num_items: float, ga: int,
+def micro_batch_loss(run: TrainingRun, mb: Round, loss_mask: torch.Tensor, *, num_items: float,
                      entropy_coef: float) -> MicroBatchLoss:
-    """One micro-batch's loss: logps (B, C') with grad, old/ref logps cut to C', advantages (B,), loss mask
-    (B, C'); the high-entropy token mask (``top_entropy_quantile``) and the entropy bonus (``entropy_coef``)."""
-    t, acc = run.t, run.accelerator
+    """One micro-batch's share of the step's loss (``run.loss_fn``): logps (B, C') with grad, old/ref logps cut to
+    C', advantages (B,), loss mask (B, C'); the high-entropy token mask (``top_entropy_quantile``) and the
+    entropy bonus (``entropy_coef``)."""
+    e, acc = run.entropy, run.accelerator
     logps, entropy, _ = policy_logprobs(run.model, mb, run.logprobs, compute_entropy=True)
     width, device = logps.shape[1], logps.device
     mask = loss_mask[:, :width].to(device)
     trained = None
-    if t.top_entropy_quantile < 1.0:  # the threshold is the quantile over every process's tokens, as in TRL
+    if e.top_entropy_quantile < 1.0:  # the threshold is the quantile over every process's tokens, as in TRL
         every = _gather_values(acc, entropy.detach()[mask.bool()].float()) if acc.num_processes > 1 else None
-        trained = high_entropy_mask(entropy.detach(), mask, t.top_entropy_quantile, all_entropies=every)
+        trained = high_entropy_mask(entropy.detach(), mask, e.top_entropy_quantile, all_entropies=every)
     loss, stats = run.loss_fn(
         logps, _cut(mb.old_logps, width, device), _cut(mb.ref_logps, width, device), mb.advantages.to(device), mask,
         num_items=max(num_items, 1.0), entropy_mask=trained, sampling_logps=_cut(mb.sampling_logps, width, device),
-        sampler_ratio=_cut(mb.sampler_ratio, width, device))  # (B, 1) at sequence level stays (B, 1)
-    if t.loss_type not in TOKEN_SUM_LOSS_TYPES:  # those already divide by the step's token count
-        loss = loss / ga
+        sampler_ratio=_cut(mb.sampler_ratio, width, device),  # (B, 1) at sequence level stays (B, 1)
+        entropies=entropy, entropy_coef=entropy_coef)
     effective = mask.bool() if trained is None else trained
-    if entropy_coef != 0.0:  # L = L_policy - coef * H, H the mean over the trained tokens; per step, so / ga
-        loss = loss - entropy_coef * entropy_mean(entropy, effective) / ga
     m = mask.to(entropy.dtype)
     trained_sum = None  # only adaptive control reads it; it stays on the device until the step's end
-    if t.use_adaptive_entropy:
+    if e.use_adaptive_entropy:
         trained_sum = torch.stack([(entropy.detach() * effective).sum(), effective.sum()]).double()
     return MicroBatchLoss(loss, stats, ((entropy * m).sum() / m.sum().clamp(min=1)).detach(), trained_sum)
 
@@ -672,24 +682,23 @@ def roll_back(run: TrainingRun, state: TrainState, lr_factor: float) -> TrainSta
 def apply_update(run: TrainingRun, state: TrainState, skipped: bool) -> None:
     """Step the optimizer and schedule (unless a guard skips the update), advance the state, and hand the new
     weights to the rollout engine and, every ref_model_sync_steps, to the reference (TR-DPO)."""
-    t = run.t
     if not skipped:
         with record_function("grpo/optimizer_step"):
             run.optimizer.step()
             run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-    state.micro_step += t.gradient_accumulation_steps
+    state.micro_step += run.plan.micro_batches_per_step
     state.step += 1
     with record_function("grpo/sync_weights"):
         run.backend.sync_weights(run.policy)
-    if run.ref_model is not None and t.sync_ref_model and state.step % t.ref_model_sync_steps == 0:
-        _mix_reference(run.ref_model, run.policy, t.ref_model_mixup_alpha)
+    if run.ref_model is not None and run.reference.due(state.step):
+        mix_reference(run.ref_model, run.policy, run.reference.ref_model_mixup_alpha)
         state.reference_synced = True
 
 
 def open_completion_log(run: TrainingRun, step_log_path: Path, step: int) -> CompletionLog | None:
     """Rank 0's completions file beside the step log, when ``log_completions_steps`` asks for one."""
-    if not run.t.log_completions_steps or not run.accelerator.is_main_process:
+    if not run.completions.log_completions_steps or not run.accelerator.is_main_process:
         return None
     return CompletionLog(step_log_path.with_suffix(".completions.jsonl"), step)
 
@@ -698,14 +707,14 @@ def log_completions(run: TrainingRun, state: TrainState, reward_names: list[str]
                     tracker) -> None:
     """Every log_completions_steps: the round's rows as text, rewards and advantages (gathered from every
     process) into the completions file and, as a table, the tracker."""
-    t, acc = run.t, run.accelerator
-    if not t.log_completions_steps or state.step % t.log_completions_steps:
+    c, acc = run.completions, run.accelerator
+    if not c.log_completions_steps or state.step % c.log_completions_steps:
         return
-    rows = completion_rows(state.round, run.tokenizer, reward_names, state.step, t.num_completions_to_log)
+    rows = completion_rows(state.round, run.tokenizer, reward_names, state.step, c.num_completions_to_log)
     if acc.num_processes > 1:
         from accelerate.utils import gather_object
 
-        rows = gather_object(rows)[:t.num_completions_to_log]
+        rows = gather_object(rows)[:c.num_completions_to_log]
     if not acc.is_main_process:
         return
     samples_log.append(rows)
@@ -716,16 +725,16 @@ def log_completions(run: TrainingRun, state: TrainState, reward_names: list[str]
 def adapt_entropy_coef(run: TrainingRun, state: TrainState, grads: StepGradients) -> None:
     """Adaptive entropy control (``use_adaptive_entropy``): the step's entropy over the trained tokens of every
     process moves the coefficient for the next step. Its state is in TrainState, so checkpoints carry it."""
-    t = run.t
-    if not t.use_adaptive_entropy:
+    e = run.entropy
+    if not e.use_adaptive_entropy:
         return
     total = grads.trained_entropy
     if run.accelerator.num_processes > 1:
         total = run.accelerator.reduce(total.to(run.accelerator.device), "sum")
     total = total.cpu()
     entropy = float(total[0] / total[1].clamp(min=1.0))
-    state.entropy_coef = next_entropy_coef(state.entropy_coef, entropy, target=t.entropy_target,
-                                           delta=t.entropy_coef_delta, low=t.entropy_coef_min, high=t.entropy_coef_max)
+    state.entropy_coef = next_entropy_coef(state.entropy_coef, entropy, target=e.entropy_target,
+                                           delta=e.entropy_coef_delta, low=e.entropy_coef_min, high=e.entropy_coef_max)
     state.last_entropy = entropy
 
 
@@ -733,7 +742,7 @@ def log_step(run: TrainingRun, state: TrainState, metrics: dict, step_log: StepL
     """Every logging_steps (and the last step): a line of the step log and the tracker's metrics; the bar."""
     if not run.accelerator.is_main_process:
         return
-    if state.step % run.t.logging_steps == 0 or state.step == run.t.max_steps:
+    if state.step % run.logging_steps == 0 or state.step == run.max_steps:
         step_log.append(metrics)
         if tracker is not None:
             tracker.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=state.step)
@@ -747,15 +756,16 @@ def save_if_due(run: TrainingRun, state: TrainState, metrics: dict) -> None:
     """A checkpoint every save_steps and at max_steps (save_strategy "no": never). Mid-round steps keep the
     round in the checkpoint; on N processes, where each holds its own slice of it, a save falling inside a round
     waits for the round's end."""
-    t = run.t
-    if t.save_strategy == "no":
+    c = run.checkpoints
+    if c.save_strategy == "no":
         return
-    mid_round = _inside_round(state, t.batch)
+    mid_round = _inside_round(state, run.plan)
     multi = run.accelerator.num_processes > 1
     if multi and mid_round:
         return
-    if state.step % t.save_steps == 0 or state.step == t.max_steps or (multi and _passed_save_step(state.step, t.batch, t.save_steps)):
-        update_best(t.evaluation, state, metrics)
+    due = state.step % c.save_steps == 0 or state.step == run.max_steps
+    if due or (multi and _passed_save_step(state.step, run.plan, c.save_steps)):
+        update_best(run.evaluation, state, metrics)
         if run.sampler is not None and run.sampler.in_flight:
             receive_round(run, state)  # the round in flight is part of the state: saved, not regenerated
         with record_function("grpo/save"):
@@ -766,10 +776,10 @@ def save_if_due(run: TrainingRun, state: TrainState, metrics: dict) -> None:
 # Helpers of the phases
 
 
-def _inside_round(state: TrainState, b: BatchConfig) -> bool:
+def _inside_round(state: TrainState, plan: BatchPlan) -> bool:
     """Whether the micro-steps taken so far end inside a generation round (spg micro-batches, num_iterations
     times over): a new step trains on the round in hand, and a checkpoint must keep it."""
-    return state.micro_step % (b.steps_per_round * b.num_iterations) != 0
+    return state.micro_step % plan.micro_batches_per_round_trained != 0
 
 
 def _cut(x: torch.Tensor | None, width: int, device) -> torch.Tensor | None:
@@ -817,17 +827,10 @@ def _reduce_metrics(accelerator, metrics: dict, local_tokens: float) -> dict:
     return out
 
 
-def _passed_save_step(step: int, b: BatchConfig, save_steps: int) -> bool:
+def _passed_save_step(step: int, plan: BatchPlan, save_steps: int) -> bool:
     """Multi-process: a save step skipped inside a generation round is caught up at the round's end."""
-    steps_per_round = b.steps_per_round // b.gradient_accumulation_steps * b.num_iterations
+    steps_per_round = plan.optimizer_steps_per_round
     return any((step - j) % save_steps == 0 for j in range(1, max(steps_per_round, 1)))
-
-
-@torch.no_grad()
-def _mix_reference(ref_model, policy, alpha: float) -> None:
-    """TR-DPO: ref <- alpha * policy + (1 - alpha) * ref."""
-    for ref_p, p in zip(ref_model.parameters(), policy.parameters()):
-        ref_p.mul_(1 - alpha).add_(p.detach().to(ref_p.dtype), alpha=alpha)
 
 
 def _progress_bar(run: TrainingRun, step: int):
@@ -835,7 +838,7 @@ def _progress_bar(run: TrainingRun, step: int):
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=run.t.max_steps, initial=step, desc="grpo", unit="step", dynamic_ncols=True)
+    return tqdm(total=run.max_steps, initial=step, desc="grpo", unit="step", dynamic_ncols=True)
 
 
 def _progress_to(bar, step: int) -> None:

@@ -17,12 +17,32 @@ from pathlib import Path
 
 from grpo_core.errors import ConfigurationError
 from grpo_core.model.sharding import FSDPSettings
+from grpo_core.options import ConfigError, Options, option
 
 DEEPSPEED_WITHDRAWN = (
     "DeepSpeed is not supported: a DeepSpeed engine takes over what this trainer owns (gradient accumulation, the "
     "skip-step guard, checkpoints, the export), and no ZeRO-3 path ships untested. FSDP2 shards the same state "
     "(weights, gradients, AdamW) and is tested: train.accelerate_config: infra/accelerate/fsdp2.yaml "
     "(docs/scaling.md)")
+
+
+@dataclass
+class ParallelOptions(Options):
+    """params.yaml `train:` keys of how many processes train, on how many machines (flows/stages/train.py launches
+    them)."""
+
+    num_processes: int = option(1, "processes (GPUs) over all machines; > 1 launches through `accelerate launch` "
+                                "(GPUs) or torch.distributed.run (CPU, gloo)", ge=1)
+    num_machines: int = option(1, "machines (nodes) the processes are spread over; > 1: each machine runs the "
+                               "train stage with MACHINE_RANK and MAIN_PROCESS_IP set (docs/scaling.md)", ge=1)
+    accelerate_config: str | None = option(
+        None, "accelerate config for num_processes > 1: infra/accelerate/ddp.yaml, or infra/accelerate/fsdp2.yaml "
+        "to shard (None = DDP)")
+
+    def check(self) -> None:
+        if self.num_processes % self.num_machines:
+            raise ConfigError(f"num_machines: {self.num_processes} processes do not split evenly over "
+                              f"{self.num_machines} machines")
 
 
 class ParallelConfigError(ConfigurationError, ValueError):

@@ -10,16 +10,43 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 
-from grpo_core.advantages import compute_advantages, nanstd
-from grpo_core.config import AdvantageConfig, GenerationConfig, RewardCallConfig, ToolUseConfig
+from grpo_core.advantages import AdvantageOptions, compute_advantages, nanstd
 from grpo_core.data import PromptEncoder
-from grpo_core.rollout import RolloutBackend, SamplingParams, sampling_params
+from grpo_core.options import Options, option
+from grpo_core.rewards.scoring import RewardCallOptions
+from grpo_core.rollout import GenerationConfig, RolloutBackend, SamplingParams, sampling_params
 from grpo_core.sampling import sample_and_score
-from grpo_core.tools import Toolbox, build_toolbox, load_rollout_func
+from grpo_core.tools import Toolbox, ToolUseOptions, build_toolbox, load_rollout_func
 from grpo_core.train.round import Round
+
+
+@dataclass
+class RolloutOptions(Options):
+    """params.yaml `train:` keys of how rounds are produced: ahead in a sampler worker, refilled by dynamic
+    sampling, their truncated completions kept or masked."""
+
+    async_rollouts: bool | Literal["auto"] = option(
+        False, "sample the next round in a sampler worker process (its own copy of the policy, fed the new weights "
+        "after each optimizer step, as many torch threads as this process) while this process trains on the "
+        "current round (grpo_core/train/sampler_worker.py); one training process, CPU, generation.backend "
+        "auto/hf/manual, no dynamic_sampling, no model.quantization. auto: on where all of these hold (resolved "
+        "when the config loads), off elsewhere")
+    max_staleness: int = option(
+        1, "async_rollouts: generation rounds the sampler may run ahead of training. 1: one-step off-policy, the "
+        "clipped ratio takes the sampler's log-probs as old log-probs; 0: the worker samples with the current "
+        "weights (the synchronous run, for checking)", ge=0, le=1)
+    dynamic_sampling: bool = option(
+        False, "DAPO's dynamic sampling: groups whose rewards all tie never reach the loss; more prompts are "
+        "sampled until the round is full (grpo_core/train/dynamic.py)")
+    dynamic_sampling_max_rounds: int = option(
+        4, "dynamic_sampling: samplings a round may take to fill up; past them tied groups fill what is missing "
+        "(counted as dynamic/tied_groups_used)", ge=1)
+    mask_truncated_completions: bool = option(
+        False, "exclude completions that hit max_completion_length from the loss")
 
 
 @dataclass(frozen=True)
@@ -28,14 +55,14 @@ class RoundSpec:
 
     sampling: SamplingParams          # generation.* (grpo_core.rollout.sampling_params)
     num_generations: int              # G
-    reward_calls: RewardCallConfig    # train.reward_errors, reward_timeout_s
+    reward_calls: RewardCallOptions   # train.reward_errors, reward_timeout_s
     tools: Toolbox | None = None      # train.tools / environment_factory (grpo_core.tools.build_toolbox): rollouts
                                       # are conversations with tool calls
     rollout_func: Callable | None = None  # train.rollout_func (grpo_core.rollout.custom): the user's own rollout
 
     @classmethod
-    def from_config(cls, g: GenerationConfig, num_generations: int, reward_calls: RewardCallConfig,
-                    tool_use: ToolUseConfig) -> RoundSpec:
+    def from_config(cls, g: GenerationConfig, num_generations: int, reward_calls: RewardCallOptions,
+                    tool_use: ToolUseOptions) -> RoundSpec:
         """params.yaml ``generation`` and ``train``'s G, reward calls and tools / environments / rollout function
         (imported and checked here)."""
         return cls(sampling_params(g), num_generations, reward_calls, tools=build_toolbox(tool_use),
@@ -77,11 +104,12 @@ def sample_round(*, backend: RolloutBackend, tokenizer, rows: list[dict], row_id
                  sampling_logps=batch.sampling_logps, tool_mask=batch.tool_mask, tool_counts=tool_counts)
 
 
-def assign_advantages(round_: Round, weights: torch.Tensor, a: AdvantageConfig, accelerator) -> Round:
+def assign_advantages(round_: Round, weights: torch.Tensor, a: AdvantageOptions, group_size: int,
+                      accelerator) -> Round:
     """The round with its group-relative advantages (N,), computed over every process's rewards (so
     ``scale_rewards="batch"`` and the groups see the global batch)."""
     all_rewards = gather_rows(accelerator, round_.rewards)                                    # (world * N, K)
-    advantages = compute_advantages(all_rewards, weights, a.num_generations, scale=a.scale_rewards,
+    advantages = compute_advantages(all_rewards, weights, group_size, scale=a.scale_rewards,
                                     aggregation=a.multi_objective_aggregation)
     if accelerator.num_processes > 1:
         n = len(round_)

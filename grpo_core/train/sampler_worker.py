@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from grpo_core.config import GenerationConfig
 from grpo_core.errors import TrainingFailure, TransientFailure
 from grpo_core.model.loading import AdapterDisabledReference
 from grpo_core.rewards import build_reward_functions
+from grpo_core.rollout import GenerationConfig
 from grpo_core.train.forward import LogprobOptions, frozen_logprobs
 from grpo_core.train.rollouts import RoundSpec, sample_round
 from grpo_core.train.round import Round

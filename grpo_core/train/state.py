@@ -16,17 +16,30 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from grpo_core.config import GenerationConfig, TrainConfig
+from grpo_core.advantages import AdvantageOptions
 from grpo_core.errors import TrainingFailure
+from grpo_core.loss import EntropyOptions, SamplerCorrectionOptions
 from grpo_core.model.sharding import gather_optimizer_state, gather_weights, is_sharded, load_optimizer_state
 from grpo_core.rng import restore_rngs, rng_state
-from grpo_core.train.checkpoint import load_checkpoint, load_reference, load_weights, save_checkpoint
+from grpo_core.rollout import GenerationConfig
+from grpo_core.train.batching import BatchOptions, BatchPlan
+from grpo_core.train.checkpoint import (
+    CheckpointOptions,
+    load_checkpoint,
+    load_reference,
+    load_weights,
+    save_checkpoint,
+)
+from grpo_core.train.completions import CompletionLogOptions
+from grpo_core.train.optim import OptimizerOptions
+from grpo_core.train.reference import ReferenceOptions
 from grpo_core.train.round import Round
 
 if TYPE_CHECKING:
+    from grpo_core.evaluation import EvalOptions
     from grpo_core.loss import GRPOLoss
     from grpo_core.train.forward import LogprobOptions
-    from grpo_core.train.rollouts import RoundSpec
+    from grpo_core.train.rollouts import RolloutOptions, RoundSpec
 
 
 class TrainingError(TrainingFailure, RuntimeError):
@@ -87,13 +100,27 @@ class TrainState:
 
 @dataclass
 class TrainingRun:
-    """The long-lived objects of one ``train()`` call, built once by its set-up phase."""
+    """The long-lived objects of one ``train()`` call, built once by its set-up phase, with the options each
+    phase reads (the groups of params.yaml's `train:`)."""
 
-    t: TrainConfig
+    seed: int
+    max_steps: int
+    logging_steps: int
+    plan: BatchPlan                # micro-batches, steps and rounds (grpo_core/train/batching.py)
+    batch: BatchOptions
+    optim: OptimizerOptions
+    entropy: EntropyOptions
+    sampler_correction: SamplerCorrectionOptions
+    advantage: AdvantageOptions
+    reference: ReferenceOptions
+    checkpoints: CheckpointOptions
+    evaluation: EvalOptions        # resolved (eval_steps, num_generations_eval filled in)
+    rollouts: RolloutOptions
+    completions: CompletionLogOptions
     generation: GenerationConfig   # params.yaml generation: how rounds are sampled
-    round_spec: RoundSpec          # sampling, G and reward calls of a round (built from t and generation)
+    round_spec: RoundSpec          # sampling, G and reward calls of a round
     logprobs: LogprobOptions       # the trainer's log-prob passes (train's forward keys, generation.temperature)
-    loss_fn: GRPOLoss              # built once from train.loss (grpo_core/loss.py), called per micro-batch
+    loss_fn: GRPOLoss              # the objective, built once (grpo_core/loss.py), called per micro-batch
     accelerator: Any
     model: Any               # what trains (forward, backward): DDP-wrapped on N processes, fully_shard-ed under
                              # FSDP2, or the bf16 compute copy of the masters (compute_weights)
@@ -120,7 +147,7 @@ def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round
     acc = run.accelerator
     acc.wait_for_everyone()
     synced = run.ref_model if state.reference_synced else None
-    pending = _gather_pending(acc, state.pending) if run.t.dynamic_sampling else None
+    pending = _gather_pending(acc, state.pending) if run.rollouts.dynamic_sampling else None
     rngs = _per_process(acc, rng_state())  # each process samples its own stream
     if is_sharded(run.policy):
         weights = gather_weights(run.policy)
@@ -139,7 +166,7 @@ def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round
         save_checkpoint(run.checkpoint_dir, state.step, model=run.policy, tokenizer=run.tokenizer,
                         optimizer_state=optimizer_state, scheduler=run.scheduler, state=meta, weights=weights,
                         rollout_buffer=state.round.to_buffer() if keep_round and state.round is not None else None,
-                        reference=reference, rng_states=rngs, keep_last=run.t.save_total_limit,
+                        reference=reference, rng_states=rngs, keep_last=run.checkpoints.save_total_limit,
                         pending_groups=pending,
                         ahead_round=state.ahead.to_buffer() if state.ahead is not None else None,
                         keep_step=state.best_step)
@@ -159,13 +186,13 @@ def restore_state(run: TrainingRun, path: Path, sampler: PromptSampler) -> Train
     if ck.reference_file is not None and run.ref_model is not None:
         load_reference(run.ref_model, ck.reference_file)
     sampler.load_state_dict(ck.state["sampler"])
-    restore_rngs(ck.state["rng"], run.accelerator.process_index, run.t.seed, ck.state["step"])
+    restore_rngs(ck.state["rng"], run.accelerator.process_index, run.seed, ck.state["step"])
     return TrainState(sampler=sampler, step=ck.state["step"], micro_step=ck.state["micro_step"],
                       rollbacks=ck.state.get("rollbacks", 0),
                       round=Round.from_buffer(ck.rollout_buffer) if ck.rollout_buffer is not None else None,
                       reference_synced=ck.reference_file is not None,
-                      pending=_own_pending(ck.pending_groups, run.accelerator, run.t.num_generations),
-                      entropy_coef=ck.state.get("entropy_coef", run.t.entropy_coef),
+                      pending=_own_pending(ck.pending_groups, run.accelerator, run.plan.group_size),
+                      entropy_coef=ck.state.get("entropy_coef", run.entropy.entropy_coef),
                       last_entropy=ck.state.get("last_entropy", float("inf")),
                       best_step=ck.state.get("best_step"), best_value=ck.state.get("best_value"),
                       ahead=Round.from_buffer(ck.ahead_round) if ck.ahead_round is not None else None,

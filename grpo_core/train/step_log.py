@@ -6,33 +6,35 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from grpo_core.config import TrainConfig, eval_metric_names
+from grpo_core.evaluation import eval_metric_names
 from grpo_core.files import atomic_path
+from grpo_core.train.state import TrainingRun
 
 # the metric a loss type logs besides the clip ratios (TRL's names)
 _LOSS_TYPE_METRICS = {"cispo": ["cispo_clip_ratio"], "vespo": ["vespo/phi_seq_mean"]}
 
 
-def metric_columns(reward_names: list[str], t: TrainConfig | None = None, backend: str = "auto") -> list[str]:
-    """The CSV's columns: TRL's metric names, plus what ``t`` switches on: the loss type's own metric,
+def metric_columns(run: TrainingRun, reward_names: list[str]) -> list[str]:
+    """The CSV's columns: TRL's metric names, plus what the run switches on: the loss type's own metric,
     ``entropy_coef`` under an entropy bonus, the ``dynamic/*`` counts under dynamic sampling, ``async/*`` under
-    async rollouts, ``tools/*`` with tools, the ``eval/*`` metrics under evaluation during training (blank on steps without one)."""
-    t = t or TrainConfig()  # backend: generation.backend
-    extra = list(_LOSS_TYPE_METRICS.get(t.loss_type, []))
-    if t.entropy_coef != 0 or t.use_adaptive_entropy:
+    async rollouts, ``tools/*`` with tools, the ``eval/*`` metrics under evaluation during training (blank on
+    steps without one)."""
+    tools = run.round_spec.tools is not None
+    extra = list(_LOSS_TYPE_METRICS.get(run.loss_fn.options.loss_type, []))
+    if run.entropy.logged:
         extra.append("entropy_coef")
-    if backend == "vllm" and t.vllm_importance_sampling_correction:
+    if run.generation.backend == "vllm" and run.sampler_correction.vllm_importance_sampling_correction:
         extra += ["sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
                   "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
                   "sampling/importance_sampling_ratio/max"]
-    if t.dynamic_sampling:
+    if run.rollouts.dynamic_sampling:
         extra += ["dynamic/groups_dropped", "dynamic/generation_rounds", "dynamic/tied_groups_used"]
-    if t.async_rollouts:
+    if run.rollouts.async_rollouts:
         extra += ["async/staleness", "async/wait_time"]
-    if t.tool_use.enabled:
+    if tools:
         extra += ["tools/call_frequency", "tools/failure_frequency", "tools/mean_turns"]
-    evaluation = ([*eval_metric_names(t.evaluation, reward_names, t.tool_use.enabled), "eval/runtime"]
-                  if t.eval_strategy == "steps" else [])
+    evaluation = ([*eval_metric_names(run.evaluation, reward_names, tools), "eval/runtime"]
+                  if run.evaluation.eval_strategy == "steps" else [])
     cols = ["step", "loss", "reward", "reward_std", "frac_reward_zero_std"]
     for name in reward_names:
         cols += [f"rewards/{name}/mean", f"rewards/{name}/std"]
