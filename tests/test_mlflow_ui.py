@@ -21,7 +21,18 @@ import yaml
 from flows import pictures
 from flows.comparison import CURVE_CHARTS, HEADLINE, RUN_COLOR_TAG, VIEW_TAG
 from flows.pictures import chromium, exp_run, mlflow_ui, take_pictures
-from tests.test_pipeline import GIT, REPO, built_pipeline, copy_repo, dvc, pipeline_env, run, stage_runs
+from tests.test_pipeline import (
+    GIT,
+    REPO,
+    built_pipeline,
+    copy_repo,
+    differing_tensors,
+    dvc,
+    logits_on_fixed_input,
+    pipeline_env,
+    run,
+    stage_runs,
+)
 
 pytestmark = pytest.mark.slow
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -154,8 +165,9 @@ def test_parents_carry_names_summary_params_datasets_and_source(two_pipelines, s
 def test_train_run_leads_with_reward_and_kl_and_the_model_is_logged_and_registered(two_pipelines, server,
                                                                                    monkeypatch):
     import mlflow
+    import torch
     from mlflow.models import Model
-    from transformers import AutoModelForCausalLM
+    from safetensors.torch import load_file
 
     repo, _ = two_pipelines
     client = client_for(server)
@@ -178,9 +190,14 @@ def test_train_run_leads_with_reward_and_kl_and_the_model_is_logged_and_register
     assert version.source == f"models:/{logged.model_id}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server)  # what a user downloading from the team's server sets
     monkeypatch.setenv("MLFLOW_REGISTRY_URI", server)
-    folder = mlflow.artifacts.download_artifacts(f"models:/grpo-policy/{version.version}")
-    assert AutoModelForCausalLM.from_pretrained(folder) is not None
-    signature = Model.load(str(Path(folder) / "MLmodel")).signature
+    folder = Path(mlflow.artifacts.download_artifacts(f"models:/grpo-policy/{version.version}"))
+    # the registered version is the baseline pipeline's exported model, tensor for tensor (dvc exp run --temp
+    # left the workspace's artifacts/model as the baseline wrote it)
+    exported = repo / "artifacts/model"
+    registered = load_file(folder / "model.safetensors")
+    assert differing_tensors(registered, load_file(exported / "model.safetensors")) == []
+    torch.testing.assert_close(logits_on_fixed_input(folder), logits_on_fixed_input(exported), rtol=0, atol=0)
+    signature = Model.load(str(folder / "MLmodel")).signature
     assert signature.inputs.input_names() == ["prompt"] and signature.outputs.input_names() == ["completion"]
 
 

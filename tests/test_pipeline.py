@@ -113,6 +113,25 @@ def stage_runs(repo: Path) -> list:
     return client.search_runs([exp.experiment_id], order_by=["attribute.start_time ASC"], max_results=500)
 
 
+def logits_on_fixed_input(model_dir: Path, dtype=None):
+    """Logits of the model in ``model_dir`` (loaded in ``dtype``, None: as saved) on 32 fixed token ids."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto").eval()
+    ids = torch.arange(1, 33).unsqueeze(0) % model.config.vocab_size  # any fixed ids: weights are compared
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def differing_tensors(a: dict, b: dict) -> list[str]:
+    """Names of the tensors that differ (value, dtype or shape) between two state dicts with the same keys."""
+    import torch
+
+    assert a.keys() == b.keys()
+    return [k for k in a if not (a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))]
+
+
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     return built_pipeline(tmp_path_factory)
@@ -166,10 +185,22 @@ def test_repro_runs_every_stage_and_writes_every_declared_output(pipeline):
     registry = json.loads((repo / "reports/registry.json").read_text())  # the decision as data; the report renders it
     assert registry["registered"] and registry["version"] == 1 and registry["against"] == "base"
     assert registry_markdown(registry) in (repo / "reports/evaluation.md").read_text()
-    # the trained model loads with from_pretrained
-    from transformers import AutoModelForCausalLM
+    # the exported model is the last checkpoint's policy cast to model.dtype; training moved it off the base
+    import torch
+    from safetensors.torch import load_file
 
-    assert AutoModelForCausalLM.from_pretrained(repo / "artifacts/model") is not None
+    model_params = yaml.safe_load((repo / "params.yaml").read_text())["model"]
+    dtype = getattr(torch, model_params["dtype"])
+    last, base = repo / "artifacts/checkpoints/checkpoint-3", repo / model_params["name_or_path"]
+    exported = load_file(repo / "artifacts/model/model.safetensors")
+    assert {t.dtype for t in exported.values()} == {dtype}
+    trained = {k: v.to(dtype) for k, v in load_file(last / "model.safetensors").items()}
+    assert differing_tensors(exported, trained) == []
+    initial = {k: v.to(dtype) for k, v in load_file(base / "model.safetensors").items()}
+    assert differing_tensors(exported, initial) == list(exported)  # every tensor took gradient steps
+    logits = logits_on_fixed_input(repo / "artifacts/model")
+    torch.testing.assert_close(logits, logits_on_fixed_input(last, dtype), rtol=0, atol=0)
+    assert (logits - logits_on_fixed_input(base, dtype)).abs().max() > 1e-3
 
 
 def test_second_repro_does_nothing(pipeline):

@@ -30,12 +30,79 @@ def assets(tmp_path_factory):
 
 
 
-def test_every_trainable_parameter_changes_after_one_step(assets, tmp_path):
+def recorded_micro_batches(monkeypatch) -> list[list]:
+    """Filled as the run goes: each optimizer step's micro-batches (Rounds), as the loop hands them over."""
+    steps = []
+    real = trainer_mod.accumulate_gradients
+
+    def record(run, micro_batches, *args, **kwargs):
+        steps.append(micro_batches)
+        return real(run, micro_batches, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_mod, "accumulate_gradients", record)
+    return steps
+
+
+def recorded_first_gradients(monkeypatch) -> dict[str, torch.Tensor]:
+    """Filled as the run goes: the clipped gradients the optimizer's first step applies, by parameter name."""
+    grads = {}
+    real = trainer_mod.build_optimizer_and_scheduler
+
+    def build(model, options):
+        optimizer, scheduler = real(model, options)
+
+        def record(*_):
+            if not grads:
+                grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()
+                              if p.requires_grad})
+
+        optimizer.register_step_pre_hook(record)
+        return optimizer, scheduler
+
+    monkeypatch.setattr(trainer_mod, "build_optimizer_and_scheduler", build)
+    return grads
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """GRPO's advantages of one reward function: (r - group mean) / (group std + 1e-4), std with N - 1."""
+    groups = rewards.double().view(-1, group_size)
+    centered = groups - groups.mean(dim=1, keepdim=True)
+    return (centered / (groups.std(dim=1, keepdim=True) + 1e-4)).view(-1)
+
+
+def test_one_step_logs_the_dapo_loss_and_moves_each_weight_by_adams_first_update(assets, tmp_path,
+                                                                                  monkeypatch):
+    """One on-policy step (ratio 1, beta 0), its gradient clipped to norm 0.1. The logged loss is DAPO's
+    -sum_i A_i n_i / sum_i n_i (n_i completion tokens, A_i the group-normalised rewards), and each weight
+    moves by AdamW's first update, -lr * g / (|g| + eps): bias correction makes m / sqrt(v) = g / |g|."""
     model_dir, data = assets
+    clip = 0.1
+    cfg = tiny_config(model_dir, data, DIGITS, max_steps=1, max_grad_norm=clip)
+    steps, grads = recorded_micro_batches(monkeypatch), recorded_first_gradients(monkeypatch)
     before = load_file(model_dir / "model.safetensors")
-    res = train(tiny_config(model_dir, data, DIGITS, max_steps=1), root=tmp_path, progress=False)
+    res = train(cfg, root=tmp_path, progress=False)
     after = load_file(res.model_dir / "model.safetensors")
-    assert before.keys() == after.keys()
+    (row,) = read_log(tmp_path / "metrics/train_log.csv")
+
+    ((batch,),) = steps  # one step, one micro-batch: the whole round
+    advantages = group_advantages(batch.rewards[:, 0], cfg.train.num_generations)  # one reward, weight 1
+    torch.testing.assert_close(batch.advantages.double(), advantages, rtol=0, atol=1e-6)
+    lengths = batch.completion_mask.sum(dim=1).double()
+    expected_loss = (-(advantages * lengths).sum() / lengths.sum()).item()
+    assert float(row["loss"]) == pytest.approx(expected_loss, rel=1e-5, abs=1e-8)  # logged to 6 digits
+
+    assert before.keys() == after.keys() == grads.keys()  # (the tied head is saved once, as the embedding)
+    # the pre-clip norm is logged; the optimizer saw the gradient scaled down to max_grad_norm
+    norm = torch.sqrt(sum(g.double().square().sum() for g in grads.values())).item()
+    assert float(row["grad_norm"]) > clip and norm == pytest.approx(clip, rel=1e-5)
+    assert cfg.train.optim.weight_decay == 0.0  # else AdamW also shrinks each weight by lr * weight_decay
+    lr, eps = cfg.train.optim.learning_rate, 1e-8  # eps: torch's AdamW default, which optim.py keeps
+    for name, g in grads.items():
+        g = g.double()
+        moved = after[name].double() - before[name].double()
+        # atol: about one float32 rounding of a weight near 1 (the norms'); a whole step is lr = 3e-3
+        torch.testing.assert_close(moved, -lr * g / (g.abs() + eps), rtol=0, atol=1e-7,
+                                   msg=lambda m, name=name: f"{name}: {m}")
     unchanged = [k for k in before if torch.equal(before[k], after[k])]
     assert unchanged == []
 
@@ -87,23 +154,45 @@ def test_num_iterations_halves_generation_and_activates_clipping(assets, tmp_pat
     assert max(second_passes) > 0.0
 
 
+def on_policy_loss(cfg, batch) -> float | None:
+    """A step's loss at ratio 1 and KL 0 (the first step: policy = old = reference), from the round's
+    advantages A_i, completion lengths and old log-probs. None for vespo: its OPSM at threshold 0 drops
+    negative sequences on the float noise between the old and the new log-probs."""
+    t, a = cfg.train, batch.advantages.double()
+    mask = batch.completion_mask.double()
+    if t.loss_type == "cispo":  # -min(r, eps_high) A logp summed over the tokens / their count; r = 1
+        return (-(a[:, None] * batch.old_logps.double() * mask).sum() / mask.sum()).item()
+    if t.loss_type == "sapo":  # -(4 / tau) sigmoid(0) A per token: a mean per sequence, then over sequences
+        tau = torch.where(a > 0, t.sapo_temperature_pos, t.sapo_temperature_neg)
+        return (-2 * a / tau).mean().item()
+    if t.loss_type == "luspo":  # -A per token, summed per sequence (GSPO's ratio is 1), mean over sequences
+        return (-a * mask.sum(dim=1)).mean().item()
+    return None
+
+
 @pytest.mark.parametrize(("loss_type", "extra", "column"), [
     ("cispo", {"epsilon_high": 1.001}, "cispo_clip_ratio"),
     ("sapo", {}, None),
     ("luspo", {"importance_sampling_level": "sequence"}, "clip_ratio/region_mean"),
     ("vespo", {"off_policy_mask_threshold": 0.0}, "vespo/phi_seq_mean"),
 ])
-def test_each_loss_type_trains_end_to_end_and_logs_its_metric(assets, tmp_path, loss_type, extra, column):
+def test_each_loss_type_trains_end_to_end_and_logs_its_metric(assets, tmp_path, monkeypatch, loss_type, extra,
+                                                              column):
     """Two passes over each round (num_iterations 2), so the second pass is off-policy and each term's ratio
-    handling runs; the weights move, and the step log carries the loss type's own metric, moved off its
-    on-policy value on the second passes."""
+    handling runs; the first step's loss is the loss type's formula at ratio 1, the weights move, and the step
+    log carries the loss type's own metric, moved off its on-policy value on the second passes."""
     model_dir, data = assets
     cfg = tiny_config(model_dir, data, DIGITS, max_steps=4, num_iterations=2, learning_rate=2e-2, beta=0.04,
                       loss_type=loss_type, **extra)
+    steps = recorded_micro_batches(monkeypatch)
     res = train(cfg, root=tmp_path, progress=False)
     log = read_log(tmp_path / "metrics/train_log.csv")
     assert [r["step"] for r in log] == ["1", "2", "3", "4"]
     assert all(torch.isfinite(torch.tensor(float(r["loss"]))) for r in log)
+    (first,) = steps[0]
+    expected = on_policy_loss(cfg, first)
+    if expected is not None:  # rel: the 6 logged digits and the old and new forwards' float32 differences
+        assert float(log[0]["loss"]) == pytest.approx(expected, rel=1e-4)
     before, after = load_file(model_dir / "model.safetensors"), load_file(res.model_dir / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
     if column is not None:
