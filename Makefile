@@ -79,8 +79,9 @@ bench-gpu:
 	  && PYTHONPATH=$(KIT_SITE):$(CURDIR) python3 -m benchmarks.gpu_kit $(ARGS); fi
 
 # What a bare GPU machine lacks for the kit, as wheels in .whl/ (ignored by git), and the commit stamp beside them
+# (infra/wheelhouse.py)
 bench-gpu-wheels: setup
-	$(PY) -m benchmarks.wheelhouse $(ARGS)
+	$(PY) -m infra.wheelhouse $(ARGS)
 
 ui: setup
 	@$(PY) -m flows.comparison

@@ -1,4 +1,4 @@
-"""The GPU benchmark kit (issue 32, item 7): the figures the project reports for a GPU, in one command.
+"""The GPU benchmark kit: the figures the project reports for a GPU, in one command.
 
     make bench-gpu                                   # = python -m benchmarks.gpu_kit: every part, then the result
     make bench-gpu ARGS=--smoke                      # the same code on a tiny model, on CPU, in under a minute (CI)
@@ -7,7 +7,7 @@
     python -m benchmarks.gpu_kit --merge DIR... --out benchmarks/results        # the parts of several calls, joined
     python -m benchmarks.gpu_kit --check                      # what this machine has; nothing is run
 
-Parts (the issue's letters):
+Parts (the letters --parts takes):
   a  steps of the GSM8K recipe (configs/gsm8k-qwen2.5-0.5b.yaml: its batch, lengths, precision, gradient
      checkpointing) with each phase timed - rollout, reference log-probs, policy forward, backward, optimizer,
      weight sync - and one step under torch.profiler (benchmarks/kit_step.py)
@@ -29,7 +29,7 @@ Parts (the issue's letters):
 Each invocation writes its parts to OUT/kit-parts/kit-part-<parts>[-runs<r>].json, then merges every part file
 under OUT into OUT/<gpu>-kit.json and OUT/<gpu>-kit.md, named after the GPU (torch.cuda.get_device_name; "cpu" in
 the smoke run), with the commit: git's, else the stamp ``make bench-gpu-wheels`` leaves in .whl/kit-stamp.json
-(a copied work tree has no .git), and whether the files that ran are the stamped ones (benchmarks/wheelhouse.py).
+(a copied work tree has no .git), and whether the files that ran are the stamped ones (infra/wheelhouse.py).
 A part's file is rewritten after every process it runs, so a run cut short keeps what it finished. OUT defaults
 to benchmarks/results, or a new temporary folder for --smoke.
 """
@@ -51,7 +51,7 @@ from pathlib import Path
 
 from benchmarks import run as bench
 from benchmarks.configs import CONFIGS, REPO, TINY_SIZES, BenchConfig
-from benchmarks.wheelhouse import commit_info
+from infra.wheelhouse import commit_info
 
 RECIPE = REPO / "configs" / "gsm8k-qwen2.5-0.5b.yaml"
 PARTS = ("a", "b", "c", "d", "e")
@@ -170,7 +170,7 @@ def part_rollout(assets: dict, smoke: bool, backends: list[str], save, out: dict
     for name in backends:
         if name == "vllm" and importlib.util.find_spec("vllm") is None:
             out["backends"][name] = {"skipped": "vLLM is not installed here (its CUDA wheel does not fit what a run "
-                                                "carries: benchmarks/wheelhouse.py)"}
+                                                "carries: infra/wheelhouse.py)"}
             continue
         try:
             out["backends"][name] = run_in_subprocess(name, Path(assets["model_dir"]), settings,

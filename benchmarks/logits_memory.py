@@ -1,7 +1,7 @@
 """Peak memory of the log-prob passes with the fused LM head (``train.fused_lm_head``) and with the full logits, on a
 model whose vocabulary dominates: a tiny Qwen2 body (hidden 64, one layer, tied head) under a real-size vocabulary.
 
-    python -m benchmarks.logits_memory                       # the issue's shape: vocab 151,936, 8 x 1,024 tokens
+    python -m benchmarks.logits_memory                       # the defaults: vocab 151,936, 8 x 1,024 tokens
     python -m benchmarks.logits_memory --vocab 32000 --paths fused,full --train none
     python -m benchmarks.logits_memory --write               # + benchmarks/results/logits-memory-<device>.json
 
@@ -16,7 +16,7 @@ model included; ``rss_before_passes`` is VmRSS just before the first pass):
   train    ``grpo_core.train.loop.train`` for one optimizer step with the GSM8K recipe's train section (bf16 compute copy,
            gradient checkpointing, beta 0.04, dapo) on that model: batch ``--rows`` x ``--tokens``-token completions
            (a deterministic rollout backend: every completion exactly ``--tokens`` tokens, the last one EOS), one
-           micro-batch. The number issue 32 asks for.
+           micro-batch: the peak memory a whole training step needs at this shape.
 
 ``--paths`` fused,full: ``fused_lm_head`` true / false. The full path at vocab 151,936 needs more than 10 GiB; it is
 left out unless asked for.

@@ -1,7 +1,8 @@
-"""What the code reward's jail costs: per program, a jailed `pass` (grpo_core/rewards/sandbox.py: bwrap, namespaces,
-mounts, seccomp, prlimit, the interpreter) against a plain `python -I -c pass` subprocess and against the launcher
-it replaced (benchmarks/launcher_baseline.py), side by side, medians over N runs; then the code reward's throughput
-(programs per second: an a+b program against one stdin/stdout test each) with max_workers 1 and 2.
+"""What the code reward's jail costs: per program, a jailed `pass` (grpo_core/rewards/sandbox.py: bwrap,
+namespaces, mounts, seccomp, prlimit, the interpreter) against the unsandboxed baseline, a plain
+`subprocess.run` of the interpreter the jail runs, in the same isolated mode (``interpreter() -I -c pass``):
+the difference is the jail's own cost. Medians over N runs; then the code reward's throughput (programs per
+second: an a+b program against one stdin/stdout test each) with max_workers 1 and 2.
 
     .venv/bin/python -m benchmarks.sandbox_overhead [N]
 """
@@ -14,7 +15,6 @@ import subprocess
 import sys
 import time
 
-from benchmarks import launcher_baseline
 from grpo_core.rewards.code import code_execution
 from grpo_core.rewards.sandbox import interpreter, run_python
 
@@ -35,8 +35,6 @@ def per_program(n: int) -> list[tuple[str, float]]:
     return [
         (f"plain subprocess ({python} -I -c pass)", median_seconds(
             lambda: subprocess.run([python, "-I", "-c", "pass"], check=True), n)),
-        ("former launcher (benchmarks/launcher_baseline.py)", median_seconds(
-            lambda: launcher_baseline.run_python("pass"), n)),
         ("jail: run_python('pass') (bwrap)", median_seconds(lambda: run_python("pass"), n)),
     ]
 
@@ -58,8 +56,8 @@ def main(n: int = 30) -> None:
     print(f"per program, median of {n} (uid {os.geteuid()}, {os.cpu_count()} cores):")
     for name, seconds in rows:
         print(f"  {name:52s} {seconds * 1e3:7.1f} ms  {seconds / plain:5.2f}x plain")
-    jail, launcher = rows[2][1], rows[1][1]
-    print(f"  the jail against the former launcher: {(jail - launcher) * 1e3:+.1f} ms ({jail / launcher:.2f}x)")
+    jail = rows[1][1]
+    print(f"  the jail against plain: {(jail - plain) * 1e3:+.1f} ms per program")
     for workers in (1, 2):
         print(f"code reward, max_workers={workers}: {throughput(workers, 2 * n):6.1f} programs/s")
 

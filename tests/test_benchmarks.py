@@ -304,7 +304,7 @@ def test_kit_stamp_names_the_files_that_differ_from_it():
     """On the GPU machine (no .git) the kit compares the files it runs with the stamp written here."""
     import hashlib
 
-    from benchmarks.wheelhouse import check_stamp
+    from infra.wheelhouse import check_stamp
 
     real = hashlib.sha256((REPO / "benchmarks" / "configs.py").read_bytes()).hexdigest()
     stamp = {"files": {"benchmarks/configs.py": real, "benchmarks/rewards.py": "0" * 64, "no/such/file.py": "1" * 64}}

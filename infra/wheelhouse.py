@@ -1,7 +1,7 @@
 """What the GPU kit (benchmarks/gpu_kit.py) takes to a bare GPU machine: wheels and the commit it runs.
 
-    python -m benchmarks.wheelhouse            # = make bench-gpu-wheels: .whl/ filled, .whl/kit-stamp.json written
-    python -m benchmarks.wheelhouse --stamp    # the stamp alone (before every GPU call, after any commit)
+    python -m infra.wheelhouse            # = make bench-gpu-wheels: .whl/ filled, .whl/kit-stamp.json written
+    python -m infra.wheelhouse --stamp    # the stamp alone (before every GPU call, after any commit)
 
 The device machines' image (torch with CUDA, accelerate, numpy, pandas, pyarrow, pyyaml, peft, nvidia-ml-py, ...)
 lacks TRL, datasets and their own needs, and holds another transformers; they travel as wheels at the versions
@@ -26,8 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.configs import REPO
-
+REPO = Path(__file__).resolve().parents[1]
 WHEELHOUSE = REPO / ".whl"
 STAMP = WHEELHOUSE / "kit-stamp.json"
 # What the image lacks or holds at another version, for the sides of the kit: TRL 1.16 and its datasets (with

@@ -1,0 +1,1 @@
+"""infra/ holds deployment files and one module, wheelhouse.py (`make bench-gpu-wheels`)."""
