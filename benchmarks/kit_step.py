@@ -76,7 +76,7 @@ def prompt_lengths(cfg, model_dir: str) -> list[int]:
     """Every training prompt's tokens as the trainer encodes them (system prompt, chat template, truncation)."""
     from transformers import AutoTokenizer
 
-    from grpo_core.data import PromptEncoder, load_split
+    from grpo_core.data.loading import PromptEncoder, load_split
 
     encoder = PromptEncoder.from_config(AutoTokenizer.from_pretrained(model_dir), cfg.data)
     dataset = load_split(cfg.data, "train", Path("."))

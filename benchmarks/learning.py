@@ -135,7 +135,7 @@ def train_trl(root: Path, cfg, weights: list[float], workdir: Path,
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo_core.data import load_split
+    from grpo_core.data.loading import load_split
     from grpo_core.model.loading import resolve_model_path
     from grpo_core.rewards import build_reward_functions
 
@@ -187,7 +187,7 @@ def greedy_accuracy(root: Path, cfg, model_dir: Path) -> dict:
     """The evaluate stage's greedy accuracy of the policy in ``model_dir`` on the held-out prompts (its own
     ``sample_policy``, greedy mode only)."""
     from flows.stages.evaluate import sample_policy, stage_inputs
-    from grpo_core.data import load_split
+    from grpo_core.data.loading import load_split
 
     e = cfg.evaluate
     dataset = load_split(cfg.data, "eval", root)

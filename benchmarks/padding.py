@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_core.microbatch import trim_padding
     from grpo_core.model.logprobs import token_logprobs_and_entropy
+    from grpo_core.train.batching import trim_padding
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(args.model).train()

@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from grpo_core.options import Options, option
+from grpo_core.common.options import Options, option
 
 SCALES = ("group", "batch", "none")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")

@@ -49,8 +49,8 @@ from typing import Any
 
 import numpy as np
 
-from grpo_core.files import finite_or_none
-from grpo_core.options import Options, option
+from grpo_core.common.files import finite_or_none
+from grpo_core.common.options import Options, option
 
 #: A completion "passes" when its correctness reward is at least this (binary 0/1 correctness).
 DEFAULT_PASS_THRESHOLD = 1.0 - 1e-9

@@ -1,7 +1,7 @@
 """params.yaml, assembled from the options each component declares, and checked across sections.
 
 Each section's keys are declared, with their defaults, limits and meaning, by the code that reads them
-(``grpo_core/options.py`` says how): ``data:`` in data.py, ``model:`` in model/loading.py, ``generation:`` in
+(``grpo_core/common/options.py`` says how): ``data:`` in data.py, ``model:`` in model/loading.py, ``generation:`` in
 rollout/, ``rewards:`` in rewards/base.py, ``guards:`` in train/guards.py, and ``train:``'s keys in the group
 of the part that reads them (``TrainConfig``). This module puts them together, checks what spans sections,
 and fingerprints what training computes.
@@ -22,12 +22,7 @@ from typing import Any
 
 from grpo_core.advantages import AdvantageOptions
 from grpo_core.calibration import CalibrateConfig
-from grpo_core.data import DATA_FILES_FORMS, DataConfig
-from grpo_core.embedded.config import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, EmbeddedConfig
-from grpo_core.evaluation import EvalOptions, eval_metric_names
-from grpo_core.loss import EntropyOptions, LossOptions, SamplerCorrectionOptions
-from grpo_core.model.loading import ModelConfig
-from grpo_core.options import (
+from grpo_core.common.options import (
     ConfigError,
     Options,
     construct,
@@ -37,6 +32,12 @@ from grpo_core.options import (
     option,
     unknown_key,
 )
+from grpo_core.data.loading import DATA_FILES_FORMS, DataConfig
+from grpo_core.data.validation import ValidateConfig
+from grpo_core.embedded.config import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, EmbeddedConfig
+from grpo_core.evaluation import EvalOptions, eval_metric_names
+from grpo_core.loss import EntropyOptions, LossOptions, SamplerCorrectionOptions
+from grpo_core.model.loading import ModelConfig
 from grpo_core.rewards.base import RewardSpec
 from grpo_core.rewards.scoring import RewardCallOptions
 from grpo_core.rollout import GenerationConfig
@@ -49,8 +50,7 @@ from grpo_core.train.guards import GuardsConfig
 from grpo_core.train.optim import OptimizerOptions
 from grpo_core.train.parallel import ParallelOptions
 from grpo_core.train.reference import ReferenceOptions
-from grpo_core.train.rollouts import RolloutOptions
-from grpo_core.validation import ValidateConfig
+from grpo_core.train.round import RolloutOptions
 
 __all__ = ["ConfigError", "PipelineConfig", "TrainConfig", "load_config", "config_from_dict",
            "training_params_hash"]

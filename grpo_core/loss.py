@@ -31,7 +31,7 @@ from typing import Literal
 
 import torch
 
-from grpo_core.options import ConfigError, Options, option
+from grpo_core.common.options import ConfigError, Options, option
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 _CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the PPO-clip surrogate; the others have their own term

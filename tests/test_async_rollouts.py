@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from grpo_core.common.errors import EXIT_ERROR, exit_code_for
 from grpo_core.config import ConfigError
-from grpo_core.errors import EXIT_ERROR, exit_code_for
 from grpo_core.rewards import RewardFunctionError
 from grpo_core.train.checkpoint import load_checkpoint
 from grpo_core.train.forward import LogprobOptions, frozen_logprobs
@@ -75,10 +75,10 @@ def test_staleness_1_trains_on_rounds_the_previous_weights_sampled_with_their_lo
         sampler = AutoModelForCausalLM.from_pretrained(sampler_dir, dtype=torch.float32)
         current = AutoModelForCausalLM.from_pretrained(whole.checkpoint_dir / f"checkpoint-{n}", dtype=torch.float32)
         mask = ahead.completion_mask.bool()
-        expected = frozen_logprobs(sampler, ahead, LogprobOptions.from_config(cfg))  # the decode loop's own log-probs, within float noise
+        expected = frozen_logprobs(sampler, ahead, LogprobOptions(cfg.train.forward, cfg.generation.temperature, cfg.train.batch.per_device_train_batch_size))  # the decode loop's own log-probs, within float noise
         torch.testing.assert_close(ahead.old_logps[mask], expected[mask], rtol=0, atol=2e-5)
-        assert (frozen_logprobs(current, ahead, LogprobOptions.from_config(cfg))[mask] - ahead.old_logps[mask]).abs().max() > 1e-3
-        reference = frozen_logprobs(base, ahead, LogprobOptions.from_config(cfg))  # scored by the worker, off the trainer's path
+        assert (frozen_logprobs(current, ahead, LogprobOptions(cfg.train.forward, cfg.generation.temperature, cfg.train.batch.per_device_train_batch_size))[mask] - ahead.old_logps[mask]).abs().max() > 1e-3
+        reference = frozen_logprobs(base, ahead, LogprobOptions(cfg.train.forward, cfg.generation.temperature, cfg.train.batch.per_device_train_batch_size))  # scored by the worker, off the trainer's path
         torch.testing.assert_close(ahead.ref_logps[mask], reference[mask], rtol=0, atol=1e-6)
 
     train(tiny_config(model_dir, data, DIGITS, max_steps=2, **knobs), root=tmp_path / "split", progress=False)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_core.rng import restore_rngs, rng_state, set_rng_state
+from grpo_core.common.rng import restore_rngs, rng_state, set_rng_state
 from grpo_core.train.checkpoint import (
     MANIFEST_FILE,
     CheckpointError,

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from grpo_core.common.options import describe
 from grpo_core.config import (
     ConfigError,
     config_from_dict,
@@ -13,8 +14,7 @@ from grpo_core.config import (
     train_key_owner,
     training_params_hash,
 )
-from grpo_core.data import DataConfig
-from grpo_core.options import describe
+from grpo_core.data.loading import DataConfig
 from grpo_core.rollout import GenerationConfig
 
 ROOT = Path(__file__).resolve().parents[1]

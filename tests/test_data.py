@@ -7,7 +7,7 @@ import json
 import pandas as pd
 import pytest
 
-from grpo_core.data import (
+from grpo_core.data.loading import (
     DATA_FILES_FORMS,
     DataConfig,
     DataError,

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from grpo_core.data import DATA_FILES_FORMS
+from grpo_core.data.loading import DATA_FILES_FORMS
 from tests.test_pipeline import copy_repo, dvc, make_clone
 
 SHARDS = ["train-00000-of-00002.parquet", "train-00001-of-00002.parquet"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_core.errors import EXIT_ERROR, TransientFailure, disk_full, exit_code_for
+from grpo_core.common.errors import EXIT_ERROR, TransientFailure, disk_full, exit_code_for
 from grpo_core.train.checkpoint import checkpoint_problem, list_checkpoints
 from grpo_core.train.loop import train
 from tests.tiny import make_prompts, make_tiny_model, read_log, tiny_config

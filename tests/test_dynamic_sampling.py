@@ -50,7 +50,7 @@ def fill(samples: list[Round], pending=None, quota=3, max_rounds=4):
     queue = list(samples)
     t = train_options(num_generations=2, dynamic_sampling=True)
     return fill_round(lambda: queue.pop(0), pending, quota=quota, weights=torch.tensor([1.0]), a=t.advantage,
-                      max_rounds=max_rounds,
+                      group_size=t.batch.num_generations, max_rounds=max_rounds,
                       accelerator=FakeAccelerator(), reward_names=["r"]), queue
 
 

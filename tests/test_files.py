@@ -8,13 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from grpo_core.files import write_dir_atomic
+from grpo_core.common.files import write_dir_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 KILLED_WRITE = """
 import os, signal, sys
 from pathlib import Path
-from grpo_core.files import write_dir_atomic
+from grpo_core.common.files import write_dir_atomic
 
 def fill(tmp):
     (tmp / "model.safetensors").write_bytes(b"half")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_core.errors import EXIT_DATA
+from grpo_core.common.errors import EXIT_DATA
 from grpo_core.model.gguf import (
     CONVERTED_MODEL_DIR,
     GGUFError,

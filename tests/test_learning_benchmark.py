@@ -21,23 +21,24 @@ REPO = Path(__file__).resolve().parents[1]
 def test_trl_gets_the_recipe_of_params_yaml_value_for_value(tmp_path):
     from trl import GRPOConfig
 
-    from grpo_core.config import load_config
+    from grpo_core.config import flat_train, load_config
 
     cfg = load_config(REPO / "params.yaml", {"generation.min_p": 0.05, "generation.repetition_penalty": 1.1})
-    t, g = cfg.train, cfg.generation
+    t, g = flat_train(cfg.train), cfg.generation  # params.yaml's train: keys, TRL's names
     args = GRPOConfig(**learning.trl_args(cfg, tmp_path, [0.6, 0.4]))
     for name in ("max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         assert getattr(args, name) == getattr(g, name), name
     for name in ("learning_rate", "num_generations", "per_device_train_batch_size", "beta", "epsilon", "loss_type", "scale_rewards", "num_iterations",
                  "max_steps", "seed", "adam_beta1", "adam_beta2", "weight_decay", "max_grad_norm",
                  "mask_truncated_completions", "multi_objective_aggregation", "gradient_checkpointing"):
-        assert getattr(args, name) == getattr(t, name), name
-    assert args.steps_per_generation == t.effective_steps_per_generation
+        assert getattr(args, name) == t[name], name
+    plan = cfg.train.batch_plan
+    assert args.steps_per_generation == plan.micro_batches_per_round
     assert args.reward_weights == [0.6, 0.4]
-    assert args.lr_scheduler_type.value == t.lr_scheduler_type == "constant"
+    assert args.lr_scheduler_type.value == t["lr_scheduler_type"] == "constant"
     # TRL's own defaults that differ from this recipe are overridden, not inherited
-    assert not args.bf16 and not args.fp16 and args.epsilon_high == t.epsilon_high
-    assert args.generation_batch_size == t.per_device_train_batch_size * t.effective_steps_per_generation
+    assert not args.bf16 and not args.fp16 and args.epsilon_high == t["epsilon_high"]
+    assert args.generation_batch_size == plan.generation_batch_size
 
 
 def test_summary_and_table_from_hand_numbers():
@@ -139,7 +140,7 @@ def test_trl_renders_the_prompt_our_encoder_renders(prompt_format, system):
     from trl.data_utils import maybe_apply_chat_template
 
     from grpo_core.config import load_config
-    from grpo_core.data import PromptEncoder
+    from grpo_core.data.loading import PromptEncoder
     from tests.hub_fixture import build_chat_tokenizer
 
     question = "Mia has 9 pens and gives away 3. How many pens are left?"

@@ -103,7 +103,7 @@ def test_validate_accepts_latex_golds_under_math_verify():
 
     from flows.stages.validate import gold_parser
     from grpo_core.config import config_from_dict
-    from grpo_core.validation import validate_frames
+    from grpo_core.data.validation import validate_frames
 
     frame = pd.DataFrame({"prompt": ["a", "b", "c"], "answer": [r"\frac{1}{2}", r"$[0,1)$", "#### 1,234"]})
     raw = {"data": {"train_files": ["t.jsonl"]}, "rewards": [{"name": "m", "function": "math_verify"}]}

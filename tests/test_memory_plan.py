@@ -29,7 +29,7 @@ def tensor_bytes(tensors) -> int:
 
 def one_training_step(model, trainable) -> torch.optim.Optimizer:
     """One forward, backward and AdamW step with the trainer's optimizer over ``trainable``'s parameters."""
-    optimizer, _ = build_optimizer_and_scheduler(trainable, TrainConfig())
+    optimizer, _ = build_optimizer_and_scheduler(trainable, TrainConfig().optim, max_steps=100)
     ids = torch.randint(5, 200, (2, 8))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()

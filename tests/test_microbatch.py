@@ -1,4 +1,4 @@
-"""Length-grouped micro-batches (grpo_core/microbatch.py): orders worked out by hand, the step's gradient
+"""Length-grouped micro-batches (grpo_core/train/batching.py): orders worked out by hand, the step's gradient
 unchanged, less padding in the forward passes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 import grpo_core.train.loop as trainer_mod
-from grpo_core.microbatch import length_grouped_order
+from grpo_core.train.batching import length_grouped_order
 from grpo_core.train.loop import train
 from tests.distributed_worker import DeterministicBackend
 from tests.tiny import make_prompts, make_tiny_model, read_log, tiny_config

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_core.data import DataError, PromptEncoder
+from grpo_core.data.loading import DataError, PromptEncoder
 from grpo_core.rollout import SamplingParams, pad_and_eos_ids
 from grpo_core.rollout.multiturn import generate_with_tools
-from grpo_core.sampling import sample_and_score
+from grpo_core.rollout.sampling import sample_and_score
 from grpo_core.tools import RolloutTools, ToolChat, build_toolbox
 from tests.tool_fixtures import Counter, Script, ScriptedBackend, hermes_call, multiply, qwen_tokenizer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_core.errors import EXIT_CONFIG
+from grpo_core.common.errors import EXIT_CONFIG
 from grpo_core.model.sharding import FSDPSettings
 from grpo_core.train.parallel import ParallelConfigError, Parallelism, check_parallelism, read_parallelism
 

@@ -173,7 +173,7 @@ def edit_params(root: Path, edit) -> None:
 @pytest.mark.slow
 def test_validate_calibrate_train_and_evaluate_render_the_same_prompt(chat_repo, monkeypatch):
     from flows.stages.__main__ import main
-    from grpo_core.data import PromptEncoder
+    from grpo_core.data.loading import PromptEncoder
 
     seen: dict[str, dict[str, str]] = {}
     stage = {"name": None}

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from grpo_core.data import PromptEncoder
+from grpo_core.data.loading import PromptEncoder
 from grpo_core.model.loading import load_policy
 from grpo_core.rewards import build_reward_functions
 from grpo_core.rollout import SamplingParams
-from grpo_core.sampling import sample_and_score
+from grpo_core.rollout.sampling import sample_and_score
 from tests.tiny import make_prompts, make_tiny_model, tiny_config
 
 REWARDS = [

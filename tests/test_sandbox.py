@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_core.errors import EXIT_CONFIG, exit_code_for
+from grpo_core.common.errors import EXIT_CONFIG, exit_code_for
 from grpo_core.rewards import RewardConfigError, build_reward_functions
 from grpo_core.rewards.sandbox import Jail, Limits, SandboxUnavailable, check_sandbox, run_python, userns_fix
 from tests.tiny import require_jail

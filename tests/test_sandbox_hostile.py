@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 UNPRIVILEGED = 65534  # nobody: an account every Linux has, owning nothing
 # what the attacks import: copied where the unprivileged user can read it (CI's clone and virtual environment may
 # sit under a folder only root may enter); grpo_core.rewards' own __init__ would pull in every reward's libraries
-ATTACK_FILES = ("grpo_core/__init__.py", "grpo_core/errors.py", "grpo_core/rewards/sandbox.py",
+ATTACK_FILES = ("grpo_core/__init__.py", "grpo_core/common/errors.py", "grpo_core/rewards/sandbox.py",
                 "grpo_core/rewards/seccomp.py", "tests/__init__.py", "tests/sandbox_attacks.py")
 
 

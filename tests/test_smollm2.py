@@ -38,7 +38,7 @@ def test_prompts_are_rendered_with_smollm2s_own_chatml_template(smollm2_pipeline
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grpo_core.config import load_config
-    from grpo_core.data import PromptEncoder
+    from grpo_core.data.loading import PromptEncoder
 
     repo, _ = smollm2_pipeline
     tok = AutoTokenizer.from_pretrained(repo / "artifacts/converted_model")

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from flows.stages.common import StageBusy, is_launched_child, stage_lock, stage_lock_path
-from grpo_core.errors import EXIT_ERROR
+from grpo_core.common.errors import EXIT_ERROR
 
 REPO = Path(__file__).resolve().parents[1]
 HOLD = """

@@ -15,9 +15,9 @@ import os
 import pytest
 import torch
 
-from grpo_core.data import PromptEncoder
+from grpo_core.data.loading import PromptEncoder
 from grpo_core.rollout import HFGenerateBackend, ManualDecodeBackend, SamplingParams
-from grpo_core.sampling import sample_and_score
+from grpo_core.rollout.sampling import sample_and_score
 from grpo_core.tools import ToolChat, build_toolbox
 from tests.tiny import require_vllm
 from tests.tool_fixtures import WORDS, _bpe_tokenizer, hermes_call, multiply

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from flows.stages.__main__ import main
-from grpo_core.errors import EXIT_CONFIG, EXIT_DATA, EXIT_OK, EXIT_VALIDATION
+from grpo_core.common.errors import EXIT_CONFIG, EXIT_DATA, EXIT_OK, EXIT_VALIDATION
 from tests.tiny import in_stage_repo
 from tests.tool_fixtures import qwen_tokenizer, tiny_model
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from grpo_core.config import ConfigError, config_from_dict
-from grpo_core.tools import ToolUseOptions as ToolUseConfig
 from grpo_core.tools import (
     EnvironmentFailure,
     RolloutTools,
@@ -23,6 +22,7 @@ from grpo_core.tools import (
     close_all,
     run_calls,
 )
+from grpo_core.tools import ToolUseOptions as ToolUseConfig
 from tests.tool_fixtures import Counter, add, hermes_call, llama_tokenizer, multiply, qwen_tokenizer
 
 trl = pytest.importorskip("trl")

@@ -151,5 +151,5 @@ def test_evaluation_needs_held_out_data():
     cfg = config_from_dict({"rewards": REWARDS, "data": {"train_files": ["t.jsonl"], "eval_files": ["e.jsonl"]},
                             "train": {"eval_strategy": "steps", "load_best_model_at_end": True, "eval_steps": 10,
                                       "save_steps": 30, "num_generations": 4}})
-    e = cfg.train.evaluation
-    assert e.best_metric == "eval/accuracy" and math.isclose(e.effective_num_generations_eval, 4)
+    e = cfg.train.eval_plan
+    assert e.best_metric == "eval/accuracy" and math.isclose(e.num_generations_eval, 4)

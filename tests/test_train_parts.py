@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from benchmarks.levers import train_overrides
 from grpo_core.config import train_key_owner
-from grpo_core.microbatch import trim_padding
+from grpo_core.train.batching import trim_padding
 from grpo_core.train.checkpoint import list_checkpoints
 from grpo_core.train.loop import train
 from grpo_core.train.optim import build_optimizer_and_scheduler

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import grpo_core.train.loop as trainer_mod
+import grpo_core.train.setup as setup_mod
 from grpo_core.rewards import RewardFunctionError
 from grpo_core.rollout import default_backend
 from grpo_core.train.checkpoint import CheckpointError, list_checkpoints
@@ -46,10 +47,10 @@ def recorded_micro_batches(monkeypatch) -> list[list]:
 def recorded_first_gradients(monkeypatch) -> dict[str, torch.Tensor]:
     """Filled as the run goes: the clipped gradients the optimizer's first step applies, by parameter name."""
     grads = {}
-    real = trainer_mod.build_optimizer_and_scheduler
+    real = setup_mod.build_optimizer_and_scheduler
 
-    def build(model, options):
-        optimizer, scheduler = real(model, options)
+    def build(model, options, max_steps):
+        optimizer, scheduler = real(model, options, max_steps)
 
         def record(*_):
             if not grads:
@@ -59,7 +60,7 @@ def recorded_first_gradients(monkeypatch) -> dict[str, torch.Tensor]:
         optimizer.register_step_pre_hook(record)
         return optimizer, scheduler
 
-    monkeypatch.setattr(trainer_mod, "build_optimizer_and_scheduler", build)
+    monkeypatch.setattr(setup_mod, "build_optimizer_and_scheduler", build)
     return grads
 
 
@@ -85,7 +86,7 @@ def test_one_step_logs_the_dapo_loss_and_moves_each_weight_by_adams_first_update
     (row,) = read_log(tmp_path / "metrics/train_log.csv")
 
     ((batch,),) = steps  # one step, one micro-batch: the whole round
-    advantages = group_advantages(batch.rewards[:, 0], cfg.train.num_generations)  # one reward, weight 1
+    advantages = group_advantages(batch.rewards[:, 0], cfg.train.batch.num_generations)  # one reward, weight 1
     torch.testing.assert_close(batch.advantages.double(), advantages, rtol=0, atol=1e-6)
     lengths = batch.completion_mask.sum(dim=1).double()
     expected_loss = (-(advantages * lengths).sum() / lengths.sum()).item()
@@ -225,7 +226,7 @@ def test_adaptive_entropy_state_is_checkpointed_and_a_resume_is_exact(assets, tm
 def test_beta_gives_kl_and_leaves_the_reference_alone(assets, tmp_path, monkeypatch):
     model_dir, data = assets
     captured = {}
-    real_load_reference = trainer_mod.load_reference
+    real_load_reference = setup_mod.load_reference
 
     def capture(*a, **k):
         ref = real_load_reference(*a, **k)
@@ -233,7 +234,7 @@ def test_beta_gives_kl_and_leaves_the_reference_alone(assets, tmp_path, monkeypa
         captured["before"] = {k: v.clone() for k, v in ref.state_dict().items()}
         return ref
 
-    monkeypatch.setattr(trainer_mod, "load_reference", capture)
+    monkeypatch.setattr(setup_mod, "load_reference", capture)
     train(tiny_config(model_dir, data, DIGITS, max_steps=4, beta=0.1), root=tmp_path, progress=False)
     kls = [float(r["kl"]) for r in read_log(tmp_path / "metrics/train_log.csv")]
     assert kls[0] == pytest.approx(0.0, abs=1e-6)  # step 1: policy == reference

@@ -20,9 +20,9 @@ import os
 import pytest
 import torch
 
-from grpo_core.data import PromptEncoder
+from grpo_core.data.loading import PromptEncoder
 from grpo_core.rollout import SamplingParams
-from grpo_core.sampling import sample_and_score
+from grpo_core.rollout.sampling import sample_and_score
 from grpo_core.tools import build_toolbox
 from tests.tool_fixtures import (
     Script,

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from grpo_core.data import DataFileError, read_table
-from grpo_core.validation import (
+from grpo_core.data.loading import DataFileError, read_table
+from grpo_core.data.validation import (
     DataValidationError,
     gold_completion_text,
     validate_frames,

@@ -23,8 +23,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from grpo_core.common.errors import EXIT_CONFIG, EXIT_ERROR, exit_code_for
 from grpo_core.config import ConfigError, config_from_dict
-from grpo_core.errors import EXIT_CONFIG, EXIT_ERROR, exit_code_for
 from grpo_core.rollout import HFGenerateBackend, SamplingParams, backend_for
 from grpo_core.rollout.vllm_server import (
     ServerConnection,
@@ -368,7 +368,7 @@ def test_evaluate_samples_base_and_trained_through_the_one_server(server, assets
     from types import SimpleNamespace
 
     import flows.stages.evaluate as evaluate
-    from grpo_core.data import PromptEncoder
+    from grpo_core.data.loading import PromptEncoder
     from grpo_core.rollout.types import decode_completions
 
     base = assets[0]

@@ -17,7 +17,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_core.config import config_from_dict
-from grpo_core.data import PromptEncoder
+from grpo_core.data.loading import PromptEncoder
 from grpo_core.rollout import HFGenerateBackend, SamplingParams
 from grpo_core.rollout.types import decode_completions
 from tests.tiny import make_prompts, make_tiny_model, require_vllm, tiny_config

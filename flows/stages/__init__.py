@@ -12,13 +12,13 @@ atomically: temp path, then ``os.replace``) and logs an MLflow child run under t
 (see ``flows/stages/runs.py``). Stages are thin: the algorithms live in ``grpo_core``.
 
 Exit codes (the Prefect flow reads them to decide what to retry) come from the exception itself: every project
-error derives from ``grpo_core.errors.PipelineError`` and carries its ``exit_code``:
+error derives from ``grpo_core.common.errors.PipelineError`` and carries its ``exit_code``:
     0 ok; 1 unexpected error (retried); 2 bad configuration; 3 data validation failed;
     4 training failed deterministically (non-finite loss, incompatible checkpoint, a guard stop); 5 data or
     model cannot be read. 2-5 are permanent: retrying cannot help.
 """
 
-from grpo_core.errors import (  # noqa: F401 - re-exported: the stage CLI and the Prefect flow read them here
+from grpo_core.common.errors import (  # noqa: F401 - re-exported: the stage CLI and the Prefect flow read them here
     EXIT_CONFIG,
     EXIT_DATA,
     EXIT_ERROR,

@@ -12,7 +12,7 @@ import sys
 import traceback
 
 from flows.stages import EXIT_CONFIG, EXIT_ERROR, STAGES, exit_code_for
-from grpo_core.errors import PipelineError, disk_full
+from grpo_core.common.errors import PipelineError, disk_full
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,7 +36,7 @@ from flows.stages.common import (
     with_validated_data,
 )
 from flows.stages.runs import StageRun
-from grpo_core.files import jsonable, write_json_atomic, write_text_atomic
+from grpo_core.common.files import jsonable, write_json_atomic, write_text_atomic
 from grpo_core.rewards.judges import CORRECTNESS_FUNCTIONS, reward_index
 
 REPORT = "reports/calibration.md"
@@ -162,7 +162,7 @@ def report_markdown(out: dict, difficulty: dict, inp: CalibrateInputs, samples: 
 
 def run(ctx) -> int:
     from flows.stages.common import quiet_libraries
-    from grpo_core.data import load_split
+    from grpo_core.data.loading import load_split
 
     quiet_libraries()
     inp = stage_inputs(with_validated_data(ctx.cfg))
@@ -191,7 +191,7 @@ def calibrate_base_policy(inp: CalibrateInputs, ctx, run) -> tuple[dict, dict, s
     """Sample the base policy on calibrate.num_prompts training prompts and derive the weights: the weights file,
     the difficulty file and the report (the samples and metrics go to the tracker)."""
     from grpo_core.calibration import calibrate_weights
-    from grpo_core.data import load_split
+    from grpo_core.data.loading import load_split
 
     c, G, names = inp.calibrate, inp.calibrate.num_generations, [r.name for r in inp.rewards]
     dataset = load_split(inp.data, "train", ctx.root)
@@ -226,11 +226,11 @@ def calibrate_base_policy(inp: CalibrateInputs, ctx, run) -> tuple[dict, dict, s
 def sample_base_policy(inp: CalibrateInputs, ctx, rows: list[dict]):
     """calibrate.num_generations completions of each row, sampled as training samples (``generation``, with
     calibrate's temperature override) by the base policy, scored by the rewards."""
-    from grpo_core.data import PromptEncoder
+    from grpo_core.data.loading import PromptEncoder
     from grpo_core.model.loading import load_for_inference
     from grpo_core.rewards import build_reward_functions
     from grpo_core.rollout import backend_for, sampling_params
-    from grpo_core.sampling import sample_and_score
+    from grpo_core.rollout.sampling import sample_and_score
     from grpo_core.tools import build_toolbox, load_rollout_func
 
     c, G = inp.calibrate, inp.calibrate.num_generations

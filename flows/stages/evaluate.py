@@ -47,7 +47,7 @@ from flows.stages.common import (
     with_validated_data,
 )
 from flows.stages.runs import StageRun
-from grpo_core.files import atomic_path, jsonable, write_json_atomic, write_text_atomic
+from grpo_core.common.files import atomic_path, jsonable, write_json_atomic, write_text_atomic
 
 METRICS = "metrics/eval.json"
 COMPLETIONS = "artifacts/eval/completions.parquet"
@@ -137,8 +137,8 @@ def sample_policy(policy: str, model_cfg, inp: EvaluateInputs, ctx, rows: list[d
     training samples (``generation``) but for evaluate's overrides."""
     import torch
 
-    from grpo_core.data import PromptEncoder
-    from grpo_core.held_out import eval_modes, score_policy
+    from grpo_core.data.loading import PromptEncoder
+    from grpo_core.evaluation import eval_modes, score_policy
     from grpo_core.model.loading import load_for_inference
     from grpo_core.rewards import build_reward_functions
     from grpo_core.rewards.judges import build_judges
@@ -335,7 +335,7 @@ def run(ctx) -> int:
 
     from flows.stages.common import quiet_libraries
     from flows.stages.plots import evaluation_figure, read_train_log
-    from grpo_core.data import load_split
+    from grpo_core.data.loading import load_split
     from grpo_core.evaluation import eval_report, summarize_evaluation
 
     quiet_libraries()

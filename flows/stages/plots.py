@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from grpo_core.files import atomic_path
+from grpo_core.common.files import atomic_path
 
 
 def read_train_log(path: Path):

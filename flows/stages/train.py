@@ -47,7 +47,7 @@ from flows.stages.common import (
     with_validated_data,
 )
 from flows.stages.runs import StageRun
-from grpo_core.files import write_json_atomic
+from grpo_core.common.files import write_json_atomic
 
 FINGERPRINT = "stage_fingerprint.json"
 MLFLOW_RUN_FILE = "mlflow_run.json"  # the train run's id: a resume continues that MLflow run
@@ -81,7 +81,7 @@ def stage_inputs(cfg) -> TrainInputs:
 
 def reward_weights(ctx, cfg) -> tuple[list[float], str]:
     """(weights, where they came from): grpo_core's own rule (the one train() applies), calibration required."""
-    from grpo_core.train.reward_weights import training_reward_weights
+    from grpo_core.train.advantage.reward_weights import training_reward_weights
 
     return training_reward_weights([r.name for r in cfg.rewards], cfg.train.advantage.reward_weights, ctx.root,
                                    calibration_required=True)

@@ -2,7 +2,7 @@
 
 Reads ``data.train_files`` / ``data.eval_files`` (files, folders, globs or lists of them, each split inside the path
 ``data.train_dir`` / ``data.eval_dir`` that DVC hashes; or ``data.hub_dataset``), renames the configured
-prompt/answer columns to ``prompt`` / ``answer``, and runs ``grpo_core.validation.validate_frames``
+prompt/answer columns to ``prompt`` / ``answer``, and runs ``grpo_core.data.validation.validate_frames``
 with the policy's tokenizer as token counter and the configured correctness rewards for the gold-answer
 smoke test.
 
@@ -30,8 +30,8 @@ from flows.stages.common import (
     StageConfigError,
 )
 from flows.stages.runs import StageRun
-from grpo_core.errors import ValidationFailure
-from grpo_core.files import atomic_path, write_json_atomic, write_text_atomic
+from grpo_core.common.errors import ValidationFailure
+from grpo_core.common.files import atomic_path, write_json_atomic, write_text_atomic
 from grpo_core.rewards.judges import CORRECTNESS_FUNCTIONS
 
 #: what validate reads of params.yaml (tests/test_dvc_params.py checks dvc.yaml lists each); its code is handed a
@@ -63,7 +63,7 @@ class ValidationFailed(ValidationFailure, RuntimeError):
 def local_sources(ctx) -> dict[str, list[str]]:
     """{"train": files, "eval": files}: what data.train_files / data.eval_files name (files, folders, globs),
     resolved to files in a fixed order, each split's inside its DVC-tracked path (``_check_tracked``)."""
-    from grpo_core.data import resolve_data_paths
+    from grpo_core.data.loading import resolve_data_paths
 
     sources = {}
     for split in ("train", "eval"):
@@ -116,7 +116,7 @@ def _holds_outputs(ctx, folder: Path) -> bool:
 def _local_frame(ctx, paths: list[str]):
     import pandas as pd
 
-    from grpo_core.data import read_table
+    from grpo_core.data.loading import read_table
 
     frames = []
     for path in paths:
@@ -140,7 +140,7 @@ def load_frames(ctx, sources: dict[str, list[str]] | None):
     ``local_sources`` (None: data.hub_dataset)."""
     d = ctx.cfg.data
     if sources is None:
-        from grpo_core.data import load_split
+        from grpo_core.data.loading import load_split
 
         # load_split already renames the columns
         return load_split(d, "train", ctx.root).to_pandas(), load_split(d, "eval", ctx.root).to_pandas()
@@ -178,7 +178,7 @@ def check_prompts_render(encoder, train_df, cfg, tools: list | None = None) -> N
     """The first train prompt through the encoder every stage uses (with the tools' schemas when there are tools):
     a chat-format prompt with a tokenizer that has no chat template, or a plain-text prompt with tools, fails here,
     naming the keys, instead of at calibrate."""
-    from grpo_core.data import DataError
+    from grpo_core.data.loading import DataError
 
     if train_df.empty or "prompt" not in train_df.columns:
         return  # the schema checks report it
@@ -193,8 +193,8 @@ def smoke_environments(toolbox, train_df) -> list:
     """With environments, one reset for each train row the reward smoke test calls the rewards on (so rewards that
     read ``environments`` are called as training calls them); none when a row names no known environment (the
     report lists it)."""
+    from grpo_core.data.validation import SMOKE_ROWS
     from grpo_core.tools import EnvironmentFailure
-    from grpo_core.validation import SMOKE_ROWS
 
     if toolbox is None or toolbox.factories is None:
         return []
@@ -242,10 +242,10 @@ def gold_parser(cfg):
 
 def run(ctx) -> int:
     from flows.stages.common import quiet_libraries
-    from grpo_core.data import PromptEncoder
+    from grpo_core.data.loading import PromptEncoder
+    from grpo_core.data.validation import validate_frames
     from grpo_core.model.loading import check_model_folder, load_tokenizer
     from grpo_core.rewards import build_reward_functions
-    from grpo_core.validation import validate_frames
 
     quiet_libraries()
     from grpo_core.config import only_sections

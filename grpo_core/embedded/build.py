@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from grpo_core.common.files import write_dir_atomic, write_jsonl_atomic
 from grpo_core.embedded import tool_tasks
 from grpo_core.embedded.config import EmbeddedConfig
 from grpo_core.embedded.model import build_model
@@ -21,7 +22,6 @@ from grpo_core.embedded.tokenizer import build_tokenizer, build_tool_tokenizer
 from grpo_core.embedded.tool_tasks import TASK as TOOL_TASK
 from grpo_core.embedded.tools import calculator
 from grpo_core.embedded.warm_start import build_demonstrations, warm_start
-from grpo_core.files import write_dir_atomic, write_jsonl_atomic
 
 METADATA_FILE = "embedded.json"
 

@@ -1,6 +1,6 @@
 """params.yaml `embedded:` — the embedded default's synthetic task, tiny model and warm start.
 
-Declared as every section is (grpo_core/options.py): each key's default, limits and meaning.
+Declared as every section is (grpo_core/common/options.py): each key's default, limits and meaning.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from grpo_core.options import ConfigError, Options, option
+from grpo_core.common.options import ConfigError, Options, option
 
 TaskName = Literal["arithmetic", "multiple_choice", "calculator"]
 

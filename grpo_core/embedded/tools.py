@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ast
 
-from grpo_core.expressions import construct_name, parse_expression
+from grpo_core.common.expressions import construct_name, parse_expression
 
 #: longest expression accepted, in characters
 MAX_EXPRESSION_LENGTH = 200

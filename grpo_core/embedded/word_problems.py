@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from grpo_core.common.files import write_jsonl_atomic
 from grpo_core.embedded.tasks import generate_splits
-from grpo_core.files import write_jsonl_atomic
 
 
 def write_word_problems(folder: Path, num_train: int, num_eval: int, max_operand: int, seed: int) -> None:

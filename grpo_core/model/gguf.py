@@ -14,8 +14,8 @@ import copy
 import json
 from pathlib import Path
 
-from grpo_core.errors import InputUnreadable
-from grpo_core.files import sha256_file, write_dir_atomic
+from grpo_core.common.errors import InputUnreadable
+from grpo_core.common.files import sha256_file, write_dir_atomic
 
 CONVERTED_MODEL_DIR = "artifacts/converted_model"  # the convert stage's output (dvc.yaml)
 SOURCE_FILE = "gguf_source.json"

@@ -10,10 +10,10 @@ from typing import Literal
 
 import torch
 
-from grpo_core.errors import InputUnreadable
+from grpo_core.common.errors import InputUnreadable
+from grpo_core.common.options import ConfigError, Options, option
 from grpo_core.model.cpu_kernels import CpuKernels
 from grpo_core.model.gguf import converted_model_dir, is_gguf
-from grpo_core.options import ConfigError, Options, option
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from grpo_core.options import ConfigError, Options, option
+from grpo_core.common.options import ConfigError, Options, option
 
 RewardValue = float | None
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import multiprocessing
 from typing import Any
 
-from grpo_core.errors import TrainingFailure
+from grpo_core.common.errors import TrainingFailure
 from grpo_core.rewards.scoring import RewardTimeout
 from grpo_core.rewards.wrappers import clip_reward
 

@@ -13,7 +13,7 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from grpo_core.errors import ConfigurationError
+from grpo_core.common.errors import ConfigurationError
 from grpo_core.rewards.base import RewardFunction, RewardSpec, named
 from grpo_core.rewards.code import code_execution
 from grpo_core.rewards.correctness import correctness, multiple_choice, numeric

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from grpo_core.errors import ConfigurationError
+from grpo_core.common.errors import ConfigurationError
 from grpo_core.rewards import seccomp
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from grpo_core.errors import TrainingFailure
-from grpo_core.options import Options, option
+from grpo_core.common.errors import TrainingFailure
+from grpo_core.common.options import Options, option
 from grpo_core.rewards.base import RewardFunction, is_async_reward
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ import errno
 import functools
 import os
 
-from grpo_core.errors import ConfigurationError
+from grpo_core.common.errors import ConfigurationError
 
 DENIED = (
     # the machine: modules, kexec, clocks, swap, quotas, accounting, reboot, the kernel log

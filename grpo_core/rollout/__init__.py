@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from grpo_core.options import ConfigError, Options, option
+from grpo_core.common.options import ConfigError, Options, option
 from grpo_core.rollout.hf import HFGenerateBackend
 from grpo_core.rollout.manual import ManualDecodeBackend, unsupported_reason
 from grpo_core.rollout.types import (

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from grpo_core.errors import TrainingFailure
+from grpo_core.common.errors import TrainingFailure
 from grpo_core.rollout.types import RolloutBackend, RolloutBatch, SamplingParams, left_pad
 
 REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")

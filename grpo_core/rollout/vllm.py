@@ -45,8 +45,8 @@ from contextlib import contextmanager
 
 import torch
 
-from grpo_core.errors import ConfigurationError
-from grpo_core.rng import rng_state, set_rng_state
+from grpo_core.common.errors import ConfigurationError
+from grpo_core.common.rng import rng_state, set_rng_state
 from grpo_core.rollout.types import RolloutBatch, SamplingParams, assemble_batch, left_pad, pad_and_eos_ids
 
 log = logging.getLogger(__name__)

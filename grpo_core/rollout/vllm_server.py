@@ -40,7 +40,7 @@ from types import SimpleNamespace
 
 import torch
 
-from grpo_core.errors import TransientFailure
+from grpo_core.common.errors import TransientFailure
 from grpo_core.rollout.types import RolloutBatch, SamplingParams, pad_and_eos_ids
 from grpo_core.rollout.vllm import (
     VLLMUnavailable,

@@ -23,7 +23,7 @@ import math
 import operator
 from fractions import Fraction
 
-from grpo_core.expressions import construct_name, parse_expression
+from grpo_core.common.expressions import construct_name, parse_expression
 
 #: longest expression accepted, in characters
 MAX_EXPRESSION_LENGTH = 200

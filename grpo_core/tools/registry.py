@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from grpo_core.errors import ConfigurationError, TrainingFailure
-from grpo_core.options import ConfigError, Options, option
+from grpo_core.common.errors import ConfigurationError, TrainingFailure
+from grpo_core.common.options import ConfigError, Options, option
 from grpo_core.tools.bounded import call_within
 
 #: an environment's methods that are not tools

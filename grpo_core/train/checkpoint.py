@@ -37,12 +37,12 @@ from typing import Any, Literal
 
 import torch
 
-from grpo_core.errors import TrainingFailure
-from grpo_core.files import discard_partial, sha256_file
+from grpo_core.common.errors import TrainingFailure
+from grpo_core.common.files import discard_partial, sha256_file
+from grpo_core.common.options import Options, option
+from grpo_core.common.rng import rng_state
 from grpo_core.model.loading import is_peft_model
 from grpo_core.model.sharding import is_sharded, load_full_weights
-from grpo_core.options import Options, option
-from grpo_core.rng import rng_state
 
 STATE_FILE = "trainer_state.json"
 REFERENCE_FILE = "reference.safetensors"

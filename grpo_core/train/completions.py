@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_core.files import atomic_path
-from grpo_core.options import Options, option
+from grpo_core.common.files import atomic_path
+from grpo_core.common.options import Options, option
 from grpo_core.train.round import Round
 
 

@@ -22,8 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from grpo_core.advantages import AdvantageOptions
-from grpo_core.train.rollouts import assign_advantages, gather_rows, length_metrics, reward_metrics
-from grpo_core.train.round import Round
+from grpo_core.train.round import Round, assign_advantages, gather_rows, length_metrics, reward_metrics
 
 
 def tied_groups(rewards: torch.Tensor, weights: torch.Tensor, group_size: int, aggregation: str) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Evaluation during training (``train.eval_strategy: steps``) and the best checkpoint (``metric_for_best_model``).
 
     every eval_steps and at the last step: the policy on the first eval_max_samples held-out prompts, greedy, then
-      num_generations_eval samples each at the training temperature (grpo_core/held_out.py)
+      num_generations_eval samples each at the training temperature (grpo_core/evaluation.py)
       -> summarize_evaluation -> eval/* metrics in the step's log line and the tracker
     at each checkpoint: its eval/<metric> against the best so far -> TrainState.best_step / best_value; the best
       checkpoint is never pruned, and load_best_model_at_end exports its weights.
@@ -15,29 +15,21 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_core.data import DataConfig, PromptEncoder, load_split
-from grpo_core.evaluation import EvalOptions, eval_metric_names, summarize_evaluation
-from grpo_core.held_out import EvalMode, eval_modes, score_policy
-from grpo_core.rewards.judges import Judges, build_judges
-from grpo_core.rng import rng_state, set_rng_state
+from grpo_core.common.rng import rng_state, set_rng_state
+from grpo_core.data.loading import DataConfig, PromptEncoder, load_split
+from grpo_core.evaluation import (
+    EvalOptions,
+    eval_metric_names,
+    eval_modes,
+    score_policy,
+    summarize_evaluation,
+)
+from grpo_core.rewards.judges import build_judges
 from grpo_core.rollout import GenerationConfig, sampling_params
 from grpo_core.train.checkpoint import load_weights
-from grpo_core.train.state import TrainingRun, TrainState
-
-
-@dataclass
-class HeldOutPrompts:
-    """What each evaluation scores, built once at set-up."""
-
-    rows: list[dict]            # the first eval_max_samples rows of the eval split (row i is its row i)
-    encoder: PromptEncoder
-    reward_fns: list            # the training rewards, K of them
-    reward_names: list[str]
-    judges: Judges              # correctness and format (grpo_core/rewards/judges.py)
-    modes: list[EvalMode]       # greedy, then sampled when num_generations_eval > 0
+from grpo_core.train.state import HeldOutPrompts, TrainingRun, TrainState
 
 
 def load_held_out(e: EvalOptions, data: DataConfig, g: GenerationConfig, reward_specs: list, *, root: str | Path,

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from grpo_core.files import write_dir_atomic
+from grpo_core.common.files import write_dir_atomic
 from grpo_core.model.loading import is_peft_model, is_quantized
 from grpo_core.model.sharding import gather_weights, is_sharded
 

@@ -9,10 +9,10 @@ from typing import Literal
 
 import torch
 
-from grpo_core.microbatch import trim_padding
+from grpo_core.common.options import Options, option
 from grpo_core.model.loading import model_device
 from grpo_core.model.logprobs import token_logprobs_and_entropy
-from grpo_core.options import Options, option
+from grpo_core.train.batching import trim_padding
 from grpo_core.train.round import Round
 
 

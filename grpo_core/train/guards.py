@@ -24,8 +24,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from grpo_core.errors import TrainingFailure
-from grpo_core.options import Options, option
+from grpo_core.common.errors import TrainingFailure
+from grpo_core.common.options import Options, option
 
 Action = Literal["warn", "skip_step", "stop", "rollback"]
 

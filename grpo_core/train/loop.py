@@ -22,9 +22,7 @@ Shapes: N rows of a round on this process (prompts × G), P/C prompt/completion 
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,54 +31,40 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from grpo_core.config import PipelineConfig, training_params_hash
-from grpo_core.data import PromptEncoder, load_split
+from grpo_core.config import PipelineConfig
 from grpo_core.loss import (
-    GRPOLoss,
     applied_entropy_coef,
     high_entropy_mask,
     next_entropy_coef,
     sampler_correction,
 )
-from grpo_core.microbatch import length_grouped_order
 from grpo_core.model.fastforward import use_manual_forward
 from grpo_core.model.loading import (
     DTYPES,
-    cast_lm_head_to_fp32,
-    disable_dropout,
     load_model,
-    load_policy,
-    load_reference,
-    owns_weights,
 )
-from grpo_core.model.sharding import clip_gradients, is_sharded, shard_model
-from grpo_core.rewards import build_reward_functions
-from grpo_core.rollout import backend_for
-from grpo_core.train.batching import BatchPlan
+from grpo_core.model.sharding import clip_gradients, is_sharded
+from grpo_core.train.batching import BatchPlan, length_grouped_order
 from grpo_core.train.checkpoint import latest_valid_checkpoint, remove_stale_temp_dirs
 from grpo_core.train.completions import CompletionLog, as_table, completion_rows
-from grpo_core.train.compute_weights import ComputeWeights, uses_compute_weights
 from grpo_core.train.dynamic import fill_round
 from grpo_core.train.evaluation import (
-    HeldOutPrompts,
     evaluate_held_out,
     evaluation_due,
     load_best_weights,
-    load_held_out,
     update_best,
 )
 from grpo_core.train.export import export_model, whole_model
-from grpo_core.train.forward import LogprobOptions, frozen_logprobs, policy_logprobs
+from grpo_core.train.forward import frozen_logprobs, policy_logprobs
 from grpo_core.train.guards import GuardEvent, GuardMonitor, GuardsConfig, GuardStop, decide
-from grpo_core.train.optim import build_optimizer_and_scheduler, scale_learning_rate
-from grpo_core.train.parallel import ParallelConfigError, check_parallelism, read_parallelism
+from grpo_core.train.optim import scale_learning_rate
+from grpo_core.train.parallel import finite_everywhere, gather_values, global_sum
 from grpo_core.train.reference import mix_reference
-from grpo_core.train.replica import EngineFromShards, ReplicaRollouts
-from grpo_core.train.reward_weights import training_reward_weights
-from grpo_core.train.rollouts import RoundSpec, assign_advantages, sample_round
-from grpo_core.train.round import Round
-from grpo_core.train.sampler_worker import ADAPTERS_OFF, SampleRequest, SamplerWorker, WorkerRecipe
+from grpo_core.train.round import Round, assign_advantages, sample_round
+from grpo_core.train.sampler_worker import SamplerWorker, receive_round, take_round_ahead
+from grpo_core.train.setup import set_up, start_sampler
 from grpo_core.train.state import (
+    Prompts,
     PromptSampler,
     TrainingError,
     TrainingRun,
@@ -106,18 +90,6 @@ class TrainResult:
     best_step: int | None = None          # the best checkpoint by metric_for_best_model (None: not tracked)
     best_value: float | None = None
     exported_step: int | None = None      # the step whose weights were exported (load_best_model_at_end: the best)
-
-
-@dataclass
-class Prompts:
-    """What a round is sampled from and scored with."""
-
-    dataset: Any                # datasets.Dataset of the train split
-    encoder: PromptEncoder
-    reward_fns: list
-    reward_names: list[str]     # K names, the columns of the reward matrix
-    weights: torch.Tensor       # (K,)
-    held_out: HeldOutPrompts | None  # evaluation during training (train.eval_strategy steps), else None
 
 
 @dataclass
@@ -220,174 +192,6 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
 # Set-up and resume
 
 
-def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> tuple[TrainingRun, Prompts]:
-    """Accelerator, seed, policy (fp32 masters), reference, data, rewards, optimizer, rollout backend.
-
-    On N processes the policy is DDP-wrapped, or under FSDP2 (``train.accelerate_config`` with fsdp_config)
-    sharded, as is the reference; a sharded run samples from a whole copy of the policy (``ReplicaRollouts``), or
-    with vLLM straight from the shards (``EngineFromShards``); an unsharded one with a half-precision model.dtype
-    samples from a copy in that dtype (``samples_from_a_cast_copy``). On CUDA, float32 matmuls run in TF32.
-    """
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-
-    t = cfg.train
-    f = t.forward
-    parallelism = read_parallelism(_resolve(root, t.parallel.accelerate_config))
-    check_parallelism(parallelism, lora=cfg.model.lora is not None, mixed_precision=f.mixed_precision,
-                      quantized=cfg.model.quantization is not None)
-    compute_copy = uses_compute_weights(f.mixed_precision, lora=cfg.model.lora is not None,
-                                        quantized=cfg.model.quantization is not None,
-                                        sharded=parallelism.fsdp is not None and launched_processes() > 1)
-    accelerator = Accelerator(mixed_precision="no" if compute_copy else f.mixed_precision,  # bf16 weights: no autocast
-                              cpu=not torch.cuda.is_available())
-    if accelerator.device.type == "cuda":
-        allow_tf32()
-    if accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
-        raise ParallelConfigError(f"accelerate was launched with distributed_type {accelerator.distributed_type.value}"
-                                  "; this trainer shards by itself: launch with infra/accelerate/fsdp2.yaml "
-                                  "(train.accelerate_config)")
-    set_seed(t.seed)
-    model, tokenizer = load_policy(cfg.model, root, gradient_checkpointing=f.gradient_checkpointing)
-    ref_model = load_reference(cfg.model, root, model) if t.loss.beta > 0 else None
-    for module in (model, ref_model):
-        if module is not None and f.disable_dropout:
-            disable_dropout(module)
-        if module is not None and f.cast_lm_head_to_fp32 and owns_weights(module):  # LoRA: one head for both
-            cast_lm_head_to_fp32(module)
-    dataset = load_split(cfg.data, "train", root)
-    encoder = PromptEncoder.from_config(tokenizer, cfg.data)
-    reward_fns = build_reward_functions(cfg.rewards)
-    reward_names = [r.name for r in cfg.rewards]
-    if reward_weights is None:  # as `dvc repro` does: pinned, else calibrate's file, else 1 each
-        reward_weights, source = training_reward_weights(reward_names, t.advantage.reward_weights, root)
-        log.info("reward weights %s from %s", reward_weights, source)
-    weights = torch.tensor(reward_weights, dtype=torch.float32)
-    if len(weights) != len(reward_fns):
-        raise TrainingError(f"{len(weights)} reward weights for {len(reward_fns)} reward functions {reward_names}")
-    make_backend = backend_factory or (lambda m, tok: backend_for(
-        m, tok, cfg.generation, seed=t.seed, max_prompt_length=cfg.data.max_prompt_length,
-        return_logprobs=(t.sampler_correction.vllm_importance_sampling_correction
-                         or t.loss.off_policy_mask_threshold is not None),
-        rank=accelerator.process_index, local_rank=accelerator.local_process_index,
-        world_size=accelerator.num_processes, dtype=DTYPES[cfg.model.dtype]))
-    placed = place_policy(cfg, accelerator, parallelism, model, ref_model, lambda m: make_backend(m, tokenizer),
-                          compute_copy=compute_copy)
-    if accelerator.num_processes > 1:
-        # each process samples a stream of its own, as TRL seeds them (device_specific: seed + rank); only now, once
-        # the weights exist: every process must build the same initial weights (FSDP2 shards are not broadcast from
-        # rank 0). One process keeps its stream as it was.
-        set_seed(t.seed, device_specific=True)
-    round_spec = RoundSpec.from_config(cfg.generation, t.batch.num_generations, t.reward_calls, t.tool_use)
-    loss_fn = GRPOLoss(t.loss, max_completion_length=cfg.generation.max_completion_length,
-                       gradient_accumulation_steps=t.batch.gradient_accumulation_steps)
-    run = TrainingRun(seed=t.seed, max_steps=t.max_steps, logging_steps=t.logging_steps, plan=t.batch_plan,
-                      batch=t.batch, optim=t.optim, entropy=t.entropy, sampler_correction=t.sampler_correction,
-                      advantage=t.advantage, reference=t.reference, checkpoints=t.checkpoints,
-                      evaluation=t.eval_plan, rollouts=t.rollouts, completions=t.completions,
-                      generation=cfg.generation, round_spec=round_spec,
-                      logprobs=LogprobOptions(f, cfg.generation.temperature, t.batch.per_device_train_batch_size),
-                      loss_fn=loss_fn, accelerator=accelerator, model=placed.model, policy=placed.policy,
-                      ref_model=ref_model, tokenizer=tokenizer, optimizer=placed.optimizer,
-                      scheduler=placed.scheduler, backend=placed.backend,
-                      params_hash=training_params_hash(cfg, weights.tolist()),
-                      checkpoint_dir=root / t.checkpoints.output_dir / "checkpoints", replica=placed.replica,
-                      compute_weights=placed.backend if compute_copy else None)
-    held_out = load_held_out(run.evaluation, cfg.data, cfg.generation, cfg.rewards, root=root, seed=t.seed,
-                             encoder=encoder, reward_fns=reward_fns)
-    return run, Prompts(dataset, encoder, reward_fns, reward_names, weights, held_out)
-
-
-@dataclass
-class PlacedPolicy:
-    """The policy as training holds it: what trains, what the optimizer steps, and what rollouts sample from."""
-
-    model: Any        # forward and backward: DDP-wrapped, sharded, or the bf16 compute copy
-    policy: Any       # the weights the optimizer steps (unwrapped)
-    optimizer: Any
-    scheduler: Any
-    backend: Any      # the rollout backend
-    replica: Any      # a whole copy that samples (sharded runs, the cast copy), else None
-
-
-def place_policy(cfg: PipelineConfig, accelerator, parallelism, model, ref_model, make_sampler, *,
-                 compute_copy: bool) -> PlacedPolicy:
-    """Shard, wrap or copy the float32 policy (and move or shard the reference) for this run's strategy; build the
-    optimizer over the weights it steps and the rollout backend (``make_sampler``: module -> backend) over the
-    module that samples."""
-    t = cfg.train
-    replica = None
-    if parallelism.fsdp is not None and accelerator.num_processes > 1:
-        # a colocated engine holds the whole copy: no replica beside it (a server's client pushes from the replica)
-        engine = cfg.generation.backend == "vllm" and cfg.generation.vllm_mode == "colocate"
-        if not engine:
-            replica = copy.deepcopy(model).to(accelerator.device, DTYPES[cfg.model.dtype])  # whole, before sharding
-        shard_model(model.to(accelerator.device), parallelism.fsdp, t.forward.mixed_precision)
-        if ref_model is not None:
-            shard_model(ref_model.to(accelerator.device), parallelism.fsdp)
-        optimizer, scheduler = build_optimizer_and_scheduler(model, t.optim, t.max_steps)  # over the shards
-        backend = EngineFromShards(make_sampler(model)) if engine else ReplicaRollouts(replica, make_sampler)
-        return PlacedPolicy(model, model, optimizer, scheduler, backend, replica)
-    if ref_model is not None and owns_weights(ref_model):
-        ref_model.to(accelerator.device)
-    if compute_copy:  # float32 masters stepped by the optimizer; their bf16 copy trains and samples
-        policy = model.to(accelerator.device)
-        optimizer, scheduler = build_optimizer_and_scheduler(policy, t.optim, t.max_steps)
-        backend = ComputeWeights(policy, make_sampler)
-        return PlacedPolicy(backend.model, policy, optimizer, scheduler, backend, None)
-    optimizer, scheduler = build_optimizer_and_scheduler(model, t.optim, t.max_steps)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    policy = accelerator.unwrap_model(model)
-    if samples_from_a_cast_copy(cfg, policy):
-        replica = copy.deepcopy(policy).to(DTYPES[cfg.model.dtype]).eval()  # refreshed after every step
-        return PlacedPolicy(model, policy, optimizer, scheduler, ReplicaRollouts(replica, make_sampler), replica)
-    return PlacedPolicy(model, policy, optimizer, scheduler, make_sampler(policy), None)
-
-
-def launched_processes() -> int:
-    """The processes this run was launched with (accelerate launch / torchrun set WORLD_SIZE), known before the
-    Accelerator exists: its mixed precision depends on whether the policy will be sharded."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def allow_tf32() -> None:
-    """TF32 for the float32 matmuls and convolutions that remain on CUDA (the float32 head, float32 compute): 10
-    mantissa bits in the products, float32 accumulation - what Megatron, TRL's examples and PyTorch's own
-    recommendation for Ampere and later use; CPU numerics are left as they are."""
-    torch.backends.cuda.matmul.fp32_precision = "tf32"
-    torch.backends.cudnn.conv.fp32_precision = "tf32"
-
-
-def samples_from_a_cast_copy(cfg: PipelineConfig, policy: torch.nn.Module) -> bool:
-    """Whether rollouts sample from a copy of the policy in ``model.dtype`` (e.g. bf16) instead of the float32
-    masters: full fine-tuning with a half-precision model.dtype, sampled by HF generate or the decode loop. The
-    masters under autocast would run every decode step on float32 weights (a cast of each weight per op, a float32
-    residual stream) and HF's static KV cache would get K and V in two dtypes; a bf16 copy runs as a bf16 model does.
-    Not under LoRA (the frozen base is in model.dtype already) nor vLLM (its engine is in model.dtype)."""
-    dtype = DTYPES[cfg.model.dtype]
-    return (cfg.model.lora is None and cfg.generation.backend != "vllm" and dtype != torch.float32
-            and any(p.dtype != dtype for p in policy.parameters()))
-
-
-def start_sampler(run: TrainingRun, reward_specs: list, prompts: Prompts, worker: SamplerWorker,
-                  backend_factory) -> None:
-    """train.async_rollouts: set the sampler worker up with a copy of the policy and the reference it scores rounds
-    sampled ahead with (``run.sampler``)."""
-    reference = run.ref_model
-    if reference is None or run.reference.sync_ref_model:  # none, or one that moves (TR-DPO): the trainer scores it
-        reference = None
-    elif not owns_weights(reference):
-        reference = ADAPTERS_OFF
-    recipe = WorkerRecipe(run.round_spec, run.logprobs, run.generation)
-    worker.start(run.policy, run.tokenizer, recipe, prompts.encoder, reward_specs, prompts.reward_names,
-                 prompts.weights, make_backend=backend_factory, reference=reference)
-    run.sampler = worker
-
-
-def _resolve(root: Path, path: str | None) -> Path | None:
-    return None if path is None else (Path(path) if Path(path).is_absolute() else root / path)
-
-
 def resume_or_start(run: TrainingRun, sampler: PromptSampler) -> tuple[TrainState, Path | None]:
     """The newest complete checkpoint's state (train.resume=auto), else step 0; and where it came from."""
     if run.accelerator.is_main_process:
@@ -469,50 +273,6 @@ def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
     return round_
 
 
-def take_round_ahead(run: TrainingRun, prompts: Prompts, state: TrainState, per_process: int) -> Round:
-    """async_rollouts: the round to train on now (advantages still zero), and the next one submitted.
-
-    The round in hand is the one sampled ahead: received at a checkpoint (``state.ahead``), or in flight (received
-    now, waiting for it), or else - the first round, or max_staleness 0 - sampled now with the current weights.
-    Then, max_staleness 1, the next round's prompts go to the worker with the current weights, and this process
-    trains while it samples: that round is one round older than the weights that will train on it, and comes
-    with the sampling weights' log-probs as its old log-probs.
-    """
-    wait_start = time.perf_counter()
-    if state.ahead is None:
-        if not run.sampler.in_flight:
-            submit_round(run, prompts, state, per_process, ahead=False)
-        receive_round(run, state)
-    round_, sampled_at = state.ahead, state.ahead_step
-    state.ahead = state.ahead_step = None
-    waited = time.perf_counter() - wait_start
-    if run.rollouts.max_staleness > 0:
-        submit_round(run, prompts, state, per_process, ahead=True)
-    round_.metrics.update({"async/staleness": float(state.step - sampled_at), "async/wait_time": waited})
-    return round_
-
-
-def submit_round(run: TrainingRun, prompts: Prompts, state: TrainState, per_process: int, *, ahead: bool) -> None:
-    """The next prompts, the current weights and RNG state to the sampler worker. ahead: later weights will train
-    on it, so the worker also scores its tokens under these (the old log-probs) and, off this process's critical
-    path, under the reference."""
-    indices = state.sampler.take(per_process)
-    run.sampler.load_weights(run.policy)
-    run.sampler.submit(SampleRequest(row_ids=indices, rows=[prompts.dataset[i] for i in indices],
-                                     rng_state=torch.get_rng_state(), old_logps=ahead,
-                                     ref_logps=ahead and run.sampler.scores_reference, training=run.policy.training,
-                                     policy_step=state.step))
-
-
-def receive_round(run: TrainingRun, state: TrainState) -> None:
-    """The round in flight into ``state.ahead``; the RNG continues from the worker's state after sampling it (so
-    the stream does not depend on when the round arrived)."""
-    with record_function("grpo/wait_for_sampler"):
-        sampled = run.sampler.receive()
-    torch.set_rng_state(sampled.rng_state)
-    state.ahead, state.ahead_step = sampled.round, sampled.policy_step
-
-
 def sampler_metrics(accelerator, round_: Round) -> dict[str, float]:
     """TRL's sampling/* metrics of a round: |old - sampler| log-prob gap over the scored tokens, and the
     correction's ratio (over tokens, or sequences at sequence level), over every process."""
@@ -520,7 +280,7 @@ def sampler_metrics(accelerator, round_: Round) -> dict[str, float]:
     gap = (round_.old_logps - round_.sampling_logps).abs()
     gap = gap[mask & ~torch.isnan(gap)]
     ratio = round_.sampler_ratio.flatten() if round_.sampler_ratio.shape[1] == 1 else round_.sampler_ratio[mask]
-    gap, ratio = (_gather_values(accelerator, v.float()) if accelerator.num_processes > 1 else v for v in (gap, ratio))
+    gap, ratio = (gather_values(accelerator, v.float()) if accelerator.num_processes > 1 else v for v in (gap, ratio))
 
     def stat(values, fn):
         return float(fn(values)) if values.numel() else 0.0
@@ -553,7 +313,7 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[Round], entropy_c
     ga = len(micro_batches)
     loss_masks = [mb.loss_mask(run.rollouts.mask_truncated_completions) for mb in micro_batches]
     local_tokens = sum(int(m.sum()) for m in loss_masks)
-    num_items = _global_sum(acc, local_tokens) / acc.num_processes
+    num_items = global_sum(acc, local_tokens) / acc.num_processes
     losses, stats, entropies, window = [], [], [], None
     for j, (mb, loss_mask) in enumerate(zip(micro_batches, loss_masks)):
         # DDP: all-reduce once, after the last micro-batch. FSDP2 reduce-scatters every micro-batch: deferring
@@ -562,7 +322,7 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[Round], entropy_c
         with acc.no_sync(run.model) if defer_sync else contextlib.nullcontext():
             with record_function("grpo/policy_forward"):
                 part = micro_batch_loss(run, mb, loss_mask, num_items=num_items, entropy_coef=entropy_coef)
-            if _finite_everywhere(acc, part.loss):  # one answer on every process, or their backward passes part ways
+            if finite_everywhere(acc, part.loss):  # one answer on every process, or their backward passes part ways
                 with record_function("grpo/backward"):
                     acc.backward(part.loss)
         losses.append(part.loss.detach())
@@ -598,7 +358,7 @@ def micro_batch_loss(run: TrainingRun, mb: Round, loss_mask: torch.Tensor, *, nu
     mask = loss_mask[:, :width].to(device)
     trained = None
     if e.top_entropy_quantile < 1.0:  # the threshold is the quantile over every process's tokens, as in TRL
-        every = _gather_values(acc, entropy.detach()[mask.bool()].float()) if acc.num_processes > 1 else None
+        every = gather_values(acc, entropy.detach()[mask.bool()].float()) if acc.num_processes > 1 else None
         trained = high_entropy_mask(entropy.detach(), mask, e.top_entropy_quantile, all_entropies=every)
     loss, stats = run.loss_fn(
         logps, _cut(mb.old_logps, width, device), _cut(mb.ref_logps, width, device), mb.advantages.to(device), mask,
@@ -785,31 +545,6 @@ def _inside_round(state: TrainState, plan: BatchPlan) -> bool:
 def _cut(x: torch.Tensor | None, width: int, device) -> torch.Tensor | None:
     """(N, C) -> (N, width) on ``device``; None stays None."""
     return None if x is None else x[:, :width].to(device, non_blocking=True)
-
-
-def _global_sum(accelerator, value: int) -> float:
-    if accelerator.num_processes == 1:
-        return float(value)
-    return float(accelerator.reduce(torch.tensor(float(value), device=accelerator.device), "sum").item())
-
-
-def _finite_everywhere(accelerator, loss: torch.Tensor) -> bool:
-    """Whether the micro-batch's loss is finite on every process: a NaN on one process skips the micro-batch on all
-    (as one process on the global batch would), and keeps the gradient collectives of backward in step."""
-    finite = bool(torch.isfinite(loss))
-    if accelerator.num_processes == 1:
-        return finite
-    return _global_sum(accelerator, int(not finite)) == 0
-
-
-def _gather_values(accelerator, values: torch.Tensor) -> torch.Tensor | None:
-    """Every process's 1-D ``values`` (different lengths), concatenated; None on one process (the values alone)."""
-    if accelerator.num_processes == 1:
-        return None
-    sentinel = -1e9  # below any entropy: marks the padding pad_across_processes adds
-    padded = accelerator.pad_across_processes(values.to(accelerator.device), dim=0, pad_index=sentinel)
-    gathered = accelerator.gather(padded)
-    return gathered[gathered != sentinel]
 
 
 def _reduce_metrics(accelerator, metrics: dict, local_tokens: float) -> dict:

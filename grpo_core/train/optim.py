@@ -8,7 +8,7 @@ from typing import Literal
 
 import torch
 
-from grpo_core.options import Options, option
+from grpo_core.common.options import Options, option
 
 
 @dataclass

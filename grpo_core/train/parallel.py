@@ -15,9 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_core.errors import ConfigurationError
+import torch
+
+from grpo_core.common.errors import ConfigurationError
+from grpo_core.common.options import ConfigError, Options, option
 from grpo_core.model.sharding import FSDPSettings
-from grpo_core.options import ConfigError, Options, option
 
 DEEPSPEED_WITHDRAWN = (
     "DeepSpeed is not supported: a DeepSpeed engine takes over what this trainer owns (gradient accumulation, the "
@@ -139,3 +141,31 @@ def _read_yaml(path: Path) -> dict:
     if not isinstance(doc, dict):
         raise ParallelConfigError(f"train.accelerate_config: {path} is not a mapping of accelerate settings")
     return doc
+
+
+# The step's collectives: on one process each is the value itself.
+
+
+def global_sum(accelerator, value: int) -> float:
+    if accelerator.num_processes == 1:
+        return float(value)
+    return float(accelerator.reduce(torch.tensor(float(value), device=accelerator.device), "sum").item())
+
+
+def finite_everywhere(accelerator, loss: torch.Tensor) -> bool:
+    """Whether the micro-batch's loss is finite on every process: a NaN on one process skips the micro-batch on all
+    (as one process on the global batch would), and keeps the gradient collectives of backward in step."""
+    finite = bool(torch.isfinite(loss))
+    if accelerator.num_processes == 1:
+        return finite
+    return global_sum(accelerator, int(not finite)) == 0
+
+
+def gather_values(accelerator, values: torch.Tensor) -> torch.Tensor | None:
+    """Every process's 1-D ``values`` (different lengths), concatenated; None on one process (the values alone)."""
+    if accelerator.num_processes == 1:
+        return None
+    sentinel = -1e9  # below any entropy: marks the padding pad_across_processes adds
+    padded = accelerator.pad_across_processes(values.to(accelerator.device), dim=0, pad_index=sentinel)
+    gathered = accelerator.gather(padded)
+    return gathered[gathered != sentinel]

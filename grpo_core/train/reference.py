@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_core.options import Options, option
+from grpo_core.common.options import Options, option
 
 
 @dataclass

@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from grpo_core.errors import ConfigurationError, InputUnreadable
+from grpo_core.common.errors import ConfigurationError, InputUnreadable
 
 #: calibrate's output, relative to the project root (dvc.yaml names it)
 CALIBRATION_WEIGHTS = "artifacts/calibration/reward_weights.json"

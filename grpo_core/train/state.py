@@ -17,10 +17,13 @@ import numpy as np
 import torch
 
 from grpo_core.advantages import AdvantageOptions
-from grpo_core.errors import TrainingFailure
+from grpo_core.common.errors import TrainingFailure
+from grpo_core.common.rng import restore_rngs, rng_state
+from grpo_core.data.loading import PromptEncoder
+from grpo_core.evaluation import EvalMode
 from grpo_core.loss import EntropyOptions, SamplerCorrectionOptions
 from grpo_core.model.sharding import gather_optimizer_state, gather_weights, is_sharded, load_optimizer_state
-from grpo_core.rng import restore_rngs, rng_state
+from grpo_core.rewards.judges import Judges
 from grpo_core.rollout import GenerationConfig
 from grpo_core.train.batching import BatchOptions, BatchPlan
 from grpo_core.train.checkpoint import (
@@ -39,7 +42,7 @@ if TYPE_CHECKING:
     from grpo_core.evaluation import EvalOptions
     from grpo_core.loss import GRPOLoss
     from grpo_core.train.forward import LogprobOptions
-    from grpo_core.train.rollouts import RolloutOptions, RoundSpec
+    from grpo_core.train.round import RolloutOptions, RoundSpec
 
 
 class TrainingError(TrainingFailure, RuntimeError):
@@ -77,6 +80,30 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+@dataclass
+class HeldOutPrompts:
+    """What each evaluation scores, built once at set-up."""
+
+    rows: list[dict]            # the first eval_max_samples rows of the eval split (row i is its row i)
+    encoder: PromptEncoder
+    reward_fns: list            # the training rewards, K of them
+    reward_names: list[str]
+    judges: Judges              # correctness and format (grpo_core/rewards/judges.py)
+    modes: list[EvalMode]       # greedy, then sampled when num_generations_eval > 0
+
+
+@dataclass
+class Prompts:
+    """What a round is sampled from and scored with."""
+
+    dataset: Any                # datasets.Dataset of the train split
+    encoder: PromptEncoder
+    reward_fns: list
+    reward_names: list[str]     # K names, the columns of the reward matrix
+    weights: torch.Tensor       # (K,)
+    held_out: HeldOutPrompts | None  # evaluation during training (train.eval_strategy steps), else None
 
 
 @dataclass

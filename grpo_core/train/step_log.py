@@ -6,8 +6,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from grpo_core.common.files import atomic_path
 from grpo_core.evaluation import eval_metric_names
-from grpo_core.files import atomic_path
 from grpo_core.train.state import TrainingRun
 
 # the metric a loss type logs besides the clip ratios (TRL's names)

@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 import pandas as pd
 
-from grpo_core.errors import InputUnreadable
-from grpo_core.options import ConfigError, Options, option
+from grpo_core.common.errors import InputUnreadable
+from grpo_core.common.options import ConfigError, Options, option
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from grpo_core.errors import disk_full
+from grpo_core.common.errors import disk_full
 
 
 @contextmanager

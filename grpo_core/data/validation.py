@@ -37,8 +37,8 @@ import numpy as np
 import pandas as pd
 from pandera.typing import Series
 
-from grpo_core.errors import ValidationFailure
-from grpo_core.options import Options, option
+from grpo_core.common.errors import ValidationFailure
+from grpo_core.common.options import Options, option
 from grpo_core.rewards.scoring import call_reward
 
 try:

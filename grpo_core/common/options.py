@@ -18,7 +18,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from grpo_core.errors import ConfigurationError
+from grpo_core.common.errors import ConfigurationError
 
 
 class ConfigError(ConfigurationError, ValueError):

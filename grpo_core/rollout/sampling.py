@@ -28,7 +28,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from grpo_core.data import DataError, PromptEncoder, completion_for_reward, is_conversational
+from grpo_core.data.loading import DataError, PromptEncoder, completion_for_reward, is_conversational
 from grpo_core.rewards import score_completions
 from grpo_core.rollout import (
     RolloutBatch,
