@@ -13,7 +13,7 @@ from grpo_core.common.errors import InputUnreadable
 from grpo_core.config import training_params_hash
 from grpo_core.train.checkpoint import latest_checkpoint, load_checkpoint
 from grpo_core.train.loop import train
-from grpo_core.train.advantage.reward_weights import CALIBRATION_WEIGHTS, CalibrationMismatch, training_reward_weights
+from grpo_core.train.reward_weights import CALIBRATION_WEIGHTS, CalibrationMismatch, training_reward_weights
 from tests.tiny import make_prompts, make_tiny_model, tiny_config
 
 DIGITS = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}]

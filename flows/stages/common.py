@@ -25,7 +25,7 @@ from grpo_core.common.errors import ConfigurationError, InputUnreadable, Transie
 #: validate's outputs, the only data the downstream stages read (canonical `prompt` / `answer` columns).
 VALIDATED_TRAIN = "data/validated/train.parquet"
 VALIDATED_EVAL = "data/validated/eval.parquet"
-CALIBRATION_WEIGHTS = "artifacts/calibration/reward_weights.json"  # = grpo_core.train.advantage.reward_weights's (a test holds)
+CALIBRATION_WEIGHTS = "artifacts/calibration/reward_weights.json"  # = grpo_core.train.reward_weights's (a test holds)
 CALIBRATION_DIFFICULTY = "artifacts/calibration/difficulty.json"
 TRAIN_LOG = "metrics/train_log.csv"
 

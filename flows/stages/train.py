@@ -81,7 +81,7 @@ def stage_inputs(cfg) -> TrainInputs:
 
 def reward_weights(ctx, cfg) -> tuple[list[float], str]:
     """(weights, where they came from): grpo_core's own rule (the one train() applies), calibration required."""
-    from grpo_core.train.advantage.reward_weights import training_reward_weights
+    from grpo_core.train.reward_weights import training_reward_weights
 
     return training_reward_weights([r.name for r in cfg.rewards], cfg.train.advantage.reward_weights, ctx.root,
                                    calibration_required=True)
