@@ -123,7 +123,7 @@ def test_a_half_precision_model_dtype_samples_from_a_copy_in_it_refreshed_after_
 def test_tf32_is_switched_on_through_the_api_this_torch_has():
     """set_up calls allow_tf32 on CUDA; here only that it names flags this torch has and sets them (a renamed flag
     would raise on the first GPU run, where no test runs)."""
-    from grpo_core.train.loop import allow_tf32
+    from grpo_core.train.setup import allow_tf32
 
     before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
     try:

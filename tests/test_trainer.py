@@ -159,7 +159,7 @@ def on_policy_loss(cfg, batch) -> float | None:
     """A step's loss at ratio 1 and KL 0 (the first step: policy = old = reference), from the round's
     advantages A_i, completion lengths and old log-probs. None for vespo: its OPSM at threshold 0 drops
     negative sequences on the float noise between the old and the new log-probs."""
-    t, a = cfg.train, batch.advantages.double()
+    t, a = cfg.train.loss, batch.advantages.double()
     mask = batch.completion_mask.double()
     if t.loss_type == "cispo":  # -min(r, eps_high) A logp summed over the tokens / their count; r = 1
         return (-(a[:, None] * batch.old_logps.double() * mask).sum() / mask.sum()).item()
