@@ -145,22 +145,12 @@ class GRPOLoss:
         return (f"GRPOLoss({self.options!r}, max_completion_length={self.max_completion_length!r}, "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps})")
 
-    def __call__(
-        self,
-        logps: torch.Tensor,
-        old_logps: torch.Tensor | None,
-        ref_logps: torch.Tensor | None,
-        advantages: torch.Tensor,
-        mask: torch.Tensor,
-        *,
-        num_items: int | float | torch.Tensor | None = None,
-        sampling_logps: torch.Tensor | None = None,
-        entropy_mask: torch.Tensor | None = None,
-        sampler_ratio: torch.Tensor | None = None,
-        kl_ratio_correction: bool = True,
-        entropies: torch.Tensor | None = None,
-        entropy_coef: float = 0.0,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(self, logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
+                 advantages: torch.Tensor, mask: torch.Tensor, *, num_items: int | float | torch.Tensor | None = None,
+                 sampling_logps: torch.Tensor | None = None, entropy_mask: torch.Tensor | None = None,
+                 sampler_ratio: torch.Tensor | None = None, kl_ratio_correction: bool = True,
+                 entropies: torch.Tensor | None = None, entropy_coef: float = 0.0,
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss of one micro-batch, its share of the step's loss, and its statistics; the arguments and the result
         are ``grpo_loss``'s. entropies: (B, T) per-token entropies with gradient, for the bonus
         ``entropy_coef * H`` (H their mean over the trained tokens: ``entropy_mask``, else ``mask``)."""
@@ -283,22 +273,12 @@ def _neutralise_padding(present: torch.Tensor, logps: torch.Tensor, old_logps: t
     return logps, old_logps, ref_logps
 
 
-def grpo_loss(
-    logps: torch.Tensor,
-    old_logps: torch.Tensor | None,
-    ref_logps: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    epsilon_low: float = 0.2,
-    kl_ratio_correction: bool = True,
-    max_completion_length: int | None = None,
-    num_items: int | float | torch.Tensor | None = None,
-    sampling_logps: torch.Tensor | None = None,
-    entropy_mask: torch.Tensor | None = None,
-    sampler_ratio: torch.Tensor | None = None,
-    **options,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
+              advantages: torch.Tensor, mask: torch.Tensor, *, epsilon_low: float = 0.2,
+              kl_ratio_correction: bool = True, max_completion_length: int | None = None,
+              num_items: int | float | torch.Tensor | None = None,
+              sampling_logps: torch.Tensor | None = None, entropy_mask: torch.Tensor | None = None,
+              sampler_ratio: torch.Tensor | None = None, **options) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss of one micro-batch and its statistics: ``GRPOLoss`` built from ``LossOptions(epsilon=epsilon_low,
     **options)``, then called. ``options`` are LossOptions' keys (TRL's names; defaults and limits there).
 
@@ -309,23 +289,14 @@ def grpo_loss(
         ref_logps: (B, T) log-probs under the reference model; needed only when beta != 0.
         advantages: (B,) one advantage per completion.
         mask: (B, T) 1 for completion tokens that count, 0 for padding (bool, int or float).
-        loss_type: TRL's ``loss_type``: "grpo" | "bnpo" | "dr_grpo" | "dapo" | "luspo" (the clipped surrogate,
-            aggregated differently), "cispo" (clipped, detached IS weight times logp), "sapo" (a sigmoid gate
-            instead of the clip), "vespo" (a gamma-shaped sequence weight times logp).
-        beta: KL coefficient (TRL ``beta``).
-        epsilon_low / epsilon_high: clip range [1 - eps_low, 1 + eps_high] (TRL ``epsilon`` /
-            ``epsilon_high``); epsilon_high None = epsilon_low.
-        delta: upper cap on the unclipped ratio, two-sided clipping (TRL ``delta``); None = off.
-        importance_sampling_level: "token" | "sequence" (TRL ``importance_sampling_level``; GSPO).
+        epsilon_low: TRL's ``epsilon`` (the lower clip range); every other key of ``LossOptions`` (loss_type,
+            beta, epsilon_high, delta, importance_sampling_level, the sapo / vespo shapes,
+            off_policy_mask_threshold) by its own name, meanings and defaults there.
         kl_ratio_correction: multiply the per-token KL by the importance ratio (TRL
             ``use_bias_correction_kl``, default True there too).
         max_completion_length: dr_grpo's constant normaliser L; None = T.
         num_items: dapo's (and cispo's, vespo's) normaliser, the number of completion tokens in the whole
             generation batch; None = mask.sum() (this micro-batch).
-        sapo_temperature_pos / _neg: SAPO's gate temperatures for A > 0 / A <= 0 (TRL's names and defaults).
-        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma shape for A >= 0 / A < 0.
-        off_policy_mask_threshold: OPSM (DeepSeek-V3.2): drop sequences with A < 0 whose mean KL(sampler ||
-            policy) over their tokens exceeds it; None = off.
         sampling_logps: (B, T) log-probs under the engine that sampled (OPSM's reference); None = old_logps.
         entropy_mask: (B, T) bool, the tokens the policy term trains on (``high_entropy_mask``: TRL's
             ``top_entropy_quantile``); None = all. The KL still counts every token, as in TRL.
@@ -358,13 +329,8 @@ def ratio_from_logratio(logratio: torch.Tensor, mask: torch.Tensor, level: str) 
     return torch.exp(mean_logratio).unsqueeze(-1)
 
 
-def clipped_surrogate(
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    epsilon_low: float,
-    epsilon_high: float,
-    delta: float | None,
-) -> torch.Tensor:
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, epsilon_low: float, epsilon_high: float,
+                      delta: float | None) -> torch.Tensor:
     """Per-token PPO-clip loss: -min(min(r, delta) * A, clip(r, 1 - eps_low, 1 + eps_high) * A).
 
     ratio (B, T) or (B, 1); advantages (B, 1); result broadcast to ratio's shape. The clipped branch
@@ -411,8 +377,6 @@ def vespo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch
     k = torch.where(nonneg, k_pos, k_neg)
     lam = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-
-
 
 
 @torch.no_grad()
@@ -497,13 +461,8 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio_ref) - log_ratio_ref - 1
 
 
-def aggregate(
-    per_token_loss: torch.Tensor,
-    mask: torch.Tensor,
-    loss_type: str,
-    max_completion_length: int | None,
-    num_items: int | float | torch.Tensor | None,
-) -> torch.Tensor:
+def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str,
+              max_completion_length: int | None, num_items: int | float | torch.Tensor | None) -> torch.Tensor:
     """Reduce (B, T) or (B, 1) per-token losses to a scalar over the tokens in mask (B, T).
 
     grpo, sapo:          1/B sum_i [ sum_t m_it l_it / max(1, sum_t m_it) ]   (an empty row counts 0 in the mean)
@@ -530,8 +489,7 @@ def aggregate(
 
 
 def clip_stats(
-    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, epsilon_low: float, epsilon_high: float
-) -> dict[str, torch.Tensor]:
+               ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, epsilon_low: float, epsilon_high: float) -> dict[str, torch.Tensor]:
     """TRL's clip metrics. ratio (B, T) or (B, 1) after the delta cap; advantages (B, 1); mask (B, T).
 
     low:    r < 1 - eps_low  and A < 0   (the clipped branch is active and its gradient is 0)

@@ -205,7 +205,7 @@ def _flip_tensor_bytes(file: Path) -> None:
     (Path.unlink, "scheduler.pt", r"scheduler.pt is missing \(the manifest lists it\)"),
 ])
 def test_resume_skips_a_corrupt_newest_checkpoint_naming_the_file(tmp_path, damage, file, message):
-    """The issue's case: the newest checkpoint damaged, two intact ones beside it - resume takes the newest intact
+    """The newest checkpoint damaged, two intact ones beside it - resume takes the newest intact
     one and the warning names the damaged file. Byte flips in tensor data load silently without the manifest."""
     from safetensors.torch import load_file
 

@@ -1,4 +1,4 @@
-"""bf16 compute weights over float32 masters (grpo_core/train/compute_weights.py, issue 32 item 1): training's
+"""bf16 compute weights over float32 masters (grpo_core/train/compute_weights.py): training's
 forward and backward run on a bf16 copy without autocast, gradients sum in float32 on the masters, the optimizer
 steps the masters, and the same copy is what rollouts sample from."""
 

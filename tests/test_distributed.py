@@ -195,7 +195,7 @@ def resumed_from_step_2(root: Path, name: str, run: str = "two") -> Path:
 @pytest.mark.slow
 def test_two_sampling_processes_resume_bit_for_bit_on_two(assets, sampled_two):
     """Each process restores its own streams: a resume samples what the uninterrupted run sampled (were rank 1 handed
-    rank 0's states, as before, it would sample other completions and end on other weights)."""
+    rank 0's states, it would sample other completions and end on other weights)."""
     import hashlib
 
     root = resumed_from_step_2(sampled_two, "resume-two")

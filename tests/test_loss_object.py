@@ -202,3 +202,28 @@ def test_no_function_over_90_lines(path):
     long = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(tree)
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 90]
     assert long == []
+
+
+def test_the_step_share_and_the_entropy_bonus_are_in_the_loss_that_is_trained():
+    """B = 2 rows of 2 tokens, on-policy (ratio 1), A = (1, 0.5): every token's policy loss is -A, so grpo's loss is
+    (-1 - 0.5) / 2 = -0.75 and dapo's -3 / 4 = -0.75. With 4 micro-batches a step, grpo's share is a quarter of it
+    and dapo's stays (its num_items counts the step's tokens); the bonus takes coef * mean entropy / 4 off both."""
+    logps = torch.full((2, 2), -1.0, dtype=F64)
+    mask, advantages = torch.ones(2, 2, dtype=F64), torch.tensor([1.0, 0.5], dtype=F64)
+    entropies = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=F64, requires_grad=True)
+    for loss_type, share in (("grpo", -0.75 / 4), ("dapo", -0.75)):
+        loss_fn = GRPOLoss(loss_config(loss_type=loss_type), gradient_accumulation_steps=4)
+        loss, _ = loss_fn(logps, None, None, advantages, mask, num_items=4)
+        assert loss.item() == pytest.approx(share, abs=1e-12)
+        loss, _ = loss_fn(logps, None, None, advantages, mask, num_items=4, entropies=entropies, entropy_coef=0.1)
+        assert loss.item() == pytest.approx(share - 0.1 * 2.5 / 4, abs=1e-12)
+        (grad,) = torch.autograd.grad(loss, entropies)
+        torch.testing.assert_close(grad, torch.full((2, 2), -0.1 / 4 / 4, dtype=F64))  # -coef / ga / tokens
+    loss_fn = GRPOLoss(loss_config(loss_type="grpo"), gradient_accumulation_steps=4)
+    entropy_mask = torch.tensor([[False, True], [False, True]])  # the bonus averages the trained tokens only
+    loss, _ = loss_fn(logps, None, None, advantages, mask, entropies=entropies, entropy_coef=0.1,
+                      entropy_mask=entropy_mask)
+    policy = (-1.0 / 2 + -0.5 / 2) / 2  # one trained token per row, each row still averaged over its 2 tokens
+    assert loss.item() == pytest.approx(policy / 4 - 0.1 * 3.0 / 4, abs=1e-12)  # entropies 2 and 4 trained
+    with pytest.raises(ValueError, match="entropies must have the shape of logps"):
+        loss_fn(logps, None, None, advantages, mask, entropy_coef=0.1)

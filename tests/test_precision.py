@@ -49,7 +49,7 @@ model_dir, data, root, dtype, mixed, plain = sys.argv[1:7]
 cfg = tiny_config(model_dir, data, [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}],
                   learning_rate=1e-5, beta=0.04, max_steps=30, save_steps=1000, mixed_precision=mixed)
 raw = cfg.to_dict(); raw.pop("embedded"); raw["model"]["dtype"] = dtype
-if plain == "1":  # the negative control: AdamW straight on bf16 weights, as before fp32 master weights
+if plain == "1":  # the negative control: AdamW straight on bf16 weights, without fp32 master weights
     load = trainer.load_policy
     def bf16_policy(*a, **k):
         model, tok = load(*a, **k)

@@ -1,5 +1,5 @@
 """The weights a run trains with come from one rule (grpo_core/train/reward_weights.py), applied by `dvc repro`'s
-train stage and by grpo_core's train() alike (issue 29): pinned train.reward_weights, else calibrate's file, else
+train stage and by grpo_core's train() alike: pinned train.reward_weights, else calibrate's file, else
 1 each (the stage requires the file)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The validate stage with tools (issue 33, item 7): what can be known before training is refused there, naming it -
+"""The validate stage with tools: what can be known before training is refused there, naming it -
 a tool path that does not import, a tool without type hints or docstring, a chat template that cannot show tool
 calls, an environment whose reset cannot take the rows, plain-text prompts, a row naming no environment."""
 

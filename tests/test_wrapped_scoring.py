@@ -89,7 +89,7 @@ def test_the_recipes_log_prob_passes_never_hold_the_logits(tmp_path):
     holds several (measured: 2.3 GiB above the process before the passes); the fused head holds one chunk of 256 rows
     (measured: 0.38 GiB). Vocabulary 65,536 rather than 32,000: a 256-row chunk of float32 logits is then over glibc's
     32 MiB mmap ceiling and goes back to the system when freed; at 32,000 it lands in the heap and how much of it the
-    heap keeps varies from run to run. benchmarks/logits_memory.py measures the issue's full shape."""
+    heap keeps varies from run to run. benchmarks/logits_memory.py measures the full shape."""
     from benchmarks.logits_memory import measure
 
     spec = {"mode": "passes", "vocab": 65_536, "rows": 4, "tokens": 1024, "hidden": 64, "layers": 1,

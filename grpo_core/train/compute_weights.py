@@ -1,7 +1,7 @@
-"""bf16 compute weights over float32 master weights: mixed precision as Megatron keeps it (issue 32).
+"""bf16 compute weights over float32 master weights: mixed precision as Megatron keeps it.
 
 The policy (``run.policy``) holds the float32 master weights: the optimizer updates them and checkpoints, exports,
-the reference's TR-DPO mix and the async sampler read them, as before. A copy of it in bf16 (``ComputeWeights.model``,
+the reference's TR-DPO mix and the async sampler read them. A copy of it in bf16 (``ComputeWeights.model``,
 ``run.model``) runs every forward and backward of training, and every rollout:
 
     forward, backward   on the bf16 copy: bf16 weights and activations, a bf16 residual stream, no autocast
