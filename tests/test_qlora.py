@@ -234,7 +234,13 @@ def test_refusals_name_the_reason(assets, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "bitsandbytes", None)  # as if not installed
     with pytest.raises(ConfigError, match=r"needs bitsandbytes, .*pip install -e '\.\[qlora\]'"):
         qlora_config(assets)
-    from grpo_core.model.loading import LoraConfig, ModelConfig, ModelLoadError, QuantizationConfig, bitsandbytes_config
+    from grpo_core.model.loading import (
+        LoraConfig,
+        ModelConfig,
+        ModelLoadError,
+        QuantizationConfig,
+        bitsandbytes_config,
+    )
 
     with pytest.raises(ModelLoadError, match=r"needs bitsandbytes .*pip install -e '\.\[qlora\]'"):
         bitsandbytes_config(ModelConfig(quantization=QuantizationConfig(), lora=LoraConfig()))
