@@ -44,7 +44,7 @@ REPORT = "reports/calibration.md"
 
 @dataclass(frozen=True)
 class CalibrateInputs:
-    """Everything calibrate reads of params.yaml: whole sections, and the views of `train:` it needs
+    """Everything calibrate reads of params.yaml: whole sections, and the groups of `train:` it needs
     (tests/test_dvc_params.py checks dvc.yaml lists each)."""
 
     calibrate: Any

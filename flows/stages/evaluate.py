@@ -63,7 +63,7 @@ REGISTERED_KEYS = ("model_name", "version")
 
 @dataclass(frozen=True)
 class EvaluateInputs:
-    """Everything evaluate reads of params.yaml: whole sections, views of `train:`, and single keys (named in
+    """Everything evaluate reads of params.yaml: whole sections, groups of `train:`, and single keys (named in
     their field's ``param``); tests/test_dvc_params.py checks dvc.yaml lists each."""
 
     evaluate: Any
