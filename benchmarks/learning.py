@@ -192,10 +192,9 @@ def greedy_accuracy(root: Path, cfg, model_dir: Path) -> dict:
     e = cfg.evaluate
     dataset = load_split(cfg.data, "eval", root)
     n = len(dataset) if e.max_samples is None else min(e.max_samples, len(dataset))
-    greedy_only = dataclasses.replace(cfg, evaluate=dataclasses.replace(e, num_generations=0))
     records = sample_policy("policy", dataclasses.replace(cfg.model, name_or_path=str(model_dir), lora=None),
-                            stage_inputs(greedy_only), stage_context(root, cfg), [dataset[i] for i in range(n)],
-                            list(range(n)))
+                            stage_inputs(cfg), stage_context(root, cfg), [dataset[i] for i in range(n)],
+                            list(range(n)), greedy_only=True)
     return {"accuracy": sum(r["correct"] for r in records) / len(records),
             "format_compliance": sum(r["format_ok"] for r in records) / len(records), "num_prompts": len(records)}
 

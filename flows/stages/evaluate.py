@@ -132,9 +132,10 @@ def known_metric_names(cfg, tools: bool = False) -> list[str]:
 # sampling both policies
 
 
-def sample_policy(policy: str, model_cfg, inp: EvaluateInputs, ctx, rows: list[dict], indices: list[int]) -> list[dict]:
+def sample_policy(policy: str, model_cfg, inp: EvaluateInputs, ctx, rows: list[dict], indices: list[int], *,
+                  greedy_only: bool = False) -> list[dict]:
     """Greedy and sampled completions of one policy as per-sample records (evaluation's frame layout), sampled as
-    training samples (``generation``) but for evaluate's overrides."""
+    training samples (``generation``) but for evaluate's overrides; greedy_only: the greedy ones alone."""
     import torch
 
     from grpo_core.data.loading import PromptEncoder
@@ -151,7 +152,7 @@ def sample_policy(policy: str, model_cfg, inp: EvaluateInputs, ctx, rows: list[d
     encoder = PromptEncoder.from_config(tokenizer, inp.data)
     backend = backend_for(model, tokenizer, g, seed=e.seed, max_prompt_length=inp.data.max_prompt_length,
                           max_completion_length=length)
-    modes = eval_modes(max_new_tokens=length, num_generations=e.num_generations,
+    modes = eval_modes(max_new_tokens=length, num_generations=0 if greedy_only else e.num_generations,
                        sampling=sampling_params(g, temperature=e.temperature, max_completion_length=length),
                        sequences_per_call=e.batch_size, seed=e.seed)
     try:
