@@ -43,6 +43,7 @@ def test_lora_keeps_the_frozen_base_in_model_dtype_and_the_adapters_in_float32(a
 RUN = """
 import json, sys, torch
 import grpo_core.train.loop as trainer
+import grpo_core.train.setup as setup
 from grpo_core.config import config_from_dict
 from tests.tiny import tiny_config
 model_dir, data, root, dtype, mixed, plain = sys.argv[1:7]
@@ -50,11 +51,11 @@ cfg = tiny_config(model_dir, data, [{"name": "digits", "function": "tests.reward
                   learning_rate=1e-5, beta=0.04, max_steps=30, save_steps=1000, mixed_precision=mixed)
 raw = cfg.to_dict(); raw.pop("embedded"); raw["model"]["dtype"] = dtype
 if plain == "1":  # the negative control: AdamW straight on bf16 weights, without fp32 master weights
-    load = trainer.load_policy
+    load = setup.load_policy
     def bf16_policy(*a, **k):
         model, tok = load(*a, **k)
         return model.to(torch.bfloat16), tok
-    trainer.load_policy = bf16_policy
+    setup.load_policy = bf16_policy
 trainer.train(config_from_dict(raw), root=root, progress=False)
 """
 
