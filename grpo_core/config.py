@@ -13,6 +13,7 @@ in code each key lives in one group: ``train.epsilon`` is ``cfg.train.loss.epsil
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import typing
@@ -27,7 +28,6 @@ from grpo_core.common.options import (
     Options,
     construct,
     convert,
-    convert_fields,
     describe,
     option,
     unknown_key,
@@ -105,12 +105,14 @@ class TrainConfig(Options):
                                         logging_steps=self.logging_steps)
 
 
+@functools.cache
 def train_groups() -> dict[str, type]:
     """TrainConfig's groups: attribute name -> options class."""
     hints = typing.get_type_hints(TrainConfig)
     return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig) if f.metadata.get("group")}
 
 
+@functools.cache
 def train_key_owner() -> dict[str, str | None]:
     """Every `train:` key of params.yaml -> the TrainConfig group that owns it (None: TrainConfig's own)."""
     owner: dict[str, str | None] = {f.name: None for f in dataclasses.fields(TrainConfig)
@@ -147,9 +149,8 @@ def build_train(data: Any, prefix: str = "train") -> TrainConfig:
         if key not in owner:
             raise unknown_key(f"{prefix}.{key}", key, owner)
         routed.setdefault(owner[key], {})[key] = value
-    groups = {name: construct(cls, convert_fields(cls, routed.get(name, {}), prefix), prefix)
-              for name, cls in train_groups().items()}
-    return construct(TrainConfig, {**convert_fields(TrainConfig, routed.get(None, {}), prefix), **groups}, prefix)
+    groups = {name: construct(cls, routed.get(name, {}), prefix) for name, cls in train_groups().items()}
+    return construct(TrainConfig, {**routed.get(None, {}), **groups}, prefix)
 
 
 @dataclass

@@ -129,23 +129,7 @@ def build(cls: type, data: Any, prefix: str) -> Any:
     for name in data:
         if name not in fields:
             raise unknown_key(f"{prefix}.{name}", name, fields)
-    return construct(cls, convert_fields(cls, data, prefix), prefix)
-
-
-def convert_fields(cls: type, data: Mapping, prefix: str) -> dict:
-    """The values of ``data`` converted to ``cls``'s field types (every key is a field of it)."""
-    hints = _hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for name, value in data.items():
-        key, meta = f"{prefix}.{name}", fields[name].metadata
-        try:
-            kwargs[name] = convert(value, hints[name], key)
-        except ConfigError as err:  # a field that names its accepted forms says them instead of the type
-            if meta.get("expected") is None:
-                raise
-            raise ConfigError(f"{key}: {value!r} is not {meta['expected']}") from err
-    return kwargs
+    return construct(cls, data, prefix)
 
 
 def construct(cls: type, kwargs: Mapping, prefix: str) -> Any:
@@ -157,16 +141,22 @@ def construct(cls: type, kwargs: Mapping, prefix: str) -> Any:
 
 
 class Options:
-    """Base of an options dataclass: on construction every field is checked against its range, then ``check``
-    (override it for checks across fields) runs. A ConfigError it raises names the field (``"epsilon: ..."``);
-    ``build`` prefixes where the section is."""
+    """Base of an options dataclass: on construction every field is converted to its type (YAML mappings to
+    nested options) and checked against its range, then ``check`` (override it for checks across fields) runs.
+    A ConfigError it raises names the field (``"epsilon: ..."``); ``build`` prefixes where the section is."""
 
     def __post_init__(self) -> None:
         hints = _hints(type(self))
         for f in dataclasses.fields(self):
-            value = convert(getattr(self, f.name), hints[f.name], f.name)
-            check_range(value, f.metadata, f.name)
-            object.__setattr__(self, f.name, value)  # an int given for a float field becomes the float
+            value = getattr(self, f.name)
+            try:
+                converted = convert(value, hints[f.name], f.name)
+            except ConfigError as err:  # a field that names its accepted forms says them instead of the type
+                if f.metadata.get("expected") is None:
+                    raise
+                raise ConfigError(f"{f.name}: {value!r} is not {f.metadata['expected']}") from err
+            check_range(converted, f.metadata, f.name)
+            object.__setattr__(self, f.name, converted)  # an int given for a float field becomes the float
         self.check()
 
     def check(self) -> None:
@@ -180,7 +170,7 @@ def _hints(cls: type) -> dict:
 
 def describe(cls: type) -> list[tuple[str, str, Any, str]]:
     """(key, type, default, meaning) for every field of an options class: for docs and --help."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     rows = []
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
