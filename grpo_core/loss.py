@@ -26,6 +26,7 @@ a step's micro-batches is the step's loss. See docs/algorithm.md for the formula
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,18 +34,20 @@ import torch
 
 from grpo_core.common.options import ConfigError, Options, option
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+LOSS_TYPES = typing.get_args(LossType)
+SamplerCorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+SAMPLER_CORRECTION_MODES = typing.get_args(SamplerCorrectionMode)
 _CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the PPO-clip surrogate; the others have their own term
 # Normalised by num_items, the token count of the step's whole batch: never divided again for accumulation.
 TOKEN_SUM_LOSS_TYPES = ("dapo", "cispo", "vespo")
-SAMPLER_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @dataclass
 class LossOptions(Options):
     """params.yaml `train:` keys of the policy term, its clipping and aggregation, and the KL term."""
 
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = option(
+    loss_type: LossType = option(
         "dapo", "the policy term and its aggregation, TRL's names (formulas in docs/algorithm.md)")
     beta: float = option(0.0, "KL coefficient against the reference model (0 = no reference model)", ge=0)
     epsilon: float = option(0.2, "lower clip range: ratio >= 1 - epsilon", gt=0, lt=1)
@@ -94,14 +97,13 @@ class EntropyOptions(Options):
 
 @dataclass
 class SamplerCorrectionOptions(Options):
-    """params.yaml `train:` keys of the trainer-vs-engine importance weight of vLLM samples (``sampler_correction``)."""
+    """params.yaml `train:` keys of the trainer-vs-engine weight of vLLM samples (``sampler_correction``)."""
 
     vllm_importance_sampling_correction: bool = option(
         True, "generation.backend vllm: weight each token's loss by pi_old / pi_sampler, the trainer's to the "
         "engine's log-probs, which differ by kernels and precision (TRL's name and default)")
-    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
-        option("sequence_mask", "that ratio per token or per sequence; truncate = clamp to the clip range, mask = 0 "
-               "outside"))
+    vllm_importance_sampling_mode: SamplerCorrectionMode = option(
+        "sequence_mask", "that ratio per token or per sequence; truncate = clamp to the clip range, mask = 0 outside")
     vllm_importance_sampling_clip_min: float | None = option(
         None, "lower end of the ratio's range (None = 0 / unbounded)", ge=0)
     vllm_importance_sampling_clip_max: float | None = option(
@@ -594,6 +596,4 @@ def _is_real(value) -> bool:
 
 
 def _describe(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"shape {tuple(value.shape)}"
-    return f"{type(value).__name__}"
+    return f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
