@@ -97,7 +97,7 @@ def memory_on_paper(cfg, model_dir: str) -> dict:
 
 def run(spec: dict) -> dict:
     from grpo_core.config import load_config
-    from grpo_core.train.loop import train
+    from grpo_core.train.loop import TrainHooks, train
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
@@ -110,8 +110,8 @@ def run(spec: dict) -> dict:
     marks = StepMarks(meter, profiler, steps if profiler is not None else None)
     started = time.perf_counter()
     with observing_trainer_phases(meter):
-        train(cfg, reward_weights=[1.0], tracker=marks, root=workdir, progress=False, log_path="train_log.csv",
-              export=False)
+        train(cfg, reward_weights=[1.0], root=workdir, progress=False, log_path="train_log.csv", export=False,
+              hooks=TrainHooks(tracker=marks))
     wall = time.perf_counter() - started
     for gauge in meter.gauges:
         getattr(gauge, "close", lambda: None)()

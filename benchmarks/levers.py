@@ -1,8 +1,8 @@
 """Switches for measuring one optimisation at a time on our side (``--variant NAME:lever=value,...``).
 
 Each lever is a public setting: a ``train.*`` key (``train_overrides``) or the rollout backend handed to
-``train(backend_factory=...)`` (``backend_factory``), so the benchmark runs the code users run. Levers
-(default = what the trainer does):
+``train(hooks=TrainHooks(backend_factory=...))`` (``backend_factory``), so the benchmark runs the code users
+run. Levers (default = what the trainer does):
 
   generation     auto/hf/manual/vllm  rollout backend (``generation.backend``): HF ``generate``, the
                                   hand-written decode loop of grpo_core/rollout/manual.py (auto = manual on CPU), or a

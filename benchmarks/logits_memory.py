@@ -131,7 +131,7 @@ def run_passes(spec: dict) -> dict:
     from accelerate import Accelerator
     from transformers import Qwen2ForCausalLM
 
-    from grpo_core.model.logprobs import token_logprobs_and_entropy
+    from grpo_core.model.logprobs import ScoringPath, token_logprobs_and_entropy
 
     torch.manual_seed(0)
     policy = Qwen2ForCausalLM(tiny_config(spec)).train()  # float32 master weights
@@ -141,7 +141,8 @@ def run_passes(spec: dict) -> dict:
     ids = torch.randint(0, spec["vocab"], (spec["rows"], n))
     mask = torch.ones_like(ids)
     positions = torch.arange(n).expand_as(ids)
-    kwargs = {"logits_to_keep": spec["tokens"], "position_ids": positions, "fused_head": spec["fused"]}
+    kwargs = {"logits_to_keep": spec["tokens"], "position_ids": positions,
+              "path": ScoringPath(fused_head=spec["fused"])}
     before = rss_gib()
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -212,7 +213,8 @@ def run_train(spec: dict) -> dict:
 
     before = rss_gib()
     t0 = time.perf_counter()
-    result = loop.train(cfg, root=work, progress=False, backend_factory=FullLengthBackend, export=False)
+    result = loop.train(cfg, root=work, progress=False, export=False,
+                        hooks=loop.TrainHooks(backend_factory=FullLengthBackend))
     m = result.last_metrics
     return {"rss_before_train_gib": round(before, 3), "train_s": round(time.perf_counter() - t0, 1),
             "step_time_s": m.get("step_time"), "generation_time_s": m.get("generation_time"),

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_core.model.logprobs import token_logprobs_and_entropy
+    from grpo_core.model.logprobs import ScoringPath, token_logprobs_and_entropy
     from grpo_core.train.batching import trim_padding
 
     torch.set_num_threads(1)
@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         }
 
     def logps(ids, att, K, pos, grad, padding_free):
-        return token_logprobs_and_entropy(model, ids, att, K, position_ids=pos, forward="manual",
-                                          compute_entropy=grad, padding_free=padding_free)[0]
+        return token_logprobs_and_entropy(model, ids, att, K, position_ids=pos, compute_entropy=grad,
+                                          path=ScoringPath(forward="manual", padding_free=padding_free))[0]
 
     times = {flag: {"no-grad": [], "fwd+bwd": []} for flag in (True, False)}
     rows_through = {}

@@ -95,14 +95,14 @@ def time_backend(backend_name: str, folder: Path, prompts: list[list[int]], gene
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_core.rollout import SamplingParams
+    from grpo_core.rollout import EngineSettings, SamplingParams
 
     torch.set_num_threads(threads)
     cuda = device.startswith("cuda")
     policy = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     longest = max(len(p) for p in prompts) + tokens
-    options = dict(seed=0, max_model_length=longest) if backend_name == "vllm" else {}
+    options = dict(settings=EngineSettings(seed=0, max_model_length=longest)) if backend_name == "vllm" else {}
     started = time.perf_counter()
     backend = make_backend(backend_name, policy, tokenizer, **options)
     start_s = time.perf_counter() - started

@@ -82,7 +82,7 @@ class _TimedBackend:
 def run_ours(cfg: BenchConfig, assets: dict, workdir: Path, variant: dict) -> dict:
     from benchmarks import levers
     from grpo_core.config import config_from_dict
-    from grpo_core.train.loop import train
+    from grpo_core.train.loop import TrainHooks, train
 
     raw = {
         "data": {"train_files": [assets["data"]], "eval_files": [assets["data"]],
@@ -119,8 +119,9 @@ def run_ours(cfg: BenchConfig, assets: dict, workdir: Path, variant: dict) -> di
     asynchronous = pcfg.train.rollouts.async_rollouts
     t0 = time.perf_counter()
     collector.cpu_mark = time.process_time()
-    train(pcfg, reward_weights=[1.0], tracker=collector, root=workdir, progress=False,
-          log_path="train_log.csv", backend_factory=None if asynchronous else timed_backend, export=False)
+    hooks = TrainHooks(tracker=collector, backend_factory=None if asynchronous else timed_backend)
+    train(pcfg, reward_weights=[1.0], root=workdir, progress=False, log_path="train_log.csv", export=False,
+          hooks=hooks)
     wall = time.perf_counter() - t0
     gen_cpu = backends[0].cpu_times if backends else []
     steps = [{

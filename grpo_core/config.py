@@ -36,7 +36,7 @@ from grpo_core.data.loading import DATA_FILES_FORMS, DataConfig
 from grpo_core.data.validation import ValidateConfig
 from grpo_core.embedded.config import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, EmbeddedConfig
 from grpo_core.evaluation import EvalOptions, eval_metric_names
-from grpo_core.loss import EntropyOptions, LossOptions, SamplerCorrectionOptions
+from grpo_core.loss import LossOptions, SamplerCorrectionOptions
 from grpo_core.model.loading import ModelConfig
 from grpo_core.rewards.base import RewardSpec
 from grpo_core.rewards.scoring import RewardCallOptions
@@ -45,6 +45,7 @@ from grpo_core.tools import ToolUseOptions
 from grpo_core.train.batching import BatchOptions, BatchPlan
 from grpo_core.train.checkpoint import CheckpointOptions
 from grpo_core.train.completions import CompletionLogOptions
+from grpo_core.train.entropy import EntropyOptions
 from grpo_core.train.forward import ForwardOptions
 from grpo_core.train.guards import GuardsConfig
 from grpo_core.train.optim import OptimizerOptions
@@ -85,13 +86,7 @@ class TrainConfig(Options):
     tool_use: ToolUseOptions = _group(ToolUseOptions)
 
     def check(self) -> None:
-        """What params.yaml refuses beyond the loss's own ranges: settings that run but cannot be meant."""
-        loss = self.loss
-        if loss.loss_type == "cispo" and (loss.epsilon_high is None or loss.epsilon_high <= 1):
-            raise ConfigError(f"epsilon_high: cispo caps the importance weight at epsilon_high itself (ScaleRL's "
-                              f"eps_max, e.g. 5.0), so it must be set above 1; got {loss.epsilon_high}")
-        if loss.epsilon_high is not None and loss.epsilon_high < loss.epsilon:
-            raise ConfigError(f"epsilon_high: {loss.epsilon_high} is below epsilon ({loss.epsilon})")
+        self.loss.check_meant()
 
     @property
     def batch_plan(self) -> BatchPlan:

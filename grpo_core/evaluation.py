@@ -25,7 +25,7 @@ from grpo_core.common.options import ConfigError, Options, option
 from grpo_core.data.loading import PromptEncoder
 from grpo_core.rewards.judges import Judges
 from grpo_core.rollout import SamplingParams
-from grpo_core.rollout.sampling import sample_and_score
+from grpo_core.rollout.sampling import SamplePlan, sample_and_score
 from grpo_core.tools import Toolbox
 
 GREEDY = "greedy"
@@ -80,14 +80,21 @@ class EvalOptions(Options):
         return name if name.startswith("eval/") else f"eval/{name}"
 
 
+def summary_metric_names(reward_names: Sequence[str], pass_k: Sequence[int], *, sampled: bool,
+                         tools: bool = False) -> list[str]:
+    """The keys ``summarize_evaluation`` can give: accuracy and the per-mode means (sampled: the ``sampled/``
+    ones and pass@k too); tools: with the tool metrics."""
+    per = [*(f"rewards/{n}/mean" for n in reward_names), "format_compliance", "mean_completion_length",
+           *(TOOL_EVAL_METRICS if tools else ())]
+    return ["accuracy", *per, *((*(f"pass@{k}" for k in pass_k), *(f"sampled/{m}" for m in per)) if sampled else ())]
+
+
 def eval_metric_names(e: EvalOptions, reward_names: Sequence[str], tools: bool = False) -> list[str]:
     """The step-log keys of one evaluation during training (``e`` resolved) a best model can be chosen by
     (``eval/runtime``, seconds, is logged besides); tools: with the tool metrics."""
     G = e.num_generations_eval
-    per = [*(f"rewards/{n}/mean" for n in reward_names), "format_compliance", "mean_completion_length",
-           *(TOOL_EVAL_METRICS if tools else ())]
-    sampled = [*(f"pass@{k}" for k in sorted({1, G})), *(f"sampled/{m}" for m in per)] if G > 0 else []
-    return [f"eval/{m}" for m in ("accuracy", *per, *sampled)]
+    names = summary_metric_names(reward_names, sorted({1, G}), sampled=G > 0, tools=tools)
+    return [f"eval/{m}" for m in names]
 REQUIRED_COLUMNS = ("prompt_index", "sample_index", "mode", "correct", "format_ok", "completion_length")
 
 
@@ -237,43 +244,55 @@ class EvalMode:
     name: Literal["greedy", "sampled"]
     num_generations: int
     sampling: SamplingParams
-    batch_size: int              # prompts per generate call
-    seed: int | None = None      # seeds torch before the first call (sampled modes)
+    batch_size: int                       # prompts per generate call
+    seed: int | None = None               # seeds torch before the first call (sampled modes)
+    tools: Toolbox | None = None          # sampled as conversations with them (train.tools, environment_factory)
+    rollout_func: Callable | None = None  # sampled by the user's rollout (train.rollout_func; greedy: greedy params)
 
 
 def eval_modes(*, max_new_tokens: int, num_generations: int, sampling: SamplingParams, sequences_per_call: int,
-               seed: int | None) -> list[EvalMode]:
+               seed: int | None, tools: Toolbox | None = None, rollout_func: Callable | None = None) -> list[EvalMode]:
     """Greedy decoding, then (``num_generations`` > 0) ``num_generations`` samples per prompt drawn with
-    ``sampling``; each generate call holds about ``sequences_per_call`` sequences."""
-    modes = [EvalMode(GREEDY, 1, SamplingParams(max_new_tokens=max_new_tokens, do_sample=False), sequences_per_call)]
+    ``sampling``; each generate call holds about ``sequences_per_call`` sequences. tools, rollout_func: as
+    training samples (train.tools / environment_factory, train.rollout_func)."""
+    greedy = SamplingParams(max_new_tokens=max_new_tokens, do_sample=False)
+    modes = [EvalMode(GREEDY, 1, greedy, sequences_per_call, None, tools, rollout_func)]
     if num_generations > 0:
         sampling = dataclasses.replace(sampling, max_new_tokens=max_new_tokens, do_sample=True)
-        modes.append(EvalMode(SAMPLED, num_generations, sampling, max(1, sequences_per_call // num_generations), seed))
+        per_call = max(1, sequences_per_call // num_generations)
+        modes.append(EvalMode(SAMPLED, num_generations, sampling, per_call, seed, tools, rollout_func))
     return modes
+
+
+@dataclass(frozen=True)
+class Grading:
+    """What scores a held-out completion: the run's reward functions, by name, and the answer/format judges."""
+
+    reward_fns: Sequence
+    reward_names: Sequence[str]
+    judges: Judges
+    on_error: Literal["raise", "none"] = "raise"  # a reward function that raises: fail, or score None
+    reward_timeout_s: float | None = None        # per reward call (train.reward_timeout_s)
 
 
 def prompt_text(prompt: Any) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt, default=str)
 
 
-def score_policy(tokenizer, rows: Sequence[dict], indices: Sequence[int], encoder: PromptEncoder, reward_fns: Sequence,
-                 reward_names: Sequence[str], judges: Judges, modes: Sequence[EvalMode], *, backend,
-                 on_error: Literal["raise", "none"] = "raise", reward_timeout_s: float | None = None,
-                 policy: str = "policy", tools: Toolbox | None = None,
-                 rollout_func: Callable | None = None) -> list[dict]:
+def score_policy(tokenizer, rows: Sequence[dict], indices: Sequence[int], encoder: PromptEncoder, grading: Grading,
+                 modes: Sequence[EvalMode], *, backend, policy: str = "policy") -> list[dict]:
     """Every mode's completions of ``rows`` (dataset positions ``indices``) as records, rewards under
-    ``reward/<name>``; ``correct`` and ``format_ok`` as the judges say. tools: sampled as conversations with
-    them (train.tools / environment_factory, as training samples); the records then carry each completion's
-    ``tool_calls``, ``tool_failures`` and ``turns``. rollout_func: sampled by the user's rollout function
-    (train.rollout_func; greedy modes hand it greedy sampling)."""
+    ``reward/<name>``; ``correct`` and ``format_ok`` as the judges say. Sampled with tools, the records also carry
+    each completion's ``tool_calls``, ``tool_failures`` and ``turns``."""
+    reward_names, judges = grading.reward_names, grading.judges
     K = len(reward_names)
-    fns = [*reward_fns, judges.correct_fn, judges.format_fn]
+    fns = [*grading.reward_fns, judges.correct_fn, judges.format_fn]
     records: list[dict] = []
     for mode in modes:
-        res = sample_and_score(None, tokenizer, rows, encoder, fns, num_generations=mode.num_generations,
-                               sampling=mode.sampling, batch_size=mode.batch_size, on_error=on_error, seed=mode.seed,
-                               reward_timeout_s=reward_timeout_s, backend=backend, row_ids=list(indices),
-                               tools=tools, rollout_func=rollout_func)
+        plan = SamplePlan(mode.num_generations, mode.sampling, mode.batch_size, seed=mode.seed,
+                          on_error=grading.on_error, reward_timeout_s=grading.reward_timeout_s, tools=mode.tools,
+                          rollout_func=mode.rollout_func)
+        res = sample_and_score(None, tokenizer, rows, encoder, fns, plan, backend=backend, row_ids=list(indices))
         for r, text in enumerate(res.texts):
             p = res.prompt_of(r)
             rec = {"policy": policy, "prompt_index": indices[p], "sample_index": r % mode.num_generations,
@@ -282,7 +301,7 @@ def score_policy(tokenizer, rows: Sequence[dict], indices: Sequence[int], encode
                    "truncated": bool(res.truncated[r]), "correct": judges.is_correct(float(res.rewards[r, K])),
                    "format_ok": judges.is_well_formed(float(res.rewards[r, K + 1]))}
             rec.update({f"reward/{n}": float(res.rewards[r, k]) for k, n in enumerate(reward_names)})
-            if tools is not None:
+            if mode.tools is not None:
                 rec.update({"tool_calls": int(res.tool_calls[r]), "tool_failures": int(res.tool_failures[r]),
                             "turns": int(res.turns[r])})
             records.append(rec)

@@ -66,33 +66,13 @@ class LossOptions(Options):
         None, "OPSM (DeepSeek-V3.2): drop negative-advantage sequences whose mean KL(sampler || policy) exceeds "
         "this (None = off)", ge=0)
 
-
-@dataclass
-class EntropyOptions(Options):
-    """params.yaml `train:` keys of the entropy bonus, its adaptive control and the high-entropy token mask."""
-
-    top_entropy_quantile: float = option(
-        1.0, "train the policy term on this top share of tokens by entropy, over the step's micro-batch on every "
-        "process (1 = all; 0.2 = the 20% most uncertain)", gt=0, le=1)
-    entropy_coef: float = option(0.0, "entropy bonus: loss -= entropy_coef * mean entropy of the trained tokens "
-                                 "(use_adaptive_entropy: the starting value)", ge=0)
-    use_adaptive_entropy: bool = option(False, "move entropy_coef by entropy_coef_delta each step: up while the "
-                                        "entropy is at or below entropy_target, down above it; applied only at or "
-                                        "below it")
-    entropy_target: float = option(0.2, "use_adaptive_entropy: the entropy (nats per token) to hold", ge=0)
-    entropy_coef_min: float = option(0.0, "use_adaptive_entropy: lowest entropy_coef", ge=0)
-    entropy_coef_max: float = option(1.0, "use_adaptive_entropy: highest entropy_coef", ge=0)
-    entropy_coef_delta: float = option(0.005, "use_adaptive_entropy: change of entropy_coef per step", ge=0)
-
-    def check(self) -> None:
-        if self.entropy_coef_min > self.entropy_coef_max:
-            raise ConfigError(f"entropy_coef_min: {self.entropy_coef_min} is above entropy_coef_max "
-                              f"({self.entropy_coef_max})")
-
-    @property
-    def logged(self) -> bool:
-        """Whether the coefficient is a metric of the step log (a bonus is on, or may come on)."""
-        return self.entropy_coef != 0.0 or self.use_adaptive_entropy
+    def check_meant(self) -> None:
+        """What a run refuses beyond the ranges: settings that run but cannot be meant (``grpo_loss`` takes them)."""
+        if self.loss_type == "cispo" and (self.epsilon_high is None or self.epsilon_high <= 1):
+            raise ConfigError(f"epsilon_high: cispo caps the importance weight at epsilon_high itself (ScaleRL's "
+                              f"eps_max, e.g. 5.0), so it must be set above 1; got {self.epsilon_high}")
+        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
+            raise ConfigError(f"epsilon_high: {self.epsilon_high} is below epsilon ({self.epsilon})")
 
 
 @dataclass
@@ -108,6 +88,16 @@ class SamplerCorrectionOptions(Options):
         None, "lower end of the ratio's range (None = 0 / unbounded)", ge=0)
     vllm_importance_sampling_clip_max: float | None = option(
         3.0, "upper end of the ratio's range (None = unbounded)", gt=0)
+
+
+@dataclass(frozen=True)
+class _OptionalInputs:
+    """A call's optional per-token tensors (B, T), each None when the run does not use it."""
+
+    sampling_logps: torch.Tensor | None  # the sampling engine's log-probs: OPSM's reference (None: old_logps)
+    entropy_mask: torch.Tensor | None    # bool, the tokens the policy term trains on (top_entropy_quantile)
+    sampler_ratio: torch.Tensor | None   # pi_old / pi_sampler, also (B, 1): multiplies the policy term
+    entropies: torch.Tensor | None       # with gradient: the entropy bonus's H
 
 
 class GRPOLoss:
@@ -156,9 +146,8 @@ class GRPOLoss:
         """Loss of one micro-batch, its share of the step's loss, and its statistics; the arguments and the result
         are ``grpo_loss``'s. entropies: (B, T) per-token entropies with gradient, for the bonus
         ``entropy_coef * H`` (H their mean over the trained tokens: ``entropy_mask``, else ``mask``)."""
-        self._check_inputs(logps, old_logps, ref_logps, advantages, mask, num_items=num_items,
-                           sampling_logps=sampling_logps, entropy_mask=entropy_mask, sampler_ratio=sampler_ratio,
-                           entropies=entropies, entropy_coef=entropy_coef)
+        extra = _OptionalInputs(sampling_logps, entropy_mask, sampler_ratio, entropies)
+        self._check_inputs(logps, old_logps, ref_logps, advantages, mask, extra, num_items, entropy_coef)
         present = mask > 0                                                     # (B, T) bool, the real tokens
         mask = mask.to(logps.dtype)                                            # (B, T)
         logps, old_logps, ref_logps = _neutralise_padding(present, logps, old_logps, ref_logps)  # (B, T) each
@@ -166,9 +155,7 @@ class GRPOLoss:
         logratio = logps - old_logps                                           # (B, T)
         ratio = ratio_from_logratio(logratio, mask, self.options.importance_sampling_level)  # (B, T) | (B, 1)
         per_token_loss, stats = self.policy_term(ratio, logratio, logps, advantages, mask, sampler_ratio)
-        per_token_loss = self.weighted(per_token_loss, advantages, logps, old_logps, present, mask,
-                                       sampling_logps=sampling_logps, entropy_mask=entropy_mask,
-                                       sampler_ratio=sampler_ratio)            # (B, T) | (B, 1)
+        per_token_loss = self.weighted(per_token_loss, advantages, logps, old_logps, present, mask, extra)
         per_token_kl = None
         if self.options.beta != 0.0:
             per_token_kl = self.kl_term(logps, ref_logps, ratio, kl_ratio_correction)  # (B, T)
@@ -203,19 +190,19 @@ class GRPOLoss:
         return -phi * advantages * logps, {"vespo/phi_seq_mean": masked_mean(phi, mask)}
 
     def weighted(self, per_token_loss: torch.Tensor, advantages: torch.Tensor, logps: torch.Tensor,
-                 old_logps: torch.Tensor, present: torch.Tensor, mask: torch.Tensor, *,
-                 sampling_logps: torch.Tensor | None, entropy_mask: torch.Tensor | None,
-                 sampler_ratio: torch.Tensor | None) -> torch.Tensor:
+                 old_logps: torch.Tensor, present: torch.Tensor, mask: torch.Tensor,
+                 extra: _OptionalInputs) -> torch.Tensor:
         """The policy loss times OPSM's keep mask (B, 1), the entropy mask (B, T) and the sampler ratio (B, T) |
         (B, 1) - each only when set; vespo has already folded the sampler ratio into its weight."""
         if self.options.off_policy_mask_threshold is not None:
+            sampling_logps = extra.sampling_logps
             sampled = old_logps if sampling_logps is None else torch.where(present, sampling_logps, logps.detach())
             keep = off_policy_mask(advantages, logps, sampled, mask, self.options.off_policy_mask_threshold)
             per_token_loss = per_token_loss * keep
-        if entropy_mask is not None:
-            per_token_loss = per_token_loss * entropy_mask.to(per_token_loss.dtype)
-        if sampler_ratio is not None and self.options.loss_type != "vespo":
-            per_token_loss = per_token_loss * sampler_ratio.to(per_token_loss.dtype)
+        if extra.entropy_mask is not None:
+            per_token_loss = per_token_loss * extra.entropy_mask.to(per_token_loss.dtype)
+        if extra.sampler_ratio is not None and self.options.loss_type != "vespo":
+            per_token_loss = per_token_loss * extra.sampler_ratio.to(per_token_loss.dtype)
         return per_token_loss
 
     @staticmethod
@@ -238,23 +225,24 @@ class GRPOLoss:
             stats["kl"] = masked_mean(per_token_kl.detach(), mask)
         return stats
 
-    def _check_inputs(self, logps, old_logps, ref_logps, advantages, mask, *, num_items, sampling_logps,
-                      entropy_mask, sampler_ratio, entropies, entropy_coef) -> None:
+    def _check_inputs(self, logps, old_logps, ref_logps, advantages, mask, extra: _OptionalInputs, num_items,
+                      entropy_coef) -> None:
         """Raise ValueError naming the first tensor (or per-call count) out of contract."""
         _check_tensors(logps, old_logps, ref_logps, advantages, mask)
-        for name, extra in (("sampling_logps", sampling_logps), ("entropy_mask", entropy_mask)):
-            if extra is not None and tuple(extra.shape) != tuple(logps.shape):
-                raise ValueError(f"{name} must have the shape of logps {tuple(logps.shape)}, got {_describe(extra)}")
-        if sampler_ratio is not None and tuple(sampler_ratio.shape) not in (tuple(logps.shape), (logps.shape[0], 1)):
-            raise ValueError(
-                f"sampler_ratio must be (B, T) {tuple(logps.shape)} or (B, 1), got {_describe(sampler_ratio)}")
+        shape, sampler_ratio, entropies = tuple(logps.shape), extra.sampler_ratio, extra.entropies
+        for name, tensor in (("sampling_logps", extra.sampling_logps), ("entropy_mask", extra.entropy_mask)):
+            if tensor is not None and tuple(tensor.shape) != shape:
+                raise ValueError(f"{name} must have the shape of logps {shape}, got {_describe(tensor)}")
+        if sampler_ratio is not None and tuple(sampler_ratio.shape) not in (shape, (logps.shape[0], 1)):
+            raise ValueError(f"sampler_ratio must be (B, T) {shape} or (B, 1), "
+                             f"got {_describe(sampler_ratio)}")
         if (sampler_ratio is not None and self.options.loss_type == "vespo" and sampler_ratio.shape[1] == 1
                 and logps.shape[1] != 1):
             raise ValueError("sampler_ratio: vespo takes a token-level correction (token_truncate or token_mask)")
         _check_normalisers(self.options.loss_type, self.max_completion_length, num_items,
                            completion_length=logps.shape[1])
-        if entropy_coef != 0.0 and (entropies is None or tuple(entropies.shape) != tuple(logps.shape)):
-            raise ValueError(f"entropies must have the shape of logps {tuple(logps.shape)} when entropy_coef != 0, "
+        if entropy_coef != 0.0 and (entropies is None or tuple(entropies.shape) != shape):
+            raise ValueError(f"entropies must have the shape of logps {shape} when entropy_coef != 0, "
                              f"got {_describe(entropies)}")
         if self.options.beta != 0.0 and ref_logps is None:
             raise ValueError(f"ref_logps is required when beta != 0 (beta={self.options.beta})")
@@ -415,43 +403,11 @@ def off_policy_mask(advantages: torch.Tensor, logps: torch.Tensor, sampling_logp
     return ((advantages >= 0) | (mean_kl <= threshold)).to(mask.dtype)
 
 
-@torch.no_grad()
-def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, top_quantile: float,
-                      all_entropies: torch.Tensor | None = None) -> torch.Tensor:
-    """TRL's ``top_entropy_quantile`` (Wang et al. 2025, "the 80/20 rule"): (B, T) bool, True for the real tokens
-    whose entropy is at least the (1 - top_quantile) quantile of the real tokens' entropies - those of every
-    process when ``all_entropies`` (1-D, gathered) is given, else this micro-batch's. top_quantile 0.2 trains on
-    the 20 % most uncertain tokens (the forks in the reasoning)."""
-    real = mask.bool()
-    values = entropies[real].float() if all_entropies is None else all_entropies.float()
-    if values.numel() == 0:
-        return torch.zeros_like(real)
-    threshold = torch.quantile(values, 1 - top_quantile)
-    return ((entropies * mask.to(entropies.dtype)) >= threshold) & real
-
-
 def entropy_mean(entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The entropy bonus's H: mean entropy over the tokens in ``mask`` (0 when none), with gradient. The loss
     subtracts coef * H whatever the loss type's normaliser, so ``entropy_coef`` means the same for all (TRL)."""
     mask = mask.to(entropies.dtype)
     return (entropies * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-def next_entropy_coef(coef: float, entropy: float, *, target: float, delta: float, low: float,
-                      high: float) -> float:
-    """Adaptive entropy control (TRL's ``use_adaptive_entropy``), once per optimizer step: the coefficient grows
-    by ``delta`` while the step's entropy is at or below ``target``, shrinks by it otherwise, within [low, high].
-    It applies from the next step on, and only while the entropy stays at or below the target
-    (``applied_entropy_coef``)."""
-    return min(coef + delta, high) if entropy <= target else max(coef - delta, low)
-
-
-def applied_entropy_coef(coef: float, last_entropy: float, *, adaptive: bool, target: float) -> float:
-    """The coefficient a step's micro-batches use: the static one, or the adaptive one gated on the entropy of
-    the previous step (none before the first: +inf)."""
-    if not adaptive:
-        return coef
-    return coef if last_entropy <= target else 0.0
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
@@ -484,14 +440,13 @@ def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str,
         length = mask.shape[1] if max_completion_length is None else max_completion_length
         return masked.sum() / (mask.shape[0] * length)
     # dapo, cispo, vespo
-    normaliser = (
-        mask.sum() if num_items is None else torch.as_tensor(num_items, dtype=mask.dtype, device=mask.device)
-    )
+    normaliser = mask.sum() if num_items is None else torch.as_tensor(num_items, dtype=mask.dtype,
+                                                                      device=mask.device)
     return masked.sum() / normaliser.clamp(min=1.0)
 
 
-def clip_stats(
-               ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, epsilon_low: float, epsilon_high: float) -> dict[str, torch.Tensor]:
+def clip_stats(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, epsilon_low: float,
+               epsilon_high: float) -> dict[str, torch.Tensor]:
     """TRL's clip metrics. ratio (B, T) or (B, 1) after the delta cap; advantages (B, 1); mask (B, T).
 
     low:    r < 1 - eps_low  and A < 0   (the clipped branch is active and its gradient is 0)
@@ -554,11 +509,8 @@ def _check_tensors(logps, old_logps, ref_logps, advantages, mask) -> None:
     if not logps.is_floating_point():
         raise ValueError(f"logps must be floating point, got dtype {logps.dtype}")
     shape = tuple(logps.shape)
-    for name, tensor, optional in (
-        ("old_logps", old_logps, True),
-        ("ref_logps", ref_logps, True),
-        ("mask", mask, False),
-    ):
+    for name, tensor, optional in (("old_logps", old_logps, True), ("ref_logps", ref_logps, True),
+                                   ("mask", mask, False)):
         if tensor is None and optional:
             continue
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape:
@@ -571,18 +523,13 @@ def _check_normalisers(loss_type, max_completion_length, num_items, completion_l
     """dr_grpo needs a length >= T; dapo's num_items must be a scalar count."""
     if loss_type == "dr_grpo":
         if completion_length == 0 and max_completion_length is None:
-            raise ValueError(
-                "max_completion_length is required for dr_grpo when logps has no token column (T=0)"
-            )
-        if max_completion_length is not None and (
-            isinstance(max_completion_length, bool)
-            or not isinstance(max_completion_length, int)
-            or max_completion_length < max(completion_length, 1)
-        ):
-            raise ValueError(
-                f"max_completion_length must be an int >= T={completion_length} (the padded completion length), "
-                f"got {max_completion_length!r}"
-            )
+            raise ValueError("max_completion_length is required for dr_grpo when logps has no token column "
+                             "(T=0)")
+        length = max_completion_length
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int)
+                                   or length < max(completion_length, 1)):
+            raise ValueError(f"max_completion_length must be an int >= T={completion_length} (the padded "
+                             f"completion length), got {length!r}")
     if isinstance(num_items, torch.Tensor):
         # A tensor's value is not read here: that would force a device sync on every micro-batch.
         if num_items.numel() != 1:

@@ -102,7 +102,8 @@ def main(out_dir: str, model_dir: str, data_file: str, spec_json: str) -> None:
         return train_with_engine(cfg, Path(out_dir))
     # "sampled": the real sampling backend (the train config's: the hand-written decode on CPU), which draws from
     # each process's RNG; else completions that are a fixed function of the prompt
-    loop.train(cfg, root=out_dir, progress=False, backend_factory=None if spec.get("sampled") else DeterministicBackend)
+    backend_factory = None if spec.get("sampled") else DeterministicBackend
+    loop.train(cfg, root=out_dir, progress=False, hooks=loop.TrainHooks(backend_factory=backend_factory))
 
 
 # Scored by each process's engine after training: (prompt ids, completion ids) it did not sample.
@@ -116,18 +117,20 @@ def train_with_engine(cfg, out: Path) -> None:
 
     from vllm import SamplingParams as VLLMSamplingParams
 
-    from grpo_core.rollout.vllm import VLLMBackend
+    from grpo_core.rollout import Placement
+    from grpo_core.rollout.vllm import EngineSettings, VLLMBackend
 
     cfg = dataclasses.replace(cfg, generation=dataclasses.replace(cfg.generation, backend="vllm"))
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     built = []
 
     def engine_backend(model, tokenizer):
-        built.append(VLLMBackend(model, tokenizer, seed=0, rank=rank, local_rank=rank, world_size=world,
-                                 max_model_length=64, return_logprobs=True, dtype=torch.float32))
+        settings = EngineSettings(seed=0, max_model_length=64, dtype=torch.float32)
+        built.append(VLLMBackend(model, tokenizer, settings, place=Placement(rank, rank, world),
+                                 return_logprobs=True))
         return built[-1]
 
-    loop.train(cfg, root=out, progress=False, backend_factory=engine_backend)
+    loop.train(cfg, root=out, progress=False, hooks=loop.TrainHooks(backend_factory=engine_backend))
     params = VLLMSamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
     results = built[0].llm.generate([{"prompt_token_ids": p + c} for p, c in FIXED], sampling_params=params,
                                     use_tqdm=False)

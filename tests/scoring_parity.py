@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_core.model.logprobs import token_logprobs_and_entropy
+from grpo_core.model.logprobs import ScoringPath, token_logprobs_and_entropy
 
 VOCAB, B, L, K, CHUNK, TEMPERATURE = 301, 3, 12, 5, 4, 0.7
 
@@ -76,15 +76,16 @@ def score(model, batch, fused: bool, scored=None):
             if hasattr(m, "reshard"):  # reshard_after_forward False) zero_grad would clear the gathered copies' grads
                 m.reshard()
         model.zero_grad(set_to_none=True)
-        logps, entropy = token_logprobs_and_entropy(scored or model, ids, mask, K, TEMPERATURE, chunk_size=CHUNK,
-                                                    position_ids=positions, forward="hf", fused_head=fused)
+        path = ScoringPath(chunk_size=CHUNK, forward="hf", fused_head=fused)
+        logps, entropy = token_logprobs_and_entropy(scored or model, ids, mask, K, TEMPERATURE,
+                                                    position_ids=positions, path=path)
         if logps.requires_grad:  # not the LoRA reference: its base is frozen, its adapters off
             ((logps * weights).sum() + (0.1 * entropy).sum()).backward()
         grads = grads_of(model)
         with torch.no_grad():
-            frozen, none = token_logprobs_and_entropy(scored or model, ids, mask, K, TEMPERATURE, chunk_size=CHUNK,
-                                                      position_ids=positions, forward="hf", fused_head=fused,
-                                                      compute_entropy=False)
+            frozen, none = token_logprobs_and_entropy(scored or model, ids, mask, K, TEMPERATURE,
+                                                      compute_entropy=False, position_ids=positions,
+                                                      path=path)
         assert none is None
     finally:
         hook.remove()

@@ -19,7 +19,7 @@ from grpo_core.config import ConfigError
 from grpo_core.rewards import RewardFunctionError
 from grpo_core.train.checkpoint import load_checkpoint
 from grpo_core.train.forward import LogprobOptions, frozen_logprobs
-from grpo_core.train.loop import train
+from grpo_core.train.loop import TrainHooks, train
 from grpo_core.train.round import Round
 from grpo_core.train.sampler_worker import SamplerWorker, SamplerWorkerLost
 from tests.tiny import make_prompts, make_tiny_model, nan_loss_at, read_log, tiny_config
@@ -104,7 +104,7 @@ def test_a_rollback_trains_on_the_round_its_checkpoint_saved(assets, tmp_path, m
     cfg = tiny_config(model_dir, data, DIGITS, max_steps=5, save_steps=2, **ASYNC)
     cfg.guards.nonfinite.action = "rollback"
     tracker = StepRecorder()
-    res = train(cfg, root=tmp_path, progress=False, tracker=tracker)
+    res = train(cfg, root=tmp_path, progress=False, hooks=TrainHooks(tracker=tracker))
     assert [s for s, _ in tracker.rows] == [1, 2, 3, 3, 4, 5]
     (_, first), (_, again) = tracker.rows[2], tracker.rows[3]
     for key in ("reward", "rewards/digits/mean", "completions/mean_length", "async/staleness"):
@@ -153,7 +153,8 @@ def test_a_stopped_worker_fails_within_its_heartbeat_limit(assets, tmp_path, mon
     worker = SamplerWorker(silent_limit_s=3.0)
     start = time.monotonic()
     with pytest.raises(SamplerWorkerLost, match=r"has sent no heartbeat for \d+ s .*limit is 3 s\): it is stopped"):
-        train(tiny_config(model_dir, data, stopping, **ASYNC), root=tmp_path, progress=False, sampler_worker=worker)
+        train(tiny_config(model_dir, data, stopping, **ASYNC), root=tmp_path, progress=False,
+              hooks=TrainHooks(sampler_worker=worker))
     assert time.monotonic() - start < 60
     import multiprocessing
 

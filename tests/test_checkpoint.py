@@ -16,6 +16,7 @@ import torch
 from grpo_core.common.rng import restore_rngs, rng_state, set_rng_state
 from grpo_core.train.checkpoint import (
     MANIFEST_FILE,
+    CheckpointContents,
     CheckpointError,
     checkpoint_problem,
     latest_checkpoint,
@@ -47,14 +48,16 @@ class _Tok:
         (Path(path) / "tokenizer.json").write_text("{}")
 
 
-def _save(directory: Path, step: int, **kw) -> Path:
+def _save(directory: Path, step: int, keep_last: int | None = None, **contents) -> Path:
     model = _Tiny()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return save_checkpoint(directory, step, model=model, tokenizer=_Tok(), optimizer_state=opt.state_dict(), scheduler=sched,
-                           state={"params_hash": "abc", "sampler": {"epoch": 0, "position": 3}}, **kw)
+    state = {"params_hash": "abc", "sampler": {"epoch": 0, "position": 3}}
+    contents = CheckpointContents(model=model, tokenizer=_Tok(), optimizer_state=opt.state_dict(),
+                                  scheduler=sched, state=state, **contents)
+    return save_checkpoint(directory, step, contents, keep_last=keep_last)
 
 
 def test_rng_state_round_trips_every_generator():

@@ -109,7 +109,8 @@ def test_training_runs_forward_and_rollouts_on_one_bf16_copy_without_autocast(as
     monkeypatch.setattr(loop, "policy_logprobs", spy)
     cfg = tiny_config(*assets, DIGITS, max_steps=2, save_steps=2, learning_rate=1e-4, mixed_precision="bf16",
                       beta=0.04)
-    result = loop.train(cfg, root=tmp_path, progress=False, backend_factory=factory, export=False)
+    result = loop.train(cfg, root=tmp_path, progress=False, export=False,
+                        hooks=loop.TrainHooks(backend_factory=factory))
     assert seen and all(dtypes == {torch.bfloat16} and not autocast for dtypes, autocast, _ in seen)
     (backend,) = backends
     assert all(model is backend.model for _, _, model in seen)  # one bf16 copy trains and samples

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from grpo_core.loss import GRPOLoss
 from grpo_core.train.dynamic import fill_round, tied_groups
 from grpo_core.train.loop import train
-from grpo_core.train.round import Round
+from grpo_core.train.round import Round, Scoring
 from tests.tiny import make_prompts, make_tiny_model, read_log, tiny_config, train_options
 
 NAN = math.nan
@@ -49,9 +49,10 @@ def fake_rows(rewards_per_group: list[list[float]], tag: int) -> Round:
 def fill(samples: list[Round], pending=None, quota=3, max_rounds=4):
     queue = list(samples)
     t = train_options(num_generations=2, dynamic_sampling=True)
-    return fill_round(lambda: queue.pop(0), pending, quota=quota, weights=torch.tensor([1.0]), a=t.advantage,
+    scoring = Scoring(reward_fns=[], reward_names=["r"], weights=torch.tensor([1.0]))  # rows come scored
+    return fill_round(lambda: queue.pop(0), pending, quota=quota, scoring=scoring, a=t.advantage,
                       group_size=t.batch.num_generations, max_rounds=max_rounds,
-                      accelerator=FakeAccelerator(), reward_names=["r"]), queue
+                      accelerator=FakeAccelerator()), queue
 
 
 def groups(round_: Round) -> list[tuple[int, int]]:

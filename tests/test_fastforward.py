@@ -8,7 +8,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from grpo_core.model import fastforward
-from grpo_core.model.logprobs import token_logprobs_and_entropy
+from grpo_core.model.logprobs import ScoringPath, token_logprobs_and_entropy
 from grpo_core.train.forward import policy_logprobs
 from tests.test_decode import llama, qwen2
 from tests.tiny import as_round, logprob_options, random_qwen2
@@ -90,8 +90,8 @@ def test_last_completion_token_only():
     model = random_qwen2()
     ids = torch.tensor([[PAD, 5, 6, 7], [8, 9, 10, 11]])
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
-    hf, _ = token_logprobs_and_entropy(model, ids, mask, 1, forward="hf")
-    ours, _ = token_logprobs_and_entropy(model, ids, mask, 1, forward="manual")
+    hf, _ = token_logprobs_and_entropy(model, ids, mask, 1, path=ScoringPath(forward="hf"))
+    ours, _ = token_logprobs_and_entropy(model, ids, mask, 1, path=ScoringPath(forward="manual"))
     assert (hf - ours).abs().max() < 1e-5
 
 

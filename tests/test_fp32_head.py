@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_core.model.loading import Float32Head, cast_lm_head_to_fp32
-from grpo_core.model.logprobs import token_logprobs_and_entropy
+from grpo_core.model.logprobs import ScoringPath, token_logprobs_and_entropy
 from tests.test_decode import llama, qwen2
 from tests.tiny import make_prompts, make_tiny_model, read_log
 
@@ -53,11 +53,13 @@ def test_every_log_prob_path_takes_the_float32_head_over_bf16_weights(path):
     ids = torch.randint(2, 37, (3, 10))
     mask = torch.ones_like(ids)
     with torch.no_grad():
-        before, _ = token_logprobs_and_entropy(model, ids, mask, logits_to_keep=4, compute_entropy=False, **path)
+        before, _ = token_logprobs_and_entropy(model, ids, mask, logits_to_keep=4, compute_entropy=False,
+                                               path=ScoringPath(**path))
     head = cast_lm_head_to_fp32(model)
     assert head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.bfloat16
     with torch.no_grad():
-        after, _ = token_logprobs_and_entropy(model, ids, mask, logits_to_keep=4, compute_entropy=False, **path)
+        after, _ = token_logprobs_and_entropy(model, ids, mask, logits_to_keep=4, compute_entropy=False,
+                                              path=ScoringPath(**path))
     expected = float32_head_logps(model, ids, mask, 4, manual=path["forward"] == "manual")
     assert torch.allclose(after, expected, atol=1e-5)
     assert (before - expected).abs().max() > 10 * (after - expected).abs().max()

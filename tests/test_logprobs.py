@@ -6,7 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo_core.model.logprobs import entropy_from_logits, selective_log_softmax, token_logprobs_and_entropy
+from grpo_core.model.logprobs import (
+    ScoringPath,
+    entropy_from_logits,
+    selective_log_softmax,
+    token_logprobs_and_entropy,
+)
 
 F64 = torch.float64
 
@@ -175,7 +180,7 @@ def naive_model_logps(model, input_ids, attention_mask, temperature, position_id
 def test_matches_the_naive_full_logits(tiny_model, batch):
     input_ids, attention_mask = batch
     logps, entropies = token_logprobs_and_entropy(
-        tiny_model, input_ids, attention_mask, COMPLETION, temperature=0.7, chunk_size=3
+        tiny_model, input_ids, attention_mask, COMPLETION, temperature=0.7, path=ScoringPath(chunk_size=3)
     )
     expected_logps, expected_entropies = naive_model_logps(tiny_model, input_ids, attention_mask, 0.7)
     assert logps.shape == (3, COMPLETION) and logps.dtype == F64
@@ -189,7 +194,7 @@ def test_parameter_gradients_match_naive(tiny_model, batch):
     weights = torch.randn(3, COMPLETION, dtype=F64)
     parameters = [p for p in tiny_model.parameters() if p.requires_grad]
     logps, entropies = token_logprobs_and_entropy(
-        tiny_model, input_ids, attention_mask, COMPLETION, 0.7, chunk_size=2
+        tiny_model, input_ids, attention_mask, COMPLETION, 0.7, path=ScoringPath(chunk_size=2)
     )
     grads = torch.autograd.grad((logps * weights).sum() + entropies.sum(), parameters)
     naive_lp, naive_ent = naive_model_logps(tiny_model, input_ids, attention_mask, 0.7)
@@ -245,7 +250,7 @@ def test_half_precision_model_is_scored_in_float32(tiny_model, batch):
     try:
         with torch.no_grad():
             logps, entropies = token_logprobs_and_entropy(
-                model, input_ids, attention_mask, COMPLETION, 0.7, chunk_size=2
+                model, input_ids, attention_mask, COMPLETION, 0.7, path=ScoringPath(chunk_size=2)
             )
             bf16_logits = model(input_ids, attention_mask).logits[:, -COMPLETION - 1 : -1].float()
     finally:
@@ -279,7 +284,7 @@ def test_compute_entropy_false_returns_none(tiny_model, batch):
         ({"attention_mask": torch.ones(3, 2, dtype=torch.long)}, "attention_mask"),
         ({"position_ids": torch.zeros(3, 2, dtype=torch.long)}, "position_ids"),
         ({"temperature": 0.0}, "temperature"),
-        ({"chunk_size": 0}, "chunk_size"),
+        ({"path": ScoringPath(chunk_size=0)}, "chunk_size"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_them(tiny_model, batch, changes, named):

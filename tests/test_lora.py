@@ -195,7 +195,7 @@ def test_the_lora_reference_is_scored_as_the_policy_with_its_adapters_off(assets
     from transformers import AutoModelForCausalLM
 
     from grpo_core.model.loading import AdapterDisabledReference, LoraConfig, ModelConfig, load_policy
-    from grpo_core.model.logprobs import token_logprobs_and_entropy
+    from grpo_core.model.logprobs import ScoringPath, token_logprobs_and_entropy
 
     model_dir, _ = assets
     policy, _ = load_policy(ModelConfig(name_or_path=str(model_dir), lora=LoraConfig(**LORA)))
@@ -210,11 +210,11 @@ def test_the_lora_reference_is_scored_as_the_policy_with_its_adapters_off(assets
     head_rows = []
     hook = policy.get_base_model().lm_head.register_forward_hook(
         lambda module, args, out: head_rows.append(args[0].shape[:-1].numel()))
+    path = ScoringPath(forward="hf", fused_head=fused_head)
     with torch.no_grad():
-        ref_logps, _ = token_logprobs_and_entropy(AdapterDisabledReference(policy), ids, mask, K, forward="hf",
-                                                  fused_head=fused_head)
-        base_logps, _ = token_logprobs_and_entropy(base, ids, mask, K, forward="hf", fused_head=fused_head)
-        policy_logps, _ = token_logprobs_and_entropy(policy, ids, mask, K, forward="hf", fused_head=fused_head)
+        ref_logps, _ = token_logprobs_and_entropy(AdapterDisabledReference(policy), ids, mask, K, path=path)
+        base_logps, _ = token_logprobs_and_entropy(base, ids, mask, K, path=path)
+        policy_logps, _ = token_logprobs_and_entropy(policy, ids, mask, K, path=path)
     hook.remove()
     torch.testing.assert_close(ref_logps, base_logps, rtol=1e-5, atol=1e-5)
     assert (policy_logps - base_logps).abs().max() > 1e-3  # the adapters matter: the reference switched them off

@@ -103,14 +103,16 @@ def test_validate_accepts_latex_golds_under_math_verify():
 
     from flows.stages.validate import gold_parser
     from grpo_core.config import config_from_dict
-    from grpo_core.data.validation import validate_frames
+    from grpo_core.data.validation import ValidationRules, validate_frames
 
     frame = pd.DataFrame({"prompt": ["a", "b", "c"], "answer": [r"\frac{1}{2}", r"$[0,1)$", "#### 1,234"]})
     raw = {"data": {"train_files": ["t.jsonl"]}, "rewards": [{"name": "m", "function": "math_verify"}]}
     cfg = config_from_dict(raw)
     fns = build_reward_functions(cfg.rewards)
-    report = validate_frames(frame, None, require_answer=True, reward_fns_for_gold=fns, parse_gold=gold_parser(cfg))
+    report = validate_frames(frame, None, ValidationRules(require_answer=True, reward_fns_for_gold=fns,
+                                                          parse_gold=gold_parser(cfg)))
     assert report.ok, report.to_text()
     numeric = config_from_dict({**raw, "rewards": [{"name": "n", "function": "numeric"}]})
-    strict = validate_frames(frame, None, require_answer=True, parse_gold=gold_parser(numeric))
+    strict = validate_frames(frame, None,
+                             ValidationRules(require_answer=True, parse_gold=gold_parser(numeric)))
     assert not strict.ok and "gold_parseable" in strict.to_text()

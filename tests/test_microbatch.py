@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 import grpo_core.train.loop as trainer_mod
 from grpo_core.train.batching import length_grouped_order
-from grpo_core.train.loop import train
+from grpo_core.train.loop import TrainHooks, train
 from tests.distributed_worker import DeterministicBackend
 from tests.tiny import make_prompts, make_tiny_model, read_log, tiny_config
 
@@ -69,7 +69,8 @@ def test_grouping_changes_padding_not_the_update(assets, tmp_path, monkeypatch, 
                           max_steps=2, per_device_train_batch_size=8, gradient_accumulation_steps=2,
                           num_generations=4, beta=0.04, loss_type=loss_type, learning_rate=1e-2,
                           group_by_length=grouped, forward_backend=forward)
-        res = train(cfg, root=tmp_path / str(grouped), progress=False, backend_factory=DeterministicBackend)
+        res = train(cfg, root=tmp_path / str(grouped), progress=False,
+                    hooks=TrainHooks(backend_factory=DeterministicBackend))
         weights[grouped] = load_file(res.model_dir / "model.safetensors")
         logs[grouped] = read_log(tmp_path / str(grouped) / "metrics/train_log.csv")
     assert sum(widths[1]) < sum(widths[0]), widths

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from grpo_core.data.loading import DataError, PromptEncoder
-from grpo_core.rollout import SamplingParams, pad_and_eos_ids
-from grpo_core.rollout.multiturn import generate_with_tools
-from grpo_core.rollout.sampling import sample_and_score
+from grpo_core.rollout import SamplingParams
+from grpo_core.rollout.multiturn import TurnLimits, generate_with_tools
+from grpo_core.rollout.sampling import SamplePlan, sample_and_score
 from grpo_core.tools import RolloutTools, ToolChat, build_toolbox
 from tests.tool_fixtures import Counter, Script, ScriptedBackend, hermes_call, multiply, qwen_tokenizer
 
@@ -37,9 +37,8 @@ def rollout(tok, policy, *, budget=200, max_iterations=None, G=2, prompts=None, 
     prompts = prompts or [PromptEncoder(tok, None).encode(QUESTION, tools=[multiply])] * G
     tools = tools or [RolloutTools({"multiply": multiply}) for _ in prompts]
     backend = ScriptedBackend(Script(tok, policy, budget))
-    pad_id, eos_ids = pad_and_eos_ids(tok)
     out = generate_with_tools(backend, chat, prompts, G, tools, SamplingParams(max_new_tokens=budget),
-                              pad_id=pad_id, eos_ids=eos_ids, max_iterations=max_iterations, timeout_s=5)
+                              TurnLimits(max_iterations, timeout_s=5))
     return out, backend, chat
 
 
@@ -161,9 +160,9 @@ def test_environments_reach_the_rewards_and_are_closed(tok):
     box = build_toolbox(_tool_use(environment_factory="tests.tool_fixtures:Counter"))
     rows = [{"prompt": QUESTION, "start": 1}, {"prompt": QUESTION, "start": 10}]
     fns = [counted, *build_reward_functions([{"name": "env", "function": "environment_reward"}])]
-    res = sample_and_score(None, tok, rows, PromptEncoder(tok, None), fns, num_generations=2,
-                           sampling=SamplingParams(max_new_tokens=300), batch_size=2,
-                           backend=ScriptedBackend(Script(tok, increments, 300)), keep_batches=True, tools=box)
+    plan = SamplePlan(2, SamplingParams(max_new_tokens=300), batch_size=2, keep_batches=True, tools=box)
+    res = sample_and_score(None, tok, rows, PromptEncoder(tok, None), fns, plan,
+                           backend=ScriptedBackend(Script(tok, increments, 300)))
     assert res.rewards.tolist() == [[5.0, 5.0]] * 2 + [[14.0, 14.0]] * 2  # start + 2 + 2, each rollout its own
     assert res.tool_calls.tolist() == [2] * 4 and res.turns.tolist() == [3] * 4
     assert len(Counter.closed) == 1 + 4  # the probe, then every rollout's environment after scoring
@@ -180,9 +179,9 @@ def test_environments_are_closed_when_a_reward_fails(tok):
         raise RuntimeError("reward down")
 
     with pytest.raises(Exception, match="reward down"):
-        sample_and_score(None, tok, [{"prompt": QUESTION}], PromptEncoder(tok, None), [raising], num_generations=2,
-                         sampling=SamplingParams(max_new_tokens=100), batch_size=1,
-                         backend=ScriptedBackend(Script(tok, increments, 100)), tools=box)
+        sample_and_score(None, tok, [{"prompt": QUESTION}], PromptEncoder(tok, None), [raising],
+                         SamplePlan(2, SamplingParams(max_new_tokens=100), batch_size=1, tools=box),
+                         backend=ScriptedBackend(Script(tok, increments, 100)))
     assert len(Counter.closed) == 3
 
 
@@ -190,8 +189,8 @@ def test_tools_need_chat_prompts(tok):
     box = build_toolbox(_tool_use(["tests.tool_fixtures:multiply"]))
     with pytest.raises(DataError, match="need chat prompts.* data.prompt_format: chat"):
         sample_and_score(None, tok, [{"prompt": "what is 2 times 3"}], PromptEncoder(tok, None), [],
-                         num_generations=2, sampling=SamplingParams(max_new_tokens=10), batch_size=1,
-                         backend=ScriptedBackend(Script(tok, call_then_answer, 10)), tools=box)
+                         SamplePlan(2, SamplingParams(max_new_tokens=10), batch_size=1, tools=box),
+                         backend=ScriptedBackend(Script(tok, call_then_answer, 10)))
 
 
 def _tool_use(tools=(), environment_factory=None):
@@ -276,8 +275,9 @@ def test_training_with_an_environment_logs_tool_metrics_and_corrects_on_model_to
         def log_metrics(self, metrics, step):
             logged.append(metrics)
 
-    loop.train(cfg, reward_weights=[1.0], tracker=Tracker(), root=tmp_path, progress=False, log_path="log.csv",
-               backend_factory=lambda m, t: ScriptedBackend(Script(t, increments, 120), sampling_logp=-0.5))
+    hooks = loop.TrainHooks(tracker=Tracker(), backend_factory=lambda m, t: ScriptedBackend(
+        Script(t, increments, 120), sampling_logp=-0.5))
+    loop.train(cfg, reward_weights=[1.0], root=tmp_path, progress=False, log_path="log.csv", hooks=hooks)
     call = len(ids(tok, hermes_call("increment", by=2))) + 1
     assert masks and all(m[:, :call].all() and not m[:, call].any() for m in masks)  # the tool block is out
     assert logged[0]["tools/call_frequency"] == 1.0 and logged[0]["tools/failure_frequency"] == 0.0

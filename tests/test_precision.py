@@ -95,7 +95,7 @@ def test_a_half_precision_model_dtype_samples_from_a_copy_in_it_refreshed_after_
     from safetensors.torch import load_file
 
     from grpo_core.rollout import HFGenerateBackend
-    from grpo_core.train.loop import train
+    from grpo_core.train.loop import TrainHooks, train
     from tests.tiny import tiny_config
 
     backends = []
@@ -107,7 +107,8 @@ def test_a_half_precision_model_dtype_samples_from_a_copy_in_it_refreshed_after_
     cfg = tiny_config(*assets, [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}], max_steps=2,
                       save_steps=2, per_device_train_batch_size=8)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="bfloat16"))
-    train(cfg, root=tmp_path, progress=False, backend_factory=factory, export=False)  # the export casts in place
+    train(cfg, root=tmp_path, progress=False, hooks=TrainHooks(backend_factory=factory),
+          export=False)  # the export casts in place
     (backend,) = backends
     assert backend.static_cache  # the static cache ran every round: no K/V dtype mismatch made it fall back
     copy = backend.model.state_dict()

@@ -11,7 +11,7 @@ from grpo_core.data.loading import PromptEncoder
 from grpo_core.model.loading import load_policy
 from grpo_core.rewards import build_reward_functions
 from grpo_core.rollout import SamplingParams
-from grpo_core.rollout.sampling import sample_and_score
+from grpo_core.rollout.sampling import SamplePlan, sample_and_score
 from tests.tiny import make_prompts, make_tiny_model, tiny_config
 
 REWARDS = [
@@ -38,7 +38,8 @@ def run(setup, **kw):
     model, tokenizer, rows, encoder, fns = setup
     args = dict(num_generations=3, sampling=SamplingParams(max_new_tokens=6), batch_size=4, seed=7)
     args.update(kw)
-    return sample_and_score(model, tokenizer, rows, encoder, fns, **args)
+    backend = args.pop("backend", None)
+    return sample_and_score(model, tokenizer, rows, encoder, fns, SamplePlan(**args), backend=backend)
 
 
 def test_layout_lengths_truncation_and_nan(setup):
@@ -79,8 +80,7 @@ def test_greedy_does_not_depend_on_batching(setup):
 def test_errors_are_clear(setup):
     model, tokenizer, rows, encoder, fns = setup
     with pytest.raises(ValueError, match="row 0 has no 'prompt'"):
-        sample_and_score(model, tokenizer, [{"question": "x"}], encoder, fns, num_generations=2,
-                         sampling=SamplingParams(max_new_tokens=2), batch_size=1)
-    empty = sample_and_score(model, tokenizer, [], encoder, fns, num_generations=2,
-                             sampling=SamplingParams(max_new_tokens=2), batch_size=1)
+        sample_and_score(model, tokenizer, [{"question": "x"}], encoder, fns,
+                         SamplePlan(2, SamplingParams(max_new_tokens=2), batch_size=1))
+    empty = sample_and_score(model, tokenizer, [], encoder, fns, SamplePlan(2, SamplingParams(max_new_tokens=2), 1))
     assert empty.rewards.shape == (0, 2) and empty.num_prompts == 0

@@ -200,7 +200,7 @@ def test_mlflow_outage_mid_training_is_replayed_when_the_server_is_back(mlflow_s
     from mlflow import MlflowClient
 
     from flows.tracking import MLflowTracker
-    from grpo_core.train.loop import train
+    from grpo_core.train.loop import TrainHooks, train
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
@@ -210,7 +210,7 @@ def test_mlflow_outage_mid_training_is_replayed_when_the_server_is_back(mlflow_s
     tracker = MLflowTracker(mlflow_server.uri, "outage", "train", retry_interval_s=0.0)
     outage = OutageTracker(tracker, mlflow_server, down_after=2, up_after=4)
     with pytest.warns(RuntimeWarning, match="failed, values kept for a retry"):
-        result = train(cfg, tracker=outage, root=tmp_path, progress=False)
+        result = train(cfg, root=tmp_path, progress=False, hooks=TrainHooks(tracker=outage))
     assert result.final_step == 6  # training went on through the outage
     assert tracker.pending["metrics"] == 0  # the backlog of steps 3 and 4 went out with step 5
     assert tracker.close() == 0

@@ -17,7 +17,7 @@ import torch
 
 from grpo_core.data.loading import PromptEncoder
 from grpo_core.rollout import HFGenerateBackend, ManualDecodeBackend, SamplingParams
-from grpo_core.rollout.sampling import sample_and_score
+from grpo_core.rollout.sampling import SamplePlan, sample_and_score
 from grpo_core.tools import ToolChat, build_toolbox
 from tests.tiny import require_vllm
 from tests.tool_fixtures import WORDS, _bpe_tokenizer, hermes_call, multiply
@@ -93,9 +93,9 @@ def _load(path):
 def ours(path, rows, make_backend):
     model, tok = _load(path)
     toolbox = build_toolbox(_tool_use())
-    res = sample_and_score(None, tok, rows, PromptEncoder(tok, None), [], num_generations=G,
-                           sampling=SamplingParams(max_new_tokens=BUDGET, do_sample=False), batch_size=len(rows),
-                           backend=make_backend(model, tok), keep_batches=True, tools=toolbox)
+    plan = SamplePlan(G, SamplingParams(max_new_tokens=BUDGET, do_sample=False), batch_size=len(rows),
+                      keep_batches=True, tools=toolbox)
+    res = sample_and_score(None, tok, rows, PromptEncoder(tok, None), [], plan, backend=make_backend(model, tok))
     (batch,) = res.batches
     real = batch.completion_mask.bool()
     return ([batch.completion_ids[i][real[i]].tolist() for i in range(len(real))],
@@ -151,11 +151,11 @@ def test_greedy_conversations_equal_trls_tool_loop(model_dir, trl_loop, make_bac
 
 def test_the_vllm_engine_holds_the_same_conversations(model_dir, trl_loop):
     require_vllm()
-    from grpo_core.rollout.vllm import VLLMBackend, build_engine, shutdown_engine
+    from grpo_core.rollout.vllm import EngineSettings, VLLMBackend, build_engine, shutdown_engine
 
     rows, trl_ids, trl_masks, _ = trl_loop
     model, _ = _load(model_dir)
-    llm = build_engine(model, gpu_memory_utilization=0.3, enable_sleep_mode=False, max_model_length=256, seed=0)
+    llm = build_engine(model, EngineSettings(enable_sleep_mode=False, max_model_length=256, seed=0))
     try:
         ids, masks, _, _ = ours(model_dir, rows, lambda m, tok: VLLMBackend(m, tok, engine=llm))
     finally:

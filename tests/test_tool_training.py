@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from grpo_core.config import config_from_dict
-from grpo_core.train.loop import train
+from grpo_core.train.loop import TrainHooks, train
 from tests.tiny import read_log
 from tests.tool_fixtures import ScriptedFactory, counter_policy, qwen_tokenizer, tiny_model
 
@@ -53,7 +53,7 @@ def run(root, out, **knobs):
 def train_(root, out, **knobs):
     (root / out).mkdir(exist_ok=True)
     return train(config(root, **knobs), reward_weights=[1.0], root=root / out, progress=False, log_path="log.csv",
-                 backend_factory=ScriptedFactory(counter_policy, 100))
+                 hooks=TrainHooks(backend_factory=ScriptedFactory(counter_policy, 100)))
 
 
 def weights(result):

@@ -16,7 +16,7 @@ import grpo_core.train.setup as setup_mod
 from grpo_core.rewards import RewardFunctionError
 from grpo_core.rollout import default_backend
 from grpo_core.train.checkpoint import CheckpointError, list_checkpoints
-from grpo_core.train.loop import train
+from grpo_core.train.loop import TrainHooks, train
 from grpo_core.train.state import PromptSampler
 from tests.tiny import make_prompts, make_tiny_model, read_log, tiny_config
 
@@ -140,15 +140,16 @@ def test_num_iterations_halves_generation_and_activates_clipping(assets, tmp_pat
 
     monkeypatch.setattr(trainer_mod, "frozen_logprobs", counting_frozen)
 
+    counting = TrainHooks(backend_factory=CountingBackend)
     train(tiny_config(model_dir, data, DIGITS, max_steps=6), root=tmp_path / "mu1", progress=False,
-          backend_factory=CountingBackend)
+          hooks=counting)
     assert calls == {"generate": 6, "frozen": 0}  # on-policy: no old log-prob pass at all
     log1 = read_log(tmp_path / "mu1/metrics/train_log.csv")
     assert all(float(r["clip_ratio/region_mean"]) == 0.0 for r in log1)  # ratio == 1: clipping is inert
 
     calls.update(generate=0, frozen=0)
     train(tiny_config(model_dir, data, DIGITS, max_steps=6, num_iterations=2, learning_rate=2e-2),
-          root=tmp_path / "mu2", progress=False, backend_factory=CountingBackend)
+          root=tmp_path / "mu2", progress=False, hooks=counting)
     assert calls == {"generate": 3, "frozen": 3}  # one old log-prob pass per generation round
     log2 = read_log(tmp_path / "mu2/metrics/train_log.csv")
     second_passes = [float(r["clip_ratio/region_mean"]) for r in log2[1::2]]

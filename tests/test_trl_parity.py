@@ -26,15 +26,14 @@ from trl.trainer import utils as trl_utils  # noqa: E402
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
 
 from grpo_core.advantages import compute_advantages  # noqa: E402
-from grpo_core.loss import (  # noqa: E402
-    applied_entropy_coef,
-    entropy_mean,
-    grpo_loss,
-    high_entropy_mask,
-    next_entropy_coef,
-    sampler_correction,
+from grpo_core.loss import entropy_mean, grpo_loss, sampler_correction  # noqa: E402
+from grpo_core.model.logprobs import (  # noqa: E402
+    ScoringPath,
+    entropy_from_logits,
+    selective_log_softmax,
+    token_logprobs_and_entropy,
 )
-from grpo_core.model.logprobs import entropy_from_logits, selective_log_softmax, token_logprobs_and_entropy  # noqa: E402
+from grpo_core.train.entropy import applied_entropy_coef, high_entropy_mask, next_entropy_coef  # noqa: E402
 
 F64 = torch.float64
 TOL = 1e-6
@@ -559,7 +558,8 @@ def test_token_logprobs_and_entropy_match_trl_fused_head():
         trainer, trl_model, input_ids, attention_mask, completion_length, compute_entropy=True
     )
     logps, entropies = token_logprobs_and_entropy(
-        model, input_ids, attention_mask, completion_length, temperature=temperature, chunk_size=4
+        model, input_ids, attention_mask, completion_length, temperature=temperature,
+        path=ScoringPath(chunk_size=4),
     )
     # TRL's fused head accumulates in float32: 1e-5
     torch.testing.assert_close(logps, trl_logps, atol=1e-5, rtol=0)
@@ -586,7 +586,7 @@ def test_training_through_a_mismatched_sampler_corrects_the_loss_as_trl_does(tmp
 
     from grpo_core.loss import GRPOLoss
     from grpo_core.rollout import VLLMBackend
-    from grpo_core.train.loop import train
+    from grpo_core.train.loop import TrainHooks, train
     from tests.test_vllm_backend import StandInLLM, StandInSamplingParams
     from tests.tiny import make_prompts, make_tiny_model, tiny_config
 
@@ -606,8 +606,9 @@ def test_training_through_a_mismatched_sampler_corrects_the_loss_as_trl_does(tmp
     shift = lambda row, col: -0.3 * (row % 3)  # noqa: E731 - rows 0, 3, ...: exact; others: the engine is off
     cfg = tiny_config(model_dir, data, [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}],
                       max_steps=1, vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=1.5)
-    train(cfg, root=tmp_path / "run", progress=False, backend_factory=lambda m, tok: VLLMBackend(
+    engine = TrainHooks(backend_factory=lambda m, tok: VLLMBackend(
         m, tok, engine=StandInLLM(str(model_dir), logprob_shift=shift), return_logprobs=True))
+    train(cfg, root=tmp_path / "run", progress=False, hooks=engine)
     (logps, old, advantages, mask, kw, loss), = calls
     sampling = kw["sampling_logps"].double()
     ratio = trl_sampler_ratio(old, sampling, mask, "token_mask", None, 1.5)

@@ -22,7 +22,7 @@ import torch
 
 from grpo_core.data.loading import PromptEncoder
 from grpo_core.rollout import SamplingParams
-from grpo_core.rollout.sampling import sample_and_score
+from grpo_core.rollout.sampling import SamplePlan, sample_and_score
 from grpo_core.tools import build_toolbox
 from tests.tool_fixtures import (
     Script,
@@ -114,9 +114,8 @@ def test_the_tokens_masks_and_messages_are_trls(fixture, trl_run):
     assert getattr(tok, "response_template", None) is None
     toolbox = build_toolbox(_tool_use())
     backend = ScriptedBackend(Script(tok, calculator_policy, BUDGET))
-    res = sample_and_score(None, tok, rows, PromptEncoder(tok, None), [right, used_tools], num_generations=G,
-                           sampling=SamplingParams(max_new_tokens=BUDGET), batch_size=len(rows), backend=backend,
-                           keep_batches=True, tools=toolbox)
+    plan = SamplePlan(G, SamplingParams(max_new_tokens=BUDGET), batch_size=len(rows), keep_batches=True, tools=toolbox)
+    res = sample_and_score(None, tok, rows, PromptEncoder(tok, None), [right, used_tools], plan, backend=backend)
     (batch,) = res.batches
     for i in range(len(prompts)):
         assert batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist() == list(trl_prompt_ids[i]), f"prompt {i}"
@@ -142,7 +141,7 @@ def _tool_use():
 
 def run_ours(fixture):
     from grpo_core.config import config_from_dict
-    from grpo_core.train.loop import train
+    from grpo_core.train.loop import TrainHooks, train
 
     root, rows = fixture
     cfg = config_from_dict({
@@ -164,8 +163,10 @@ def run_ours(fixture):
         def log_metrics(self, metrics, step):
             logged.append(dict(metrics))
 
-    result = train(cfg, reward_weights=[1.0, 1.0], tracker=Tracker(), root=root, progress=False, log_path="ours.csv",
-                   backend_factory=lambda m, tok: ScriptedBackend(Script(tok, calculator_policy, BUDGET)))
+    hooks = TrainHooks(tracker=Tracker(),
+                       backend_factory=lambda m, tok: ScriptedBackend(Script(tok, calculator_policy, BUDGET)))
+    result = train(cfg, reward_weights=[1.0, 1.0], root=root, progress=False, log_path="ours.csv",
+                   hooks=hooks)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(result.model_dir, dtype=torch.float32)
@@ -227,7 +228,7 @@ def test_a_rollout_func_trains_as_in_trl(fixture):
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo_core.config import config_from_dict
-    from grpo_core.train.loop import train
+    from grpo_core.train.loop import TrainHooks, train
 
     root, rows = fixture
     model, tok = _load(root)
@@ -255,7 +256,8 @@ def test_a_rollout_func_trains_as_in_trl(fixture):
         def log_metrics(self, metrics, step):
             logged.append(dict(metrics))
 
-    result = train(cfg, reward_weights=[1.0], tracker=Tracker(), root=root, progress=False, log_path="ours-rf.csv")
+    result = train(cfg, reward_weights=[1.0], root=root, progress=False, log_path="ours-rf.csv",
+                   hooks=TrainHooks(tracker=Tracker()))
     ours = dict(AutoModelForCausalLM.from_pretrained(result.model_dir, dtype=torch.float32).named_parameters())
     base = dict(_load(root)[0].named_parameters())
     moved = max(float((theirs[n] - base[n]).detach().abs().max()) for n in theirs)

@@ -96,7 +96,7 @@ def setup(tmp_path_factory):
 def run_ours(setup, forward_backend: str):
     from transformers import AutoModelForCausalLM
 
-    from grpo_core.train.loop import train
+    from grpo_core.train.loop import TrainHooks, train
 
     root, model_dir, data, tokenizer, script_args = setup
     script = Script(*script_args)
@@ -113,8 +113,9 @@ def run_ours(setup, forward_backend: str):
         def log_metrics(self, metrics, step):
             logged.append(dict(metrics))
 
-    result = train(cfg, reward_weights=WEIGHTS, tracker=Tracker(), root=root, progress=False,
-                   log_path=f"ours-{forward_backend}.csv", backend_factory=lambda m, tok: ScriptedBackend(script, tok))
+    hooks = TrainHooks(tracker=Tracker(), backend_factory=lambda m, tok: ScriptedBackend(script, tok))
+    result = train(cfg, reward_weights=WEIGHTS, root=root, progress=False,
+                   log_path=f"ours-{forward_backend}.csv", hooks=hooks)
     model = AutoModelForCausalLM.from_pretrained(result.model_dir, dtype=torch.float32)
     return dict(model.named_parameters()), logged
 

@@ -12,6 +12,7 @@ import pytest
 from grpo_core.data.loading import DataFileError, read_table
 from grpo_core.data.validation import (
     DataValidationError,
+    ValidationRules,
     gold_completion_text,
     validate_frames,
 )
@@ -61,7 +62,7 @@ def run(train, eval_, **kw):
             "max_prompt_length": None, "overlong_policy": "truncate", "max_report_rows": 1000,
             "parse_gold": parse_gold_standin}
     args.update(kw)
-    return validate_frames(train, eval_, **args)
+    return validate_frames(train, eval_, ValidationRules(**args))
 
 
 def checks(report):
@@ -123,14 +124,13 @@ def test_gold_reward_smoke_test_catches_broken_rewards():
 def test_gold_reward_with_project_verifier():
     rewards = pytest.importorskip("grpo_core.rewards")
     train = pd.DataFrame({"prompt": ["a", "b", "c", "d"], "answer": ["#### 1,234", "0.5", "C", "-7"]})
-    report = validate_frames(train, None, require_answer=True, reward_fns_for_gold=[rewards.correctness()],
-                             count_tokens=None, max_prompt_length=None, overlong_policy="error",
-                             max_report_rows=10)
+    rules = ValidationRules(require_answer=True, reward_fns_for_gold=[rewards.correctness()],
+                            count_tokens=None, max_prompt_length=None, overlong_policy="error",
+                            max_report_rows=10)
+    report = validate_frames(train, None, rules)
     assert report.ok, report.to_text()
     bad = pd.DataFrame({"prompt": ["a"], "answer": ["n/a"]})
-    report = validate_frames(bad, None, require_answer=True, reward_fns_for_gold=[rewards.correctness()],
-                             count_tokens=None, max_prompt_length=None, overlong_policy="error",
-                             max_report_rows=10)
+    report = validate_frames(bad, None, rules)
     assert checks(report) == {("train", 0, "answer", "gold_parseable")}
 
 
@@ -158,9 +158,10 @@ def test_prompt_length_policy_and_report_cap():
 def test_chat_prompts_reach_the_token_counter_raw():
     seen = []
     train = pd.DataFrame({"prompt": [[{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]]})
-    report = validate_frames(train, None, require_answer=False, reward_fns_for_gold=None,
-                             count_tokens=lambda p: seen.append(p) or 1, max_prompt_length=5,
-                             overlong_policy="error", max_report_rows=10)
+    report = validate_frames(train, None, ValidationRules(require_answer=False, reward_fns_for_gold=None,
+                                                          count_tokens=lambda p: seen.append(p) or 1,
+                                                          max_prompt_length=5, overlong_policy="error",
+                                                          max_report_rows=10))
     assert report.ok and seen == [train["prompt"][0]]
 
 

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpo_core.config import ConfigError, load_config
 from grpo_core.rollout import HFGenerateBackend, SamplingParams
 from grpo_core.rollout.vllm import (
+    EngineSettings,
     VLLMBackend,
     completion_tensor,
     vllm_sampling_kwargs,
@@ -161,7 +162,7 @@ def test_sleep_mode_phases_and_weight_reload(assets, fake_vllm, monkeypatch):
     policy, tok = policy_and_tokenizer(assets[0])
     engine = StandInLLM(str(assets[0]))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: engine.calls.append("empty_cache"))
-    backend = VLLMBackend(policy, tok, engine=engine, enable_sleep_mode=True)
+    backend = VLLMBackend(policy, tok, EngineSettings(enable_sleep_mode=True), engine=engine)
     assert engine.calls == ["sleep"]
     round_ = ["empty_cache", "wake_up:weights", "load_weights", "reset_prefix_cache", "empty_cache", "wake_up:kv_cache",
               "generate", "sleep"]

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpo_core.config import config_from_dict
 from grpo_core.rollout import HFGenerateBackend, SamplingParams
 from grpo_core.rollout.vllm import (
+    EngineSettings,
     NoWeightsOfTheirOwn,
     VLLMBackend,
     VLLMUnavailable,
@@ -41,7 +42,7 @@ from grpo_core.rollout.vllm import (
     kv_cache_bytes,
     shutdown_engine,
 )
-from grpo_core.train.loop import train
+from grpo_core.train.loop import TrainHooks, train
 from tests.tiny import make_prompts, make_tiny_model, read_log, require_vllm, tiny_config
 
 DIGITS = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}]
@@ -68,8 +69,7 @@ def engine(assets):
     torch.manual_seed(11)
     expected_draw = torch.rand(3)
     torch.manual_seed(11)
-    llm = build_engine(policy, gpu_memory_utilization=0.3, enable_sleep_mode=True,
-                       max_model_length=MAX_MODEL_LENGTH, seed=5)
+    llm = build_engine(policy, EngineSettings(enable_sleep_mode=True, max_model_length=MAX_MODEL_LENGTH, seed=5))
     BUILD_EFFECTS.update(rng_kept=torch.equal(torch.rand(3), expected_draw),
                          environment_kept={k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
                          == {k: v for k, v in environment.items() if not k.startswith("VLLM_")})
@@ -113,7 +113,7 @@ def train_through(engine, cfg, root: Path):
         backends.append(VLLMBackend(model, tokenizer, engine=engine, return_logprobs=True))
         return backends[-1]
 
-    return train(cfg, root=root, progress=False, backend_factory=factory), backends[0]
+    return train(cfg, root=root, progress=False, hooks=TrainHooks(backend_factory=factory)), backends[0]
 
 
 def check_engine_follows_policy(engine, backend, result, model_dir, steps: int):
@@ -259,7 +259,7 @@ def test_an_engine_that_cannot_start_says_why(assets):
     policy = AutoModelForCausalLM.from_pretrained(assets[0])
     too_long = 10 * policy.config.max_position_embeddings
     with pytest.raises(VLLMUnavailable, match=rf"(?s)engine for {assets[0]} did not start: .*max_model_len \({too_long}\)"):
-        build_engine(policy, gpu_memory_utilization=0.3, enable_sleep_mode=False, max_model_length=too_long, seed=0)
+        build_engine(policy, EngineSettings(enable_sleep_mode=False, max_model_length=too_long, seed=0))
 
 
 def test_without_the_extra_the_error_names_it(assets, monkeypatch):

@@ -25,14 +25,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_core.common.errors import EXIT_CONFIG, EXIT_ERROR, exit_code_for
 from grpo_core.config import ConfigError, config_from_dict
-from grpo_core.rollout import HFGenerateBackend, SamplingParams, backend_for
+from grpo_core.rollout import HFGenerateBackend, Placement, SamplingParams, backend_for
 from grpo_core.rollout.vllm_server import (
     ServerConnection,
     VLLMServerBackend,
     VLLMServerError,
     VLLMServerRefused,
 )
-from grpo_core.train.loop import train
+from grpo_core.train.loop import TrainHooks, train
 from tests.tiny import make_prompts, make_tiny_model, read_log, require_vllm, tiny_config
 
 TOLERANCE = 1e-4  # float32 engine vs float32 policy (see the module docstring)
@@ -201,8 +201,8 @@ def test_other_ranks_sample_only_once_rank_0_pushed_the_weights_they_expect(serv
     model_dir = assets[0]
     tok = AutoTokenizer.from_pretrained(model_dir)
     policy = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    rank0 = server.backend(policy, tok, rank=0, world_size=2)  # joins the group: the server's version restarts
-    rank1 = server.backend(policy, tok, rank=1, world_size=2)
+    rank0 = server.backend(policy, tok, place=Placement(0, 0, 2))  # joins the group: the server's version restarts
+    rank1 = server.backend(policy, tok, place=Placement(1, 1, 2))
     rank1_thread = ThreadPoolExecutor(1)
     try:
         for round_ in range(2):
@@ -328,7 +328,7 @@ def test_a_server_killed_mid_training_and_started_again_resumes_with_every_step_
     tracker = KillServerAfter(doomed, step=2)  # a dead server refuses at once: the timeout only bounds slow answers
     try:
         with pytest.raises(VLLMServerError, match=rf"127\.0\.0\.1:{doomed.port}") as info:
-            train(cfg, root=tmp_path, progress=False, tracker=tracker)
+            train(cfg, root=tmp_path, progress=False, hooks=TrainHooks(tracker=tracker))
         assert exit_code_for(info.value) == EXIT_ERROR
         assert tracker.steps == [1, 2]
     finally:
@@ -336,7 +336,7 @@ def test_a_server_killed_mid_training_and_started_again_resumes_with_every_step_
     again = Server(model_dir, d / "again.log", port=doomed.port)
     try:
         tracker = KillServerAfter(again, step=0)
-        result = train(cfg, root=tmp_path, progress=False, tracker=tracker)
+        result = train(cfg, root=tmp_path, progress=False, hooks=TrainHooks(tracker=tracker))
     finally:
         again.stop()
     assert tracker.steps == [3, 4]  # resumed from checkpoint-2

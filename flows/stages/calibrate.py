@@ -230,7 +230,7 @@ def sample_base_policy(inp: CalibrateInputs, ctx, rows: list[dict]):
     from grpo_core.model.loading import load_for_inference
     from grpo_core.rewards import build_reward_functions
     from grpo_core.rollout import backend_for, sampling_params
-    from grpo_core.rollout.sampling import sample_and_score
+    from grpo_core.rollout.sampling import SamplePlan, sample_and_score
     from grpo_core.tools import build_toolbox, load_rollout_func
 
     c, G = inp.calibrate, inp.calibrate.num_generations
@@ -239,13 +239,12 @@ def sample_base_policy(inp: CalibrateInputs, ctx, rows: list[dict]):
     encoder = PromptEncoder.from_config(tokenizer, inp.data)
     # prompts per generate call: as many sequences at once as one training generation round
     batch_size = max(1, inp.generation_batch_size // G)
-    return sample_and_score(model, tokenizer, rows, encoder, build_reward_functions(inp.rewards),
-                            num_generations=G, sampling=sampling_params(inp.generation, temperature=c.temperature),
-                            batch_size=batch_size, on_error=inp.reward_calls.reward_errors, seed=c.seed,
-                            reward_timeout_s=inp.reward_calls.reward_timeout_s,
+    plan = SamplePlan(G, sampling_params(inp.generation, temperature=c.temperature), batch_size, seed=c.seed,
+                      on_error=inp.reward_calls.reward_errors, reward_timeout_s=inp.reward_calls.reward_timeout_s,
+                      tools=build_toolbox(inp.tool_use), rollout_func=load_rollout_func(inp.tool_use))
+    return sample_and_score(model, tokenizer, rows, encoder, build_reward_functions(inp.rewards), plan,
                             backend=backend_for(model, tokenizer, inp.generation, seed=c.seed,
-                                                max_prompt_length=inp.data.max_prompt_length),
-                            tools=build_toolbox(inp.tool_use), rollout_func=load_rollout_func(inp.tool_use))
+                                                max_prompt_length=inp.data.max_prompt_length))
 
 
 def calibration_metrics(weights: dict, difficulty: dict) -> dict[str, float]:

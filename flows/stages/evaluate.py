@@ -119,13 +119,10 @@ def promotion_decision(metric: str, trained: float | None, base: float | None, c
 
 
 def known_metric_names(cfg, tools: bool = False) -> list[str]:
-    """eval.json's metric keys (tools: with the tool metrics, grpo_core/evaluation.py ``tool_metrics``)."""
-    from grpo_core.evaluation import TOOL_EVAL_METRICS
+    """eval.json's metric keys (tools: with the tool metrics)."""
+    from grpo_core.evaluation import summary_metric_names
 
-    names = [r.name for r in cfg.rewards]
-    per = [*(f"rewards/{n}/mean" for n in names), "format_compliance", "mean_completion_length",
-           *(TOOL_EVAL_METRICS if tools else ())]
-    return ["accuracy", *(f"pass@{k}" for k in cfg.evaluate.pass_k), *per, *(f"sampled/{m}" for m in per)]
+    return summary_metric_names([r.name for r in cfg.rewards], cfg.evaluate.pass_k, sampled=True, tools=tools)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -139,7 +136,7 @@ def sample_policy(policy: str, model_cfg, inp: EvaluateInputs, ctx, rows: list[d
     import torch
 
     from grpo_core.data.loading import PromptEncoder
-    from grpo_core.evaluation import eval_modes, score_policy
+    from grpo_core.evaluation import Grading, eval_modes, score_policy
     from grpo_core.model.loading import load_for_inference
     from grpo_core.rewards import build_reward_functions
     from grpo_core.rewards.judges import build_judges
@@ -150,17 +147,16 @@ def sample_policy(policy: str, model_cfg, inp: EvaluateInputs, ctx, rows: list[d
     length = e.max_completion_length or g.max_completion_length
     model, tokenizer = load_for_inference(model_cfg, ctx.root)
     encoder = PromptEncoder.from_config(tokenizer, inp.data)
-    backend = backend_for(model, tokenizer, g, seed=e.seed, max_prompt_length=inp.data.max_prompt_length,
-                          max_completion_length=length)
+    sized = dataclasses.replace(g, max_completion_length=length)  # the engine holds evaluate's longest completion
+    backend = backend_for(model, tokenizer, sized, seed=e.seed, max_prompt_length=inp.data.max_prompt_length)
     modes = eval_modes(max_new_tokens=length, num_generations=0 if greedy_only else e.num_generations,
                        sampling=sampling_params(g, temperature=e.temperature, max_completion_length=length),
-                       sequences_per_call=e.batch_size, seed=e.seed)
+                       sequences_per_call=e.batch_size, seed=e.seed, tools=build_toolbox(inp.tool_use),
+                       rollout_func=load_rollout_func(inp.tool_use))
+    grading = Grading(build_reward_functions(inp.rewards), [r.name for r in inp.rewards], build_judges(inp.rewards),
+                      inp.reward_calls.reward_errors, inp.reward_calls.reward_timeout_s)
     try:
-        return score_policy(tokenizer, rows, indices, encoder, build_reward_functions(inp.rewards),
-                            [r.name for r in inp.rewards], build_judges(inp.rewards), modes, backend=backend,
-                            on_error=inp.reward_calls.reward_errors,
-                            reward_timeout_s=inp.reward_calls.reward_timeout_s, policy=policy,
-                            tools=build_toolbox(inp.tool_use), rollout_func=load_rollout_func(inp.tool_use))
+        return score_policy(tokenizer, rows, indices, encoder, grading, modes, backend=backend, policy=policy)
     finally:
         if hasattr(backend, "close"):  # a vLLM engine: stopped before the next policy's starts
             backend.close()

@@ -376,8 +376,8 @@ def _spawn_sampler(cfg):
 
 
 def _train(ctx, cfg, weights, allowed, tracker, sampler_worker=None):
-    from grpo_core.train.loop import train
+    from grpo_core.train.loop import TrainHooks, train
 
     quiet = not sys.stderr.isatty()
-    return train(cfg, reward_weights=weights, tracker=tracker, root=ctx.root, allowed_prompts=allowed,
-                 progress=not quiet, log_path=TRAIN_LOG, sampler_worker=sampler_worker)
+    return train(cfg, reward_weights=weights, root=ctx.root, allowed_prompts=allowed, progress=not quiet,
+                 log_path=TRAIN_LOG, hooks=TrainHooks(tracker=tracker, sampler_worker=sampler_worker))

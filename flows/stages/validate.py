@@ -243,7 +243,7 @@ def gold_parser(cfg):
 def run(ctx) -> int:
     from flows.stages.common import quiet_libraries
     from grpo_core.data.loading import PromptEncoder
-    from grpo_core.data.validation import validate_frames
+    from grpo_core.data.validation import ValidationRules, validate_frames
     from grpo_core.model.loading import check_model_folder, load_tokenizer
     from grpo_core.rewards import build_reward_functions
 
@@ -270,14 +270,14 @@ def run(ctx) -> int:
         gold_fns = correctness if cfg.validate.check_gold_reward and correctness else None
         smoke_envs = smoke_environments(toolbox, train_df)
         try:
-            report = validate_frames(
-                train_df, eval_df, require_answer=bool(correctness), reward_fns_for_gold=gold_fns,
+            report = validate_frames(train_df, eval_df, ValidationRules(
+                require_answer=bool(correctness), reward_fns_for_gold=gold_fns,
                 count_tokens=lambda prompt: len(encoder.encode(prompt, tools=tools)),
                 max_prompt_length=cfg.data.max_prompt_length, overlong_policy=cfg.data.overlong_prompt,
                 max_report_rows=cfg.validate.max_report_rows, reward_fns_for_smoke=reward_fns,
                 parse_gold=gold_parser(cfg) if correctness else None,
                 environments=toolbox.environment_names if toolbox is not None else None,
-                smoke_columns={"environments": [t.environment for t in smoke_envs]} if smoke_envs else None)
+                smoke_columns={"environments": [t.environment for t in smoke_envs]} if smoke_envs else None))
         finally:
             close_all(smoke_envs)
 

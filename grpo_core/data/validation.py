@@ -29,7 +29,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
@@ -353,11 +353,33 @@ def reward_smoke_failures(df: pd.DataFrame, reward_fns: Sequence[Callable[..., l
     return failures
 
 
-def _split_checks(df: pd.DataFrame, split: str, *, require_answer: bool, parse_gold: Callable[[Any], Any],
-                  reward_fns: Sequence[Callable[..., list]] | None,
-                  count_tokens: Callable[[Any], int] | None, max_prompt_length: int | None,
-                  overlong_policy: str, prompt_column: str, answer_column: str,
+@dataclass(frozen=True)
+class ValidationRules:
+    """What ``validate_frames`` checks beyond the schema, with what, and how much of it the report lists."""
+
+    require_answer: bool  # a correctness reward is configured: every row needs a parseable gold answer
+    # The correctness rewards (TRL signature) the gold completion must max out; None or [] skips that check.
+    reward_fns_for_gold: list | None = None
+    parse_gold: Callable[[Any], Any] | None = None  # the verifier's; None = grpo_core.rewards.parse_gold
+    # Called with the raw prompt - a string, or the chat messages, so the caller can apply the chat template.
+    count_tokens: Callable[[Any], int] | None = None
+    max_prompt_length: int | None = None  # with count_tokens: longer prompts are reported
+    overlong_policy: str = "truncate"  # an overlong prompt is a warning ("truncate") or a failure ("error")
+    max_report_rows: int = 1000  # failures and warnings listed at most (the summary counts them all)
+    prompt_column: str = "prompt"  # the frames' column names; the report names them prompt / answer
+    answer_column: str = "answer"
+    reward_fns_for_smoke: list | None = None  # every configured reward, called once on a few train rows
+    # The names of train.environment_factory's mapping: each row's ``environment`` column must be one of them.
+    environments: Sequence[str] | None = None
+    smoke_columns: Mapping[str, list] | None = None  # more reward keyword lists for the smoke call
+
+
+def _split_checks(df: pd.DataFrame, split: str, rules: ValidationRules
                   ) -> tuple[list[dict], list[dict], dict[str, Any]]:
+    """One split's row checks under ``rules`` (its canonical column names and gold parser already set)."""
+    prompt_column, answer_column = rules.prompt_column, rules.answer_column
+    count_tokens, max_prompt_length, overlong_policy = (rules.count_tokens, rules.max_prompt_length,
+                                                        rules.overlong_policy)
     failures: list[dict] = []
     warnings: list[dict] = []
     notes: dict[str, Any] = {}
@@ -392,20 +414,20 @@ def _split_checks(df: pd.DataFrame, split: str, *, require_answer: bool, parse_g
                 (warnings if overlong_policy == "truncate" else failures).append(entry)
 
     # gold answers: parseable, and scoring the maximum under each correctness reward
-    if require_answer and answer_column in df.columns:
+    if rules.require_answer and answer_column in df.columns:
         parsed: dict[Any, Any] = {}
         for idx, a in df[answer_column].items():
             if _is_missing(a) or (isinstance(a, str) and not a.strip()):
                 continue  # the schema reports missing answers
-            value = parse_gold(a)
+            value = rules.parse_gold(a)
             if value is None:
                 failures.append(_row(split, idx, answer_column, "gold_parseable",
                                      f"the verifier cannot parse the gold answer {_short(a, 80)!r}"))
             elif has_prompt and prompt_text(df.at[idx, prompt_column]) is not None:
                 parsed[idx] = value
-        if reward_fns:
-            more, na = _gold_reward_checks(df, split, list(parsed), parsed, reward_fns, answer_column,
-                                           prompt_column)
+        if rules.reward_fns_for_gold:
+            more, na = _gold_reward_checks(df, split, list(parsed), parsed, rules.reward_fns_for_gold,
+                                           answer_column, prompt_column)
             failures.extend(more)
             if na:
                 notes["gold_reward_not_applicable"] = dict(na)
@@ -441,34 +463,23 @@ def environment_failures(df: pd.DataFrame, split: str, names: Sequence[str]) -> 
             for idx, value in df["environment"].items() if value not in names]
 
 
-def validate_frames(train_df: pd.DataFrame, eval_df: pd.DataFrame | None, *, require_answer: bool,
-                    reward_fns_for_gold: list | None = None, count_tokens: Callable[[Any], int] | None = None,
-                    max_prompt_length: int | None = None, overlong_policy: str = "truncate",
-                    max_report_rows: int = 1000, prompt_column: str = "prompt", answer_column: str = "answer",
-                    parse_gold: Callable[[Any], Any] | None = None,
-                    reward_fns_for_smoke: list | None = None,
-                    environments: Sequence[str] | None = None,
-                    smoke_columns: Mapping[str, list] | None = None) -> ValidationReport:
-    """Validate both splits, collecting every failure (see the module docstring for the checks).
+def validate_frames(train_df: pd.DataFrame, eval_df: pd.DataFrame | None, rules: ValidationRules
+                    ) -> ValidationReport:
+    """Validate both splits under ``rules``, collecting every failure (the module docstring lists the checks).
 
-    ``reward_fns_for_gold``: the correctness rewards (TRL signature) the gold completion must max out;
-    None/[] skips the smoke test. ``count_tokens`` is called with the raw prompt - a string, or the list
-    of messages for chat prompts (so the caller can apply the chat template). ``eval_df`` may be None.
-    ``parse_gold`` defaults to ``grpo_core.rewards.parse_gold``. ``reward_fns_for_smoke``: every configured
-    reward, called once on a few train rows (``reward_smoke_failures``). ``environments``: the names of
-    train.environment_factory's mapping, which each row's ``environment`` column must be one of.
-    ``smoke_columns``: more reward keyword lists for the smoke call (``reward_smoke_failures``).
+    ``eval_df`` may be None. ``rules.reward_fns_for_smoke`` are called by ``reward_smoke_failures``.
     """
-    if overlong_policy not in OVERLONG_POLICIES:
-        raise ValueError(f"overlong_policy must be one of {OVERLONG_POLICIES}, got {overlong_policy!r}")
+    if rules.overlong_policy not in OVERLONG_POLICIES:
+        raise ValueError(f"overlong_policy must be one of {OVERLONG_POLICIES}, got {rules.overlong_policy!r}")
+    max_report_rows, require_answer = rules.max_report_rows, rules.require_answer
     if max_report_rows < 0:
         raise ValueError(f"max_report_rows must be >= 0, got {max_report_rows}")
-    if prompt_column != "prompt" or answer_column != "answer":  # the schemas name the canonical columns
-        rename = {prompt_column: "prompt", answer_column: "answer"}
+    if (rules.prompt_column, rules.answer_column) != ("prompt", "answer"):  # the schemas' canonical names
+        rename = {rules.prompt_column: "prompt", rules.answer_column: "answer"}
         train_df = train_df.rename(columns=rename)
         eval_df = None if eval_df is None else eval_df.rename(columns=rename)
-    if require_answer and parse_gold is None:
-        parse_gold = _default_parse_gold()
+    parse_gold = _default_parse_gold() if require_answer and rules.parse_gold is None else rules.parse_gold
+    split_rules = replace(rules, parse_gold=parse_gold, prompt_column="prompt", answer_column="answer")
 
     splits = {"train": train_df} if eval_df is None else {"train": train_df, "eval": eval_df}
     failures: list[dict] = []
@@ -478,21 +489,19 @@ def validate_frames(train_df: pd.DataFrame, eval_df: pd.DataFrame | None, *, req
         if not isinstance(df, pd.DataFrame):
             raise TypeError(f"validate_frames: {split}_df must be a pandas DataFrame, got {type(df).__name__}")
         failures += schema_failures(df, split, require_answer)
-        f, w, n = _split_checks(df, split, require_answer=require_answer, parse_gold=parse_gold,
-                                reward_fns=reward_fns_for_gold, count_tokens=count_tokens,
-                                max_prompt_length=max_prompt_length, overlong_policy=overlong_policy,
-                                prompt_column="prompt", answer_column="answer")
+        f, w, n = _split_checks(df, split, split_rules)
         failures += f
         warnings += w
-        if environments is not None:
-            failures += environment_failures(df, split, environments)
+        if rules.environments is not None:
+            failures += environment_failures(df, split, rules.environments)
         for fn_name, count in n.get("gold_reward_not_applicable", {}).items():
             notes.append(f"{split}: reward '{fn_name}' returned None (does not apply) for {count} gold "
                          "completion(s); those rows were not smoke-tested")
     if eval_df is not None:
         failures += _overlap_failures(train_df, eval_df, "prompt")
-    if reward_fns_for_smoke:
-        failures += reward_smoke_failures(train_df, reward_fns_for_smoke, extra_columns=smoke_columns)
+    if rules.reward_fns_for_smoke:
+        failures += reward_smoke_failures(train_df, rules.reward_fns_for_smoke,
+                                          extra_columns=rules.smoke_columns)
 
     summary: dict[str, Any] = {
         "total_failures": len(failures),

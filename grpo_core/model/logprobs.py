@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +72,20 @@ def entropy_from_logits(
     return _concat_rows(per_chunk, logits).reshape(logits.shape[:-1])
 
 
+@dataclass(frozen=True)
+class ScoringPath:
+    """How ``token_logprobs_and_entropy`` runs the model and its LM head (``ForwardOptions`` builds one)."""
+
+    chunk_size: int = DEFAULT_CHUNK_SIZE  # rows of V logits processed at once
+    # "hf": the model's own forward; "manual": fastforward's hand-written Qwen2/Llama forward (same numbers,
+    # fewer ops; an error for a model it cannot run); "auto": manual where ``use_manual_forward`` says so.
+    forward: str = "hf"
+    # The LM head applied chunk by chunk inside the model's own forward, so the (B, K, V) logits never exist
+    # (``train.fused_lm_head``; only plain Qwen2/Qwen3/Llama/Mistral heads, see ``scoring_head``).
+    fused_head: bool = True
+    padding_free: bool = True  # the manual forward runs and scores only real tokens (``train.padding_free``)
+
+
 def token_logprobs_and_entropy(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -78,11 +93,8 @@ def token_logprobs_and_entropy(
     logits_to_keep: int,
     temperature: float = 1.0,
     compute_entropy: bool = True,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
     position_ids: torch.Tensor | None = None,
-    forward: str = "hf",
-    fused_head: bool = True,
-    padding_free: bool = True,
+    path: ScoringPath = ScoringPath(),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the last ``logits_to_keep`` tokens of input_ids under a causal LM.
 
@@ -94,16 +106,8 @@ def token_logprobs_and_entropy(
         temperature: the sampling temperature; logits are divided by it, so the log-probs are those of
             the distribution the completions were sampled from.
         compute_entropy: also return the entropy of each position's next-token distribution.
-        chunk_size: rows of V logits processed at once.
         position_ids: optional (B, L) positions (padding-free packing); passed through to the model.
-        forward: "hf" = the model's own forward; "manual" = the hand-written Qwen2/Llama forward of
-            ``grpo_core.model.fastforward`` (the same numbers with fewer ops; an error for a model it cannot run);
-            "auto" = manual for a model on CPU it supports (``fastforward.use_manual_forward``), else hf.
-        fused_head: apply the LM head chunk by chunk to the hidden states, so the (B, K, V) logits never
-            exist, forward and backward (``train.fused_lm_head``): inside the model's own forward, so under
-            accelerate's autocast wrapper, DDP and FSDP2 alike (``scoring_head``: plain Qwen2/Qwen3/Llama/Mistral
-            heads; others take the logits path).
-        padding_free: the manual forward runs and scores only real tokens (``train.padding_free``).
+        path: which forward runs and how (chunk size, hf or manual forward, fused LM head, padding-free).
 
     Returns:
         (logps (B, K), entropies (B, K) or None): position j scores input_ids[:, L-K+j] with the logits
@@ -114,17 +118,16 @@ def token_logprobs_and_entropy(
     if isinstance(model, AdapterDisabledReference):  # the LoRA reference: the policy, adapters off, scored the
         with model.adapters_off():                   # policy's way (fused head, logits_to_keep), not full logits
             return token_logprobs_and_entropy(model.policy, input_ids, attention_mask, logits_to_keep, temperature,
-                                              compute_entropy, chunk_size, position_ids, forward, fused_head,
-                                              padding_free)
+                                              compute_entropy, position_ids, path)
     model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
     if position_ids is not None:
         model_inputs["position_ids"] = position_ids
     completion_ids = input_ids[:, -logits_to_keep:]                             # (B, K)
-    scoring = (temperature, compute_entropy, chunk_size)
-    head = scoring_head(model) if fused_head else None
-    if forward != "hf" and use_manual_forward(model, forward):
+    scoring = (temperature, compute_entropy, path.chunk_size)
+    head = scoring_head(model) if path.fused_head else None
+    if path.forward != "hf" and use_manual_forward(model, path.forward):
         logps, entropies = _manual_forward_logps(model, input_ids, attention_mask, position_ids, logits_to_keep,
-                                                 scoring, padding_free)
+                                                 scoring, path.padding_free)
     elif head is not None:
         logps, entropies = _head_scored_logps(model, head, model_inputs, completion_ids, scoring)
     else:

@@ -7,6 +7,7 @@ whole completion). A row whose gold is missing or of the other kind gets None ("
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -41,60 +42,40 @@ def _numbers_equal(a: Fraction, b: Fraction, rel_tol: float) -> bool:
     return abs(a - b) <= Fraction(rel_tol) * max(abs(a), abs(b))
 
 
-def _score(
-    text: str,
-    gold: ParsedGold,
-    *,
-    letters: str,
-    answer_tag: str | None,
-    require_boxed: bool,
-    rel_tol: float,
-    correct: float,
-    incorrect: float,
-) -> float:
-    answer = _answer_text(text, answer_tag)
+@dataclass(frozen=True)
+class _Grading:
+    """How a correctness reward reads an answer and scores it: its factory's keywords."""
+
+    letters: str  # the choice letters a gold or an answer may be; "" = numbers only
+    answer_tag: str | None  # the answer is this section's text; None = the whole completion
+    require_boxed: bool  # a choice counts only as \boxed{X}, not as a bare letter
+    rel_tol: float  # numbers this close (relative) count as equal; 0 = exactly
+    correct: float  # the reward of a right answer
+    incorrect: float  # the reward of a wrong answer, or of none
+
+
+def _score(text: str, gold: ParsedGold, grading: _Grading) -> float:
+    answer = _answer_text(text, grading.answer_tag)
     if answer is None:  # no answer section: nothing was answered
-        return incorrect
+        return grading.incorrect
     if gold.kind == "choice":
-        hit = extract_choice(answer, letters, require_boxed=require_boxed) == gold.value
+        hit = extract_choice(answer, grading.letters, require_boxed=grading.require_boxed) == gold.value
     else:
-        value = extract_number(answer)
-        hit = value is not None and _numbers_equal(value, gold.value, rel_tol)  # type: ignore[arg-type]
-    return correct if hit else incorrect
+        value, tolerance = extract_number(answer), grading.rel_tol
+        hit = value is not None and _numbers_equal(value, gold.value, tolerance)  # type: ignore[arg-type]
+    return grading.correct if hit else grading.incorrect
 
 
-def _make(
-    metric: str,
-    kinds: frozenset[str],
-    *,
-    letters: str,
-    gold_column: str,
-    answer_tag: str | None,
-    require_boxed: bool,
-    rel_tol: float,
-    correct: float,
-    incorrect: float,
-) -> RewardFunction:
+def _make(metric: str, kinds: frozenset[str], gold_column: str, grading: _Grading) -> RewardFunction:
     def reward(prompts: list, completions: list, **kwargs: Any) -> list[RewardValue]:
         golds = _gold_column(kwargs, gold_column, len(completions), metric)
         out: list[RewardValue] = []
         for text, raw in zip(texts(completions), golds):
-            gold = parse_gold(raw, letters)
+            gold = parse_gold(raw, grading.letters)
             if gold is None or gold.kind not in kinds:
                 out.append(None)
                 continue
-            out.append(
-                _score(
-                    text,
-                    gold,
-                    letters=letters,
-                    answer_tag=answer_tag,
-                    require_boxed=require_boxed,
-                    rel_tol=rel_tol,
-                    correct=correct,
-                    incorrect=incorrect,
-                )
-            )
+            out.append(_score(text, gold, grading))
         return out
 
     return named(reward, metric)
@@ -110,17 +91,9 @@ def multiple_choice(
 ) -> RewardFunction:
     """`correct` when the answer section's last `\\boxed{X}` (or, with `require_boxed=False`, a bare
     letter) equals the gold letter, else `incorrect`; None where the gold is missing or not a letter."""
-    return _make(
-        "multiple_choice",
-        frozenset({"choice"}),
-        letters=letters,
-        gold_column=gold_column,
-        answer_tag=answer_tag,
-        require_boxed=require_boxed,
-        rel_tol=0.0,
-        correct=correct,
-        incorrect=incorrect,
-    )
+    grading = _Grading(letters=letters, answer_tag=answer_tag, require_boxed=require_boxed, rel_tol=0.0,
+                       correct=correct, incorrect=incorrect)
+    return _make("multiple_choice", frozenset({"choice"}), gold_column, grading)
 
 
 def numeric(
@@ -133,17 +106,9 @@ def numeric(
     """`correct` when the answer section's number (last `\\boxed{}`, else last number) equals the gold
     number exactly (0.5 = 1/2 = .50; "1,234" = 1234) or within `rel_tol`; None where the gold is missing
     or not a number."""
-    return _make(
-        "numeric",
-        frozenset({"number"}),
-        letters="",
-        gold_column=gold_column,
-        answer_tag=answer_tag,
-        require_boxed=True,
-        rel_tol=rel_tol,
-        correct=correct,
-        incorrect=incorrect,
-    )
+    grading = _Grading(letters="", answer_tag=answer_tag, require_boxed=True, rel_tol=rel_tol,
+                       correct=correct, incorrect=incorrect)
+    return _make("numeric", frozenset({"number"}), gold_column, grading)
 
 
 def correctness(
@@ -157,14 +122,6 @@ def correctness(
 ) -> RewardFunction:
     """Dispatch on each row's gold: a letter → `multiple_choice`, a number → `numeric`; None where the gold
     is missing or unparseable (see `parse_gold`)."""
-    return _make(
-        "correctness",
-        frozenset({"choice", "number"}),
-        letters=letters,
-        gold_column=gold_column,
-        answer_tag=answer_tag,
-        require_boxed=require_boxed,
-        rel_tol=rel_tol,
-        correct=correct,
-        incorrect=incorrect,
-    )
+    grading = _Grading(letters=letters, answer_tag=answer_tag, require_boxed=require_boxed, rel_tol=rel_tol,
+                       correct=correct, incorrect=incorrect)
+    return _make("correctness", frozenset({"choice", "number"}), gold_column, grading)

@@ -24,6 +24,7 @@ from grpo_core.common.options import ConfigError, Options, option
 from grpo_core.rollout.hf import HFGenerateBackend
 from grpo_core.rollout.manual import ManualDecodeBackend, unsupported_reason
 from grpo_core.rollout.types import (
+    Placement,
     RolloutBackend,
     RolloutBatch,
     SamplingParams,
@@ -33,7 +34,10 @@ from grpo_core.rollout.types import (
     left_pad,
     pad_and_eos_ids,
 )
-from grpo_core.rollout.vllm import VLLMBackend  # light: vllm itself is imported when an engine is built
+from grpo_core.rollout.vllm import (  # light: vllm itself is imported when an engine is built
+    EngineSettings,
+    VLLMBackend,
+)
 from grpo_core.rollout.vllm_server import VLLMServerBackend  # torch and the standard library only
 
 # generate / vLLM arguments the trainer sets itself: shapes, stopping and log-probs depend on them
@@ -119,8 +123,8 @@ class GenerationConfig(Options):
                               f"they exist); the rest of {sorted(reserved)} decides shapes and stopping")
 
 
-__all__ = ["GenerationConfig", "HFGenerateBackend", "ManualDecodeBackend", "VLLMBackend", "VLLMServerBackend", "RolloutBackend",
-           "RolloutBatch", "SamplingParams",
+__all__ = ["EngineSettings", "GenerationConfig", "HFGenerateBackend", "ManualDecodeBackend", "Placement",
+           "VLLMBackend", "VLLMServerBackend", "RolloutBackend", "RolloutBatch", "SamplingParams",
            "assemble_batch", "backend_for", "sampling_params", "completion_mask_from_eos", "decode_completions", "default_backend",
            "left_pad", "pad_and_eos_ids"]
 
@@ -140,13 +144,12 @@ def sampling_params(g, *, temperature: float | None = None, max_completion_lengt
 
 
 def backend_for(model: torch.nn.Module, tokenizer, g, *, seed: int, max_prompt_length: int | None,
-                max_completion_length: int | None = None, return_logprobs: bool = False, rank: int = 0,
-                local_rank: int = 0, world_size: int = 1, dtype: torch.dtype | None = None):
+                return_logprobs: bool = False, place: Placement = Placement(), dtype: torch.dtype | None = None):
     """The rollout backend params.yaml ``generation`` (a GenerationConfig) names, with its engine options: the
     trainer, calibrate and evaluate all sample through this, so they sample the same way.
 
-    seed: the engine's (vLLM). max_prompt_length, max_completion_length (None = generation's): the longest
-    sequence a vLLM engine is sized for. return_logprobs: vLLM batches carry the engine's log-probs (the
+    seed: the engine's (vLLM). max_prompt_length + ``g.max_completion_length``: the longest sequence a vLLM engine
+    is sized for. place: this training process. return_logprobs: vLLM batches carry the engine's log-probs (the
     trainer's importance-sampling correction and OPSM need them). dtype: a vLLM engine's weights (the trainer passes
     ``model.dtype``: its float32 masters are cast on every copy; None = the model's own). ``generation.vllm_mode:
     server``: the client of a running ``python -m flows.serve`` instead of an engine in this process."""
@@ -156,14 +159,12 @@ def backend_for(model: torch.nn.Module, tokenizer, g, *, seed: int, max_prompt_l
         return default_backend(model, tokenizer, choice, static_cache=static)
     if g.vllm_mode == "server":  # the engine runs elsewhere, sized by its own --max-model-len
         return VLLMServerBackend(model, tokenizer, host=g.vllm_server_host, port=g.vllm_server_port,
-                                 group_port=g.vllm_group_port, timeout=g.vllm_server_timeout, rank=rank,
-                                 world_size=world_size, return_logprobs=return_logprobs)
-    longest = max_completion_length or g.max_completion_length
-    return default_backend(
-        model, tokenizer, "vllm", gpu_memory_utilization=g.vllm_gpu_memory_utilization,
-        enable_sleep_mode=g.vllm_enable_sleep_mode, seed=seed, rank=rank, local_rank=local_rank,
-        world_size=world_size, return_logprobs=return_logprobs, dtype=dtype,
-        max_model_length=max_prompt_length and max_prompt_length + longest)
+                                 group_port=g.vllm_group_port, timeout=g.vllm_server_timeout, place=place,
+                                 return_logprobs=return_logprobs)
+    settings = EngineSettings(gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+                              enable_sleep_mode=g.vllm_enable_sleep_mode, seed=seed, dtype=dtype,
+                              max_model_length=max_prompt_length and max_prompt_length + g.max_completion_length)
+    return default_backend(model, tokenizer, "vllm", settings=settings, place=place, return_logprobs=return_logprobs)
 
 
 def default_backend(model: torch.nn.Module, tokenizer, choice: str = "auto", static_cache: bool | None = None,

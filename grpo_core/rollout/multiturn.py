@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpo_core.rollout.types import RolloutBackend, RolloutBatch, SamplingParams, left_pad
+from grpo_core.rollout.types import RolloutBackend, RolloutBatch, SamplingParams, left_pad, pad_and_eos_ids
 from grpo_core.tools import RolloutTools, ToolChat, run_calls
 
 
@@ -72,16 +72,21 @@ class ToolRollouts:
         return sum(self.failures)
 
 
+@dataclass(frozen=True)
+class TurnLimits:
+    """How long a conversation may go on besides its token budget (``sampling.max_new_tokens``)."""
+
+    max_iterations: int | None = None  # tool-calling turns at most; None = until no row calls a tool
+    timeout_s: float | None = None     # per tool call
+
+
 def generate_with_tools(backend: RolloutBackend, chat: ToolChat, prompt_ids: list[list[int]], num_generations: int,
-                        tools: list[RolloutTools], sampling: SamplingParams, *, pad_id: int, eos_ids: list[int],
-                        max_iterations: int | None, timeout_s: float | None) -> ToolRollouts:
+                        tools: list[RolloutTools], sampling: SamplingParams, limits: TurnLimits) -> ToolRollouts:
     """Sample ``num_generations`` conversations per prompt; ``prompt_ids`` and ``tools`` have one entry per row
     (N = P * G, rows of a prompt consecutive; an environment's reset may give a rollout a prompt of its own).
-
-    max_iterations: tool-calling turns at most (None = until no row calls a tool or the budget is spent).
-    timeout_s: per tool call. The completion budget is ``sampling.max_new_tokens`` over every turn and tool block.
+    The completion budget is ``sampling.max_new_tokens`` over every turn and tool block.
     """
-    budget = sampling.max_new_tokens
+    budget, max_iterations = sampling.max_new_tokens, limits.max_iterations
     rows = [Conversation(list(p), t) for p, t in zip(prompt_ids, tools, strict=True)]
     first = _first_turn(backend, prompt_ids, num_generations, sampling)
     for i, row in enumerate(rows):
@@ -91,7 +96,7 @@ def generate_with_tools(backend: RolloutBackend, chat: ToolChat, prompt_ids: lis
     active = [r for r in rows if r.pending]
     iteration = 0
     while active and (max_iterations is None or iteration < max_iterations):
-        results = run_calls([(r.tools.functions, r.pending) for r in active], timeout_s)
+        results = run_calls([(r.tools.functions, r.pending) for r in active], limits.timeout_s)
         contexts, continuing = [], []
         for row, res in zip(active, results):
             row.calls += len(res)  # counted whether or not the results fit (as TRL counts)
@@ -115,6 +120,7 @@ def generate_with_tools(backend: RolloutBackend, chat: ToolChat, prompt_ids: lis
                 _take_turn(chat, row, ids, prefix)
         active = [r for r in continuing if r.pending]
         iteration += 1
+    pad_id, eos_ids = pad_and_eos_ids(chat.tokenizer)
     batch = _assemble(rows, pad_id, eos_ids, with_logps=first.sampling_logps is not None)
     return ToolRollouts(batch, [r.messages for r in rows], [r.calls for r in rows], [r.failures for r in rows],
                         [r.turns for r in rows])

@@ -38,7 +38,7 @@ from grpo_core.rollout import (
     pad_and_eos_ids,
 )
 from grpo_core.rollout.custom import RolloutContext, run_rollout_func
-from grpo_core.rollout.multiturn import ToolRollouts, generate_with_tools
+from grpo_core.rollout.multiturn import ToolRollouts, TurnLimits, generate_with_tools
 from grpo_core.tools import Toolbox, ToolChat, close_all
 
 
@@ -99,33 +99,40 @@ def _reward_columns(rows: Sequence[dict], repeat: int) -> dict[str, list[Any]]:
     return {k: [row.get(k) for row in rows for _ in range(repeat)] for k in keys}
 
 
+@dataclass(frozen=True)
+class SamplePlan:
+    """How ``sample_and_score`` draws and scores: G completions per prompt, ``batch_size`` prompts per call."""
+
+    num_generations: int
+    sampling: SamplingParams                     # greedy: do_sample=False with num_generations=1
+    batch_size: int                              # prompts per generate call (batch_size * G sequences)
+    seed: int | None = None                      # torch.manual_seed before sampling; None leaves the RNG alone
+    on_error: Literal["raise", "none"] = "raise"  # a reward function that raises: fail, or score None
+    reward_timeout_s: float | None = None        # per reward call; a call past it scores None (timeout_counts)
+    keep_batches: bool = False                   # keep each batch's token tensors (the trainer trains on them)
+    tools: Toolbox | None = None                 # sample conversations with these tools (module docstring)
+    rollout_func: Callable | None = None         # the user's rollout instead (train.rollout_func, rollout/custom.py)
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 1:
+            raise ValueError(f"sample_and_score: num_generations must be >= 1, got {self.num_generations}")
+        if self.batch_size < 1:
+            raise ValueError(f"sample_and_score: batch_size must be >= 1, got {self.batch_size}")
+
+
 def sample_and_score(model, tokenizer, rows: Sequence[dict], encoder: PromptEncoder, reward_fns: Sequence,
-                     *, num_generations: int, sampling: SamplingParams, batch_size: int,
-                     on_error: Literal["raise", "none"] = "raise", seed: int | None = None,
-                     backend: Any = None, reward_timeout_s: float | None = None,
-                     row_ids: Sequence[int] | None = None, keep_batches: bool = False,
-                     tools: Toolbox | None = None, rollout_func: Callable | None = None) -> SampleResult:
-    """Sample ``num_generations`` completions for each row's prompt and score them with ``reward_fns``.
+                     plan: SamplePlan, *, backend: Any = None,
+                     row_ids: Sequence[int] | None = None) -> SampleResult:
+    """Sample ``plan.num_generations`` completions for each row's prompt and score them with ``reward_fns``.
 
     rows: dicts with ``prompt`` (string or chat messages) and the columns reward functions read
-    (``answer`` ...). encoder: turns a prompt into ids (chat template, left truncation). batch_size:
-    prompts per ``generate`` call (each call samples batch_size * G sequences). sampling: use
-    ``do_sample=False`` with ``num_generations=1`` for greedy decoding. seed: ``torch.manual_seed(seed)``
-    before sampling (None leaves the global RNG alone). backend: a ``RolloutBackend`` to use instead of
-    ``default_backend(model, tokenizer)``. reward_timeout_s: per-call limit of a reward function (a call
-    that times out scores None for its samples and is counted in ``timeout_counts``). row_ids: each row's
-    index in its dataset, named in prompt errors (default: its position in ``rows``). keep_batches: keep each
-    batch's token tensors in ``SampleResult.batches`` (the trainer trains on them). tools: sample conversations
-    with these tools and environments (module docstring). rollout_func: the user's own rollout instead
-    (train.rollout_func, grpo_core/rollout/custom.py).
+    (``answer`` ...). encoder: turns a prompt into ids (chat template, left truncation). backend: a
+    ``RolloutBackend`` to use instead of ``default_backend(model, tokenizer)``. row_ids: each row's index in its
+    dataset, named in prompt errors (default: its position in ``rows``).
     """
-    if num_generations < 1:
-        raise ValueError(f"sample_and_score: num_generations must be >= 1, got {num_generations}")
-    if batch_size < 1:
-        raise ValueError(f"sample_and_score: batch_size must be >= 1, got {batch_size}")
     rows = list(rows)
     names = [getattr(fn, "__name__", repr(fn)) for fn in reward_fns]
-    G = num_generations
+    G = plan.num_generations
     if not rows:
         return SampleResult(G, [], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool),
                             np.zeros((0, len(names))), names, {n: 0 for n in names})
@@ -133,10 +140,10 @@ def sample_and_score(model, tokenizer, rows: Sequence[dict], encoder: PromptEnco
         if "prompt" not in row:
             raise ValueError(f"sample_and_score: row {i} has no 'prompt' column (columns: {sorted(row)})")
     backend = backend if backend is not None else default_backend(model, tokenizer)
-    if seed is not None:
-        torch.manual_seed(seed)
+    if plan.seed is not None:
+        torch.manual_seed(plan.seed)
 
-    chat = ToolChat.for_tokenizer(tokenizer, encoder.chat_template_kwargs) if tools is not None else None
+    chat = ToolChat.for_tokenizer(tokenizer, encoder.chat_template_kwargs) if plan.tools is not None else None
     texts: list[str] = []
     lengths, truncated, rewards = [], [], []  # per batch: (n,) int, (n,) bool, (n, K) float64
     errors: dict[str, int] = {n: 0 for n in names}
@@ -144,15 +151,15 @@ def sample_and_score(model, tokenizer, rows: Sequence[dict], encoder: PromptEnco
     row_ids = list(row_ids) if row_ids is not None else list(range(len(rows)))
     generation_time, batches = 0.0, []
     conversations: list[ToolRollouts] = []
-    for start in range(0, len(rows), batch_size):
-        batch_rows, batch_ids = rows[start:start + batch_size], row_ids[start:start + batch_size]
+    for start in range(0, len(rows), plan.batch_size):
+        batch_rows, batch_ids = rows[start:start + plan.batch_size], row_ids[start:start + plan.batch_size]
         t0 = time.perf_counter()
-        drawn = (_draw_custom(rollout_func, backend, tokenizer, batch_rows, G, sampling) if rollout_func is not None
-                 else _draw(backend, tokenizer, encoder, batch_rows, batch_ids, G, sampling, tools, chat))
+        drawn = (_draw_custom(plan, backend, tokenizer, batch_rows) if plan.rollout_func is not None
+                 else _draw(plan, backend, tokenizer, encoder, batch_rows, batch_ids, chat))
         generation_time += time.perf_counter() - t0
         batch = drawn.batch
         try:
-            if keep_batches:
+            if plan.keep_batches:
                 batches.append(batch)
             batch_texts = decode_completions(tokenizer, batch)
             completions = drawn.completions or [completion_for_reward(t, p) for t, p in zip(batch_texts, drawn.prompts)]
@@ -160,8 +167,8 @@ def sample_and_score(model, tokenizer, rows: Sequence[dict], encoder: PromptEnco
             columns["completion_ids"] = [ids[m.bool()].tolist()
                                          for ids, m in zip(batch.completion_ids, batch.completion_mask)]
             if reward_fns:
-                scored = score_completions(list(reward_fns), drawn.prompts, completions, columns, on_error=on_error,
-                                           timeout_s=reward_timeout_s)
+                scored = score_completions(list(reward_fns), drawn.prompts, completions, columns,
+                                           on_error=plan.on_error, timeout_s=plan.reward_timeout_s)
                 scores = scored.rewards
                 for k, v in scored.error_counts.items():
                     errors[k] = errors.get(k, 0) + v
@@ -202,10 +209,11 @@ class _Drawn:
     rollouts: ToolRollouts | None = None
 
 
-def _draw(backend, tokenizer, encoder: PromptEncoder, rows: list[dict], row_ids: list[int], G: int,
-          sampling: SamplingParams, tools: Toolbox | None, chat: ToolChat | None) -> _Drawn:
+def _draw(plan: SamplePlan, backend, tokenizer, encoder: PromptEncoder, rows: list[dict], row_ids: list[int],
+          chat: ToolChat | None) -> _Drawn:
     """G completions of each row's prompt: one ``generate`` call, or with tools conversations, each rollout with its
     own tools (and environment, reset with its row, its observation appended to its prompt)."""
+    G, sampling, tools = plan.num_generations, plan.sampling, plan.tools
     if tools is None:
         prompt_ids = [encoder.encode(r["prompt"], row=i) for i, r in zip(row_ids, rows)]
         return _Drawn(backend.generate(prompt_ids, G, sampling), [r["prompt"] for r in rows for _ in range(G)])
@@ -217,9 +225,8 @@ def _draw(backend, tokenizer, encoder: PromptEncoder, rows: list[dict], row_ids:
         encoded: dict[str, list[int]] = {}  # a group's rollouts mostly share their prompt
         prompt_ids = [_encode_once(encoder, encoded, p, i, t.schemas)
                       for p, (_, i), t in zip(prompts, per_rollout, opened)]
-        pad_id, eos_ids = pad_and_eos_ids(tokenizer)
-        rollouts = generate_with_tools(backend, chat, prompt_ids, G, opened, sampling, pad_id=pad_id, eos_ids=eos_ids,
-                                       max_iterations=tools.max_iterations, timeout_s=tools.timeout_s or None)
+        rollouts = generate_with_tools(backend, chat, prompt_ids, G, opened, sampling,
+                                       TurnLimits(tools.max_iterations, tools.timeout_s or None))
     except BaseException:
         close_all(opened)
         raise
@@ -229,13 +236,13 @@ def _draw(backend, tokenizer, encoder: PromptEncoder, rows: list[dict], row_ids:
     return _Drawn(rollouts.batch, prompts, rollouts.completions, columns, opened, rollouts)
 
 
-def _draw_custom(rollout_func: Callable, backend, tokenizer, rows: list[dict], G: int,
-                 sampling: SamplingParams) -> _Drawn:
+def _draw_custom(plan: SamplePlan, backend, tokenizer, rows: list[dict]) -> _Drawn:
     """G completions of each row's prompt from the user's rollout function (TRL's ``rollout_func``); the extra
     keys it returns are reward columns."""
+    G, sampling = plan.num_generations, plan.sampling
     prompts = [r["prompt"] for r in rows for _ in range(G)]
     pad_id, eos_ids = pad_and_eos_ids(tokenizer)
-    batch, extra = run_rollout_func(rollout_func, prompts, RolloutContext(backend, tokenizer, sampling, G),
+    batch, extra = run_rollout_func(plan.rollout_func, prompts, RolloutContext(backend, tokenizer, sampling, G),
                                     pad_id=pad_id, eos_ids=eos_ids)
     return _Drawn(batch, prompts, columns={**extra, "completion_lengths": batch.completion_lengths.tolist()})
 

@@ -16,6 +16,16 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class Placement:
+    """This process among the training processes: each process's vLLM engine joins their rendezvous, and rank 0
+    alone pushes weights to a vLLM server."""
+
+    rank: int = 0
+    local_rank: int = 0  # the process's index on its machine (its GPU)
+    world_size: int = 1
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int
     temperature: float = 1.0

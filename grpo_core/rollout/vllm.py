@@ -42,12 +42,20 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
 from grpo_core.common.errors import ConfigurationError
 from grpo_core.common.rng import rng_state, set_rng_state
-from grpo_core.rollout.types import RolloutBatch, SamplingParams, assemble_batch, left_pad, pad_and_eos_ids
+from grpo_core.rollout.types import (
+    Placement,
+    RolloutBatch,
+    SamplingParams,
+    assemble_batch,
+    left_pad,
+    pad_and_eos_ids,
+)
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +157,13 @@ def kv_cache_bytes(config, dtype: torch.dtype, max_model_length: int, num_seqs: 
 
 
 @contextmanager
-def _rendezvous(rank: int, local_rank: int, world_size: int):
+def _rendezvous(place: Placement):
     """The torch.distributed rendezvous external_launcher reads from the environment while the engine starts (it
     runs the engine inside this process and joins the trainer's group, or makes its own when there is none):
     those `accelerate launch` set are kept, the missing ones set for the start only, so no later process
     launched from this one inherits them."""
-    wanted = {"RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world_size, "MASTER_ADDR": "localhost"}
+    wanted = {"RANK": place.rank, "LOCAL_RANK": place.local_rank, "WORLD_SIZE": place.world_size,
+              "MASTER_ADDR": "localhost"}
     if "MASTER_PORT" not in os.environ:
         wanted["MASTER_PORT"] = _free_port()
     added = [key for key in wanted if key not in os.environ]
@@ -191,19 +200,27 @@ class _ProcessStateKept:
         return False
 
 
-def build_engine(model: torch.nn.Module, *, gpu_memory_utilization: float, enable_sleep_mode: bool,
-                 max_model_length: int | None, seed: int, rank: int = 0, local_rank: int = 0, world_size: int = 1,
-                 dtype: torch.dtype | None = None):
-    """A vLLM ``LLM`` for ``model``'s architecture, in this process, on the policy's device (GPU or CPU).
+@dataclass(frozen=True)
+class EngineSettings:
+    """A colocated engine's settings (params.yaml ``generation.vllm_*``, the run's seed and lengths)."""
 
-    enable_sleep_mode: asked for; granted only where the engine has it (not on CPU). dtype: the engine's weights
-    (``model.dtype``: the trainer's float32 masters are cast to it on every copy; None = the policy's). Any failure
-    to start is a VLLMUnavailable carrying the engine's own reason."""
+    gpu_memory_utilization: float = 0.3
+    enable_sleep_mode: bool = True         # asked for; granted only where the engine has it (not on CPU)
+    max_model_length: int | None = None    # the longest prompt + completion; None = the model's own
+    seed: int = 0                          # each process's engine draws with seed + rank
+    dtype: torch.dtype | None = None       # the engine's weights (the trainer's float32 masters are cast on copy)
+
+
+def build_engine(model: torch.nn.Module, settings: EngineSettings, place: Placement = Placement()):
+    """A vLLM ``LLM`` for ``model``'s architecture, in this process, on the policy's device (GPU or CPU); its
+    weights in ``settings.dtype`` (None = the policy's). Any failure to start is a VLLMUnavailable carrying the
+    engine's own reason."""
     config = base_model(model).config
-    options = engine_options(model_source(model), dtype or next(base_model(model).parameters()).dtype, config,
-                             gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
-                             max_model_length=max_model_length, seed=seed + rank)
-    return start_engine(options, rank=rank, local_rank=local_rank, world_size=world_size)
+    options = engine_options(model_source(model), settings.dtype or next(base_model(model).parameters()).dtype,
+                             config, gpu_memory_utilization=settings.gpu_memory_utilization,
+                             enable_sleep_mode=settings.enable_sleep_mode, max_model_length=settings.max_model_length,
+                             seed=settings.seed + place.rank)
+    return start_engine(options, place)
 
 
 def engine_options(source: str, dtype: torch.dtype, config, *, gpu_memory_utilization: float,
@@ -223,13 +240,13 @@ def engine_options(source: str, dtype: torch.dtype, config, *, gpu_memory_utiliz
     return options
 
 
-def start_engine(options: dict, rank: int = 0, local_rank: int = 0, world_size: int = 1):
+def start_engine(options: dict, place: Placement = Placement()):
     """``vllm.LLM(**options)`` in this process, the process's RNGs and thread setting kept; a failure to start is
     a VLLMUnavailable with the engine's own reason."""
     vllm = import_vllm()
     started = time.perf_counter()
     try:
-        with _ProcessStateKept(), _rendezvous(rank, local_rank, world_size):
+        with _ProcessStateKept(), _rendezvous(place):
             llm = vllm.LLM(**options)
     except Exception as err:  # the engine's own reason, whatever its type, as a configuration error
         raise VLLMUnavailable(f"generation.backend: vllm: the engine for {options['model']} did not start: "
@@ -439,25 +456,21 @@ def rollout_batch(prompt_ids: list[list[int]], num_generations: int, outputs: li
 class VLLMBackend:
     """``RolloutBackend`` over a colocated vLLM engine (see the module docstring for the phases)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, *, gpu_memory_utilization: float = 0.3,
-                 enable_sleep_mode: bool = True, max_model_length: int | None = None, seed: int = 0, rank: int = 0,
-                 local_rank: int = 0, world_size: int = 1, engine=None, return_logprobs: bool = False,
-                 dtype: torch.dtype | None = None):
-        """engine: an already-built ``vllm.LLM`` (or a stand-in with its interface); None builds one.
-        enable_sleep_mode: release the engine's memory between rounds where the engine can (not on CPU).
-        return_logprobs: batches carry the engine's log-prob of each sampled token (``sampling_logps``).
-        dtype: the engine's weights (None = the policy's)."""
+    def __init__(self, model: torch.nn.Module, tokenizer, settings: EngineSettings = EngineSettings(), *,
+                 place: Placement = Placement(), engine=None, return_logprobs: bool = False):
+        """engine: an already-built ``vllm.LLM`` (or a stand-in with its interface); None builds one from
+        ``settings``. settings.enable_sleep_mode: release the engine's memory between rounds where the engine can
+        (not on CPU). return_logprobs: batches carry the engine's log-prob of each sampled token
+        (``sampling_logps``)."""
         self.model = model
         self.return_logprobs = return_logprobs
         self.pad_id, self.eos_ids = pad_and_eos_ids(tokenizer)
         self.owns_engine = engine is None  # close() stops only an engine built here
         if engine is None:
             check_can_run(model)
-            engine = build_engine(model, gpu_memory_utilization=gpu_memory_utilization,
-                                  enable_sleep_mode=enable_sleep_mode, max_model_length=max_model_length,
-                                  seed=seed, rank=rank, local_rank=local_rank, world_size=world_size, dtype=dtype)
+            engine = build_engine(model, settings, place)
         self.llm = engine
-        self.enable_sleep_mode = enable_sleep_mode and has_sleep_mode(engine)
+        self.enable_sleep_mode = settings.enable_sleep_mode and has_sleep_mode(engine)
         self.weights_stale = True  # the engine loaded the base files; the policy may differ (resume, warm start)
         self.asleep = False
         if self.enable_sleep_mode:

@@ -41,7 +41,7 @@ from types import SimpleNamespace
 import torch
 
 from grpo_core.common.errors import TransientFailure
-from grpo_core.rollout.types import RolloutBatch, SamplingParams, pad_and_eos_ids
+from grpo_core.rollout.types import Placement, RolloutBatch, SamplingParams, pad_and_eos_ids
 from grpo_core.rollout.vllm import (
     VLLMUnavailable,
     engine_entries,
@@ -204,18 +204,19 @@ class VLLMServerBackend:
     the next ``generate`` (on rank 0) pushes them first, once however many syncs came before."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, host: str = "127.0.0.1", port: int = 8000,
-                 group_port: int = 51216, timeout: float = 240.0, rank: int = 0, world_size: int = 1,
+                 group_port: int = 51216, timeout: float = 240.0, place: Placement = Placement(),
                  return_logprobs: bool = False):
         """host, port: flows.serve's HTTP address; group_port: the weight-sync group's rendezvous on that host;
-        timeout: seconds any wait on the server may take; rank, world_size: the training processes (rank 0
-        pushes weights); return_logprobs: batches carry the engine's sampled-token log-probs."""
+        timeout: seconds any wait on the server may take; place: this training process (rank 0 pushes weights);
+        return_logprobs: batches carry the engine's sampled-token log-probs."""
+        rank = place.rank
         self.model, self.rank, self.return_logprobs = model, rank, return_logprobs
         self.pad_id, self.eos_ids = pad_and_eos_ids(tokenizer)
         self.server = ServerConnection(host, port, timeout)
         info = self.server.wait_until_healthy()
         self.dtype = getattr(torch, info["dtype"])  # weights go out in the engine's dtype
         self.group = self._join_group(group_port, info) if rank == 0 else None
-        if world_size > 1 and torch.distributed.is_initialized():
+        if place.world_size > 1 and torch.distributed.is_initialized():
             torch.distributed.barrier()  # the server's version count restarts at rank 0's join, before any request
         self.version = 1  # the weights the next round needs: the policy's, which may differ from the files'
         self.pushed = 0  # the version the server holds (rank 0's knowledge)

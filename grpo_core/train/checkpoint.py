@@ -85,21 +85,33 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optimizer_state: dict, scheduler,
-                    state: dict, rollout_buffer: dict | None = None, weights: dict[str, torch.Tensor] | None = None,
-                    pending_groups: list[dict | None] | None = None, ahead_round: dict | None = None,
-                    reference: dict[str, torch.Tensor] | None = None, rng_states: list[dict] | None = None,
-                    keep_last: int | None = None, keep_step: int | None = None) -> Path:
-    """Write checkpoint-<step> atomically; prune to the newest ``keep_last`` and checkpoint-<keep_step> (the best
-    one, kept beside them as transformers' Trainer keeps its best). Returns the final path.
+@dataclass(frozen=True)
+class CheckpointContents:
+    """What one checkpoint holds (the module docstring names each file); a None field writes no file."""
 
-    optimizer_state: ``optimizer.state_dict()`` (plain format). weights: the model's whole weights when the
-    model itself holds only a shard (FSDP2, gathered by ``model.sharding.gather_weights``); else the model's
-    own are saved. reference: the synced reference's whole weights (its state dict, or gathered).
-    rng_states: every process's ``rng_state()`` in rank order (None: this process's alone).
-    """
+    model: Any                  # saved with ``save_pretrained`` (under LoRA, peft's adapters alone)
+    tokenizer: Any
+    optimizer_state: dict       # ``optimizer.state_dict()`` (plain format)
+    scheduler: Any              # its ``state_dict()`` is saved
+    state: dict                 # trainer_state.json's entries; the step and the RNG states are added to them
+    rollout_buffer: dict | None = None  # the generation round in use, when the step ends inside it
+    # The model's whole weights when it holds only a shard (FSDP2, ``model.sharding.gather_weights``);
+    # None: the model's own are saved.
+    weights: dict[str, torch.Tensor] | None = None
+    pending_groups: list[dict | None] | None = None  # dynamic sampling's pending groups, one per process
+    ahead_round: dict | None = None  # async rollouts: the round sampled ahead
+    reference: dict[str, torch.Tensor] | None = None  # the synced reference's whole weights (TR-DPO)
+    rng_states: list[dict] | None = None  # every process's ``rng_state()`` in rank order (None: this one's)
+
+
+def save_checkpoint(directory: str | Path, step: int, contents: CheckpointContents, *,
+                    keep_last: int | None = None, keep_step: int | None = None) -> Path:
+    """Write checkpoint-<step> with ``contents`` atomically; prune to the newest ``keep_last`` and
+    checkpoint-<keep_step> (the best one, kept beside them as transformers' Trainer keeps its best).
+    Returns the final path."""
     from safetensors.torch import save_file
 
+    c = contents
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"checkpoint-{step}"
@@ -108,22 +120,23 @@ def save_checkpoint(directory: str | Path, step: int, *, model, tokenizer, optim
     tmp = directory / f"checkpoint-{step}.tmp-{os.getpid()}"
     tmp.mkdir()
     try:
-        if weights is None:
-            model.save_pretrained(tmp, safe_serialization=True)
+        if c.weights is None:
+            c.model.save_pretrained(tmp, safe_serialization=True)
         else:  # transformers writes config.json (architecture without the FSDP prefix) and the tensors given
-            model.save_pretrained(tmp, safe_serialization=True, state_dict=untie(weights, model))
-        tokenizer.save_pretrained(tmp)
-        torch.save(optimizer_state, tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        if rollout_buffer is not None:
-            torch.save(rollout_buffer, tmp / "rollout_buffer.pt")
-        if pending_groups is not None:
-            torch.save(pending_groups, tmp / PENDING_FILE)
-        if ahead_round is not None:
-            torch.save(ahead_round, tmp / AHEAD_FILE)
-        if reference is not None:  # a tied tensor once (safetensors refuses shared storage); loading re-ties it
-            save_file(untie(reference, model), tmp / REFERENCE_FILE)
-        full_state = {**state, "step": step, "rng": rng_states if rng_states is not None else [rng_state()]}
+            c.model.save_pretrained(tmp, safe_serialization=True, state_dict=untie(c.weights, c.model))
+        c.tokenizer.save_pretrained(tmp)
+        torch.save(c.optimizer_state, tmp / "optimizer.pt")
+        torch.save(c.scheduler.state_dict(), tmp / "scheduler.pt")
+        if c.rollout_buffer is not None:
+            torch.save(c.rollout_buffer, tmp / "rollout_buffer.pt")
+        if c.pending_groups is not None:
+            torch.save(c.pending_groups, tmp / PENDING_FILE)
+        if c.ahead_round is not None:
+            torch.save(c.ahead_round, tmp / AHEAD_FILE)
+        if c.reference is not None:  # tied tensors once (safetensors refuses shared storage); loading re-ties
+            save_file(untie(c.reference, c.model), tmp / REFERENCE_FILE)
+        rngs = c.rng_states if c.rng_states is not None else [rng_state()]
+        full_state = {**c.state, "step": step, "rng": rngs}
         (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=1))
         write_manifest(tmp)
         _fsync_tree(tmp)
@@ -322,7 +335,7 @@ def load_weights(model, path: Path) -> None:
 
 
 def load_reference(model: torch.nn.Module, path: Path) -> None:
-    """A checkpoint's synced reference weights (``save_checkpoint(reference=...)``) into ``model``."""
+    """A checkpoint's synced reference weights (``CheckpointContents.reference``) into ``model``."""
     from safetensors.torch import load_file, load_model
 
     if is_sharded(model):

@@ -22,7 +22,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from grpo_core.advantages import AdvantageOptions
-from grpo_core.train.round import Round, assign_advantages, gather_rows, length_metrics, reward_metrics
+from grpo_core.train.round import (
+    Round,
+    Scoring,
+    assign_advantages,
+    gather_rows,
+    length_metrics,
+    reward_metrics,
+)
 
 
 def tied_groups(rewards: torch.Tensor, weights: torch.Tensor, group_size: int, aggregation: str) -> torch.Tensor:
@@ -47,12 +54,12 @@ class Filled:
     metrics: dict[str, float]  # the round's metrics: rewards over everything sampled, and the dynamic/* counts
 
 
-def fill_round(sample, pending: Round | None, *, quota: int, weights: torch.Tensor, a: AdvantageOptions,
-               group_size: int, max_rounds: int, accelerator, reward_names: list[str]) -> Filled:
+def fill_round(sample, pending: Round | None, *, quota: int, scoring: Scoring, a: AdvantageOptions,
+               group_size: int, max_rounds: int, accelerator) -> Filled:
     """Sample with ``sample()`` (-> ``sample_round``'s Round, rewards kept) until this process holds ``quota``
     non-tied groups, or ``max_rounds`` (train.dynamic_sampling_max_rounds) samplings were made; see the module
-    docstring."""
-    G = group_size
+    docstring. scoring: its weights decide the ties and the advantages, its names the reward metrics."""
+    G, weights = group_size, scoring.weights
     kept, tied, attempts = [pending] if pending is not None else [], [], []
     while len(attempts) < max_rounds and _any_process(accelerator, _groups(kept, G) < quota):
         attempt = sample()
@@ -67,7 +74,7 @@ def fill_round(sample, pending: Round | None, *, quota: int, weights: torch.Tens
     round_, rest = pool.rows(slice(0, quota * G)), None
     if have > quota:  # the kept groups beyond the quota wait for the next round; tied ones are dropped for good
         rest = pool.rows(slice(quota * G, None))
-    metrics = _round_metrics(accelerator, attempts, round_, weights, G, reward_names)
+    metrics = _round_metrics(accelerator, attempts, round_, weights, G, scoring.reward_names)
     metrics.update(_counts(accelerator, dropped=sum(len(r) for r in tied) // G, rounds=len(attempts),
                            filled_with_tied=short))
     return Filled(assign_advantages(replace(round_, metrics=metrics), weights, a, G, accelerator), rest, metrics)

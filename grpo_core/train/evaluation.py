@@ -13,6 +13,7 @@ engine, whose sampler keeps its own RNG, up to that engine's state).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from grpo_core.common.rng import rng_state, set_rng_state
 from grpo_core.data.loading import DataConfig, PromptEncoder, load_split
 from grpo_core.evaluation import (
     EvalOptions,
+    Grading,
     eval_metric_names,
     eval_modes,
     score_policy,
@@ -56,11 +58,12 @@ def evaluate_held_out(run: TrainingRun, held_out: HeldOutPrompts) -> dict[str, f
     if acc.is_main_process:
         start, saved = time.perf_counter(), rng_state()
         try:
+            grading = Grading(held_out.reward_fns, held_out.reward_names, held_out.judges, calls.reward_errors,
+                              calls.reward_timeout_s)
+            modes = [dataclasses.replace(mode, tools=run.round_spec.tools, rollout_func=run.round_spec.rollout_func)
+                     for mode in held_out.modes]  # sampled as training samples
             records = score_policy(run.tokenizer, held_out.rows, range(len(held_out.rows)), held_out.encoder,
-                                   held_out.reward_fns, held_out.reward_names, held_out.judges, held_out.modes,
-                                   backend=run.backend, on_error=calls.reward_errors,
-                                   reward_timeout_s=calls.reward_timeout_s, tools=run.round_spec.tools,
-                                   rollout_func=run.round_spec.rollout_func)
+                                   grading, modes, backend=run.backend)
         finally:
             set_rng_state(saved)
         metrics = _eval_metrics(records, run.evaluation, held_out.reward_names, run.round_spec.tools is not None)

@@ -11,7 +11,7 @@ import torch
 
 from grpo_core.common.options import Options, option
 from grpo_core.model.loading import model_device
-from grpo_core.model.logprobs import token_logprobs_and_entropy
+from grpo_core.model.logprobs import ScoringPath, token_logprobs_and_entropy
 from grpo_core.train.batching import trim_padding
 from grpo_core.train.round import Round
 
@@ -39,6 +39,11 @@ class ForwardOptions(Options):
                                         "log-probs")
     disable_dropout: bool = option(False, "set every dropout module of policy and reference to p = 0 (LoRA's "
                                    "adapter dropout too), so training-mode log-probs match the sampling ones")
+
+    def scoring_path(self) -> ScoringPath:
+        """The ``ScoringPath`` these keys ask ``token_logprobs_and_entropy`` for (model/ cannot read them)."""
+        return ScoringPath(forward=self.forward_backend, fused_head=self.fused_lm_head,
+                           padding_free=self.padding_free)
 
 
 @dataclass(frozen=True)
@@ -70,8 +75,7 @@ def policy_logprobs(model, mb: Round, opts: LogprobOptions, compute_entropy: boo
     position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
     logps, entropy = token_logprobs_and_entropy(model, input_ids, attention, logits_to_keep=mask.shape[1],
                                                 temperature=opts.temperature, compute_entropy=compute_entropy,
-                                                position_ids=position_ids, forward=f.forward_backend,
-                                                fused_head=f.fused_lm_head, padding_free=f.padding_free)
+                                                position_ids=position_ids, path=f.scoring_path())
     return logps, entropy, mask
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,31 +33,20 @@ import torch
 from torch.profiler import record_function
 
 from grpo_core.config import PipelineConfig
-from grpo_core.loss import (
-    applied_entropy_coef,
-    high_entropy_mask,
-    next_entropy_coef,
-    sampler_correction,
-)
+from grpo_core.loss import sampler_correction
 from grpo_core.model.fastforward import use_manual_forward
-from grpo_core.model.loading import (
-    DTYPES,
-    load_model,
-)
+from grpo_core.model.loading import DTYPES, load_model
 from grpo_core.model.sharding import clip_gradients, is_sharded
 from grpo_core.train.batching import BatchPlan, length_grouped_order
 from grpo_core.train.checkpoint import latest_valid_checkpoint, remove_stale_temp_dirs
 from grpo_core.train.completions import CompletionLog, as_table, completion_rows
 from grpo_core.train.dynamic import fill_round
-from grpo_core.train.evaluation import (
-    evaluate_held_out,
-    evaluation_due,
-    load_best_weights,
-    update_best,
-)
+from grpo_core.train.entropy import applied_entropy_coef, next_entropy_coef
+from grpo_core.train.evaluation import evaluate_held_out, evaluation_due, load_best_weights, update_best
 from grpo_core.train.export import export_model, whole_model
-from grpo_core.train.forward import frozen_logprobs, policy_logprobs
+from grpo_core.train.forward import frozen_logprobs
 from grpo_core.train.guards import GuardEvent, GuardMonitor, GuardsConfig, GuardStop, decide
+from grpo_core.train.micro_batch import micro_batch_loss
 from grpo_core.train.optim import scale_learning_rate
 from grpo_core.train.parallel import finite_everywhere, gather_values, global_sum
 from grpo_core.train.reference import mix_reference
@@ -76,7 +66,7 @@ from grpo_core.train.step_log import StepLog, metric_columns
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TrainResult", "TrainingError", "PromptSampler", "train"]
+__all__ = ["TrainHooks", "TrainResult", "TrainingError", "PromptSampler", "train"]
 
 
 @dataclass
@@ -106,29 +96,38 @@ class StepGradients:
                                           # process (use_adaptive_entropy only)
 
 
-def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tracker=None,
-          root: str | Path = ".", allowed_prompts: list[int] | None = None, progress: bool = True,
-          log_path: str | Path = "metrics/train_log.csv", backend_factory=None, export: bool = True,
-          sampler_worker: SamplerWorker | None = None) -> TrainResult:
+@dataclass(frozen=True)
+class TrainHooks:
+    """What a caller plugs into ``train()``: its tracker, its rollout backend, a sampler worker it spawned."""
+
+    tracker: Any = None  # log_metrics(dict, step), optionally set_tags(dict) and log_table (e.g. MLflow)
+    backend_factory: Callable | None = None  # (policy, tokenizer) -> backend, instead of generation.backend's
+    # train.async_rollouts: a SamplerWorker spawned early, so that its imports overlap the caller's own set-up
+    # (None: train() spawns one)
+    sampler_worker: SamplerWorker | None = None
+
+
+def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, root: str | Path = ".",
+          allowed_prompts: list[int] | None = None, progress: bool = True,
+          log_path: str | Path = "metrics/train_log.csv", export: bool = True,
+          hooks: TrainHooks | None = None) -> TrainResult:
     """Run GRPO per ``cfg.train``; write checkpoints, the final model and the per-step log.
 
     reward_weights: one per reward function (None = what ``dvc repro`` uses: train.reward_weights when pinned, else
     calibrate's <root>/artifacts/calibration/reward_weights.json, else 1 each; ``train.reward_weights`` module).
-    tracker: an object with ``log_metrics(dict, step)`` and optionally ``set_tags(dict)`` (e.g. MLflow). allowed_prompts: dataset indices to train on
-    (calibration may drop always/never-solved prompts). backend_factory: ``(policy, tokenizer) -> backend``
-    instead of ``generation.backend``'s. export: write the final model (benchmarks leave it out).
-    sampler_worker: under train.async_rollouts, a ``SamplerWorker`` the caller spawned earlier (so its imports
-    overlap the caller's own set-up); train() spawns one otherwise, and stops it at its end either way.
+    allowed_prompts: dataset indices to train on (calibration may drop always/never-solved prompts).
+    export: write the final model (benchmarks leave it out). hooks: the caller's tracker, rollout backend and
+    sampler worker (``TrainHooks``); the sampler worker is stopped at train()'s end, whoever spawned it.
     Resumes from the newest complete checkpoint unless train.resume=never.
     """
-    t, root = cfg.train, Path(root)
+    t, root, hooks = cfg.train, Path(root), hooks or TrainHooks()
     log_path, model_dir = root / log_path, root / t.checkpoints.output_dir / "model"
-    worker = sampler_worker or (SamplerWorker() if t.rollouts.async_rollouts else None)  # spawned first: its imports
-    with worker or contextlib.nullcontext():                                     # overlap the set-up
-        run, prompts = set_up(cfg, root, reward_weights, backend_factory)
+    worker = hooks.sampler_worker or (SamplerWorker() if t.rollouts.async_rollouts else None)
+    with worker or contextlib.nullcontext():  # the worker is spawned first: its imports overlap the set-up
+        run, prompts = set_up(cfg, root, reward_weights, hooks.backend_factory)
         sampler = PromptSampler(len(prompts.dataset), t.seed, allowed_prompts, shuffle=t.batch.shuffle_dataset)
         state, resumed_from = resume_or_start(run, sampler)
-        step_log = open_step_log(run, log_path, prompts.reward_names, state.step)
+        step_log = open_step_log(run, log_path, prompts.scoring.reward_names, state.step)
         samples_log = open_completion_log(run, log_path, state.step)
         monitor = GuardMonitor(cfg.guards)
         bar = _progress_bar(run, state.step) if progress else None
@@ -137,7 +136,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
         run.model.train()
         run.policy.train()  # the masters (a bf16 compute copy is run.model): the sampler worker copies the mode
         if worker is not None:
-            start_sampler(run, cfg.rewards, prompts, worker, backend_factory)
+            start_sampler(run, cfg.rewards, prompts, worker, hooks.backend_factory)
         while state.step < t.max_steps:
             step_start = time.perf_counter()
             if not _inside_round(state, run.plan):
@@ -147,10 +146,10 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
                                                 target=run.entropy.entropy_target)
             grads = accumulate_gradients(run, step_micro_batches(state, run.plan), entropy_coef)
             metrics = step_metrics(run, state, grads)
-            event = guard_decision(run, cfg.guards, monitor, state, metrics, tracker)
+            event = guard_decision(run, cfg.guards, monitor, state, metrics, hooks.tracker)
             if event is not None and event.action == "rollback":
                 state = roll_back(run, state, cfg.guards.rollback_lr_factor)
-                step_log = open_step_log(run, log_path, prompts.reward_names, state.step)
+                step_log = open_step_log(run, log_path, prompts.scoring.reward_names, state.step)
                 samples_log = open_completion_log(run, log_path, state.step)
                 monitor.reset_history()
                 _progress_to(bar, state.step)
@@ -167,8 +166,8 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, tra
             if prompts.held_out is not None and evaluation_due(run.evaluation, state.step, run.max_steps):
                 with record_function("grpo/evaluate"):
                     metrics.update(evaluate_held_out(run, prompts.held_out))
-            log_step(run, state, metrics, step_log, tracker, bar)
-            log_completions(run, state, prompts.reward_names, samples_log, tracker)
+            log_step(run, state, metrics, step_log, hooks.tracker, bar)
+            log_completions(run, state, prompts.scoring.reward_names, samples_log, hooks.tracker)
             save_if_due(run, state, metrics)
     if bar is not None:
         bar.close()
@@ -233,22 +232,23 @@ def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
 
     def sample() -> Round:
         indices = state.sampler.take(per_process * acc.num_processes)[rank * per_process:(rank + 1) * per_process]
-        return sample_round(backend=run.backend, tokenizer=run.tokenizer, rows=[prompts.dataset[i] for i in indices],
-                            row_ids=indices,
-                            encoder=prompts.encoder, reward_fns=prompts.reward_fns, reward_names=prompts.reward_names,
-                            weights=prompts.weights, spec=run.round_spec, accelerator=acc)
+        rows = [prompts.dataset[i] for i in indices]
+        return sample_round(backend=run.backend, tokenizer=run.tokenizer, rows=rows, row_ids=indices,
+                            encoder=prompts.encoder, scoring=prompts.scoring, spec=run.round_spec,
+                            accelerator=acc)
 
+    weights = prompts.scoring.weights
     with record_function("grpo/generate_round"):
         if run.sampler is not None:
-            round_ = assign_advantages(take_round_ahead(run, prompts, state, per_process), prompts.weights,
+            round_ = assign_advantages(take_round_ahead(run, prompts, state, per_process), weights,
                                        run.advantage, plan.group_size, acc)
         elif run.rollouts.dynamic_sampling:
-            filled = fill_round(sample, state.pending, quota=per_process, weights=prompts.weights, a=run.advantage,
-                                group_size=plan.group_size, max_rounds=run.rollouts.dynamic_sampling_max_rounds,
-                                accelerator=acc, reward_names=prompts.reward_names)
+            filled = fill_round(sample, state.pending, quota=per_process, scoring=prompts.scoring,
+                                a=run.advantage, group_size=plan.group_size,
+                                max_rounds=run.rollouts.dynamic_sampling_max_rounds, accelerator=acc)
             round_, state.pending = filled.round, filled.pending
         else:
-            round_ = assign_advantages(sample(), prompts.weights, run.advantage, plan.group_size, acc)
+            round_ = assign_advantages(sample(), weights, run.advantage, plan.group_size, acc)
     ga = plan.micro_batches_per_step
     if run.batch.group_by_length and ga > 1:  # one micro-batch per step: nothing to regroup
         order = length_grouped_order(round_.prompt_mask.sum(1), round_.completion_mask.sum(1), plan.group_size,
@@ -336,41 +336,6 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[Round], entropy_c
     grad_norm = (clip_gradients(run.policy.parameters(), max_norm) if is_sharded(run.model)
                  else acc.clip_grad_norm_(run.policy.parameters(), max_norm))  # the masters' gradients
     return StepGradients(losses, stats, entropies, grad_norm, num_items, local_tokens, window)
-
-
-@dataclass
-class MicroBatchLoss:
-    loss: torch.Tensor             # () with grad, scaled to the step (for backward)
-    stats: dict                    # grpo_loss diagnostics
-    mean_entropy: torch.Tensor     # () detached: mean entropy over the loss tokens (the logged "entropy")
-    trained_entropy: torch.Tensor | None  # (2,) float64: entropy sum and count over the trained tokens
-                                          # (use_adaptive_entropy only)
-
-
-def micro_batch_loss(run: TrainingRun, mb: Round, loss_mask: torch.Tensor, *, num_items: float,
-                     entropy_coef: float) -> MicroBatchLoss:
-    """One micro-batch's share of the step's loss (``run.loss_fn``): logps (B, C') with grad, old/ref logps cut to
-    C', advantages (B,), loss mask (B, C'); the high-entropy token mask (``top_entropy_quantile``) and the
-    entropy bonus (``entropy_coef``)."""
-    e, acc = run.entropy, run.accelerator
-    logps, entropy, _ = policy_logprobs(run.model, mb, run.logprobs, compute_entropy=True)
-    width, device = logps.shape[1], logps.device
-    mask = loss_mask[:, :width].to(device)
-    trained = None
-    if e.top_entropy_quantile < 1.0:  # the threshold is the quantile over every process's tokens, as in TRL
-        every = gather_values(acc, entropy.detach()[mask.bool()].float()) if acc.num_processes > 1 else None
-        trained = high_entropy_mask(entropy.detach(), mask, e.top_entropy_quantile, all_entropies=every)
-    loss, stats = run.loss_fn(
-        logps, _cut(mb.old_logps, width, device), _cut(mb.ref_logps, width, device), mb.advantages.to(device), mask,
-        num_items=max(num_items, 1.0), entropy_mask=trained, sampling_logps=_cut(mb.sampling_logps, width, device),
-        sampler_ratio=_cut(mb.sampler_ratio, width, device),  # (B, 1) at sequence level stays (B, 1)
-        entropies=entropy, entropy_coef=entropy_coef)
-    effective = mask.bool() if trained is None else trained
-    m = mask.to(entropy.dtype)
-    trained_sum = None  # only adaptive control reads it; it stays on the device until the step's end
-    if e.use_adaptive_entropy:
-        trained_sum = torch.stack([(entropy.detach() * effective).sum(), effective.sum()]).double()
-    return MicroBatchLoss(loss, stats, ((entropy * m).sum() / m.sum().clamp(min=1)).detach(), trained_sum)
 
 
 _ALWAYS_LOGGED = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
@@ -540,11 +505,6 @@ def _inside_round(state: TrainState, plan: BatchPlan) -> bool:
     """Whether the micro-steps taken so far end inside a generation round (spg micro-batches, num_iterations
     times over): a new step trains on the round in hand, and a checkpoint must keep it."""
     return state.micro_step % plan.micro_batches_per_round_trained != 0
-
-
-def _cut(x: torch.Tensor | None, width: int, device) -> torch.Tensor | None:
-    """(N, C) -> (N, width) on ``device``; None stays None."""
-    return None if x is None else x[:, :width].to(device, non_blocking=True)
 
 
 def _reduce_metrics(accelerator, metrics: dict, local_tokens: float) -> dict:

@@ -24,7 +24,7 @@ from grpo_core.common.options import Options, option
 from grpo_core.data.loading import PromptEncoder
 from grpo_core.rewards.scoring import RewardCallOptions
 from grpo_core.rollout import GenerationConfig, RolloutBackend, SamplingParams, sampling_params
-from grpo_core.rollout.sampling import sample_and_score
+from grpo_core.rollout.sampling import SamplePlan, sample_and_score
 from grpo_core.tools import Toolbox, ToolUseOptions, build_toolbox, load_rollout_func
 
 
@@ -158,24 +158,31 @@ class RoundSpec:
                    rollout_func=load_rollout_func(tool_use))
 
 
-def sample_round(*, backend: RolloutBackend, tokenizer, rows: list[dict], row_ids: list[int], encoder: PromptEncoder,
-                 reward_fns, reward_names: list[str], weights: torch.Tensor, spec: RoundSpec, accelerator) -> Round:
+@dataclass(frozen=True)
+class Scoring:
+    """The K reward functions a round is scored with, their names and their weights."""
+
+    reward_fns: list            # K callables (grpo_core.rewards.build_reward_functions)
+    reward_names: list[str]     # K names, the columns of the reward matrix
+    weights: torch.Tensor       # (K,) one per reward function
+
+
+def sample_round(*, backend: RolloutBackend, tokenizer, rows: list[dict], row_ids: list[int],
+                 encoder: PromptEncoder, scoring: Scoring, spec: RoundSpec, accelerator) -> Round:
     """Sampled and scored rows with their rewards (N, K) and the round's metrics; advantages still zero.
 
-    rows: the dataset rows of this process's prompts, row_ids their dataset indices (named in errors).
-    weights: (K,) one per reward function. Whole groups live on one process; the metrics see the global batch
-    (gathered over processes).
+    rows: the dataset rows of this process's prompts, row_ids their dataset indices (named in errors). Whole
+    groups live on one process; the metrics see the global batch (gathered over processes).
     """
     G = spec.num_generations
-    sampled = sample_and_score(None, tokenizer, rows, encoder, reward_fns,
-                               num_generations=G, sampling=spec.sampling, batch_size=len(rows),
-                               on_error=spec.reward_calls.reward_errors, backend=backend,
-                               reward_timeout_s=spec.reward_calls.reward_timeout_s,
-                               row_ids=row_ids, keep_batches=True, tools=spec.tools,
-                               rollout_func=spec.rollout_func)
+    plan = SamplePlan(G, spec.sampling, batch_size=len(rows), on_error=spec.reward_calls.reward_errors,
+                      reward_timeout_s=spec.reward_calls.reward_timeout_s, keep_batches=True, tools=spec.tools,
+                      rollout_func=spec.rollout_func)
+    sampled = sample_and_score(None, tokenizer, rows, encoder, scoring.reward_fns, plan, backend=backend,
+                               row_ids=row_ids)
     (batch,) = sampled.batches
     rewards = torch.as_tensor(sampled.rewards, dtype=torch.float32)                     # (N, K)
-    metrics = reward_metrics(gather_rows(accelerator, rewards), weights, G, reward_names)
+    metrics = reward_metrics(gather_rows(accelerator, rewards), scoring.weights, G, scoring.reward_names)
     metrics.update(length_metrics(accelerator, batch.model_mask, batch.is_truncated))
     metrics.update({
         "reward_errors": float(sum(sampled.error_counts.values())),

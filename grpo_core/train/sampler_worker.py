@@ -37,11 +37,12 @@ import torch
 from torch.profiler import record_function
 
 from grpo_core.common.errors import TrainingFailure, TransientFailure
+from grpo_core.data.loading import PromptEncoder
 from grpo_core.model.loading import AdapterDisabledReference
 from grpo_core.rewards import build_reward_functions
 from grpo_core.rollout import GenerationConfig
 from grpo_core.train.forward import LogprobOptions, frozen_logprobs
-from grpo_core.train.round import Round, RoundSpec, sample_round
+from grpo_core.train.round import Round, RoundSpec, Scoring, sample_round
 from grpo_core.train.state import Prompts, TrainingRun, TrainState
 
 ADAPTERS_OFF = "adapters-off"  # the reference a LoRA worker builds from its own copy
@@ -68,6 +69,7 @@ class WorkerRecipe:
     round: RoundSpec
     logprobs: LogprobOptions
     generation: GenerationConfig   # the backend it builds when the trainer gives no make_backend
+    encoder: PromptEncoder         # prompts -> ids, as the trainer encodes them
 
 
 @dataclass
@@ -130,7 +132,8 @@ def _serve(conn, beat) -> None:
     if setup is None:
         return
     try:
-        model, reference, tokenizer, recipe, encoder, reward_specs, reward_names, weights, threads, make_backend = setup
+        (model, reference, tokenizer, recipe, reward_specs, reward_names, weights, threads,
+         make_backend) = setup
         torch.set_num_threads(threads)
         if reference == ADAPTERS_OFF:  # LoRA: the reference is this copy with its adapters switched off
             reference = AdapterDisabledReference(model)
@@ -141,7 +144,7 @@ def _serve(conn, beat) -> None:
             backend = backend_for(model, tokenizer, recipe.generation, seed=0, max_prompt_length=None)
         else:
             backend = make_backend(model, tokenizer)
-        reward_fns = build_reward_functions(reward_specs)
+        scoring = Scoring(build_reward_functions(reward_specs), reward_names, weights)
     except BaseException as exc:  # noqa: BLE001 - reported to the trainer, which raises it
         _send_error(conn, exc)
         return
@@ -154,8 +157,7 @@ def _serve(conn, beat) -> None:
         if request is None:
             return
         try:
-            round_ = _sample(request, model, reference, backend, tokenizer, encoder, reward_fns, reward_names, weights,
-                             recipe)
+            round_ = _sample(request, model, reference, backend, tokenizer, scoring, recipe)
             answer = _pack(SampledRound(round_, torch.get_rng_state(), request.policy_step))
         except BaseException as exc:  # noqa: BLE001 - a failing round is the trainer's to raise
             _send_error(conn, exc)
@@ -166,7 +168,7 @@ def _serve(conn, beat) -> None:
             return
 
 
-def _sample(request: SampleRequest, model, reference, backend, tokenizer, encoder, reward_fns, reward_names, weights,
+def _sample(request: SampleRequest, model, reference, backend, tokenizer, scoring: Scoring,
             recipe: WorkerRecipe) -> Round:
     """One round: sampled and scored, with the sampling weights' and the reference's log-probs when asked."""
     model.train(request.training)
@@ -175,7 +177,7 @@ def _sample(request: SampleRequest, model, reference, backend, tokenizer, encode
     if reports_logps:
         backend.return_logprobs = request.old_logps
     round_ = sample_round(backend=backend, tokenizer=tokenizer, rows=request.rows, row_ids=request.row_ids,
-                          encoder=encoder, reward_fns=reward_fns, reward_names=reward_names, weights=weights, spec=recipe.round,
+                          encoder=recipe.encoder, scoring=scoring, spec=recipe.round,
                           accelerator=_OneProcess())
     if request.old_logps:  # the sampler's own log-probs: the importance ratio's denominator
         reported = round_.sampling_logps
@@ -222,7 +224,7 @@ class SamplerWorker:
         self._ready = False
         self.in_flight = False
 
-    def start(self, policy: torch.nn.Module, tokenizer, recipe: WorkerRecipe, encoder, reward_specs,
+    def start(self, policy: torch.nn.Module, tokenizer, recipe: WorkerRecipe, reward_specs,
               reward_names: list[str], weights: torch.Tensor, make_backend: Callable | None = None,
               reference: torch.nn.Module | str | None = None) -> None:
         """Hand the worker its copy of ``policy`` (in shared memory) and what it samples and scores with."""
@@ -236,7 +238,7 @@ class SamplerWorker:
         self.scores_reference = reference is not None
         trained = {name for name, p in policy.named_parameters() if p.requires_grad}
         self._trained = {name: p for name, p in self.copy.named_parameters() if name in trained}  # name -> copy's
-        self._conn.send((self.copy, reference, tokenizer, recipe, encoder, reward_specs, list(reward_names), weights,
+        self._conn.send((self.copy, reference, tokenizer, recipe, reward_specs, list(reward_names), weights,
                          torch.get_num_threads(), make_backend))
 
     @torch.no_grad()

@@ -32,7 +32,7 @@ from grpo_core.model.loading import (
 )
 from grpo_core.model.sharding import shard_model
 from grpo_core.rewards import build_reward_functions
-from grpo_core.rollout import backend_for
+from grpo_core.rollout import Placement, backend_for
 from grpo_core.train.compute_weights import ComputeWeights, uses_compute_weights
 from grpo_core.train.evaluation import (
     load_held_out,
@@ -42,7 +42,7 @@ from grpo_core.train.optim import build_optimizer_and_scheduler
 from grpo_core.train.parallel import ParallelConfigError, check_parallelism, read_parallelism
 from grpo_core.train.replica import EngineFromShards, ReplicaRollouts
 from grpo_core.train.reward_weights import training_reward_weights
-from grpo_core.train.round import RoundSpec
+from grpo_core.train.round import RoundSpec, Scoring
 from grpo_core.train.sampler_worker import ADAPTERS_OFF, SamplerWorker, WorkerRecipe
 from grpo_core.train.state import (
     Prompts,
@@ -102,8 +102,8 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
         m, tok, cfg.generation, seed=t.seed, max_prompt_length=cfg.data.max_prompt_length,
         return_logprobs=(t.sampler_correction.vllm_importance_sampling_correction
                          or t.loss.off_policy_mask_threshold is not None),
-        rank=accelerator.process_index, local_rank=accelerator.local_process_index,
-        world_size=accelerator.num_processes, dtype=DTYPES[cfg.model.dtype]))
+        place=Placement(accelerator.process_index, accelerator.local_process_index, accelerator.num_processes),
+        dtype=DTYPES[cfg.model.dtype]))
     placed = place_policy(cfg, accelerator, parallelism, model, ref_model, lambda m: make_backend(m, tokenizer),
                           compute_copy=compute_copy)
     if accelerator.num_processes > 1:
@@ -128,7 +128,7 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
                       compute_weights=placed.backend if compute_copy else None)
     held_out = load_held_out(run.evaluation, cfg.data, cfg.generation, cfg.rewards, root=root, seed=t.seed,
                              encoder=encoder, reward_fns=reward_fns)
-    return run, Prompts(dataset, encoder, reward_fns, reward_names, weights, held_out)
+    return run, Prompts(dataset, encoder, Scoring(reward_fns, reward_names, weights), held_out)
 
 
 @dataclass
@@ -211,9 +211,9 @@ def start_sampler(run: TrainingRun, reward_specs: list, prompts: Prompts, worker
         reference = None
     elif not owns_weights(reference):
         reference = ADAPTERS_OFF
-    recipe = WorkerRecipe(run.round_spec, run.logprobs, run.generation)
-    worker.start(run.policy, run.tokenizer, recipe, prompts.encoder, reward_specs, prompts.reward_names,
-                 prompts.weights, make_backend=backend_factory, reference=reference)
+    recipe = WorkerRecipe(run.round_spec, run.logprobs, run.generation, prompts.encoder)
+    worker.start(run.policy, run.tokenizer, recipe, reward_specs, prompts.scoring.reward_names,
+                 prompts.scoring.weights, make_backend=backend_factory, reference=reference)
     run.sampler = worker
 
 

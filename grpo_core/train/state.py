@@ -21,12 +21,13 @@ from grpo_core.common.errors import TrainingFailure
 from grpo_core.common.rng import restore_rngs, rng_state
 from grpo_core.data.loading import PromptEncoder
 from grpo_core.evaluation import EvalMode
-from grpo_core.loss import EntropyOptions, SamplerCorrectionOptions
+from grpo_core.loss import SamplerCorrectionOptions
 from grpo_core.model.sharding import gather_optimizer_state, gather_weights, is_sharded, load_optimizer_state
 from grpo_core.rewards.judges import Judges
 from grpo_core.rollout import GenerationConfig
 from grpo_core.train.batching import BatchOptions, BatchPlan
 from grpo_core.train.checkpoint import (
+    CheckpointContents,
     CheckpointOptions,
     load_checkpoint,
     load_reference,
@@ -34,9 +35,10 @@ from grpo_core.train.checkpoint import (
     save_checkpoint,
 )
 from grpo_core.train.completions import CompletionLogOptions
+from grpo_core.train.entropy import EntropyOptions
 from grpo_core.train.optim import OptimizerOptions
 from grpo_core.train.reference import ReferenceOptions
-from grpo_core.train.round import Round
+from grpo_core.train.round import Round, Scoring
 
 if TYPE_CHECKING:
     from grpo_core.evaluation import EvalOptions
@@ -100,9 +102,7 @@ class Prompts:
 
     dataset: Any                # datasets.Dataset of the train split
     encoder: PromptEncoder
-    reward_fns: list
-    reward_names: list[str]     # K names, the columns of the reward matrix
-    weights: torch.Tensor       # (K,)
+    scoring: Scoring            # the K training rewards, their names and weights
     held_out: HeldOutPrompts | None  # evaluation during training (train.eval_strategy steps), else None
 
 
@@ -190,12 +190,13 @@ def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round
                 "world_size": acc.num_processes, "best_step": state.best_step, "best_value": state.best_value,
                 "ahead_step": state.ahead_step,
                 "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
-        save_checkpoint(run.checkpoint_dir, state.step, model=run.policy, tokenizer=run.tokenizer,
-                        optimizer_state=optimizer_state, scheduler=run.scheduler, state=meta, weights=weights,
-                        rollout_buffer=state.round.to_buffer() if keep_round and state.round is not None else None,
-                        reference=reference, rng_states=rngs, keep_last=run.checkpoints.save_total_limit,
-                        pending_groups=pending,
-                        ahead_round=state.ahead.to_buffer() if state.ahead is not None else None,
+        contents = CheckpointContents(
+            model=run.policy, tokenizer=run.tokenizer, optimizer_state=optimizer_state,
+            scheduler=run.scheduler, state=meta, weights=weights, reference=reference, rng_states=rngs,
+            pending_groups=pending,
+            rollout_buffer=state.round.to_buffer() if keep_round and state.round is not None else None,
+            ahead_round=state.ahead.to_buffer() if state.ahead is not None else None)
+        save_checkpoint(run.checkpoint_dir, state.step, contents, keep_last=run.checkpoints.save_total_limit,
                         keep_step=state.best_step)
     acc.wait_for_everyone()
 
