@@ -1,13 +1,14 @@
 """What one micro-batch's forward and backward add to a process's memory, measured on CPU: the check on
 benchmarks/memory_plan.py's activation term.
 
-    python -m benchmarks.activation_measure HIDDEN LAYERS HEADS KV_HEADS INTERMEDIATE ROWS TOKENS CHECKPOINTING
+    python -m benchmarks.activation_measure HIDDEN LAYERS HEADS KV_HEADS INTERMEDIATE ROWS TOKENS
+        CHECKPOINTING
 
-A random Qwen2 of that shape (float32, a 512-token vocabulary so the logits are negligible; one position's logits
-kept, as the fused head keeps one chunk) takes a warm-up step (gradients allocated: those are the plan's persistent
-state), then one forward and backward of ROWS x TOKENS. Printed as JSON: the peak RSS (VmHWM: benchmarks/rss.py) over the RSS
-just before that step. Run it with ``MALLOC_MMAP_THRESHOLD_=65536`` (``measure`` does) so freed tensors leave the
-heap and the peak is the step's, not the allocator's.
+A random Qwen2 of that shape (float32, a 512-token vocabulary so the logits are negligible; one position's
+logits kept, as the fused head keeps one chunk) takes a warm-up step (gradients allocated: those are the
+plan's persistent state), then one forward and backward of ROWS x TOKENS. Printed as JSON: the peak RSS
+(VmHWM: benchmarks/rss.py) over the RSS just before that step. Run it with ``MALLOC_MMAP_THRESHOLD_=65536``
+(``measure`` does) so freed tensors leave the heap and the peak is the step's, not the allocator's.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ def step_bytes(hidden: int, layers: int, heads: int, kv_heads: int, intermediate
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    config = Qwen2Config(vocab_size=512, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=8192,
-                         tie_word_embeddings=True, use_cache=False)
+    config = Qwen2Config(vocab_size=512, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=8192, tie_word_embeddings=True, use_cache=False)
     model = Qwen2ForCausalLM(config).train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model(input_ids=torch.randint(5, 500, (1, 8)), logits_to_keep=1).logits.sum().backward()  # warm-up: gradients
+    model(input_ids=torch.randint(5, 500, (1, 8)),
+          logits_to_keep=1).logits.sum().backward()  # warm-up: gradients
     ids = torch.randint(5, 500, (rows, tokens))
     before = current_rss_bytes()
     model(input_ids=ids, logits_to_keep=1).logits.sum().backward()

@@ -28,9 +28,9 @@ QWEN25_05B = {
 @dataclass(frozen=True)
 class BenchConfig:
     name: str
-    model: str                      # "embedded" (params.yaml `embedded:` sizes) | "qwen2.5-0.5b" (random weights)
-    num_prompts: int                # prompts per optimizer step
-    num_generations: int            # G
+    model: str                  # "embedded" (params.yaml `embedded:` sizes) | "qwen2.5-0.5b" (random weights)
+    num_prompts: int            # prompts per optimizer step
+    num_generations: int        # G
     max_completion_length: int
     beta: float = 0.04
     num_iterations: int = 1
@@ -62,9 +62,10 @@ class BenchConfig:
 CONFIGS = {
     "cpu-tiny": BenchConfig(name="cpu-tiny", model="embedded", num_prompts=4, num_generations=8,
                             max_completion_length=32, beta=0.04, dtype="float32", steps=6, repeats=3,
-                            threads=1),  # a 0.4M-parameter model gains nothing from a 2nd thread on a busy box
-    # The GSM8K recipe's precision (float32 masters, bf16 compute, TF32; TRL: float32 weights, bf16=True, tf32):
-    # 10 measured steps x 3 runs a side, as the GPU kit runs it (benchmarks/gpu_kit.py, part d).
+                            # a 0.4M-parameter model gains nothing from a 2nd thread on a busy box
+                            threads=1),
+    # The GSM8K recipe's precision (float32 masters, bf16 compute, TF32; TRL: float32 weights, bf16=True,
+    # tf32): 10 measured steps x 3 runs a side, as the GPU kit runs it (benchmarks/gpu_kit.py, part d).
     "gpu-0.5b": BenchConfig(name="gpu-0.5b", model="qwen2.5-0.5b", num_prompts=8, num_generations=8,
                             max_completion_length=256, beta=0.04, dtype="bfloat16", mixed_precision="bf16",
                             steps=11, repeats=3, device="cuda"),

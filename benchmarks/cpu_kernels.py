@@ -1,17 +1,18 @@
 """What capping torch's CPU kernels costs, and what it gives: the embedded default's stages under each
 ``model.cpu_kernels`` level this CPU has, timed, with the sha256 of the weights each writes.
 
-    python -m benchmarks.cpu_kernels                        # levels native, avx2 (avx512 where the CPU has it), scalar:
-                                                            # prepare, validate, calibrate, train as params.yaml says
+    python -m benchmarks.cpu_kernels                        # levels native, avx2 (avx512 where the CPU has
+                                                            # it), scalar: prepare, validate, calibrate, train
+                                                            # as params.yaml says
     python -m benchmarks.cpu_kernels --train-steps 20       # train 20 steps only
     python -m benchmarks.cpu_kernels --levels native avx2 --train-steps 0     # prepare only
 
 Each level runs `python -m flows.stages <stage>` in a clone of this repository's HEAD with params.yaml's
-``model.cpu_kernels`` set to it (and ``train.max_steps`` to ``--train-steps`` if given): prepare's base model and train's
-model are hashed, each stage timed. The record of this machine (CPU model, the level ATen picks on its own, torch)
-replaces its earlier one in ``--out`` (default benchmarks/results/cpu-kernels.json): one file, a record per machine,
-so the hashes of different CPUs sit side by side. Runs one after the other, one torch thread each
-(params.yaml's ``embedded.num_threads`` and ``model.cpu_threads``).
+``model.cpu_kernels`` set to it (and ``train.max_steps`` to ``--train-steps`` if given): prepare's base model
+and train's model are hashed, each stage timed. The record of this machine (CPU model, the level ATen picks on
+its own, torch) replaces its earlier one in ``--out`` (default benchmarks/results/cpu-kernels.json): one file,
+a record per machine, so the hashes of different CPUs sit side by side. Runs one after the other, one torch
+thread each (params.yaml's ``embedded.num_threads`` and ``model.cpu_threads``).
 """
 
 from __future__ import annotations
@@ -45,13 +46,15 @@ def cpu_model() -> str:
 
 
 def native_level() -> str:
-    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+    out = subprocess.run([sys.executable, "-c",
+                          "import torch; print(torch.backends.cpu.get_cpu_capability())"],
                          capture_output=True, text=True, check=True, env=stage_env())
     return out.stdout.strip().lower()
 
 
 def stage_env() -> dict[str, str]:
-    """The caller's environment without a pin of its own (the level under test sets it) or a tracking server."""
+    """The caller's environment without a pin of its own (the level under test sets it) or a tracking
+    server."""
     env = {k: v for k, v in os.environ.items() if k not in PIN_VARS and k != "MLFLOW_TRACKING_URI"}
     return {**env, "DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1"}
 
@@ -84,10 +87,13 @@ def run_level(level: str, train_steps: int | None, workdir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_kernels", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--levels", nargs="+", default=None, help="model.cpu_kernels values (default: all this CPU has)")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_kernels",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--levels", nargs="+", default=None,
+                        help="model.cpu_kernels values (default: all this CPU has)")
     parser.add_argument("--train-steps", type=int, default=None,
-                        help="train steps after prepare (default: params.yaml's train.max_steps); 0 = prepare only")
+                        help="train steps after prepare (default: params.yaml's train.max_steps); "
+                             "0 = prepare only")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/cpu-kernels.json")
     args = parser.parse_args(argv)
     native = native_level()
@@ -96,9 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         results = {level: run_level(level, args.train_steps, Path(tmp)) for level in levels}
     import torch
 
-    machine = {"cpu": cpu_model(), "aten_native_level": native, "cores": os.cpu_count(), "torch": torch.__version__}
+    machine = {"cpu": cpu_model(), "aten_native_level": native, "cores": os.cpu_count(),
+               "torch": torch.__version__}
     record = {"machine": machine, "train_steps": args.train_steps, "date": time.strftime("%Y-%m-%d"),
-              "command": " ".join(["python -m benchmarks.cpu_kernels", *(argv if argv is not None else sys.argv[1:])]),
+              "command": " ".join(["python -m benchmarks.cpu_kernels",
+                                   *(argv if argv is not None else sys.argv[1:])]),
               "levels": results}
     doc = json.loads(args.out.read_text()) if args.out.is_file() else {"records": []}
     doc["records"] = [r for r in doc["records"] if r["machine"]["cpu"] != machine["cpu"]

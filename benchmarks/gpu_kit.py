@@ -1,37 +1,38 @@
 """The GPU benchmark kit: the figures the project reports for a GPU, in one command.
 
-    make bench-gpu                                   # = python -m benchmarks.gpu_kit: every part, then the result
-    make bench-gpu ARGS=--smoke                      # the same code on a tiny model, on CPU, in under a minute (CI)
-    python -m benchmarks.gpu_kit --parts a,b --out DIR        # some parts (benchmarks/README.md: the run tool's calls)
+    make bench-gpu                             # = python -m benchmarks.gpu_kit: every part, then the result
+    make bench-gpu ARGS=--smoke                # the same code on a tiny model, on CPU, in under a minute (CI)
+    python -m benchmarks.gpu_kit --parts a,b --out DIR        # some parts (benchmarks/README.md: the run
+                                                              # tool's calls)
     python -m benchmarks.gpu_kit --parts d --runs 0,1 --out DIR
-    python -m benchmarks.gpu_kit --merge DIR... --out benchmarks/results        # the parts of several calls, joined
+    python -m benchmarks.gpu_kit --merge DIR... --out benchmarks/results  # the parts of several calls, joined
     python -m benchmarks.gpu_kit --check                      # what this machine has; nothing is run
 
 Parts (the letters --parts takes):
   a  steps of the GSM8K recipe (configs/gsm8k-qwen2.5-0.5b.yaml: its batch, lengths, precision, gradient
      checkpointing) with each phase timed - rollout, reference log-probs, policy forward, backward, optimizer,
      weight sync - and one step under torch.profiler (benchmarks/kit_step.py)
-  b  rollouts of the recipe's round four ways, each in its own process: HF generate with the dynamic cache, with
-     the static cache (on CUDA with the compiled decode step), the hand-written decode loop, and a vLLM engine
-     where vLLM is installed (benchmarks/rollout.py), weights in the recipe's model.dtype
+  b  rollouts of the recipe's round four ways, each in its own process: HF generate with the dynamic cache,
+     with the static cache (on CUDA with the compiled decode step), the hand-written decode loop, and a vLLM
+     engine where vLLM is installed (benchmarks/rollout.py), weights in the recipe's model.dtype
   c  peak memory per phase of (a)'s steps: the allocator (CUDA's max_memory_allocated and max_memory_reserved,
-     reset per phase) and the device's used memory as nvidia-smi reports it (NVML, sampled every 20 ms), beside
-     benchmarks/memory_plan.py's figures on paper (benchmarks/phase_meter.py). The same run as (a): asking for
-     either runs both.
+     reset per phase) and the device's used memory as nvidia-smi reports it (NVML, sampled every 20 ms),
+     beside benchmarks/memory_plan.py's figures on paper (benchmarks/phase_meter.py). The same run as (a):
+     asking for either runs both.
   d  ours against TRL 1.16 on gpu-0.5b (benchmarks/configs.py): bf16 compute over float32 weights and TF32 on
-     both sides, the same batch and lengths, 10 measured steps x 3 runs a side, alternating who goes first; medians,
-     whole-step MFU with generation included (run.py: WHOLE_STEP_FORMULA, written into the JSON), peak memory per
-     side from the allocator and from the device (benchmarks/run.py, side.py)
+     both sides, the same batch and lengths, 10 measured steps x 3 runs a side, alternating who goes first;
+     medians, whole-step MFU with generation included (run.py: WHOLE_STEP_FORMULA, written into the JSON),
+     peak memory per side from the allocator and from the device (benchmarks/run.py, side.py)
   e  the real model: configs/smollm2-135m-word-problems.yaml (SmolLM2-135M-Instruct from its GGUF in models/)
-     trained end to end - base and trained greedy accuracy on every held-out prompt, train wall time, completion
-     tokens/s, the allocator's peak (benchmarks/kit_real_model.py)
+     trained end to end - base and trained greedy accuracy on every held-out prompt, train wall time,
+     completion tokens/s, the allocator's peak (benchmarks/kit_real_model.py)
 
 Each invocation writes its parts to OUT/kit-parts/kit-part-<parts>[-runs<r>].json, then merges every part file
-under OUT into OUT/<gpu>-kit.json and OUT/<gpu>-kit.md, named after the GPU (torch.cuda.get_device_name; "cpu" in
-the smoke run), with the commit: git's, else the stamp ``make bench-gpu-wheels`` leaves in .whl/kit-stamp.json
-(a copied work tree has no .git), and whether the files that ran are the stamped ones (infra/wheelhouse.py).
-A part's file is rewritten after every process it runs, so a run cut short keeps what it finished. OUT defaults
-to benchmarks/results, or a new temporary folder for --smoke.
+under OUT into OUT/<gpu>-kit.json and OUT/<gpu>-kit.md, named after the GPU (torch.cuda.get_device_name; "cpu"
+in the smoke run), with the commit: git's, else the stamp ``make bench-gpu-wheels`` leaves in
+.whl/kit-stamp.json (a copied work tree has no .git), and whether the files that ran are the stamped ones
+(infra/wheelhouse.py). A part's file is rewritten after every process it runs, so a run cut short keeps what
+it finished. OUT defaults to benchmarks/results, or a new temporary folder for --smoke.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def recipe_overrides(assets: dict, smoke: bool) -> dict:
 
 
 SMOKE_RECIPE = {"train.per_device_train_batch_size": 4, "train.gradient_accumulation_steps": 2,
-                "train.num_generations": 2, "generation.max_completion_length": 4, "data.max_prompt_length": 64}
+                "train.num_generations": 2, "generation.max_completion_length": 4,
+                "data.max_prompt_length": 64}
 
 
 def recipe_shape(smoke: bool) -> dict:
@@ -102,8 +104,9 @@ def compare_config(smoke: bool) -> BenchConfig:
     """Part d's work: gpu-0.5b, or in the smoke run the tiny model, 2 prompts x G=2, 4 tokens, 2 steps."""
     cfg = CONFIGS["gpu-0.5b"]
     if smoke:
-        cfg = cfg.replace(model="embedded", embedded_overrides=dict(TINY_SIZES), num_prompts=2, num_generations=2,
-                          max_completion_length=4, steps=2, repeats=1, device="any", threads=1)
+        cfg = cfg.replace(model="embedded", embedded_overrides=dict(TINY_SIZES), num_prompts=2,
+                          num_generations=2, max_completion_length=4, steps=2, repeats=1, device="any",
+                          threads=1)
     return cfg
 
 
@@ -112,7 +115,8 @@ def step_counts(smoke: bool) -> dict:
 
 
 def step_threads(smoke: bool) -> int | None:
-    """Torch threads of (a)'s process: one in the smoke run (the parts share the machine), else torch's default."""
+    """Torch threads of (a)'s process: one in the smoke run (the parts share the machine),
+    else torch's default."""
     return 1 if smoke else None
 
 
@@ -126,8 +130,8 @@ def _child_env() -> dict:
 
 
 def recipe_assets(smoke: bool, workdir: Path) -> dict:
-    """The recipe's model (Qwen2.5-0.5B's shape, random weights, in model.dtype; the tiny model in the smoke run)
-    and prompts, written once for parts a and b."""
+    """The recipe's model (Qwen2.5-0.5B's shape, random weights, in model.dtype; the tiny model in the smoke
+    run) and prompts, written once for parts a and b."""
     from benchmarks.prepare import prepare
 
     shape, counts = recipe_shape(smoke), step_counts(smoke)
@@ -140,7 +144,8 @@ def recipe_assets(smoke: bool, workdir: Path) -> dict:
 
 
 def run_spec_module(module: str, name: str, spec: dict, workdir: Path, timeout_s: float) -> dict:
-    """``python -m <module> --spec <name>.spec.json --out <name>.result.json`` in its own process; its result."""
+    """``python -m <module> --spec <name>.spec.json --out <name>.result.json`` in its own process;
+    its result."""
     spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.result.json"
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, "-m", module, "--spec", str(spec_path), "--out", str(out_path)],
@@ -158,8 +163,8 @@ def part_step(assets: dict, smoke: bool, workdir: Path) -> dict:
 
 
 def part_rollout(assets: dict, smoke: bool, backends: list[str], save, out: dict) -> None:
-    """Part b: each backend in its own process (benchmarks/rollout.py) on the recipe's round and model; ``out`` is
-    filled as the backends end."""
+    """Part b: each backend in its own process (benchmarks/rollout.py) on the recipe's round and model;
+    ``out`` is filled as the backends end."""
     from benchmarks.rollout import run_in_subprocess
 
     shape = recipe_shape(smoke)
@@ -169,8 +174,8 @@ def part_rollout(assets: dict, smoke: bool, backends: list[str], save, out: dict
     out.update(settings=settings, backends={})
     for name in backends:
         if name == "vllm" and importlib.util.find_spec("vllm") is None:
-            out["backends"][name] = {"skipped": "vLLM is not installed here (its CUDA wheel does not fit what a run "
-                                                "carries: infra/wheelhouse.py)"}
+            out["backends"][name] = {"skipped": "vLLM is not installed here (its CUDA wheel does not fit "
+                                                "what a run carries: infra/wheelhouse.py)"}
             continue
         try:
             out["backends"][name] = run_in_subprocess(name, Path(assets["model_dir"]), settings,
@@ -181,20 +186,22 @@ def part_rollout(assets: dict, smoke: bool, backends: list[str], save, out: dict
 
 
 def part_real_model(smoke: bool, workdir: Path, model_dir: str | None) -> dict:
-    """Part e: benchmarks/kit_real_model.py in its own process (the smoke run: on ``model_dir``, the tiny model)."""
+    """Part e: benchmarks/kit_real_model.py in its own process (the smoke run: on ``model_dir``,
+    the tiny model)."""
     spec = {"workdir": str(workdir / "real-model"), "smoke": smoke, "model_dir": model_dir if smoke else None}
     Path(spec["workdir"]).mkdir(parents=True, exist_ok=True)
     return run_spec_module("benchmarks.kit_real_model", "real-model", spec, workdir, TIMEOUT_S["real_model"])
 
 
 def part_compare(cfg: BenchConfig, runs: list[int], workdir: Path, save, result: dict) -> None:
-    """Part d: runs ``runs`` of each side (benchmarks/run.py: run_side), alternating who goes first by the run's
-    parity, the device's peak memory sampled around each; ``result`` is filled as the runs end."""
+    """Part d: runs ``runs`` of each side (benchmarks/run.py: run_side), alternating who goes first by the
+    run's parity, the device's peak memory sampled around each; ``result`` is filled as the runs end."""
     from benchmarks.phase_meter import DeviceMemoryGauge
     from benchmarks.prepare import prepare
 
     assets = prepare(cfg, workdir / "compare-assets")
-    result.update({"config": cfg.to_dict(), "assets": {k: v for k, v in assets.items() if k not in ("model_dir", "data")},
+    result.update({"config": cfg.to_dict(),
+                   "assets": {k: v for k, v in assets.items() if k not in ("model_dir", "data")},
                    "runs": {"ours": [], "trl": []}, "failures": {}})
     device = DeviceMemoryGauge() if _cuda() else None
     for r in runs:
@@ -202,7 +209,8 @@ def part_compare(cfg: BenchConfig, runs: list[int], workdir: Path, save, result:
             if device is not None:
                 device.reset()
             try:
-                res = bench.run_side(side, cfg, assets, workdir, {}, f"{side}-{r}", None, cfg.threads, TIMEOUT_S["side"])
+                res = bench.run_side(side, cfg, assets, workdir, {}, f"{side}-{r}", None, cfg.threads,
+                                     TIMEOUT_S["side"])
             except (RuntimeError, subprocess.TimeoutExpired) as err:
                 result["failures"][f"{side}-{r}"] = str(err)[-3000:]
                 save()
@@ -210,7 +218,8 @@ def part_compare(cfg: BenchConfig, runs: list[int], workdir: Path, save, result:
             res["run"] = r
             res["device_peak_used_mib"] = device.peak().get("device_used_mib") if device is not None else None
             result["runs"][side].append(res)
-            print(f"[kit] d: {side} run {r}: step times {[round(s['step_time'], 3) for s in res['steps']]}", flush=True)
+            print(f"[kit] d: {side} run {r}: step times {[round(s['step_time'], 3) for s in res['steps']]}",
+                  flush=True)
             save()
     if device is not None:
         device.close()
@@ -232,8 +241,8 @@ def machine() -> dict:
 
     slug, name = bench.device_slug()
     out = {"device": slug, "device_name": name, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-           "versions": bench.versions(PACKAGES), "torch_cuda": torch.version.cuda, "cpu_count": os.cpu_count(),
-           "commit": commit_info()}
+           "versions": bench.versions(PACKAGES), "torch_cuda": torch.version.cuda,
+           "cpu_count": os.cpu_count(), "commit": commit_info()}
     try:
         line = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,uuid,memory.total",
                                "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout
@@ -245,7 +254,8 @@ def machine() -> dict:
 
 
 def part_file_name(parts: list[str], runs: list[int] | None) -> str:
-    return f"kit-part-{''.join(parts)}" + (f"-runs{''.join(map(str, runs))}" if runs is not None else "") + ".json"
+    return (f"kit-part-{''.join(parts)}" + (f"-runs{''.join(map(str, runs))}" if runs is not None else "")
+            + ".json")
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -264,8 +274,8 @@ def find_part_files(paths: list[Path]) -> list[Path]:
 
 def merge(parts: list[dict]) -> dict:
     """Part files -> the kit's result. A part measured twice, a run of d measured twice, d's runs on different
-    work, or parts from different GPU models are errors naming the files; d's summaries are computed here, over
-    every run of every file."""
+    work, or parts from different GPU models are errors naming the files; d's summaries are computed here,
+    over every run of every file."""
     out: dict = {"kit": 1, "inputs": [], "parts": {}}
     smoke = {bool(p.get("smoke")) for p in parts}
     if len(smoke) > 1:
@@ -273,8 +283,8 @@ def merge(parts: list[dict]) -> dict:
                          + ", ".join(p["file"] for p in parts if p.get("smoke")))
     out["smoke"] = smoke.pop()
     for p in parts:
-        out["inputs"].append({"file": p["file"], "parts": p["parts"], "runs": p.get("runs"), "machine": p["machine"],
-                              "failures": p.get("failures", {})})
+        out["inputs"].append({"file": p["file"], "parts": p["parts"], "runs": p.get("runs"),
+                              "machine": p["machine"], "failures": p.get("failures", {})})
         for key in ("a", "b", "c", "e"):
             if key in p:
                 if key in out["parts"]:
@@ -284,21 +294,23 @@ def merge(parts: list[dict]) -> dict:
             d = out["parts"].setdefault("d", {"config": p["d"]["config"], "assets": p["d"]["assets"],
                                               "runs": {"ours": [], "trl": []}, "failures": {}, "files": []})
             if d["config"] != p["d"]["config"]:
-                raise ValueError(f"part d of {p['file']} ran other work than {d['files'][0]} ({p['d']['config']} vs "
-                                 f"{d['config']})")
+                raise ValueError(f"part d of {p['file']} ran other work than {d['files'][0]} "
+                                 f"({p['d']['config']} vs {d['config']})")
             d["files"].append(p["file"])
             d["failures"].update(p["d"]["failures"])
             for side, rs in p["d"]["runs"].items():
                 seen = {r["run"] for r in d["runs"][side]}
                 twice = seen & {r["run"] for r in rs}
                 if twice:
-                    raise ValueError(f"part d: {side} run(s) {sorted(twice)} of {p['file']} were already measured")
+                    raise ValueError(f"part d: {side} run(s) {sorted(twice)} of {p['file']} were already "
+                                     "measured")
                 d["runs"][side] += rs
     names = {i["machine"]["device_name"] for i in out["inputs"]}
     if len(names) > 1:
         raise ValueError(f"parts measured on different devices: {sorted(names)}")
     first = out["inputs"][0]["machine"]
-    out.update(device=first["device"], device_name=first["device_name"], date=max(i["machine"]["date"] for i in out["inputs"]))
+    out.update(device=first["device"], device_name=first["device_name"],
+               date=max(i["machine"]["date"] for i in out["inputs"]))
     commits = {i["machine"]["commit"]["commit"] for i in out["inputs"]}
     out["commit"] = commits.pop() if len(commits) == 1 else sorted(c or "unknown" for c in commits)
     if "a" in out["parts"]:
@@ -313,8 +325,9 @@ def step_mfu(step: dict, gpu_name: str) -> dict | None:
     metered = [s for s in step["steps"] if s["step"] in step["metered_steps"]]
     seconds = statistics.median(s["metrics"]["step_time"] for s in metered)
     completion = statistics.mean(s["metrics"]["completions/mean_length"] for s in metered)
-    return bench.whole_step_mfu(step["num_parameters"], step["shape"]["rows_per_step"], step["mean_prompt_tokens"],
-                                completion, int(step["shape"]["beta"] > 0), seconds, gpu_name)
+    return bench.whole_step_mfu(step["num_parameters"], step["shape"]["rows_per_step"],
+                                step["mean_prompt_tokens"], completion, int(step["shape"]["beta"] > 0),
+                                seconds, gpu_name)
 
 
 def summarize_compare(d: dict, gpu_name: str) -> None:
@@ -326,13 +339,15 @@ def summarize_compare(d: dict, gpu_name: str) -> None:
     for side, s in d["summary"].items():
         rs = d["runs"][side]
         s["runs"] = [r["run"] for r in rs]
-        s["run_median_step_s"] = [statistics.median(x["step_time"] for x in r["steps"][1:] or r["steps"]) for r in rs]
+        s["run_median_step_s"] = [statistics.median(x["step_time"] for x in r["steps"][1:] or r["steps"])
+                                  for r in rs]
         device = [r["device_peak_used_mib"] for r in rs if r.get("device_peak_used_mib") is not None]
         s["device_peak_used_mib"] = max(device) if device else None
         s["weights_dtype"] = rs[0].get("weights_dtype")
         s["mfu_whole_step"] = bench.whole_step_mfu(
             d["assets"]["num_parameters"], cfg.batch_size, d["assets"]["mean_prompt_tokens"],
-            s["mean_completion_length"], int(cfg.beta > 0) + int(cfg.num_iterations > 1), s["step_time_s"], gpu_name)
+            s["mean_completion_length"], int(cfg.beta > 0) + int(cfg.num_iterations > 1), s["step_time_s"],
+            gpu_name)
         s["mfu_training_part"] = bench.mfu(s, cfg, d["assets"], gpu_name)
     d["ratio_ours_over_trl"] = bench.ratios(d["summary"])
     d["complete"] = all(len(d["runs"][side]) >= cfg.repeats for side in ("ours", "trl"))
@@ -376,7 +391,8 @@ def render(result: dict) -> str:
         lines += [f"Not measured here: part(s) {', '.join(missing)}.", ""]
     for i in result["inputs"]:
         for label, err in i["failures"].items():
-            lines += [f"FAILED in `{i['file']}`: {label}: {err.strip().splitlines()[-1][:200] if err.strip() else ''}", ""]
+            lines += [f"FAILED in `{i['file']}`: {label}: "
+                      f"{err.strip().splitlines()[-1][:200] if err.strip() else ''}", ""]
     return "\n".join(lines)
 
 
@@ -389,11 +405,11 @@ def render_step(a: dict) -> list[str]:
              f"{a['mean_prompt_tokens']:.0f} tokens on average (max {a['max_prompt_tokens']}), completions "
              f"{s['max_completion_length']} tokens, model.dtype {s['model_dtype']}, mixed_precision "
              f"{s['mixed_precision']}, gradient checkpointing {s['gradient_checkpointing']}, generation "
-             f"{s['generation_backend']}; {a['num_parameters'] / 1e6:.1f}M parameters. Seconds: median over metered "
-             f"steps {a['metered_steps']} (CUDA synchronized at each phase's ends); kernel seconds: the profiled "
-             f"step; peaks ({gauges}) in MiB.", "",
-             "| phase | calls/step | seconds | kernel s (profiled) | allocated peak | reserved peak | device used peak "
-             "| RSS peak |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
+             f"{s['generation_backend']}; {a['num_parameters'] / 1e6:.1f}M parameters. Seconds: median over "
+             f"metered steps {a['metered_steps']} (CUDA synchronized at each phase's ends); kernel seconds: "
+             f"the profiled step; peaks ({gauges}) in MiB.", "",
+             "| phase | calls/step | seconds | kernel s (profiled) | allocated peak | reserved peak | device "
+             "used peak | RSS peak |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
     labels = (a.get("profile") or {}).get("labels", {})
     for name, p in a["phases"].items():
         kernel = labels.get(name, {}).get("device_s")
@@ -404,26 +420,29 @@ def render_step(a: dict) -> list[str]:
     step_s = statistics.median(x["metrics"]["step_time"] for x in metered)
     whole = {k: max(x.get(k) or 0 for x in metered) or None for k in ("allocated_mib", "reserved_mib",
                                                                      "device_used_mib", "rss_mib")}
-    lines.append(f"| whole step | | {step_s:.3f} | | {_mib(whole['allocated_mib'])} | {_mib(whole['reserved_mib'])} "
-                 f"| {_mib(whole['device_used_mib'])} | {_mib(whole['rss_mib'])} |")
+    lines.append(f"| whole step | | {step_s:.3f} | | {_mib(whole['allocated_mib'])} | "
+                 f"{_mib(whole['reserved_mib'])} | {_mib(whole['device_used_mib'])} | "
+                 f"{_mib(whole['rss_mib'])} |")
     paper = a["memory_on_paper_gib"]
     lines += ["", f"On paper (benchmarks/memory_plan.py, 1 GPU, this recipe): total {paper['total']:.2f} GiB "
               f"({paper['total'] * 1024:,.0f} MiB): training state {paper['training_state']:.2f}, reference "
-              f"{paper['reference']:.2f}, sampling copy {paper['replica']:.2f}, activations {paper['activations']:.2f}, "
-              f"KV cache {paper['kv_cache']:.2f} GiB."]
+              f"{paper['reference']:.2f}, sampling copy {paper['replica']:.2f}, activations "
+              f"{paper['activations']:.2f}, KV cache {paper['kv_cache']:.2f} GiB."]
     m = a.get("mfu_whole_step")
-    lines += ["", f"Whole-step MFU: {m['mfu']:.1%} ({m['achieved_tflops']:.0f} of {m['peak_tflops']:.0f} TFLOP/s)."
-              if m else "Whole-step MFU: - (no bf16 peak known for this device).", ""]
+    lines += ["",
+              f"Whole-step MFU: {m['mfu']:.1%} ({m['achieved_tflops']:.0f} of {m['peak_tflops']:.0f} "
+              "TFLOP/s)." if m else "Whole-step MFU: - (no bf16 peak known for this device).", ""]
     return lines
 
 
 def render_rollout(b: dict) -> list[str]:
     s = b["settings"]
     lines = ["## (b) Rollouts four ways", "",
-             f"{s['prompts']} prompts x {s['generations']} completions x {s['tokens']} tokens per round (the recipe's "
-             f"round), {s['dtype']} weights on {s['device']}, median of {s['rounds']} round(s) after a warm-up round.",
-             "", "| backend | completion tokens/s | x HF dynamic | round s | warm-up round s | peak allocated MiB |",
-             "|---|--:|--:|--:|--:|--:|"]
+             f"{s['prompts']} prompts x {s['generations']} completions x {s['tokens']} tokens per round (the "
+             f"recipe's round), {s['dtype']} weights on {s['device']}, median of {s['rounds']} round(s) "
+             "after a warm-up round.", "",
+             "| backend | completion tokens/s | x HF dynamic | round s | warm-up round s | peak allocated "
+             "MiB |", "|---|--:|--:|--:|--:|--:|"]
     base = b["backends"].get("hf-dynamic", {}).get("tokens_per_s")
     for name, r in b["backends"].items():
         if "tokens_per_s" not in r:
@@ -431,21 +450,22 @@ def render_rollout(b: dict) -> list[str]:
                          f"{(r.get('skipped') or r.get('failed', '')).splitlines()[0][:120]} | | | | |")
             continue
         ratio = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
-        lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {ratio} | {statistics.median(r['round_s']):.3f} | "
-                     f"{r['warmup_round_s']:.3f} | {_mib(r.get('peak_allocated_mib'))} |")
+        lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {ratio} | {statistics.median(r['round_s']):.3f} "
+                     f"| {r['warmup_round_s']:.3f} | {_mib(r.get('peak_allocated_mib'))} |")
     return lines + [""]
 
 
 def render_real_model(e: dict) -> list[str]:
     s = e["shape"]
     return ["## (e) A real model learning: SmolLM2-135M-Instruct", "",
-            f"`{e['recipe']}` as shipped: {s['steps']} steps of {s['prompts_per_step']} prompts x G={s['num_generations']}, "
-            f"up to {s['max_completion_length']} completion tokens, lr {s['learning_rate']:g}; greedy accuracy on "
-            f"{s['held_out_prompts']} held-out prompts.", "",
-            "| base accuracy | trained accuracy | delta | train s | completion tok/s | allocated peak MiB | GGUF "
-            "conversion s |", "|--:|--:|--:|--:|--:|--:|--:|",
-            f"| {e['base']['accuracy']:.3f} | {e['trained']['accuracy']:.3f} | {e['delta']:+.3f} | {e['train_s']:.1f} | "
-            f"{e['completion_tokens_per_s']:,.0f} | {_mib(e.get('cuda_peak_allocated_mib'))} | {e['convert_s']:.1f} |",
+            f"`{e['recipe']}` as shipped: {s['steps']} steps of {s['prompts_per_step']} prompts x "
+            f"G={s['num_generations']}, up to {s['max_completion_length']} completion tokens, lr "
+            f"{s['learning_rate']:g}; greedy accuracy on {s['held_out_prompts']} held-out prompts.", "",
+            "| base accuracy | trained accuracy | delta | train s | completion tok/s | allocated peak "
+            "MiB | GGUF conversion s |", "|--:|--:|--:|--:|--:|--:|--:|",
+            f"| {e['base']['accuracy']:.3f} | {e['trained']['accuracy']:.3f} | {e['delta']:+.3f} | "
+            f"{e['train_s']:.1f} | {e['completion_tokens_per_s']:,.0f} | "
+            f"{_mib(e.get('cuda_peak_allocated_mib'))} | {e['convert_s']:.1f} |",
             "", "Reward per step: " + " ".join(f"{r:.2f}" for r in e["reward_per_step"]), ""]
 
 
@@ -453,23 +473,24 @@ def render_compare(d: dict) -> list[str]:
     c = d["config"]
     trl_weights = d["summary"].get("trl", {}).get("weights_dtype")
     lines = ["## (d) Ours against TRL 1.16", "",
-             f"{c['name']}: {c['num_prompts']} prompts x G={c['num_generations']}, {c['max_completion_length']} "
-             f"completion tokens, model.dtype {c['dtype']}, mixed_precision {c['mixed_precision']} (TRL: bf16=True, "
-             f"trained weights {trl_weights}), "
+             f"{c['name']}: {c['num_prompts']} prompts x G={c['num_generations']}, "
+             f"{c['max_completion_length']} completion tokens, model.dtype {c['dtype']}, mixed_precision "
+             f"{c['mixed_precision']} (TRL: bf16=True, trained weights {trl_weights}), "
              f"beta {c['beta']}, {c['loss_type']}; {c['steps']} steps per run (the first a warm-up), runs "
-             f"{d['summary'].get('ours', {}).get('runs')} of ours and {d['summary'].get('trl', {}).get('runs')} of "
-             f"TRL{'' if d['complete'] else ' (INCOMPLETE: fewer runs than the config asks)'}; medians over every "
-             "measured step.", "",
-             "| side | s/step | per-run medians | generation s | training s | completion tok/s | "
-             "whole-step MFU | training-part MFU | allocated peak MiB | device used peak MiB |",
-             "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|"]
+             f"{d['summary'].get('ours', {}).get('runs')} of ours and "
+             f"{d['summary'].get('trl', {}).get('runs')} of "
+             f"TRL{'' if d['complete'] else ' (INCOMPLETE: fewer runs than the config asks)'}; medians over "
+             "every measured step.", "", "| side | s/step | per-run medians | generation s | training "
+             "s | completion tok/s | whole-step MFU | training-part MFU | allocated peak MiB | device used "
+             "peak MiB |", "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|"]
     for side, s in d["summary"].items():
         whole, train = s.get("mfu_whole_step"), s.get("mfu_training_part")
         lines.append(f"| {side} | {s['step_time_s']:.3f} | "
-                     f"{', '.join(f'{x:.3f}' for x in s['run_median_step_s'])} | {s['generation_time_s']:.3f} | "
-                     f"{s['train_time_s']:.3f} | {s['completion_tokens_per_s']:,.0f} | "
-                     f"{_num(whole and whole['mfu'], '.1%')} | {_num(train and train['mfu'], '.1%')} | "
-                     f"{_mib(s.get('cuda_peak_allocated_mib'))} | {_mib(s.get('device_peak_used_mib'))} |")
+                     f"{', '.join(f'{x:.3f}' for x in s['run_median_step_s'])} | "
+                     f"{s['generation_time_s']:.3f} | {s['train_time_s']:.3f} | "
+                     f"{s['completion_tokens_per_s']:,.0f} | {_num(whole and whole['mfu'], '.1%')} | "
+                     f"{_num(train and train['mfu'], '.1%')} | {_mib(s.get('cuda_peak_allocated_mib'))} | "
+                     f"{_mib(s.get('device_peak_used_mib'))} |")
     r = d.get("ratio_ours_over_trl")
     if r:
         lines += ["", f"ours/TRL: completion tokens/s {r['completion_tokens_per_s']:.2f}x, step time "
@@ -495,7 +516,8 @@ def check(smoke: bool) -> dict:
     missing = [m for m in ("trl", "datasets", "transformers", "accelerate", "ruamel.yaml")
                if importlib.util.find_spec(m.split(".")[0]) is None]
     if missing:
-        raise SystemExit(f"missing {missing}: install .whl/ first (benchmarks/README.md, 'Reproducing the GPU run')")
+        raise SystemExit(f"missing {missing}: install .whl/ first (benchmarks/README.md, "
+                         "'Reproducing the GPU run')")
     device = DeviceMemoryGauge() if torch.cuda.is_available() else None
     out = {**machine(), "device_memory_source": device.source if device else None,
            "vllm": importlib.util.find_spec("vllm") is not None}
@@ -512,20 +534,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="a,b,c,d,e", help="which parts: a,b,c,d,e (a and c are one run)")
     p.add_argument("--runs", default=None, help="part d's runs, e.g. 0,1 (default: all the config's)")
-    p.add_argument("--out", type=Path, help="folder (default benchmarks/results; --smoke: a new temporary one)")
+    p.add_argument("--out", type=Path,
+                   help="folder (default benchmarks/results; --smoke: a new temporary one)")
     p.add_argument("--smoke", action="store_true", help="the same code on a tiny model, on any device (CI)")
     p.add_argument("--rollout-backends", default=None,
                    help=f"part b's backends (default {','.join(ROLLOUT_BACKENDS)}; --smoke: without vllm)")
-    p.add_argument("--merge", nargs="+", type=Path, help="merge part files (or folders holding them) into OUT")
-    p.add_argument("--check", action="store_true", help="print what this machine has for the kit, run nothing")
+    p.add_argument("--merge", nargs="+", type=Path,
+                   help="merge part files (or folders holding them) into OUT")
+    p.add_argument("--check", action="store_true",
+                   help="print what this machine has for the kit, run nothing")
     a = p.parse_args(argv)
     out = a.out or (Path(tempfile.mkdtemp(prefix="gpu-kit-smoke-")) if a.smoke else bench.RESULTS)
     if a.merge:
         return write_merged([json.loads(f.read_text()) for f in find_part_files(a.merge)], out, copy=True)
     info = check(a.smoke)
     print(f"[kit] {info['device_name']}, commit {info['commit']['commit']} ({info['commit']['source']}), "
-          f"device memory from {info['device_memory_source']}, vllm {'installed' if info['vllm'] else 'absent'}",
-          flush=True)
+          f"device memory from {info['device_memory_source']}, vllm "
+          f"{'installed' if info['vllm'] else 'absent'}", flush=True)
     if a.check:
         print(json.dumps(info, indent=1))
         return 0
@@ -541,9 +566,10 @@ def main(argv: list[str] | None = None) -> int:
     if set(backends) - set(ROLLOUT_BACKENDS):
         raise SystemExit(f"--rollout-backends: unknown {sorted(set(backends) - set(ROLLOUT_BACKENDS))}")
     name = part_file_name(parts, runs if "d" in parts and a.runs is not None else None)
-    result = {"file": name, "parts": parts, "runs": runs if "d" in parts else None, "smoke": a.smoke, "failures": {},
-              "machine": info,
-              "command": "python -m benchmarks.gpu_kit " + " ".join(argv if argv is not None else sys.argv[1:])}
+    result = {"file": name, "parts": parts, "runs": runs if "d" in parts else None, "smoke": a.smoke,
+              "failures": {}, "machine": info,
+              "command": "python -m benchmarks.gpu_kit " + " ".join(argv if argv is not None
+                                                                    else sys.argv[1:])}
 
     lock = threading.Lock()
 
@@ -570,7 +596,8 @@ def main(argv: list[str] | None = None) -> int:
             result["d"] = {}
             jobs["d"] = lambda: part_compare(cfg, runs, workdir, save, result["d"])
         if "e" in parts:
-            jobs["e"] = lambda: result.update(e=part_real_model(a.smoke, workdir, assets["model_dir"] if a.smoke else None))
+            jobs["e"] = lambda: result.update(e=part_real_model(a.smoke, workdir,
+                                                                assets["model_dir"] if a.smoke else None))
 
         def timed(label: str) -> None:
             try:

@@ -4,12 +4,12 @@
 
 configs/smollm2-135m-word-problems.yaml as shipped - SmolLM2-135M-Instruct converted from its GGUF
 (grpo_core/model/gguf.py), data/word-problems, correctness alone, its batch, lengths, sampler and steps - with
-what a machine without DVC needs instead: the raw jsonl splits in place of validate's parquet files and the reward
-weight pinned to 1 (one reward: calibration has nothing to weigh). The same evaluator as the evaluate stage
-(greedy decoding of every held-out prompt, benchmarks/learning.py: greedy_accuracy) scores the base and the
-trained policy. Reported: both accuracies, the train stage's wall time and completion tokens/s, the allocator's
-peak, and the reward per step. The smoke run (``spec["smoke"]``) swaps in the tiny embedded model and a step of
-4-token completions on 4 prompts: a check of the code, not a measurement.
+what a machine without DVC needs instead: the raw jsonl splits in place of validate's parquet files and the
+reward weight pinned to 1 (one reward: calibration has nothing to weigh). The same evaluator as the evaluate
+stage (greedy decoding of every held-out prompt, benchmarks/learning.py: greedy_accuracy) scores the base and
+the trained policy. Reported: both accuracies, the train stage's wall time and completion tokens/s, the
+allocator's peak, and the reward per step. The smoke run (``spec["smoke"]``) swaps in the tiny embedded model
+and a step of 4-token completions on 4 prompts: a check of the code, not a measurement.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ def recipe(model_dir: Path, workdir: Path, smoke: bool):
     data = REPO / "data" / "word-problems"
     overrides = {"model.name_or_path": str(model_dir), "data.train_files": [str(data / "train.jsonl")],
                  "data.eval_files": [str(data / "eval.jsonl")], "data.train_dir": None, "data.eval_dir": None,
-                 "calibrate.enabled": False, "train.reward_weights": [1.0], "train.output_dir": str(workdir / "out"),
-                 "train.resume": "never", "train.save_steps": 10_000}
+                 "calibrate.enabled": False, "train.reward_weights": [1.0],
+                 "train.output_dir": str(workdir / "out"), "train.resume": "never",
+                 "train.save_steps": 10_000}
     return load_config(RECIPE, {**overrides, **(SMOKE if smoke else {})})
 
 
@@ -76,8 +77,10 @@ def run(spec: dict) -> dict:
     t = cfg.train
     return {"recipe": str(RECIPE.relative_to(REPO)), "smoke": bool(spec.get("smoke")),
             "shape": {"prompts_per_step": t.batch.per_device_train_batch_size // t.batch.num_generations,
-                      "num_generations": t.batch.num_generations, "max_completion_length": cfg.generation.max_completion_length,
-                      "steps": t.max_steps, "learning_rate": t.optim.learning_rate, "held_out_prompts": base["num_prompts"]},
+                      "num_generations": t.batch.num_generations,
+                      "max_completion_length": cfg.generation.max_completion_length,
+                      "steps": t.max_steps, "learning_rate": t.optim.learning_rate,
+                      "held_out_prompts": base["num_prompts"]},
             "convert_s": round(convert_s, 1), "train_s": round(train_s, 1),
             "completion_tokens_per_s": round(completion_tokens(cfg, lengths) / train_s, 1),
             "cuda_peak_allocated_mib": peak, "base": base, "trained": trained,

@@ -1,21 +1,23 @@
-"""Parts (a) and (c) of the GPU kit (benchmarks/gpu_kit.py): steps of the GSM8K recipe with each phase timed and its
-peak memory read, and one step under torch.profiler - in a process of its own, so the peaks are this run's alone.
+"""Parts (a) and (c) of the GPU kit (benchmarks/gpu_kit.py): steps of the GSM8K recipe with each phase timed
+and its peak memory read, and one step under torch.profiler - in a process of its own, so the peaks are this
+run's alone.
 
     python -m benchmarks.kit_step --spec spec.json --out result.json
 
-The recipe is configs/gsm8k-qwen2.5-0.5b.yaml as shipped: its batch (32 rows x 4 micro-batches, G = 8), lengths
-(prompts up to 256 tokens, completions up to 512), precision (model.dtype bfloat16, train.mixed_precision bf16; TF32
-on CUDA), gradient checkpointing, beta, loss and the rollout backend it picks. What a machine without the hub or
-the data needs instead (``spec["overrides"]``, written by gpu_kit.py): Qwen2.5-0.5B's architecture with random
-weights (benchmarks/prepare.py), the embedded tasks' questions under the recipe's system prompt and chat template
-(the embedded tokenizer's), benchmarks.rewards:length_parity as the reward, no checkpoints, and
-``mask_truncated_completions: false``: EOS is masked until max_completion_length (every completion is as long as
-the recipe allows, the same tokens every step), so every row is "truncated" and the mask would zero the loss.
+The recipe is configs/gsm8k-qwen2.5-0.5b.yaml as shipped: its batch (32 rows x 4 micro-batches, G = 8),
+lengths (prompts up to 256 tokens, completions up to 512), precision (model.dtype bfloat16,
+train.mixed_precision bf16; TF32 on CUDA), gradient checkpointing, beta, loss and the rollout backend it
+picks. What a machine without the hub or the data needs instead (``spec["overrides"]``, written by
+gpu_kit.py): Qwen2.5-0.5B's architecture with random weights (benchmarks/prepare.py), the embedded tasks'
+questions under the recipe's system prompt and chat template (the embedded tokenizer's),
+benchmarks.rewards:length_parity as the reward, no checkpoints, and ``mask_truncated_completions: false``: EOS
+is masked until max_completion_length (every completion is as long as the recipe allows, the same tokens every
+step), so every row is "truncated" and the mask would zero the loss.
 
 Steps: the first is the warm-up (compilation, the allocator's first growth); then ``metered_steps`` with the
 PhaseMeter alone (benchmarks/phase_meter.py: seconds and peak memory per trainer label; their medians are the
-phase table); then, with ``profile``, one step under torch.profiler (CPU and CUDA activity: each label's kernel
-time and the top operators).
+phase table); then, with ``profile``, one step under torch.profiler (CPU and CUDA activity: each label's
+kernel time and the top operators).
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ from benchmarks.phase_meter import PhaseMeter, gauges_for_this_machine  # noqa: 
 
 @contextlib.contextmanager
 def observing_trainer_phases(meter: PhaseMeter):
-    """For the length of the block, every ``record_function`` span the trainer opens (grpo_core/train/loop.py names
-    its phases with them) is also a meter span. The loop looks the name up when it runs, so the meter wraps it
-    there; torch's profiler still sees the labels."""
+    """For the length of the block, every ``record_function`` span the trainer opens (grpo_core/train/loop.py
+    names its phases with them) is also a meter span. The loop looks the name up when it runs, so the meter
+    wraps it there; torch's profiler still sees the labels."""
     from grpo_core.train import loop
 
     original = loop.record_function
@@ -59,7 +61,8 @@ def observing_trainer_phases(meter: PhaseMeter):
 
 
 class StepMarks:
-    """The trainer's tracker: closes the meter's step at each step's end, and runs the profiler over the last."""
+    """The trainer's tracker: closes the meter's step at each step's end,
+    and runs the profiler over the last."""
 
     def __init__(self, meter: PhaseMeter, profiler, profile_step: int | None):
         self.meter, self.profiler, self.profile_step = meter, profiler, profile_step
@@ -73,7 +76,8 @@ class StepMarks:
 
 
 def prompt_lengths(cfg, model_dir: str) -> list[int]:
-    """Every training prompt's tokens as the trainer encodes them (system prompt, chat template, truncation)."""
+    """Every training prompt's tokens as the trainer encodes them (system prompt, chat template,
+    truncation)."""
     from transformers import AutoTokenizer
 
     from grpo_core.data.loading import PromptEncoder, load_split
@@ -89,9 +93,10 @@ def memory_on_paper(cfg, model_dir: str) -> dict:
 
     from benchmarks.memory_plan import ModelShape, Recipe, Strategy, memory_row
 
-    row = memory_row(ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir)), Recipe.from_config(cfg),
-                     Strategy("1 GPU", "single", 1))
-    terms = ("training_state", "reference", "replica", "transient_weights", "activations", "logits", "kv_cache")
+    row = memory_row(ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir)),
+                     Recipe.from_config(cfg), Strategy("1 GPU", "single", 1))
+    terms = ("training_state", "reference", "replica", "transient_weights", "activations", "logits",
+             "kv_cache")
     return {**{k: getattr(row, k) / 2**30 for k in terms}, "total": row.total / 2**30}
 
 
@@ -122,10 +127,12 @@ def run(spec: dict) -> dict:
         "recipe": spec["recipe"], "overrides": spec["overrides"],
         "shape": {"per_device_train_batch_size": t.batch.per_device_train_batch_size,
                   "gradient_accumulation_steps": t.batch.gradient_accumulation_steps,
-                  "num_generations": t.batch.num_generations, "rows_per_step": t.batch.per_device_train_batch_size
+                  "num_generations": t.batch.num_generations,
+                  "rows_per_step": t.batch.per_device_train_batch_size
                   * t.batch.gradient_accumulation_steps, "max_prompt_length": cfg.data.max_prompt_length,
                   "max_completion_length": g.max_completion_length, "model_dtype": cfg.model.dtype,
-                  "mixed_precision": t.forward.mixed_precision, "gradient_checkpointing": t.forward.gradient_checkpointing,
+                  "mixed_precision": t.forward.mixed_precision,
+                  "gradient_checkpointing": t.forward.gradient_checkpointing,
                   "beta": t.loss.beta, "loss_type": t.loss.loss_type, "generation_backend": g.backend,
                   "cache_implementation": g.cache_implementation},
         "num_parameters": spec["assets"]["num_parameters"],
@@ -134,7 +141,8 @@ def run(spec: dict) -> dict:
         "steps": meter.steps, "metered_steps": metered, "phases": meter.summary(metered),
         "phase_records": meter.records,
         "profile": None if profiler is None else {"step": steps, "labels": profiling.label_times(profiler),
-                                                  "top_operators": profiling.top_operators(profiler, rows=30)},
+                                                  "top_operators": profiling.top_operators(profiler,
+                                                                                           rows=30)},
         "memory_on_paper_gib": memory_on_paper(cfg, spec["assets"]["model_dir"]),
         "wall_s": wall,
     }

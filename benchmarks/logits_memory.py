@@ -1,25 +1,27 @@
-"""Peak memory of the log-prob passes with the fused LM head (``train.fused_lm_head``) and with the full logits, on a
-model whose vocabulary dominates: a tiny Qwen2 body (hidden 64, one layer, tied head) under a real-size vocabulary.
+"""Peak memory of the log-prob passes with the fused LM head (``train.fused_lm_head``) and with the full
+logits, on a model whose vocabulary dominates: a tiny Qwen2 body (hidden 64, one layer, tied head) under a
+real-size vocabulary.
 
-    python -m benchmarks.logits_memory                       # the defaults: vocab 151,936, 8 x 1,024 tokens
+    python -m benchmarks.logits_memory                      # the defaults: vocab 151,936, 8 x 1,024 tokens
     python -m benchmarks.logits_memory --vocab 32000 --paths fused,full --train none
-    python -m benchmarks.logits_memory --write               # + benchmarks/results/logits-memory-<device>.json
+    python -m benchmarks.logits_memory --write              # + benchmarks/results/logits-memory-<device>.json
 
 Each measurement is a fresh subprocess (peak RSS = VmHWM, benchmarks/rss.py, imports and the
 model included; ``rss_before_passes`` is VmRSS just before the first pass):
 
-  passes   what one training step of the GSM8K recipe (configs/gsm8k-qwen2.5-0.5b.yaml) scores: the policy in float32
-           master weights under accelerate's bf16 autocast wrapper (mixed_precision bf16; ``--mixed-precision no``
-           for float32), the reference in bf16 (model.dtype) scored without gradient, then the policy's log-probs
-           and entropies with a loss's backward; ``--rows`` completions of ``--tokens`` tokens after a 64-token
-           prompt, one micro-batch.
-  train    ``grpo_core.train.loop.train`` for one optimizer step with the GSM8K recipe's train section (bf16 compute copy,
-           gradient checkpointing, beta 0.04, dapo) on that model: batch ``--rows`` x ``--tokens``-token completions
-           (a deterministic rollout backend: every completion exactly ``--tokens`` tokens, the last one EOS), one
-           micro-batch: the peak memory a whole training step needs at this shape.
+  passes   what one training step of the GSM8K recipe (configs/gsm8k-qwen2.5-0.5b.yaml) scores: the policy in
+           float32 master weights under accelerate's bf16 autocast wrapper (mixed_precision bf16;
+           ``--mixed-precision no`` for float32), the reference in bf16 (model.dtype) scored without gradient,
+           then the policy's log-probs and entropies with a loss's backward; ``--rows`` completions of
+           ``--tokens`` tokens after a 64-token prompt, one micro-batch.
+  train    ``grpo_core.train.loop.train`` for one optimizer step with the GSM8K recipe's train section (bf16
+           compute copy, gradient checkpointing, beta 0.04, dapo) on that model: batch ``--rows`` x
+           ``--tokens``-token completions (a deterministic rollout backend: every completion exactly
+           ``--tokens`` tokens, the last one EOS), one micro-batch: the peak memory a whole training step
+           needs at this shape.
 
-``--paths`` fused,full: ``fused_lm_head`` true / false. The full path at vocab 151,936 needs more than 10 GiB; it is
-left out unless asked for.
+``--paths`` fused,full: ``fused_lm_head`` true / false. The full path at vocab 151,936 needs more than 10 GiB;
+it is left out unless asked for.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--paths", default="fused", help="fused, full or fused,full")
     p.add_argument("--mixed-precision", default="bf16", choices=["bf16", "no"])
-    p.add_argument("--train", default="fused", help="paths to also run train() on: fused, full, fused,full or none")
+    p.add_argument("--train", default="fused",
+                   help="paths to also run train() on: fused, full, fused,full or none")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--write", action="store_true", help="add the results to benchmarks/results/")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -76,8 +79,8 @@ def measure(spec: dict) -> dict:
 
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.logits_memory", "--child", json.dumps(spec)], cwd=REPO,
-                          env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.logits_memory", "--child", json.dumps(spec)],
+                          cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         return {**spec, "error": proc.stderr[-2000:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -93,7 +96,7 @@ def write(results: list[dict]) -> None:
                               indent=1) + "\n")
 
 
-# --- the child ---------------------------------------------------------------------------------------------------
+# --- the child ----------------------------------------------------------------------------------------------
 
 
 def peak_rss_gib() -> float:
@@ -107,8 +110,9 @@ def rss_gib() -> float:
 def tiny_config(spec: dict):
     from transformers import Qwen2Config
 
-    return Qwen2Config(vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=2 * spec["hidden"],
-                       num_hidden_layers=spec["layers"], num_attention_heads=2, num_key_value_heads=1,
+    return Qwen2Config(vocab_size=spec["vocab"], hidden_size=spec["hidden"],
+                       intermediate_size=2 * spec["hidden"], num_hidden_layers=spec["layers"],
+                       num_attention_heads=2, num_key_value_heads=1,
                        max_position_embeddings=PROMPT_TOKENS + spec["tokens"] + 8, tie_word_embeddings=True)
 
 
@@ -120,7 +124,8 @@ def run_child(spec: dict) -> dict:
     result = run_passes(spec) if spec["mode"] == "passes" else run_train(spec)
     import grpo_core.model.logprobs as logprobs
 
-    return {**spec, **result, "peak_rss_gib": round(peak_rss_gib(), 3), "wall_s": round(time.perf_counter() - started, 1),
+    return {**spec, **result, "peak_rss_gib": round(peak_rss_gib(), 3),
+            "wall_s": round(time.perf_counter() - started, 1),
             "chunk_size": logprobs.DEFAULT_CHUNK_SIZE, "torch": torch.__version__}
 
 
@@ -172,7 +177,8 @@ def run_train(spec: dict) -> dict:
     work = Path(tempfile.mkdtemp(prefix="logits-memory-"))
     tokenizer = build_tokenizer(vocabulary_words())
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(tiny_config(spec))  # ids past the tokenizer's pieces are never sampled: memory only
+    # ids past the tokenizer's pieces are never sampled: memory only
+    model = Qwen2ForCausalLM(tiny_config(spec))
     model.config.pad_token_id, model.config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     model.save_pretrained(work / "model")
     tokenizer.save_pretrained(work / "model")
@@ -183,8 +189,9 @@ def run_train(spec: dict) -> dict:
     recipe = yaml.safe_load((REPO / "configs/gsm8k-qwen2.5-0.5b.yaml").read_text())
     g = spec["rows"]
     train = {**recipe["train"], "per_device_train_batch_size": g, "num_generations": g,
-             "gradient_accumulation_steps": 1, "max_steps": 1, "save_steps": 100, "fused_lm_head": spec["fused"],
-             "mixed_precision": spec["mixed_precision"], "output_dir": "out", "resume": "never"}
+             "gradient_accumulation_steps": 1, "max_steps": 1, "save_steps": 100,
+             "fused_lm_head": spec["fused"], "mixed_precision": spec["mixed_precision"], "output_dir": "out",
+             "resume": "never"}
     cfg = config_from_dict({
         "embedded": None,
         "data": {"train_files": [str(work / "train.jsonl")], "eval_files": [str(work / "train.jsonl")],
@@ -207,9 +214,11 @@ def run_train(spec: dict) -> dict:
         def generate(self, prompt_ids, num_generations, sampling) -> RolloutBatch:
             rows = [p for p in prompt_ids for _ in range(num_generations)]
             ids, mask = left_pad(rows, self.pad)
-            completion = (torch.arange(tokens)[None, :] * 7 + torch.arange(len(rows))[:, None] * 13) % (self.span - 8) + 8
+            completion = ((torch.arange(tokens)[None, :] * 7 + torch.arange(len(rows))[:, None] * 13)
+                          % (self.span - 8) + 8)
             completion[:, -1] = self.eos
-            return RolloutBatch(ids, mask, completion, torch.ones_like(completion), torch.zeros(len(rows), dtype=torch.bool))
+            return RolloutBatch(ids, mask, completion, torch.ones_like(completion),
+                                torch.zeros(len(rows), dtype=torch.bool))
 
     before = rss_gib()
     t0 = time.perf_counter()

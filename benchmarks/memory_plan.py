@@ -3,76 +3,84 @@
     python -m benchmarks.memory_plan [--config configs/gsm8k-qwen2.5-0.5b.yaml] [--write-docs]
 
 Prints a Markdown table (model x strategy); ``--write-docs`` also puts it into docs/scaling.md between the
-``memory-table`` markers. ``plan()`` returns the same numbers as ``MemoryRow`` dataclasses. Parameter counts come
-from the architectures' shapes (``parameter_count`` reproduces transformers' ``sum(p.numel())``); the batch shape
-and precisions from the recipe (train.per_device_train_batch_size, steps_per_generation, max_prompt_length,
-max_completion_length, beta, gradient_checkpointing, mixed_precision, fused_lm_head; model.dtype, model.lora.r).
-Bytes throughout; GiB = 2**30 bytes.
+``memory-table`` markers. ``plan()`` returns the same numbers as ``MemoryRow`` dataclasses. Parameter counts
+come from the architectures' shapes (``parameter_count`` reproduces transformers' ``sum(p.numel())``); the
+batch shape and precisions from the recipe (train.per_device_train_batch_size, steps_per_generation,
+max_prompt_length, max_completion_length, beta, gradient_checkpointing, mixed_precision, fused_lm_head;
+model.dtype, model.lora.r). Bytes throughout; GiB = 2**30 bytes.
 
 The model of memory (what the code does; where, in parentheses):
 
 Persistent state, per process
-    full fine-tuning   float32 master weights 4 B + float32 gradients 4 B + AdamW exp_avg and exp_avg_sq 8 B = 16 B
-                       per parameter, plus AdamW's float32 ``step`` scalar per parameter tensor (model/loading.py
-                       load_policy, train/optim.py). DDP adds its gradient buckets, one more float32 gradient-sized
-                       copy (accelerate's default gradient_as_bucket_view=False): 20 B/param. One GPU: no DDP, 16.
-                       Under mixed_precision bf16 (1 GPU or DDP, full fine-tuning) nothing is DDP-wrapped: the float32
-                       master gradients are all-reduced by the trainer in buckets of at most 2**27 elements
-                       (train/compute_weights.py), a transient buffer, so 16 B/param on one GPU and on DDP.
-    reference          beta > 0: a frozen copy in model.dtype (load_reference); LoRA: the adapter-off view, 0 B.
-    FSDP2 over N       masters, gradients and AdamW state sharded, 16/N B/param; the reference sharded, model.dtype/N
-                       (model/sharding.py); plus a whole replica of the policy in model.dtype on every process
-                       for sampling (train/replica.py). Shards are taken as even (FSDP2 pads dim 0 to N).
-    compute copy       full fine-tuning under mixed_precision bf16 on 1 GPU or DDP: the bf16 copy of the masters
-                       that every training forward and backward and every rollout run on (train/compute_weights.py),
-                       2 B/param. Without mixed precision, a half-precision model.dtype: a copy in model.dtype that
-                       rollouts sample from (train/loop.py samples_from_a_cast_copy).
+    full fine-tuning   float32 master weights 4 B + float32 gradients 4 B + AdamW exp_avg and exp_avg_sq
+                       8 B = 16 B per parameter, plus AdamW's float32 ``step`` scalar per parameter tensor
+                       (model/loading.py load_policy, train/optim.py). DDP adds its gradient buckets, one more
+                       float32 gradient-sized copy (accelerate's default gradient_as_bucket_view=False):
+                       20 B/param. One GPU: no DDP, 16. Under mixed_precision bf16 (1 GPU or DDP, full
+                       fine-tuning) nothing is DDP-wrapped: the float32 master gradients are all-reduced by
+                       the trainer in buckets of at most 2**27 elements (train/compute_weights.py), a
+                       transient buffer, so 16 B/param on one GPU and on DDP.
+    reference          beta > 0: a frozen copy in model.dtype (load_reference); LoRA: the adapter-off view,
+                       0 B.
+    FSDP2 over N       masters, gradients and AdamW state sharded, 16/N B/param; the reference sharded,
+                       model.dtype/N (model/sharding.py); plus a whole replica of the policy in model.dtype on
+                       every process for sampling (train/replica.py). Shards are taken as even (FSDP2 pads dim
+                       0 to N).
+    compute copy       full fine-tuning under mixed_precision bf16 on 1 GPU or DDP: the bf16 copy of the
+                       masters that every training forward and backward and every rollout run on
+                       (train/compute_weights.py), 2 B/param. Without mixed precision, a half-precision
+                       model.dtype: a copy in model.dtype that rollouts sample from (train/loop.py
+                       samples_from_a_cast_copy).
     LoRA (DDP)         the frozen base in model.dtype; adapters r*(in + out) for each of q, k, v, o, gate, up,
                        down in every layer (peft's "all-linear" leaves out lm_head), float32, with gradients,
                        AdamW state and DDP buckets: 20 B per adapter parameter.
 
 Working memory, per micro-batch of per_device_train_batch_size rows x (prompt + completion) tokens
-    transient weights  1 GPU / DDP under bf16: none (the compute copy is persistent, above), but DDP's all-reduce
-                       bucket of the float32 gradients. Under fp16 (autocast) and for LoRA's float32 adapters:
-                       autocast caches the half-precision copy of every weight a linear layer reads until the
-                       model's forward returns. FSDP2: the gathered
-                       units, the root (embeddings, final norm, untied LM head: gathered through the whole forward
-                       and backward; sharding.py passes reshard_after_forward=True explicitly, so the root is
-                       resharded only between them) and two decoder layers (the one computing, the next one
-                       prefetched), in the compute dtype; plus the unsharded gradients of the root and one layer
-                       (compute dtype) and, under bf16, that layer's float32 copy for the reduce-scatter.
+    transient weights  1 GPU / DDP under bf16: none (the compute copy is persistent, above), but DDP's
+                       all-reduce bucket of the float32 gradients. Under fp16 (autocast) and for LoRA's
+                       float32 adapters: autocast caches the half-precision copy of every weight a linear
+                       layer reads until the model's forward returns. FSDP2: the gathered
+                       units, the root (embeddings, final norm, untied LM head: gathered through the whole
+                       forward and backward; sharding.py passes reshard_after_forward=True explicitly, so the
+                       root is resharded only between them) and two decoder layers (the one computing, the
+                       next one prefetched), in the compute dtype; plus the unsharded gradients of the root
+                       and one layer (compute dtype) and, under bf16, that layer's float32 copy for the
+                       reduce-scatter.
     activations        one layer's activations: what a Qwen2 decoder layer saves for its backward, per token
-                       9*hidden + 4*intermediate + 2*kv_heads*head_dim elements (``layer_activation_elements``; no
-                       attention scores: SDPA never stores them), in the compute dtype. Checked against measurement
-                       on CPU (benchmarks/activation_measure.py, tests/test_memory_plan.py): within 25% of the
-                       measured step for three shapes, with and without checkpointing. (Korthikanti et al.'s
-                       34*hidden for a GPT layer with a 4h MLP read about 2x low for Qwen2's SwiGLU.) Gradient checkpointing keeps each layer's input (the residual stream, plus
-                       the final norm's input) and recomputes one layer at a time; without it every layer's
-                       activations are kept. The residual stream is in the compute dtype under bf16 (the compute
-                       copy, FSDP2's param_dtype); under fp16 autocast outside FSDP2 it stays float32 (the embedding
-                       runs outside autocast on float32 masters, and the residual adds stay float32).
+                       9*hidden + 4*intermediate + 2*kv_heads*head_dim elements
+                       (``layer_activation_elements``; no attention scores: SDPA never stores them), in the
+                       compute dtype. Checked against measurement on CPU (benchmarks/activation_measure.py,
+                       tests/test_memory_plan.py): within 25% of the measured step for three shapes, with and
+                       without checkpointing. (Korthikanti et al.'s 34*hidden for a GPT layer with a 4h MLP
+                       read about 2x low for Qwen2's SwiGLU.) Gradient checkpointing keeps each layer's input
+                       (the residual stream, plus the final norm's input) and recomputes one layer at a time;
+                       without it every layer's activations are kept. The residual stream is in the compute
+                       dtype under bf16 (the compute copy, FSDP2's param_dtype); under fp16 autocast outside
+                       FSDP2 it stays float32 (the embedding runs outside autocast on float32 masters, and the
+                       residual adds stay float32).
     logits             the fused LM head (train.fused_lm_head, model/logprobs.py) keeps only one chunk of
-                       DEFAULT_CHUNK_SIZE rows x vocab in float32 (x3: the upcast logits, their log-softmax, p*log p
-                       for the entropy), under every strategy: the head scores chunk by chunk inside the model's own
-                       forward, so accelerate's autocast wrapper, DDP and FSDP2 run as they are (``scoring_head``).
-                       With train.fused_lm_head false the model's forward returns the (rows, completion + 1, vocab)
-                       logits: float32 under accelerate's wrapper (convert_outputs_to_fp32), the compute dtype under
-                       FSDP2; they are kept for the backward and their gradient is as large: 2x the logits, plus the
-                       chunk.
-    KV cache           HF generate samples the round's rows at once on each process: per_device_train_batch_size x
-                       steps_per_generation rows x (prompt + completion) tokens x layers x 2 (K, V) x kv_heads x
-                       head_dim, in the sampler's dtype: the bf16 compute copy, else model.dtype (the FSDP2 replica,
-                       the cast copy, LoRA's base; full float32 fine-tuning samples from the float32 policy).
+                       DEFAULT_CHUNK_SIZE rows x vocab in float32 (x3: the upcast logits, their log-softmax,
+                       p*log p for the entropy), under every strategy: the head scores chunk by chunk inside
+                       the model's own forward, so accelerate's autocast wrapper, DDP and FSDP2 run as they
+                       are (``scoring_head``). With train.fused_lm_head false the model's forward returns the
+                       (rows, completion + 1, vocab) logits: float32 under accelerate's wrapper
+                       (convert_outputs_to_fp32), the compute dtype under FSDP2; they are kept for the
+                       backward and their gradient is as large: 2x the logits, plus the chunk.
+    KV cache           HF generate samples the round's rows at once on each process:
+                       per_device_train_batch_size x steps_per_generation rows x (prompt + completion) tokens
+                       x layers x 2 (K, V) x kv_heads x head_dim, in the sampler's dtype: the bf16 compute
+                       copy, else model.dtype (the FSDP2 replica, the cast copy, LoRA's base; full float32
+                       fine-tuning samples from the float32 policy).
 
-total = weights+grads+AdamW + reference + replica + transient + max(activations + logits, KV cache): the rollout
-and the micro-batches take turns. An upper bound: every term at the recipe's longest rows (trim_padding only
-shortens them), the forward's autocast copies added to the backward's logit gradient (they never coexist), and
-gradients as held through generation (zero_grad frees them after each step).
+total = weights+grads+AdamW + reference + replica + transient + max(activations + logits, KV cache): the
+rollout and the micro-batches take turns. An upper bound: every term at the recipe's longest rows
+(trim_padding only shortens them), the forward's autocast copies added to the backward's logit gradient (they
+never coexist), and gradients as held through generation (zero_grad frees them after each step).
 
 Not counted: the CUDA context and caching-allocator slack (~0.5-1 GiB), NCCL buffers, generate's prefill
 activations, LoRA's per-module dropout copies in the recomputed layer, the no-grad reference and old-policy
-passes (smaller than the policy's), and the vLLM backend (it reserves vllm_gpu_memory_utilization of the GPU for
-its own weights and KV cache instead).
+passes (smaller than the policy's), and the vLLM backend (it reserves vllm_gpu_memory_utilization of the GPU
+for its own weights and KV cache instead).
 """
 
 from __future__ import annotations
@@ -187,7 +195,8 @@ def parameter_tensor_count(shape: ModelShape) -> int:
 
 
 def autocast_cast_count(shape: ModelShape) -> int:
-    """Parameters autocast casts in a forward: every linear layer's, the LM head's (the tied embedding too)."""
+    """Parameters autocast casts in a forward: every linear layer's, the LM head's
+    (the tied embedding too)."""
     return shape.layers * layer_linear_count(shape) + shape.vocab * shape.hidden
 
 
@@ -232,8 +241,8 @@ class Recipe:
         # A recipe without LoRA is planned at the LoRA recipe's rank (grpo_core.config.LoraConfig's default).
         lora = cfg.model.lora or LoraConfig()
         return cls(t.batch.per_device_train_batch_size, t.batch_plan.micro_batches_per_round, prompt_length,
-                   cfg.generation.max_completion_length, t.loss.beta, t.forward.gradient_checkpointing, t.forward.mixed_precision, cfg.model.dtype,
-                   t.forward.fused_lm_head, lora.r)
+                   cfg.generation.max_completion_length, t.loss.beta, t.forward.gradient_checkpointing,
+                   t.forward.mixed_precision, cfg.model.dtype, t.forward.fused_lm_head, lora.r)
 
     @property
     def tokens(self) -> int:
@@ -280,7 +289,8 @@ def residual_bytes(recipe: Recipe, strategy: Strategy) -> int:
     if strategy.kind == "lora":
         return recipe.dtype_bytes            # the frozen base embedding, model.dtype
     if strategy.sharded or has_compute_copy(recipe, strategy):
-        return compute_bytes(recipe, strategy)  # FSDP2's param_dtype casts the embedding too; the copy is all bf16
+        return compute_bytes(recipe, strategy)  # FSDP2's param_dtype casts the embedding too;
+                                                # the copy is all bf16
     return MASTER_BYTES                      # autocast leaves the float32 embedding as it is
 
 
@@ -340,9 +350,9 @@ def reference_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> in
 
 
 def replica_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> int:
-    """The whole copy rollouts sample from: FSDP2's, the bf16 compute copy (which training runs on too), and full
-    fine-tuning's with a half-precision model.dtype (train/loop.py samples_from_a_cast_copy); LoRA and full float32
-    sample from the policy itself."""
+    """The whole copy rollouts sample from: FSDP2's, the bf16 compute copy (which training runs on too), and
+    full fine-tuning's with a half-precision model.dtype (train/loop.py samples_from_a_cast_copy); LoRA and
+    full float32 sample from the policy itself."""
     if has_compute_copy(recipe, strategy):
         return compute_bytes(recipe, strategy) * parameter_count(shape)
     cast_copy = strategy.kind != "lora" and recipe.dtype_bytes != MASTER_BYTES
@@ -370,9 +380,10 @@ def transient_weight_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy
 
 
 def layer_activation_elements(shape: ModelShape) -> int:
-    """Per token, the elements one Qwen2 decoder layer keeps for its backward: 9 of the hidden size (both RMSNorms'
-    inputs and outputs, q before and after RoPE, k and v repeated to every head by repeat_kv, the attention output),
-    4 of the MLP's width (the gate and up projections, SiLU(gate), their product) and k and v before the repeat."""
+    """Per token, the elements one Qwen2 decoder layer keeps for its backward: 9 of the hidden size (both
+    RMSNorms' inputs and outputs, q before and after RoPE, k and v repeated to every head by repeat_kv, the
+    attention output), 4 of the MLP's width (the gate and up projections, SiLU(gate), their product) and k and
+    v before the repeat."""
     return 9 * shape.hidden + 4 * shape.intermediate + 2 * shape.kv_heads * shape.head_dim
 
 
@@ -387,7 +398,8 @@ def activation_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> i
 
 def fused_head_runs(recipe: Recipe, strategy: Strategy) -> bool:
     """Whether the trainer applies the LM head chunk by chunk (``logprobs.scoring_head``): whenever
-    train.fused_lm_head asks, on one GPU, DDP, FSDP2 and LoRA alike (the head scores inside the wrapped forward)."""
+    train.fused_lm_head asks, on one GPU, DDP, FSDP2 and LoRA alike (the head scores inside the wrapped
+    forward)."""
     return recipe.fused_lm_head
 
 
@@ -408,9 +420,11 @@ def logits_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> int:
 
 def kv_cache_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> int:
     rows = recipe.rows * recipe.steps_per_generation
-    # the bf16 compute copy samples in bf16; every other sampler runs in model.dtype, outside autocast: the FSDP2
-    # replica, full fine-tuning's cast copy (or the float32 policy itself when model.dtype is float32), LoRA's base
-    sampler_bytes = compute_bytes(recipe, strategy) if has_compute_copy(recipe, strategy) else recipe.dtype_bytes
+    # the bf16 compute copy samples in bf16; every other sampler runs in model.dtype, outside autocast: the
+    # FSDP2 replica, full fine-tuning's cast copy (or the float32 policy itself when model.dtype is float32),
+    # LoRA's base
+    sampler_bytes = (compute_bytes(recipe, strategy) if has_compute_copy(recipe, strategy)
+                     else recipe.dtype_bytes)
     per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * sampler_bytes
     return rows * (recipe.prompt_tokens + recipe.completion_tokens) * per_token
 
@@ -418,8 +432,8 @@ def kv_cache_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> int
 def memory_row(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> MemoryRow:
     return MemoryRow(
         model=shape.name, strategy=strategy.name, parameters=parameter_count(shape),
-        training_state=state_bytes(shape, recipe, strategy), reference=reference_bytes(shape, recipe, strategy),
-        replica=replica_bytes(shape, recipe, strategy),
+        training_state=state_bytes(shape, recipe, strategy),
+        reference=reference_bytes(shape, recipe, strategy), replica=replica_bytes(shape, recipe, strategy),
         transient_weights=transient_weight_bytes(shape, recipe, strategy),
         activations=activation_bytes(shape, recipe, strategy), logits=logits_bytes(shape, recipe, strategy),
         kv_cache=kv_cache_bytes(shape, recipe, strategy))
@@ -455,9 +469,10 @@ def render_table(rows: list[MemoryRow]) -> str:
 
 def render(rows: list[MemoryRow], config_name: str) -> str:
     """The table under the one line that says how it was made and how to read it."""
-    header = (f"`python -m benchmarks.memory_plan --write-docs` regenerates this table from `{config_name}`: GiB "
-              "per process (DDP and LoRA: any N > 1); total = weights+grads+AdamW + reference + replica + "
-              "transient + max(activations + logits, KV cache); the model of memory is in the script's docstring.")
+    header = (f"`python -m benchmarks.memory_plan --write-docs` regenerates this table from `{config_name}`: "
+              "GiB per process (DDP and LoRA: any N > 1); total = weights+grads+AdamW + reference + replica "
+              "+ transient + max(activations + logits, KV cache); "
+              "the model of memory is in the script's docstring.")
     return f"{header}\n\n{render_table(rows)}"
 
 
@@ -508,9 +523,11 @@ def write_docs(rendering: str, path: Path = DOCS_PATH) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=REPO_ROOT / DEFAULT_CONFIG,
-                        help=f"the recipe whose batch shape and precisions to plan for (default {DEFAULT_CONFIG})")
+                        help="the recipe whose batch shape and precisions to plan for (default "
+                             f"{DEFAULT_CONFIG})")
     parser.add_argument("--write-docs", action="store_true",
-                        help=f"also write the table into {DOCS_PATH.relative_to(REPO_ROOT)} between its markers")
+                        help=f"also write the table into {DOCS_PATH.relative_to(REPO_ROOT)} between its "
+                             "markers")
     args = parser.parse_args(argv)
     try:
         rendering = rendering_for(args.config)

@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         first = torch.arange(0, ids.shape[0], args.group)
         rows_through.setdefault(True, []).append(int(att[first, :P].sum() + att[:, P:-1].sum()))
 
-    print(f"{args.batches - 1} batches of {args.prompts} prompts x {args.group}, completions {lo}-{hi} tokens; "
-          f"CPU s, median (best); 1 thread")
+    print(f"{args.batches - 1} batches of {args.prompts} prompts x {args.group}, completions {lo}-{hi} "
+          "tokens; CPU s, median (best); 1 thread")
     for flag, label in ((False, "padded"), (True, "padding-free")):
         cells = " | ".join(f"{k} {statistics.median(v):.4f} ({min(v):.4f})" for k, v in times[flag].items())
         print(f"{label:13s} {cells} | rows through the matmuls {statistics.mean(rows_through[flag]):.0f}")

@@ -1,21 +1,25 @@
-"""Time and peak memory per phase of a training step: what the GPU kit's profiled step records (benchmarks/kit_step.py).
+"""Time and peak memory per phase of a training step: what the GPU kit's profiled step records
+(benchmarks/kit_step.py).
 
-A phase is a named span - the trainer's ``record_function`` labels (``grpo/generate_round``, ``grpo/backward``, ...)
-- and spans nest. For each span the meter keeps its wall seconds (CUDA synchronized at both ends, so the GPU's work
+A phase is a named span - the trainer's ``record_function`` labels (``grpo/generate_round``,
+``grpo/backward``, ...)
+- and spans nest. For each span the meter keeps its wall seconds (CUDA synchronized at both ends, so the GPU's
+  work
 is inside the span that queued it) and the peak of every gauge while it was open:
 
-    allocator  CUDA: ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved``, reset at every span boundary
-               (``reset_peak_memory_stats``). CPU: the process's peak resident set (VmHWM), reset at every boundary
-               by writing 5 to /proc/self/clear_refs (Linux >= 4.0): the CPU stand-in, for the smoke run.
-    device     the whole GPU's used memory as the driver reports it - what nvidia-smi shows: the CUDA context, the
-               caching allocator's reserve and anything else on the GPU - sampled every 20 ms by a thread (NVML
-               through nvidia-ml-py's ``pynvml``, else a streaming ``nvidia-smi --query-gpu=memory.used``); absent
-               without an NVIDIA GPU. A span shorter than the sampling period can miss its peak: read the allocator
-               for short phases.
+    allocator  CUDA: ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved``, reset at every span
+               boundary (``reset_peak_memory_stats``). CPU: the process's peak resident set (VmHWM), reset at
+               every boundary by writing 5 to /proc/self/clear_refs (Linux >= 4.0): the CPU stand-in, for the
+               smoke run.
+    device     the whole GPU's used memory as the driver reports it - what nvidia-smi shows: the CUDA context,
+               the caching allocator's reserve and anything else on the GPU - sampled every 20 ms by a thread
+               (NVML through nvidia-ml-py's ``pynvml``, else a streaming
+               ``nvidia-smi --query-gpu=memory.used``); absent without an NVIDIA GPU. A span shorter than the
+               sampling period can miss its peak: read the allocator for short phases.
 
-Nesting: a boundary reads every gauge's peak since the previous boundary into the innermost open span, then resets
-the gauge; a closing span hands its peaks to its parent. So each span's peak covers everything inside it, and no
-reset hides a peak from an enclosing span.
+Nesting: a boundary reads every gauge's peak since the previous boundary into the innermost open span, then
+resets the gauge; a closing span hands its peaks to its parent. So each span's peak covers everything inside
+it, and no reset hides a peak from an enclosing span.
 """
 
 from __future__ import annotations
@@ -87,7 +91,8 @@ def _nvml_reader(index: int):
 
 
 class DeviceMemoryGauge:
-    """The GPU's used memory (MiB), sampled by a daemon thread; ``peak`` is the largest sample since ``reset``."""
+    """The GPU's used memory (MiB), sampled by a daemon thread;
+    ``peak`` is the largest sample since ``reset``."""
 
     kind = "device used memory (NVML / nvidia-smi)"
 
@@ -104,7 +109,8 @@ class DeviceMemoryGauge:
             self.source = "nvidia-smi"
             self._proc = subprocess.Popen(
                 ["nvidia-smi", f"--id={index}", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                 f"--loop-ms={max(int(interval_s * 1000), 20)}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                 f"--loop-ms={max(int(interval_s * 1000), 20)}"], stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, text=True)
             self._thread = threading.Thread(target=self._stream, daemon=True)
         else:
             return
@@ -185,7 +191,8 @@ class PhaseMeter:
 
     def __init__(self, gauges: list, synchronize=None):
         self.gauges = gauges
-        self.synchronize = synchronize or (torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None))
+        self.synchronize = synchronize or (torch.cuda.synchronize if torch.cuda.is_available()
+                                           else (lambda: None))
         self.records: list[dict] = []       # one per closed span: step, phase, seconds, peaks
         self.steps: list[dict] = []         # one per step: the whole step's peaks and the trainer's metrics
         self._stack: list[_Span] = []
@@ -225,8 +232,8 @@ class PhaseMeter:
         self._step = _Span("step", now)
 
     def summary(self, steps: list[int]) -> dict[str, dict]:
-        """Per phase over ``steps``: the median over steps of the phase's seconds in a step (its calls summed),
-        calls per step, and the largest peak of each gauge."""
+        """Per phase over ``steps``: the median over steps of the phase's seconds in a step (its calls
+        summed), calls per step, and the largest peak of each gauge."""
         out: dict[str, dict] = {}
         for name in dict.fromkeys(r["phase"] for r in self.records):
             per_step = {s: [r for r in self.records if r["phase"] == name and r["step"] == s] for s in steps}
@@ -237,7 +244,8 @@ class PhaseMeter:
             for rs in per_step.values():
                 for r in rs:
                     _max_into(peaks, {k: v for k, v in r.items() if k.endswith("_mib")})
-            out[name] = {"seconds": statistics.median(sum(r["seconds"] for r in rs) for rs in per_step.values()),
+            out[name] = {"seconds": statistics.median(sum(r["seconds"] for r in rs)
+                                                      for rs in per_step.values()),
                          "calls_per_step": statistics.median(len(rs) for rs in per_step.values()),
                          **peaks}
         return out

@@ -3,10 +3,11 @@
     python -m benchmarks.phases --side ours|trl [--steps 11] [--levers generation=hf]
 
 Our side: the trainer names its phases with ``torch.profiler.record_function`` (``grpo/generate_round``,
-``grpo/ref_logprobs``, ``grpo/policy_forward``, ``grpo/backward``, ``grpo/optimizer_step``, ``grpo/sync_weights``, ...); a CPU profile
-of the run sums each label's time. TRL's side: its methods wrapped with ``time.process_time``. The first step
-(warm-up) is included in the totals, so compare per-step numbers over many steps. One torch thread, as the
-cpu-tiny benchmark; the profiler slows our side down, so read its shares, not its absolute times.
+``grpo/ref_logprobs``, ``grpo/policy_forward``, ``grpo/backward``, ``grpo/optimizer_step``,
+``grpo/sync_weights``, ...); a CPU profile of the run sums each label's time. TRL's side: its methods wrapped
+with ``time.process_time``. The first step (warm-up) is included in the totals, so compare per-step numbers
+over many steps. One torch thread, as the cpu-tiny benchmark; the profiler slows our side down, so read its
+shares, not its absolute times.
 """
 
 from __future__ import annotations

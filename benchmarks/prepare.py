@@ -44,7 +44,8 @@ def build_model_and_tokenizer(cfg: BenchConfig):
     tokenizer.padding_side = "left"
     if cfg.model == "embedded":
         sizes = embedded_sizes(cfg)
-        model = build_model(tokenizer, hidden_size=sizes["hidden_size"], num_hidden_layers=sizes["num_hidden_layers"],
+        model = build_model(tokenizer, hidden_size=sizes["hidden_size"],
+                            num_hidden_layers=sizes["num_hidden_layers"],
                             num_attention_heads=sizes["num_attention_heads"],
                             intermediate_size=sizes["intermediate_size"], seed=sizes["seed"])
     elif cfg.model == "qwen2.5-0.5b":
@@ -99,5 +100,6 @@ def prepare(cfg: BenchConfig, workdir: Path) -> dict:
             "vocab_size": model.config.vocab_size, "tokenizer_size": len(tokenizer),
             "mean_prompt_tokens": sum(prompt_tokens) / len(prompt_tokens),
             "architecture": {k: getattr(model.config, k) for k in
-                             ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                              "intermediate_size", "vocab_size", "tie_word_embeddings")}}
+                             ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                              "num_key_value_heads", "intermediate_size", "vocab_size",
+                              "tie_word_embeddings")}}

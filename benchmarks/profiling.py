@@ -1,5 +1,6 @@
-"""torch.profiler for the benchmarks: around one side's run (``profiled``), or started and stopped by the caller
-(the GPU kit's profiled step); the top operators by self time as text, and the time under the trainer's labels."""
+"""torch.profiler for the benchmarks: around one side's run (``profiled``), or started and stopped by the
+caller (the GPU kit's profiled step); the top operators by self time as text, and the time under the trainer's
+labels."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ def top_operators(prof, rows: int = 40) -> str:
 
 
 def label_times(prof) -> dict[str, dict]:
-    """Per trainer label (``grpo/...``): calls, CPU seconds (wall time of the span on the host, children included)
-    and the device seconds of the kernels run under it (None without a GPU)."""
+    """Per trainer label (``grpo/...``): calls, CPU seconds (wall time of the span on the host, children
+    included) and the device seconds of the kernels run under it (None without a GPU)."""
     out = {}
     for event in prof.key_averages():
         if event.key.startswith(LABEL_PREFIX):

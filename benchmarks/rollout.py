@@ -1,27 +1,29 @@
-"""Rollout speed, side by side in one run: a vLLM engine, the hand-written decode loop and HF generate sampling the
-same prompts from the same model, plus what the engine costs a training run besides sampling (its start-up and the
-weight copy each optimizer step triggers).
+"""Rollout speed, side by side in one run: a vLLM engine, the hand-written decode loop and HF generate
+sampling the same prompts from the same model, plus what the engine costs a training run besides sampling (its
+start-up and the weight copy each optimizer step triggers).
 
-    python -m benchmarks.rollout                              # both models, the three backends, 3 timed rounds
+    python -m benchmarks.rollout                             # both models, the three backends, 3 timed rounds
     python -m benchmarks.rollout --models embedded --rounds 2 # one model
-    python -m benchmarks.rollout --backends hf-dynamic hf-static manual --device cuda --dtype bfloat16   # a GPU
+    python -m benchmarks.rollout --backends hf-dynamic hf-static manual --device cuda --dtype bfloat16 # a GPU
 
-Backends: ``vllm`` (a colocated engine), ``manual`` (the hand-written decode loop), ``hf`` (HF generate as the trainer
-picks it: the static cache and compiled decode step on CUDA, the dynamic cache on CPU), ``hf-static`` and
-``hf-dynamic`` (HF generate with that cache whatever the device; the GPU kit, benchmarks/gpu_kit.py, runs both).
+Backends: ``vllm`` (a colocated engine), ``manual`` (the hand-written decode loop), ``hf`` (HF generate as the
+trainer picks it: the static cache and compiled decode step on CUDA, the dynamic cache on CPU), ``hf-static``
+and ``hf-dynamic`` (HF generate with that cache whatever the device; the GPU kit, benchmarks/gpu_kit.py, runs
+both).
 
 Models (random weights, float32, written once to a temp folder; every backend loads the same files):
-    embedded       the embedded default's sizes from params.yaml with 3 heads (head size 32: vLLM's CPU attention
-                   refuses the default's 24; configs/embedded-vllm.yaml makes the same change)
-    qwen2.5-0.5b   Qwen2.5-0.5B's architecture (benchmarks/configs.py), 494M parameters, 151,936-token vocabulary
+    embedded       the embedded default's sizes from params.yaml with 3 heads (head size 32: vLLM's CPU
+                   attention refuses the default's 24; configs/embedded-vllm.yaml makes the same change)
+    qwen2.5-0.5b   Qwen2.5-0.5B's architecture (benchmarks/configs.py), 494M parameters,
+                   151,936-token vocabulary
 
 A round samples ``--prompts`` prompts x ``--generations`` completions of exactly ``--tokens`` tokens each
 (``min_new_tokens``: EOS masked until then, so every backend produces the same token count), temperature 1.
 Each backend runs in a subprocess of its own, one after another (peak memory and threads are its own), with
-``--threads`` torch threads; the first round is a warm-up. Reported: completion tokens/s of the median round, and
-for vLLM the engine's start-up (``build_engine``) and one weight copy from the policy (``load_policy_weights``,
-median of 3) - the copy a colocated engine makes after every optimizer step. Results go to
-``benchmarks/results/rollout-<device>.json`` and the table in benchmarks/README.md.
+``--threads`` torch threads; the first round is a warm-up. Reported: completion tokens/s of the median round,
+and for vLLM the engine's start-up (``build_engine``) and one weight copy from the policy
+(``load_policy_weights``, median of 3) - the copy a colocated engine makes after every optimizer step. Results
+go to ``benchmarks/results/rollout-<device>.json`` and the table in benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ README = Path(__file__).resolve().parent / "README.md"
 BEGIN, END = "<!-- rollout:begin -->", "<!-- rollout:end -->"
 MODELS = ("embedded", "qwen2.5-0.5b")
 BACKENDS = ("vllm", "manual", "hf", "hf-static", "hf-dynamic")
-SETTINGS = ("prompts", "generations", "tokens", "rounds", "threads", "dtype", "device")  # what a subprocess gets
+# what a subprocess gets
+SETTINGS = ("prompts", "generations", "tokens", "rounds", "threads", "dtype", "device")
 HEAD_SIZE_32 = {"num_attention_heads": 3}  # embedded: 96 hidden / 3 heads
 
 
@@ -52,8 +55,10 @@ HEAD_SIZE_32 = {"num_attention_heads": 3}  # embedded: 96 hidden / 3 heads
 # inputs: one model folder and one prompt list per model, shared by every backend
 
 
-def write_model(model: str, tokens: int, folder: Path, dtype: str = "float32", sizes: dict | None = None) -> None:
-    """The model's files, weights in ``dtype``; sizes: embedded sizes instead of the 3-head default (tests)."""
+def write_model(model: str, tokens: int, folder: Path, dtype: str = "float32",
+                sizes: dict | None = None) -> None:
+    """The model's files, weights in ``dtype``; sizes: embedded sizes instead of the 3-head default
+    (tests)."""
     from benchmarks.prepare import build_model_and_tokenizer
 
     cfg = BenchConfig(name=f"rollout-{model}", model=model, num_prompts=1, num_generations=1,
@@ -81,8 +86,8 @@ def prompt_ids(folder: Path, n: int) -> list[list[int]]:
 
 
 def make_backend(backend_name: str, policy, tokenizer, **vllm_options):
-    """One of BACKENDS over ``policy``: hf-static / hf-dynamic pin HF generate's cache, the others are the trainer's
-    own choices (``grpo_core.rollout.default_backend``)."""
+    """One of BACKENDS over ``policy``: hf-static / hf-dynamic pin HF generate's cache, the others are the
+    trainer's own choices (``grpo_core.rollout.default_backend``)."""
     from grpo_core.rollout import HFGenerateBackend, default_backend
 
     if backend_name in ("hf-static", "hf-dynamic"):
@@ -102,7 +107,8 @@ def time_backend(backend_name: str, folder: Path, prompts: list[list[int]], gene
     policy = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     longest = max(len(p) for p in prompts) + tokens
-    options = dict(settings=EngineSettings(seed=0, max_model_length=longest)) if backend_name == "vllm" else {}
+    options = (dict(settings=EngineSettings(seed=0, max_model_length=longest)) if backend_name == "vllm"
+               else {})
     started = time.perf_counter()
     backend = make_backend(backend_name, policy, tokenizer, **options)
     start_s = time.perf_counter() - started
@@ -118,8 +124,8 @@ def time_backend(backend_name: str, folder: Path, prompts: list[list[int]], gene
         round_s.append(time.perf_counter() - started)
         round_tokens.append(int(batch.completion_mask.sum()))
     result = {"backend": backend_name, "round_s": round_s[1:], "tokens_per_round": round_tokens[1:],
-              "warmup_round_s": round_s[0], "torch_threads": torch.get_num_threads(), "dtype": dtype, "device": device,
-              "mean_prompt_tokens": sum(len(p) for p in prompts) / len(prompts)}
+              "warmup_round_s": round_s[0], "torch_threads": torch.get_num_threads(), "dtype": dtype,
+              "device": device, "mean_prompt_tokens": sum(len(p) for p in prompts) / len(prompts)}
     if cuda:
         result["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
     median = statistics.median(round_s[1:])
@@ -131,7 +137,8 @@ def time_backend(backend_name: str, folder: Path, prompts: list[list[int]], gene
 
 
 def weight_sync_seconds(backend, policy, repeats: int = 3) -> float:
-    """The median time of one copy of the policy's weights into the engine (what follows every optimizer step)."""
+    """The median time of one copy of the policy's weights into the engine
+    (what follows every optimizer step)."""
     import torch
 
     from grpo_core.rollout.vllm import engine_dtype, engine_weights, load_policy_weights
@@ -150,11 +157,11 @@ def run_in_subprocess(backend_name: str, folder: Path, settings: dict, timeout: 
     settings: a value for each of SETTINGS."""
     command = [sys.executable, "-m", "benchmarks.rollout", "--run", backend_name, "--folder", str(folder),
                *(arg for key in SETTINGS for arg in (f"--{key}", str(settings[key])))]
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                          timeout=timeout)
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"benchmarks.rollout --run {backend_name} on {folder.name} exited {proc.returncode}:\n"
-                           f"{proc.stderr[-3000:]}")
+        raise RuntimeError(f"benchmarks.rollout --run {backend_name} on {folder.name} exited "
+                           f"{proc.returncode}:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -192,11 +199,13 @@ def device_slug() -> str:
 
 def format_table(result: dict) -> str:
     s = result["settings"]
-    lines = [f"**Rollouts** on {result['machine']['cpu']} ({result['machine']['cores']} cores), {s['prompts']} prompts "
-             f"x {s['generations']} completions x {s['tokens']} tokens per round, {s['threads']} torch threads, "
-             f"{s.get('dtype', 'float32')}, median of {s['rounds']} rounds after a warm-up",
-             "", "| model | backend | completion tokens/s | x manual | engine start-up s | weight copy s / step |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"**Rollouts** on {result['machine']['cpu']} ({result['machine']['cores']} cores), "
+             f"{s['prompts']} prompts x {s['generations']} completions x {s['tokens']} tokens per round, "
+             f"{s['threads']} torch threads, {s.get('dtype', 'float32')}, "
+             f"median of {s['rounds']} rounds after a warm-up",
+             "",
+             "| model | backend | completion tokens/s | x manual | engine start-up s | weight copy "
+             "s / step |", "|---|---|---|---|---|---|"]
     for model, rows in result["models"].items():
         manual = rows.get("manual", {}).get("tokens_per_s")
         for name, row in rows.items():
@@ -228,25 +237,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/rollout-<device>.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: benchmarks/results/rollout-<device>.json")
     parser.add_argument("--no-readme", action="store_true", help="leave benchmarks/README.md as it is")
     parser.add_argument("--run", choices=BACKENDS, help=argparse.SUPPRESS)  # one backend, in a subprocess
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run:
         prompts = prompt_ids(args.folder, args.prompts)
-        print(json.dumps(time_backend(args.run, args.folder, prompts, args.generations, args.tokens, args.rounds,
-                                      args.threads, args.dtype, args.device)))
+        print(
+            json.dumps(time_backend(args.run, args.folder, prompts, args.generations, args.tokens,
+                                    args.rounds, args.threads, args.dtype, args.device)))
         return 0
-    result = {"command": " ".join(["python -m benchmarks.rollout", *(argv if argv is not None else sys.argv[1:])]),
-              "date": time.strftime("%Y-%m-%d"), "machine": machine(), "versions": versions(),
-              "settings": {k: getattr(args, k) for k in SETTINGS},
-              "models": {}}
+    result = {
+        "command": " ".join(["python -m benchmarks.rollout", *(argv if argv is not None else sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d"), "machine": machine(), "versions": versions(),
+        "settings": {k: getattr(args, k) for k in SETTINGS},
+        "models": {}}
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as tmp:
         for model in args.models:
             folder = Path(tmp) / model
             write_model(model, args.tokens, folder, args.dtype)
-            result["models"][model] = {name: run_in_subprocess(name, folder, result["settings"]) for name in args.backends}
+            result["models"][model] = {name: run_in_subprocess(name, folder, result["settings"])
+                                       for name in args.backends}
             print(f"{model}: " + ", ".join(f"{n} {r['tokens_per_s']:,.0f} tok/s" for n, r in
                                            result["models"][model].items()), flush=True)
     out = args.out or RESULTS / f"rollout-{device_slug()}.json"

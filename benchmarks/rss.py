@@ -1,9 +1,9 @@
 """A process's resident memory, for the benchmarks that measure it in a fresh subprocess.
 
-Read from /proc/self/status, not ``resource.getrusage(RUSAGE_SELF).ru_maxrss``: Linux folds the peak of the memory
-image a process replaces at exec into its ru_maxrss, and Python's subprocess starts children with vfork + exec, so
-a child started from a large parent (a pytest session holding models, a benchmark driver) reports at least the
-parent's peak. VmHWM is the peak of the process's own memory image only.
+Read from /proc/self/status, not ``resource.getrusage(RUSAGE_SELF).ru_maxrss``: Linux folds the peak of the
+memory image a process replaces at exec into its ru_maxrss, and Python's subprocess starts children with
+vfork + exec, so a child started from a large parent (a pytest session holding models, a benchmark driver)
+reports at least the parent's peak. VmHWM is the peak of the process's own memory image only.
 """
 
 from __future__ import annotations

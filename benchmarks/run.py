@@ -71,7 +71,8 @@ def run_side(side: str, cfg: BenchConfig, assets: dict, workdir: Path, variant: 
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.side", "--spec", str(spec_path), "--out", str(out_path)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.side", "--spec", str(spec_path), "--out",
+                           str(out_path)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
@@ -139,16 +140,16 @@ def mfu(summary: dict, cfg: BenchConfig, assets: dict, gpu_name: str) -> dict | 
 
 WHOLE_STEP_FORMULA = (
     "(6·N·B·(P+C) policy forward+backward + 2·N·B·(P+C) per frozen forward (the reference when beta > 0; old "
-    "log-probs when a round outlives the policy) + 2·N·B·C sampling, one forward per generated token) / step time / "
-    "peak dense bf16 FLOP/s; N = all parameters (a tied head counted once), B = completions per step, P and C = "
-    "mean prompt and completion tokens. Not counted: attention's own FLOPs, the prompts' prefill while sampling, "
-    "gradient checkpointing's recompute")
+    "log-probs when a round outlives the policy) + 2·N·B·C sampling, one forward per generated token) / step "
+    "time / peak dense bf16 FLOP/s; N = all parameters (a tied head counted once), B = completions per step, "
+    "P and C = mean prompt and completion tokens. Not counted: attention's own FLOPs, the prompts' prefill "
+    "while sampling, gradient checkpointing's recompute")
 
 
 def whole_step_mfu(num_parameters: int, rows: int, prompt_tokens: float, completion_tokens: float,
                    frozen_forwards: int, step_s: float, gpu_name: str) -> dict | None:
-    """MFU of a whole optimizer step, generation included (WHOLE_STEP_FORMULA); None for a device without a peak
-    in PEAK_BF16_FLOPS (a CPU, an unlisted GPU)."""
+    """MFU of a whole optimizer step, generation included (WHOLE_STEP_FORMULA); None for a device without a
+    peak in PEAK_BF16_FLOPS (a CPU, an unlisted GPU)."""
     key = next((k for k in PEAK_BF16_FLOPS if k in gpu_name.lower()), None)
     if key is None:
         return None
@@ -174,7 +175,8 @@ def ratios(summaries: dict[str, dict]) -> dict | None:
         "peak_memory": o["peak_memory_mib"] / t["peak_memory_mib"],
     }
     if o.get("cpu_step_time_s") and t.get("cpu_step_time_s"):
-        out["cpu_completion_tokens_per_s"] = o["cpu_completion_tokens_per_s"] / t["cpu_completion_tokens_per_s"]
+        out["cpu_completion_tokens_per_s"] = (o["cpu_completion_tokens_per_s"]
+                                              / t["cpu_completion_tokens_per_s"])
         out["cpu_completion_tokens_per_s_best_step"] = (
             o["cpu_completion_tokens_per_s_best_step"] / t["cpu_completion_tokens_per_s_best_step"])
     return out
@@ -187,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, help="runs per side, alternating ours and TRL")
     p.add_argument("--out", help="result JSON (default benchmarks/results/<config>-<device>.json)")
     p.add_argument("--variant", action="append", default=[],
-                   help="extra run of our side with levers switched: NAME:lever=value,... (see benchmarks/levers.py)")
+                   help="extra run of our side with levers switched: NAME:lever=value,... (see "
+                        "benchmarks/levers.py)")
     p.add_argument("--sides", default="ours,trl", help="comma-separated: ours,trl")
     p.add_argument("--profile", action="store_true", help="torch.profiler tables next to the JSON")
     p.add_argument("--tiny", action="store_true", help="tiny model sizes (for the test)")
@@ -197,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallel", action="store_true",
                    help="run the sides at the same time (a quick check of the harness, not a measurement)")
     p.add_argument("--smoke", action="store_true",
-                   help="check the code paths only: 2 prompts x G=2, 4 tokens, any device (not a measurement)")
+                   help="check the code paths only: 2 prompts x G=2, 4 tokens, "
+                        "any device (not a measurement)")
     a = p.parse_args(argv)
 
     cfg = CONFIGS[a.config]
@@ -242,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             if ratios(summaries) is not None:
                 result["ratio_ours_over_trl"] = ratios(summaries)
             if slug != "cpu":
-                result["mfu_training_part"] = {n: mfu(s, cfg, assets, device_name) for n, s in summaries.items()}
+                result["mfu_training_part"] = {n: mfu(s, cfg, assets, device_name)
+                                               for n, s in summaries.items()}
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=1))
             return result
@@ -301,14 +306,14 @@ def versions(packages=("torch", "transformers", "trl", "accelerate")) -> dict:
 
 def format_table(result: dict) -> str:
     cfg = result["config"]
-    lines = [f"**{cfg['name']}** on {result['device_name']} — {cfg['num_prompts']} prompts × G={cfg['num_generations']}, "
-             f"{cfg['max_completion_length']} completion tokens, beta {cfg['beta']}, {cfg['dtype']}, "
-             f"{cfg['loss_type']}, num_iterations {cfg['num_iterations']}; "
+    lines = [f"**{cfg['name']}** on {result['device_name']} — {cfg['num_prompts']} prompts × "
+             f"G={cfg['num_generations']}, {cfg['max_completion_length']} completion tokens, beta "
+             f"{cfg['beta']}, {cfg['dtype']}, {cfg['loss_type']}, num_iterations {cfg['num_iterations']}; "
              f"{cfg['steps']} steps × {cfg['repeats']} run(s) per side (first step of each run = warm-up)",
              "",
              "| side | s/step (median) | completion tok/s | generation share | generation s | training s "
-             "| CPU s/step (median; best) | peak memory (MiB) | ours/TRL tok/s (wall; CPU median; CPU best) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| CPU s/step (median; best) | peak memory (MiB) | ours/TRL tok/s (wall; CPU median; "
+             "CPU best) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     trl = result["sides"].get("trl")
     for name, s in result["sides"].items():
         ratio = ""
@@ -320,10 +325,11 @@ def format_table(result: dict) -> str:
                 ratio += f"; {trl['cpu_step_time_min_s'] / s['cpu_step_time_min_s']:.2f}×"
         mem = s["peak_memory_mib"]
         kind = "CUDA alloc" if s["cuda_peak_allocated_mib"] else "RSS"
-        cpu_t = f"{s['cpu_step_time_s']:.3f}; {s['cpu_step_time_min_s']:.3f}" if s.get("cpu_step_time_min_s") else "–"
+        cpu_t = (f"{s['cpu_step_time_s']:.3f}; {s['cpu_step_time_min_s']:.3f}" if s.get("cpu_step_time_min_s")
+                 else "–")
         lines.append(f"| {name} | {s['step_time_s']:.3f} | {s['completion_tokens_per_s']:.0f} | "
-                     f"{s['generation_share']:.0%} | {s['generation_time_s']:.3f} | {s['train_time_s']:.3f} | "
-                     f"{cpu_t} | {mem:.0f} ({kind}) | {ratio} |")
+                     f"{s['generation_share']:.0%} | {s['generation_time_s']:.3f} | {s['train_time_s']:.3f} "
+                     f"| {cpu_t} | {mem:.0f} ({kind}) | {ratio} |")
     if result.get("ratio_ours_over_trl"):
         r = result["ratio_ours_over_trl"]
         lines.append("")
@@ -348,8 +354,8 @@ def format_table(result: dict) -> str:
 
 
 def async_ratios(result: dict) -> list[str]:
-    """For each async_rollouts variant: its tokens/s over our synchronous side's and over each TRL run's (TRL's
-    variants included, e.g. TRL with torch's default threads)."""
+    """For each async_rollouts variant: its tokens/s over our synchronous side's and over each TRL run's
+    (TRL's variants included, e.g. TRL with torch's default threads)."""
     sides, variants = result["sides"], result.get("variants", {})
     trl_runs = [n for n in sides if n == "trl" or variants.get(n, {}).get("side") == "trl"]
     lines = []

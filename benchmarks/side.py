@@ -142,8 +142,8 @@ def run_ours(cfg: BenchConfig, assets: dict, workdir: Path, variant: dict) -> di
 
 
 def trl_weights_dtype(cfg: BenchConfig) -> str:
-    """The dtype TRL's trained weights are loaded in: under mixed precision float32, as ours, so both sides keep
-    float32 masters and compute in bf16 (ours on a bf16 compute copy, TRL under accelerate's autocast:
+    """The dtype TRL's trained weights are loaded in: under mixed precision float32, as ours, so both sides
+    keep float32 masters and compute in bf16 (ours on a bf16 compute copy, TRL under accelerate's autocast:
     docs/precision.md); else ``cfg.dtype`` (both sides' weights in that dtype)."""
     return "float32" if cfg.mixed_precision in ("bf16", "fp16") else cfg.dtype
 
@@ -164,10 +164,12 @@ def run_trl(cfg: BenchConfig, assets: dict, workdir: Path, variant: dict) -> dic
         output_dir=str(workdir / "trl-out"),
         per_device_train_batch_size=cfg.batch_size, gradient_accumulation_steps=1,
         num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
-        temperature=cfg.temperature, beta=cfg.beta, loss_type=cfg.loss_type, num_iterations=cfg.num_iterations,
-        learning_rate=cfg.learning_rate, lr_scheduler_type="constant", max_steps=cfg.steps, seed=cfg.seed,
-        bf16=cfg.dtype == "bfloat16" or cfg.mixed_precision == "bf16", fp16=False, gradient_checkpointing=False, use_vllm=False,
-        tf32=True if on_cuda else None,  # as our trainer sets up on CUDA (grpo_core/train/loop.py: allow_tf32)
+        temperature=cfg.temperature, beta=cfg.beta, loss_type=cfg.loss_type,
+        num_iterations=cfg.num_iterations, learning_rate=cfg.learning_rate, lr_scheduler_type="constant",
+        max_steps=cfg.steps, seed=cfg.seed, bf16=cfg.dtype == "bfloat16" or cfg.mixed_precision == "bf16",
+        fp16=False, gradient_checkpointing=False, use_vllm=False,
+        # as our trainer sets up on CUDA (grpo_core/train/loop.py: allow_tf32)
+        tf32=True if on_cuda else None,
         model_init_kwargs={"dtype": trl_weights_dtype(cfg)},
         # EOS masked until max_completion_length tokens: equal token counts on both sides (see prepare.py).
         generation_kwargs={"min_new_tokens": cfg.max_completion_length},
@@ -175,7 +177,8 @@ def run_trl(cfg: BenchConfig, assets: dict, workdir: Path, variant: dict) -> dic
         use_cpu=not on_cuda, dataloader_num_workers=0, **variant.get("trl_args", {}),
     )
 
-    timings: dict[str, list] = {"step": [], "generation": [], "tokens": [], "cpu_step": [], "cpu_generation": []}
+    timings: dict[str, list] = {"step": [], "generation": [], "tokens": [], "cpu_step": [],
+                                "cpu_generation": []}
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -243,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         "process_time": time.perf_counter() - t_start,
         "peak_rss_mib": _rss_mib(), "rss_at_start_mib": rss_start,
         "cuda_peak_allocated_mib": _cuda_peak_mib(),
-        "cuda_peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20 if torch.cuda.is_available() else None,
+        "cuda_peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20 if torch.cuda.is_available()
+                                  else None,
         "torch_threads": torch.get_num_threads(),
     })
     Path(a.out).write_text(json.dumps(result, indent=1))

@@ -1,21 +1,25 @@
-"""The README's MLflow pictures, made the way a user makes them: ``make pictures`` (``python -m flows.pictures``).
+"""The README's MLflow pictures, made the way a user makes them: ``make pictures``
+(``python -m flows.pictures``).
 
 In a clone of the repository:
 
 1. ``make repro`` - the baseline pipeline on params.yaml (the embedded default), one MLflow parent run;
 2. ``dvc exp run --temp -S train.learning_rate=<lr>`` - one experiment with another learning rate (train and
-   evaluate re-run, the rest is reused), a second parent run (``--temp``: the clone's workspace stays the baseline's);
-3. ``mlflow server`` over the clone's store on 127.0.0.1, opened in Debian's headless chromium (selenium) at the
-   saved view ``make ui`` links to (``flows.comparison.experiment_url``);
+   evaluate re-run, the rest is reused), a second parent run (``--temp``: the clone's workspace stays the
+   baseline's);
+3. ``mlflow server`` over the clone's store on 127.0.0.1, opened in Debian's headless chromium (selenium) at
+   the saved view ``make ui`` links to (``flows.comparison.experiment_url``);
 4. two screenshots into ``docs/images/``: ``mlflow-runs.png`` (the runs table: one row per pipeline) and
    ``mlflow-charts.png`` (the chart view: the two pipelines' learning curves overlaid).
 
-Before writing them it reads back what the page shows - the runs table's rows and column headers, and each chart's
-plotly traces (``read_charts``) - and stops (``PicturesError``) unless both pipelines are rows, no header is cut,
-and each learning-curve chart draws one curve per pipeline, in some chart the curves apart. tests/test_mlflow_ui.py
-runs steps 2-4 on its tiny pipelines (``exp_run``, ``mlflow_ui``, ``chromium``, ``take_pictures``).
+Before writing them it reads back what the page shows - the runs table's rows and column headers, and each
+chart's plotly traces (``read_charts``) - and stops (``PicturesError``) unless both pipelines are rows, no
+header is cut, and each learning-curve chart draws one curve per pipeline, in some chart the curves apart.
+tests/test_mlflow_ui.py runs steps 2-4 on its tiny pipelines (``exp_run``, ``mlflow_ui``, ``chromium``,
+``take_pictures``).
 
-``make repro`` and the experiment train 150 steps each: ~6 minutes for both on 2 CPU cores, the pictures seconds.
+``make repro`` and the experiment train 150 steps each: ~6 minutes for both on 2 CPU cores,
+the pictures seconds.
 """
 
 from __future__ import annotations
@@ -55,8 +59,9 @@ class PicturesError(RuntimeError):
 
 
 def tool_env(repo: Path) -> dict[str, str]:
-    """The environment of ``make`` / ``dvc``: this interpreter's bin first on PATH (``python`` in dvc.yaml is the
-    project's), no telemetry, and no inherited run ids or tracking URI (the stages use the clone's store)."""
+    """The environment of ``make`` / ``dvc``: this interpreter's bin first on PATH (``python`` in dvc.yaml is
+    the project's), no telemetry, and no inherited run ids or tracking URI (the stages use the clone's
+    store)."""
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     for var in ("MLFLOW_TRACKING_URI", "GRPO_PARENT_RUN_ID", "GRPO_FLOW_RUN_ID", "GRPO_RUN_GROUP",
@@ -68,12 +73,12 @@ def tool_env(repo: Path) -> dict[str, str]:
 
 
 def run_command(repo: Path, cmd: Sequence[str]) -> str:
-    """Run ``cmd`` in ``repo``, its output shown as it comes (on stderr) and returned; PicturesError with the tail of
-    it when the command fails."""
+    """Run ``cmd`` in ``repo``, its output shown as it comes (on stderr) and returned; PicturesError with the
+    tail of it when the command fails."""
     print(f"pictures: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     lines = []
-    with subprocess.Popen(list(cmd), cwd=repo, env=tool_env(repo), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, errors="replace") as proc:
+    with subprocess.Popen(list(cmd), cwd=repo, env=tool_env(repo), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, errors="replace") as proc:
         for line in proc.stdout:
             lines.append(line)
             sys.stderr.write(line)
@@ -124,8 +129,8 @@ def _healthy(url: str) -> bool:
 @contextlib.contextmanager
 def mlflow_ui(backend_store_uri: str, log_path: Path, env: dict[str, str] | None = None,
               timeout: float = 120) -> Iterator[str]:
-    """``mlflow server`` over ``backend_store_uri`` on a free port of 127.0.0.1 (its own session, so stopping it
-    stops its workers too); yields its URL once /health answers."""
+    """``mlflow server`` over ``backend_store_uri`` on a free port of 127.0.0.1 (its own session, so stopping
+    it stops its workers too); yields its URL once /health answers."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     mlflow = Path(sys.executable).parent / "mlflow"
@@ -175,7 +180,8 @@ def chromium(width: int = WIDTH, height: int = 1000) -> Iterator[Any]:
 
 
 def wait_for(driver, condition: Callable[[Any], Any], what: str, timeout: float = 90.0) -> Any:
-    """``condition(driver)`` once it is truthy; PicturesError naming ``what`` and the page's text otherwise."""
+    """``condition(driver)`` once it is truthy; PicturesError naming ``what`` and the page's text
+    otherwise."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = condition(driver)
@@ -207,18 +213,20 @@ def close_panels(driver) -> None:
 # what the page shows
 
 
-#: each header of the runs table, left to right as shown (ag-grid's DOM order is not): its text, and whether the
-#: text is wider than its column (cut with an ellipsis)
+#: each header of the runs table, left to right as shown (ag-grid's DOM order is not): its text, and whether
+#: the text is wider than its column (cut with an ellipsis)
 HEADERS_JS = """return Array.from(document.querySelectorAll('[data-testid^="sort-header-"]')).map(label => ({
   text: label.textContent, left: label.getBoundingClientRect().left,
-  cut: label.getBoundingClientRect().width > label.parentElement.clientWidth + 0.5})).sort((a, b) => a.left - b.left)"""
+  cut: label.getBoundingClientRect().width > label.parentElement.clientWidth + 0.5})).sort((a, \
+b) => a.left - b.left)"""
 
-#: each chart of the chart view: its metric (the card's title where a trace does not name it) and its plotly traces.
-#: MLflow 3.17 draws each run twice under the run's name: the line shown (smoothed where the chart says so) and, faded
-#: and skipped by the hover box, the raw values.
+#: each chart of the chart view: its metric (the card's title where a trace does not name it) and its plotly
+#: traces. MLflow 3.17 draws each run twice under the run's name: the line shown (smoothed where the chart
+#: says so) and, faded and skipped by the hover box, the raw values.
 CHARTS_JS = """return Array.from(document.querySelectorAll('.js-plotly-plot')).map(plot => {
   const card = plot.closest('[data-testid="experiment-view-compare-runs-card"]');
-  const traces = (plot.data || []).map(t => ({name: t.name || '', metric: t.metricKey || '', hover: t.hoverinfo || '',
+  const traces = (plot.data || []).map(t => ({name: t.name || '', metric: t.metricKey || '', \
+hover: t.hoverinfo || '',
                                              x: Array.from(t.x || []), y: Array.from(t.y || [])}));
   const metric = traces.map(t => t.metric).find(m => m);
   return {title: metric || (card ? card.innerText.split('\\n')[0].trim() : ''), traces: traces};
@@ -227,8 +235,8 @@ CHARTS_JS = """return Array.from(document.querySelectorAll('.js-plotly-plot')).m
 
 @dataclasses.dataclass(frozen=True)
 class Chart:
-    """One chart of the chart view: its metric and the values drawn per run, run name -> [(x, y), ...] as logged
-    (``curves``; the shown lines may be their moving average)."""
+    """One chart of the chart view: its metric and the values drawn per run, run name -> [(x, y), ...] as
+    logged (``curves``; the shown lines may be their moving average)."""
 
     title: str
     curves: dict[str, list[tuple[float, float]]]
@@ -239,8 +247,8 @@ def read_headers(driver) -> list[dict[str, Any]]:
 
 
 def read_charts(driver) -> list[Chart]:
-    """The charts on the page, in page order, each run's values read from its raw trace (the one the hover box skips;
-    with no smoothing both traces hold the raw values)."""
+    """The charts on the page, in page order, each run's values read from its raw trace (the one the hover box
+    skips; with no smoothing both traces hold the raw values)."""
     charts = []
     for card in driver.execute_script(CHARTS_JS):
         by_run: dict[str, list[dict]] = {}
@@ -256,8 +264,8 @@ def read_charts(driver) -> list[Chart]:
 
 
 def curve_charts(charts: Sequence[Chart], names: Sequence[str]) -> dict[str, Chart]:
-    """The learning-curve charts (``CURVE_CHARTS``) on the page once each draws a curve of >1 point for every pipeline
-    in ``names`` (reward and KL at least); {} while the page is still loading them."""
+    """The learning-curve charts (``CURVE_CHARTS``) on the page once each draws a curve of >1 point for every
+    pipeline in ``names`` (reward and KL at least); {} while the page is still loading them."""
     shown = {c.title: c for c in charts if c.title in CURVE_CHARTS}
     if not {"reward", "kl"} <= set(shown):
         return {}
@@ -265,8 +273,8 @@ def curve_charts(charts: Sequence[Chart], names: Sequence[str]) -> dict[str, Cha
 
 
 def check_curves(charts: dict[str, Chart], names: Sequence[str]) -> None:
-    """PicturesError unless some learning-curve chart draws the pipelines' curves apart (equal curves everywhere
-    would be one line drawn twice: nothing to compare)."""
+    """PicturesError unless some learning-curve chart draws the pipelines' curves apart (equal curves
+    everywhere would be one line drawn twice: nothing to compare)."""
     if not any(len({tuple(c.curves[n]) for n in names}) == len(names) for c in charts.values()):
         raise PicturesError(f"the pipelines {list(names)} drew the same curves in every chart: "
                             + "; ".join(f"{t}: {c.curves[names[0]]}" for t, c in charts.items()))
@@ -289,7 +297,8 @@ def take_pictures(driver, ui_url: str, experiment_id: str, names: Sequence[str],
 
     driver.get(experiment_url(ui_url, experiment_id))
     set_viewport(driver, WIDTH, RUNS_HEIGHT)
-    wait_for(driver, lambda d: all(n in page_text(d) for n in names), f"the pipelines {list(names)} in the runs table")
+    wait_for(driver, lambda d: all(n in page_text(d) for n in names),
+             f"the pipelines {list(names)} in the runs table")
     close_panels(driver)
     headers = wait_for(driver, lambda d: (h := read_headers(d)) and set(HEADLINE) <= {x["text"] for x in h}
                        and h, f"the columns {list(HEADLINE)}")
@@ -329,9 +338,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.pictures", description=__doc__.split("\n\n")[0])
     parser.add_argument("--repo", type=Path, default=None, help="the clone to run in (default: this one)")
     parser.add_argument("--learning-rate", default="1e-4", help="the experiment's train.learning_rate (1e-4)")
-    parser.add_argument("--out", type=Path, default=None, help="where the PNGs go (default: <repo>/docs/images)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where the PNGs go (default: <repo>/docs/images)")
     parser.add_argument("--repro", default="make repro", help="the baseline's command ('make repro')")
-    parser.add_argument("--no-runs", action="store_true", help="picture the pipelines the store holds already")
+    parser.add_argument("--no-runs", action="store_true",
+                        help="picture the pipelines the store holds already")
     args = parser.parse_args(argv)
 
     repo = find_repo_root(args.repo)
@@ -352,8 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         driver = stack.enter_context(chromium())
         pictures = take_pictures(driver, url, experiment_id, names, out)
     for name in names:
-        print(f"pictures: {name}: " + ", ".join(f"{t} {c.curves[name][0][1]:.4g} -> {c.curves[name][-1][1]:.4g}"
-                                                for t, c in pictures.charts.items()), file=sys.stderr)
+        print(f"pictures: {name}: "
+              + ", ".join(f"{t} {c.curves[name][0][1]:.4g} -> {c.curves[name][-1][1]:.4g}"
+                          for t, c in pictures.charts.items()), file=sys.stderr)
     for path in pictures.files:
         print(f"pictures: wrote {path} ({path.stat().st_size // 1024} KB)")
     return 0

@@ -5,8 +5,8 @@
 What the flow adds to ``dvc repro``:
 - **process isolation**: every stage runs in its own ``dvc`` subprocess (and DVC runs the stage's command
   in another), so training's GPU memory is released before evaluation starts;
-- **retries** on transient failures (a dead or silent vLLM server or sampler worker, a full disk, a crash, an OOM
-  kill, a busy DVC lock: exit code 1 or a signal), never
+- **retries** on transient failures (a dead or silent vLLM server or sampler worker, a full disk, a crash, an
+  OOM kill, a busy DVC lock: exit code 1 or a signal), never
   on permanent ones - failed data validation, bad params, unreadable data, a non-finite loss (stage exit
   codes 2-5, see ``flows/stages/__init__.py``). Training resumes from its newest checkpoint on a retry;
 - **timeouts** per stage (``timeouts`` parameter, seconds; the stage's whole process group is killed);
@@ -80,8 +80,8 @@ from flows.stages.validate import REPORT_JSON as VALIDATION_JSON
 from flows.stages.validate import REPORT_TXT as VALIDATION_TXT
 
 #: seconds per stage before its process group is killed (override with the flow's ``timeouts``)
-DEFAULT_TIMEOUTS = {"prepare": 2 * 3600, "convert": 3600, "validate": 3600, "calibrate": 4 * 3600, "train": 48 * 3600,
-                    "evaluate": 6 * 3600}
+DEFAULT_TIMEOUTS = {"prepare": 2 * 3600, "convert": 3600, "validate": 3600, "calibrate": 4 * 3600,
+                    "train": 48 * 3600, "evaluate": 6 * 3600}
 SUMMARY_ARTIFACT_KEY = "grpo-pipeline-summary"
 MLFLOW_LINK_ARTIFACT_KEY = "mlflow-parent-run"
 TAIL_LINES = 60
@@ -90,9 +90,12 @@ TAIL_LINES = 60
 class StageFailed(RuntimeError):
     """``dvc repro <stage>`` failed; retried (transient unless a subclass says otherwise)."""
 
-    def __init__(self, stage: str, returncode: int, stage_exit_code: int | None, tail: str, what: str = "failed"):
-        self.stage, self.returncode, self.stage_exit_code, self.tail = stage, returncode, stage_exit_code, tail
-        code = f"stage exit code {stage_exit_code}" if stage_exit_code is not None else f"dvc exit code {returncode}"
+    def __init__(self, stage: str, returncode: int, stage_exit_code: int | None, tail: str,
+                 what: str = "failed"):
+        self.stage, self.returncode, self.stage_exit_code, self.tail = (stage, returncode, stage_exit_code,
+                                                                        tail)
+        code = (f"stage exit code {stage_exit_code}" if stage_exit_code is not None
+                else f"dvc exit code {returncode}")
         super().__init__(f"stage '{stage}' {what} ({code}); last output:\n{tail}")
 
 
@@ -110,7 +113,8 @@ class StageTimeout(StageFailed):
 
 def stage_exit_code(output: str, stage: str) -> int | None:
     """The stage command's exit code from DVC's error line, None when DVC failed for another reason."""
-    m = re.search(rf"failed to reproduce '{re.escape(stage)}': failed to run: .*?, exited with (-?\d+)", output)
+    m = re.search(rf"failed to reproduce '{re.escape(stage)}': failed to run: .*?, exited with (-?\d+)",
+                  output)
     return int(m.group(1)) if m else None
 
 
@@ -149,7 +153,8 @@ def stage_env(base: Mapping[str, str], **extra: str | None) -> dict[str, str]:
 
 def run_dvc_stage(stage: str, root: str | Path, env: Mapping[str, str], *, force: bool = False,
                   timeout_s: float | None = None, echo=None) -> dict[str, Any]:
-    """``dvc repro --single-item <stage>`` in ``root``; raises StageFailed / PermanentStageFailure / StageTimeout.
+    """``dvc repro --single-item <stage>`` in ``root``; raises
+    StageFailed / PermanentStageFailure / StageTimeout.
 
     Returns {"stage", "ran" (False when DVC skipped it as unchanged), "seconds"}.
     """
@@ -157,8 +162,9 @@ def run_dvc_stage(stage: str, root: str | Path, env: Mapping[str, str], *, force
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     full: list[str] = []
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=str(root), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace", bufsize=1, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=str(root), env=dict(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1,
+                            start_new_session=True)
 
     def pump() -> None:
         assert proc.stdout is not None
@@ -210,7 +216,8 @@ def stage_task(stage: str, root: str, run_env: dict[str, str | None], force: boo
     logger = get_run_logger()
     logger.info("dvc repro --single-item %s%s (timeout %ss)", stage, " --force" if force else "", timeout_s)
     result = run_dvc_stage(stage, root, stage_env(os.environ, **run_env), force=force, timeout_s=timeout_s)
-    logger.info("%s: %s in %.1fs", stage, "ran" if result["ran"] else "up to date, skipped", result["seconds"])
+    logger.info("%s: %s in %.1fs", stage, "ran" if result["ran"] else "up to date, skipped",
+                result["seconds"])
     return result
 
 
@@ -227,10 +234,13 @@ def apply_params_overrides(params_path: Path, overrides: Mapping[str, Any]) -> N
 
     bad = [k for k in overrides if not isinstance(k, str) or not k or k.startswith(".") or k.endswith(".")]
     if bad:
-        raise ConfigError(f"params_overrides: keys must be dotted params.yaml keys like 'train.learning_rate', got {bad}")
+        raise ConfigError("params_overrides: keys must be dotted params.yaml keys like "
+                          f"'train.learning_rate', got {bad}")
     cfg_raw = _yaml12(params_path)
-    config_from_dict(cfg_raw, dict(overrides), source=f"{params_path} + params_overrides")  # raises naming the key
-    # a stage running now (started by hand or by `dvc repro`) read the old values: refused, not rewritten under it
+    # raises naming the key
+    config_from_dict(cfg_raw, dict(overrides), source=f"{params_path} + params_overrides")
+    # a stage running now (started by hand or by `dvc repro`) read the old values: refused,
+    # not rewritten under it
     with stage_lock(params_path.parent, "params.yaml overrides"), modify_yaml(str(params_path)) as data:
         for dotted, value in overrides.items():
             node = data
@@ -279,8 +289,9 @@ def read_result(root: Path, rel: str, keys: tuple[str, ...]) -> tuple[dict | Non
 
 
 def stage_results(root: Path, completed: set[str]) -> tuple[dict[str, dict | None], list[str]]:
-    """Every STAGE_RESULTS entry (None when unusable) and the problems to report: a malformed file, or a missing
-    one whose stage completed in this flow run (a stage that did not run leaving no file is expected)."""
+    """Every STAGE_RESULTS entry (None when unusable) and the problems to report: a malformed file, or a
+    missing one whose stage completed in this flow run (a stage that did not run leaving no file is
+    expected)."""
     data, problems = {}, []
     for name, (stage, rel, keys) in STAGE_RESULTS.items():
         data[name], problem = read_result(root, rel, keys)
@@ -339,15 +350,16 @@ def _evaluation_lines(metrics: dict | None) -> list[str]:
     return lines
 
 
-def summary_markdown(root: Path, *, status: str, results: list[dict], selected: list[str], flow_run_id: str | None,
-                     parent_run_id: str | None, experiment: str, tracking_uri: str, error: str | None = None,
-                     outputs: tuple[dict, list[str]] | None = None) -> str:
-    """The flow's summary artifact, from the stages' JSON results (``outputs``: ``stage_results``' answer, read
-    here when not given)."""
+def summary_markdown(root: Path, *, status: str, results: list[dict], selected: list[str],
+                     flow_run_id: str | None, parent_run_id: str | None, experiment: str, tracking_uri: str,
+                     error: str | None = None, outputs: tuple[dict, list[str]] | None = None) -> str:
+    """The flow's summary artifact, from the stages' JSON results (``outputs``: ``stage_results``' answer,
+    read here when not given)."""
     data, problems = outputs or stage_results(root, {r["stage"] for r in results})
     lines = ["# GRPO pipeline run", "",
-             f"Status **{status}**. Prefect flow run `{flow_run_id or '-'}`; MLflow parent run `{parent_run_id or '-'}` "
-             f"in experiment `{experiment}` ({tracking_uri}).", "", *_stage_lines(results, selected, error)]
+             f"Status **{status}**. Prefect flow run `{flow_run_id or '-'}`; MLflow parent run "
+             f"`{parent_run_id or '-'}` in experiment `{experiment}` ({tracking_uri}).", "",
+             *_stage_lines(results, selected, error)]
     if error:
         lines += ["", "**Error**", "", "```", error[-3000:], "```"]
     lines += _validation_lines(root, data["validation"], error)
@@ -363,16 +375,17 @@ def summary_markdown(root: Path, *, status: str, results: list[dict], selected: 
 # the flow
 
 
-@flow(name="grpo-pipeline", description="GRPO fine-tuning: the DVC stages prepare -> convert -> validate -> calibrate -> "
-                                        "train -> evaluate, tracked in MLflow")
+@flow(name="grpo-pipeline", description="GRPO fine-tuning: the DVC stages prepare -> convert -> validate -> "
+                                        "calibrate -> train -> evaluate, tracked in MLflow")
 def grpo_pipeline(experiment_name: str | None = None, params_overrides: dict[str, Any] | None = None,
                   stages: list[str] | None = None, force: bool = False, repo: str | None = None,
                   timeouts: dict[str, float] | None = None, retries: int = 2,
                   retry_delay_seconds: float = 30.0) -> dict[str, Any]:
     """Run the DVC pipeline stage by stage (see the module docstring). Returns the parent run id, what each
-    stage did, the evaluation metrics (``metrics/eval.json``) and the registry decision (``reports/registry.json``:
-    registered, version, promote, alias, the compared values, margin, reason); both None when evaluate was not
-    selected or its file is missing or malformed (the summary and the log then name the file)."""
+    stage did, the evaluation metrics (``metrics/eval.json``) and the registry decision
+    (``reports/registry.json``: registered, version, promote, alias, the compared values, margin, reason);
+    both None when evaluate was not selected or its file is missing or malformed (the summary and the log then
+    name the file)."""
     from prefect.runtime import flow_run
     from prefect.settings import PREFECT_API_URL
 
@@ -384,15 +397,18 @@ def grpo_pipeline(experiment_name: str | None = None, params_overrides: dict[str
         raise ValueError(f"stages: unknown {unknown}; the stages are {list(STAGES)}")
     selected = [s for s in STAGES if s in selected]  # always in pipeline order
 
-    # one flow run per repo: its params.yaml overrides stay what its stages read, and two runs' stages never interleave
+    # one flow run per repo: its params.yaml overrides stay what its stages read,
+    # and two runs' stages never interleave
     path = flow_lock_path(root)
-    record = {"flow_run_id": str(flow_run.id) if flow_run.id else None, "prefect_api": PREFECT_API_URL.value()}
+    record = {"flow_run_id": str(flow_run.id) if flow_run.id else None,
+              "prefect_api": PREFECT_API_URL.value()}
     with exclusive(path, f"flow run {flow_run.name or flow_run.id or os.getpid()}", lambda named: FlowBusy(
             f"{named} is running the pipeline in {root} and holds {path}; a second flow run would rewrite "
             "params.yaml under its stages. Wait for it to end, or stop it."), record) as previous:
         settle_previous_run(previous, logger)
-        return run_pipeline(root, selected, experiment_name=experiment_name, params_overrides=params_overrides,
-                            force=force, limits={**DEFAULT_TIMEOUTS, **(timeouts or {})},
+        return run_pipeline(root, selected, experiment_name=experiment_name,
+                            params_overrides=params_overrides, force=force,
+                            limits={**DEFAULT_TIMEOUTS, **(timeouts or {})},
                             retry_policy={"retries": retries, "retry_delay_seconds": retry_delay_seconds},
                             outcome=lambda **done: write_outcome(path.with_suffix(".holder"), record, **done))
 
@@ -400,9 +416,9 @@ def grpo_pipeline(experiment_name: str | None = None, params_overrides: dict[str
 def run_pipeline(root: Path, selected: list[str], *, experiment_name: str | None,
                  params_overrides: dict[str, Any] | None, force: bool, limits: dict[str, float],
                  retry_policy: dict[str, float], outcome) -> dict[str, Any]:
-    """The flow's body, under its repo lock: overrides, the MLflow parent, the stages, the summary. ``outcome``
-    is told the end (status, the stages' results) before Prefect is, for the next flow run to settle a record
-    Prefect could not take (flows/prefect_records.py)."""
+    """The flow's body, under its repo lock: overrides, the MLflow parent, the stages, the summary.
+    ``outcome`` is told the end (status, the stages' results) before Prefect is, for the next flow run to
+    settle a record Prefect could not take (flows/prefect_records.py)."""
     from prefect.artifacts import create_markdown_artifact
     from prefect.runtime import flow_run
 
@@ -417,7 +433,8 @@ def run_pipeline(root: Path, selected: list[str], *, experiment_name: str | None
     experiment = experiment_name or cfg.tracking.experiment_name
     uri = tracking_uri_for(cfg, store_root(root))
     flow_run_id = str(flow_run.id) if flow_run.id else None
-    tags = {**common_tags(root), "prefect.flow_run_name": flow_run.name or "", "grpo.stages": ",".join(selected)}
+    tags = {**common_tags(root), "prefect.flow_run_name": flow_run.name or "",
+            "grpo.stages": ",".join(selected)}
     if flow_run_id:
         tags["prefect.flow_run_id"] = flow_run_id
     if params_overrides:
@@ -425,7 +442,8 @@ def run_pipeline(root: Path, selected: list[str], *, experiment_name: str | None
     parent_run_id = None
     try:
         name, diff = run_name_and_diff(root, params_path)
-        parent_run_id = create_parent_run(uri, experiment, run_name=name, tags=tags, params=flatten_params(cfg.to_dict()),
+        parent_run_id = create_parent_run(uri, experiment, run_name=name, tags=tags,
+                                          params=flatten_params(cfg.to_dict()),
                                           diff=diff, owner=process_owner())
         logger.info("MLflow parent run %s in experiment '%s' (%s)", parent_run_id, experiment, uri)
         link_flow_run_and_parent(uri, parent_run_id, flow_run_id, logger)
@@ -447,9 +465,9 @@ def run_pipeline(root: Path, selected: list[str], *, experiment_name: str | None
         outputs = stage_results(root, {r["stage"] for r in results})
         for problem in outputs[1]:
             logger.warning("stage result not shown: %s", problem.replace("`", ""))
-        markdown = summary_markdown(root, status=status, results=results, selected=selected, flow_run_id=flow_run_id,
-                                    parent_run_id=parent_run_id, experiment=experiment, tracking_uri=uri, error=error,
-                                    outputs=outputs)
+        markdown = summary_markdown(root, status=status, results=results, selected=selected,
+                                    flow_run_id=flow_run_id, parent_run_id=parent_run_id,
+                                    experiment=experiment, tracking_uri=uri, error=error, outputs=outputs)
         try:
             create_markdown_artifact(key=SUMMARY_ARTIFACT_KEY, markdown=markdown,
                                      description="GRPO pipeline: calibration, evaluation and registry")
@@ -460,8 +478,8 @@ def run_pipeline(root: Path, selected: list[str], *, experiment_name: str | None
             end_run(uri, parent_run_id, status)
         outcome(status=status, stages=results, mlflow_parent=parent_run_id)
     evaluated = "evaluate" in selected
-    return {"parent_run_id": parent_run_id, "flow_run_id": flow_run_id, "experiment": experiment, "stages": results,
-            "eval": outputs[0]["eval"] if evaluated else None,
+    return {"parent_run_id": parent_run_id, "flow_run_id": flow_run_id, "experiment": experiment,
+            "stages": results, "eval": outputs[0]["eval"] if evaluated else None,
             "registry": outputs[0]["registry"] if evaluated else None}
 
 
@@ -478,18 +496,21 @@ def link_flow_run_and_parent(uri: str, parent_run_id: str, flow_run_id: str | No
 
         client = MlflowClient(tracking_uri=uri)
         url = run_url(uri, client.get_run(parent_run_id).info.experiment_id, parent_run_id)
-        create_link_artifact(link=url, link_text=f"MLflow parent run {parent_run_id}", key=MLFLOW_LINK_ARTIFACT_KEY,
-                             description="The pipeline's MLflow parent run: the stage runs, metrics and model")
+        create_link_artifact(link=url, link_text=f"MLflow parent run {parent_run_id}",
+                             key=MLFLOW_LINK_ARTIFACT_KEY,
+                             description="The pipeline's MLflow parent run: the stage runs, "
+                                         "metrics and model")
         prefect_ui = get_current_settings().ui_url
         if flow_run_id and prefect_ui:
-            client.set_tag(parent_run_id, "prefect.flow_run_url", f"{prefect_ui.rstrip('/')}/runs/flow-run/{flow_run_id}")
+            client.set_tag(parent_run_id, "prefect.flow_run_url",
+                           f"{prefect_ui.rstrip('/')}/runs/flow-run/{flow_run_id}")
     except Exception as exc:  # noqa: BLE001 - links are a convenience; the pipeline goes on
         logger.warning("could not link the flow run and MLflow run %s: %s", parent_run_id, exc)
 
 
 def _log_parent_summary(uri: str, run_id: str, markdown: str, root: Path) -> None:
-    """The summary markdown and metrics (``flows.comparison.pipeline_summary``) on the parent, also when DVC found
-    every stage up to date and no stage logged them."""
+    """The summary markdown and metrics (``flows.comparison.pipeline_summary``) on the parent, also when DVC
+    found every stage up to date and no stage logged them."""
     try:
         from mlflow import MlflowClient
 
@@ -517,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.pipeline", description=__doc__.split("\n\n")[0])
     parser.add_argument("--experiment-name", default=None)
     parser.add_argument("--set", "-S", action="append", default=[], metavar="KEY=VALUE",
-                        help="params.yaml override (YAML value), repeatable, e.g. -S train.learning_rate=1e-4")
+                        help="params.yaml override (YAML value), repeatable, e.g. -S "
+                             "train.learning_rate=1e-4")
     parser.add_argument("--stages", default=None, help="comma-separated subset, e.g. train,evaluate")
     parser.add_argument("--force", action="store_true", help="re-run the selected stages even if unchanged")
     args = parser.parse_args(argv)
@@ -534,9 +556,9 @@ def main(argv: list[str] | None = None) -> int:
         from prefect.settings import PREFECT_API_URL
 
         print(f"flows.pipeline: the Prefect server at {PREFECT_API_URL.value()} could not be reached "
-              f"({type(exc).__name__}: {exc}). The stages that ran are recorded by DVC (dvc.lock) and MLflow; the "
-              "next flow run in this repo gives this run's Prefect record the end it could not report.",
-              file=sys.stderr)
+              f"({type(exc).__name__}: {exc}). The stages that ran are recorded by DVC (dvc.lock) and "
+              "MLflow; the next flow run in this repo gives this run's Prefect record the end it could not "
+              "report.", file=sys.stderr)
         return 1
     print(json.dumps({k: v for k, v in result.items() if k != "eval"}, indent=2, default=str))
     return 0

@@ -1,10 +1,10 @@
 """A flow run's record in Prefect when the Prefect server was away at its end.
 
 A flow run reports its end to the Prefect server; when the server is down past the client's retries
-(``PREFECT_CLIENT_MAX_RETRIES``) at that moment, the stages have all run but the record stays RUNNING. The flow
-writes its outcome into its repo lock's holder file (``.dvc/tmp/grpo-flow.holder``) before reporting; the next
-flow run in the repo, holding the lock (so the earlier run's process is gone), reads it and settles the stale
-record: COMPLETED or FAILED as the run ended, CRASHED when its process died before writing an outcome.
+(``PREFECT_CLIENT_MAX_RETRIES``) at that moment, the stages have all run but the record stays RUNNING. The
+flow writes its outcome into its repo lock's holder file (``.dvc/tmp/grpo-flow.holder``) before reporting; the
+next flow run in the repo, holding the lock (so the earlier run's process is gone), reads it and settles the
+stale record: COMPLETED or FAILED as the run ended, CRASHED when its process died before writing an outcome.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 def write_outcome(holder: Path, record: dict[str, Any], *, status: str, stages: list[dict],
                   mlflow_parent: str | None) -> None:
-    """The flow's end, into its holder file, before Prefect is told: status and what each stage did. Never raises:
-    it runs while the flow ends, maybe on its way out with another error."""
+    """The flow's end, into its holder file, before Prefect is told: status and what each stage did. Never
+    raises: it runs while the flow ends, maybe on its way out with another error."""
     try:
         held = json.loads(holder.read_text())
     except (OSError, ValueError):
@@ -44,13 +44,14 @@ def settle_message(previous: dict[str, Any]) -> str:
     if "ended" not in previous:
         return (f"its process (PID {previous.get('pid')}) ended before the flow did, killed or crashed; "
                 f"settled by the next flow run in this repo. Stages finished: {stages}")
-    return (f"ended {previous['ended']} (MLflow parent run {previous.get('mlflow_parent')}) while the Prefect server "
-            f"could not be reached; settled by the next flow run in this repo. Stages: {stages}")
+    return (f"ended {previous['ended']} (MLflow parent run {previous.get('mlflow_parent')}) while the "
+            "Prefect server could not be reached; settled by the next flow run in this repo. Stages: "
+            f"{stages}")
 
 
 def settle_previous_run(previous: dict[str, Any] | None, logger) -> str | None:
-    """Give the previous flow run of this repo the end its process could not report; returns the state given, or
-    None when there was nothing to settle (no earlier run, or its record already final)."""
+    """Give the previous flow run of this repo the end its process could not report; returns the state given,
+    or None when there was nothing to settle (no earlier run, or its record already final)."""
     if not previous or not previous.get("flow_run_id"):
         return None
     from prefect.client.orchestration import get_client
@@ -72,7 +73,8 @@ def settle_previous_run(previous: dict[str, Any] | None, logger) -> str | None:
             for task_run in tasks:
                 if task_run.state_type is not None and task_run.state_type.value not in FINAL:
                     client.set_task_run_state(task_run.id, State(type=kind, message=message), force=True)
-    except (httpx.HTTPError, ObjectNotFound, ValueError) as exc:  # a record of another server, or deleted: nothing to settle
+    except (httpx.HTTPError, ObjectNotFound, ValueError) as exc:
+        # a record of another server, or deleted: nothing to settle
         logger.warning("could not settle the previous flow run %s in Prefect: %s", run_id, exc)
         return None
     logger.warning("the previous flow run %s in this repo was left %s in Prefect: now %s (%s)",

@@ -3,21 +3,23 @@
 
 The client and the protocol are grpo_core/rollout/vllm_server.py's. Endpoints (JSON):
 
-    GET  /health               {"status", "model", "dtype", "device", "max_model_len", "weights_version", "pushes"}
+    GET  /health               {"status", "model", "dtype", "device", "max_model_len", "weights_version",
+                               "pushes"}
     POST /generate             {"prompts": [[ids]], "sampling": vllm.SamplingParams kwargs, "weights_version",
                                 "wait_s"} -> {"outputs": [[{"token_ids", "finish_reason", "stop_reason",
                                 "logprobs"}]]} (one list per prompt; logprobs: each sampled token's, or None)
-    POST /init_weight_group    {"port", "timeout_s", "session"}: host the weight-sync group's rendezvous, join it
+    POST /init_weight_group    {"port", "timeout_s", "session"}: host the weight-sync group's rendezvous,
+                               join it
     POST /update_weights       {"params": [[name, dtype, shape]], "version"}: receive them one at a time
     POST /close_weight_group   leave the group (the engine keeps serving)
 
 The engine runs in this process (vLLM's ``external_launcher`` executor, as the colocated backend's does: one
 engine set-up, ``grpo_core.rollout.vllm.engine_options``). Why in-process rather than a worker extension in
 vLLM's worker process (TRL's choice): the weights arriving over the group go straight into the colocated
-backend's loading path (``load_policy_weights``: the worker's ``reload_weights`` over a generator, which re-runs
-each layer's post-load processing, needed on CPU) without a second process to reach; a generator cannot cross a
-process boundary. The cost: the engine scheduler shares this process with the HTTP loop, so requests are served
-one at a time (a lock), and one device per server (no tensor parallelism).
+backend's loading path (``load_policy_weights``: the worker's ``reload_weights`` over a generator, which
+re-runs each layer's post-load processing, needed on CPU) without a second process to reach; a generator
+cannot cross a process boundary. The cost: the engine scheduler shares this process with the HTTP loop, so
+requests are served one at a time (a lock), and one device per server (no tensor parallelism).
 """
 
 import argparse
@@ -31,23 +33,28 @@ log = logging.getLogger("flows.serve")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m flows.serve",
-                                description="Serve a vLLM engine to the GRPO trainer (generation.vllm_mode: server).")
-    p.add_argument("--model", required=True, help="the model folder the engine starts from (model.name_or_path)")
+                                description="Serve a vLLM engine to the GRPO trainer (generation.vllm_mode: "
+                                            "server).")
+    p.add_argument("--model", required=True,
+                   help="the model folder the engine starts from (model.name_or_path)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (generation.vllm_server_host)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (generation.vllm_server_port)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the engine's dtype (auto: the checkpoint's; the trainer sends its weights in this dtype)")
+                   help="the engine's dtype (auto: the checkpoint's; "
+                        "the trainer sends its weights in this dtype)")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + completion (default: the model's; on CPU the KV cache is sized for it)")
+                   help="longest prompt + completion (default: the model's; "
+                        "on CPU the KV cache is sized for it)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="CUDA: share of the server's GPU for weights and KV cache (its own device: most of it)")
+                   help="CUDA: share of the server's GPU for weights and KV cache (its own device: most of "
+                        "it)")
     p.add_argument("--seed", type=int, default=0, help="the engine's sampling seed")
     return p
 
 
 class EngineServer:
-    """The engine and what the endpoints share: a lock (one engine call at a time), the weights version (pushes
-    so far, counted from the current trainer's join) and the weight-sync group."""
+    """The engine and what the endpoints share: a lock (one engine call at a time), the weights version
+    (pushes so far, counted from the current trainer's join) and the weight-sync group."""
 
     def __init__(self, llm, model: str, device: str):
         self.llm, self.model, self.device = llm, model, device
@@ -56,13 +63,15 @@ class EngineServer:
         self.version = 0  # the policy weights pushed since the trainer joined (0: the model folder's)
         self.pushes = 0   # pushes over the server's life
         self.group = None
-        self.stores: dict = {}  # group port -> the rendezvous store this server hosts there, kept for its life
+        # group port -> the rendezvous store this server hosts there, kept for its life
+        self.stores: dict = {}
 
     def health(self) -> dict:
         from grpo_core.rollout.vllm import engine_dtype
 
         config = self.llm.llm_engine.vllm_config.model_config
-        return {"status": "ok", "model": self.model, "device": self.device, "max_model_len": config.max_model_len,
+        return {"status": "ok", "model": self.model, "device": self.device,
+                "max_model_len": config.max_model_len,
                 "dtype": str(engine_dtype(self.llm)).removeprefix("torch."), "weights_version": self.version,
                 "pushes": self.pushes}
 
@@ -78,9 +87,9 @@ class EngineServer:
             self.version = 0
 
     def update_weights(self, params: list, version: int) -> int:
-        """Receive each announced tensor over the group and load it, one at a time; the count loaded. When loading
-        fails (weights this engine's model does not have), the rest are still received, so the trainer's
-        broadcasts finish and it gets this reason at once instead of a group timeout."""
+        """Receive each announced tensor over the group and load it, one at a time; the count loaded. When
+        loading fails (weights this engine's model does not have), the rest are still received, so the
+        trainer's broadcasts finish and it gets this reason at once instead of a group timeout."""
         import torch
 
         from grpo_core.rollout.vllm import load_policy_weights
@@ -127,12 +136,13 @@ class EngineServer:
 
         with self.version_changed:  # another training process's push (rank 0) may still be on its way
             if not self.version_changed.wait_for(lambda: self.version >= version, timeout=wait_s):
-                raise TimeoutError(f"weights version {version} was not pushed within {wait_s:g} s (the server "
-                                   f"holds version {self.version}; rank 0 of the trainers pushes them)")
+                raise TimeoutError(f"weights version {version} was not pushed within {wait_s:g} s (the "
+                                   f"server holds version {self.version}; rank 0 of the trainers pushes "
+                                   "them)")
         params = SamplingParams(**sampling)
         with self.lock:
-            results = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], sampling_params=params,
-                                        use_tqdm=False)
+            results = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+                                        sampling_params=params, use_tqdm=False)
         return [[{"token_ids": list(out.token_ids), "finish_reason": out.finish_reason,
                   "stop_reason": out.stop_reason if isinstance(out.stop_reason, (int, str)) else None,
                   "logprobs": sampled_logprobs(out) if sampling.get("logprobs") is not None else None}
@@ -167,7 +177,8 @@ def build_app(server: EngineServer, host: str):
 
     @app.post("/init_weight_group")
     def init_weight_group(body: Annotated[dict, Body()]):
-        answer(lambda: server.init_group(host, int(body["port"]), float(body["timeout_s"]), str(body["session"])))
+        answer(lambda: server.init_group(host, int(body["port"]), float(body["timeout_s"]),
+                                         str(body["session"])))
         return {"status": "ok"}
 
     @app.post("/update_weights")
@@ -185,15 +196,16 @@ def build_app(server: EngineServer, host: str):
 
 
 def start_engine_for(args: argparse.Namespace):
-    """The engine as the colocated backend builds it (grpo_core.rollout.vllm.engine_options), on this process's
-    device, for the model folder; sleep mode off: the device is the server's alone."""
+    """The engine as the colocated backend builds it (grpo_core.rollout.vllm.engine_options), on this
+    process's device, for the model folder; sleep mode off: the device is the server's alone."""
     import torch
     from transformers import AutoConfig
 
     from grpo_core.rollout.vllm import engine_device, engine_options, start_engine
 
     config = AutoConfig.from_pretrained(args.model)
-    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (getattr(config, "dtype", None) or torch.float32)
+    dtype = (getattr(torch, args.dtype) if args.dtype != "auto"
+             else (getattr(config, "dtype", None) or torch.float32))
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     options = engine_options(args.model, dtype, config, gpu_memory_utilization=args.gpu_memory_utilization,
                              enable_sleep_mode=False, max_model_length=args.max_model_len, seed=args.seed)

@@ -119,7 +119,8 @@ def default_artifact_location(tracking_uri: str) -> str | None:
     db_path = unquote(tracking_uri[len(prefix):].split("?", 1)[0]) if tracking_uri.startswith(prefix) else ""
     if not db_path or db_path == ":memory:":
         return None
-    # sqlite:////abs/x.db -> /abs/x.db (absolute); sqlite:///x.db -> x.db, relative to the cwd as SQLAlchemy reads it
+    # sqlite:////abs/x.db -> /abs/x.db (absolute); sqlite:///x.db -> x.db,
+    # relative to the cwd as SQLAlchemy reads it
     return (Path(db_path).resolve().parent / "mlruns").as_uri()
 
 
@@ -156,7 +157,8 @@ def ui_url(tracking_uri: str, environ: Mapping[str, str] | None = None) -> str:
     return (env.get("MLFLOW_UI_URL") or "http://127.0.0.1:5000").rstrip("/")
 
 
-def run_url(tracking_uri: str, experiment_id: str, run_id: str, environ: Mapping[str, str] | None = None) -> str:
+def run_url(tracking_uri: str, experiment_id: str, run_id: str,
+            environ: Mapping[str, str] | None = None) -> str:
     """The MLflow UI page of one run."""
     return f"{ui_url(tracking_uri, environ)}/#/experiments/{experiment_id}/runs/{run_id}"
 
@@ -295,7 +297,8 @@ class MLflowTracker:
             if total:
                 detail = ", ".join(f"{n} {k}" for k, n in self.unsent.items() if n)
                 warnings.warn(f"MLflowTracker: {total} value(s) were not sent to {self.tracking_uri} "
-                              f"(run {self.run_id or 'never created'}): {detail}", RuntimeWarning, stacklevel=2)
+                              f"(run {self.run_id or 'never created'}): {detail}", RuntimeWarning,
+                              stacklevel=2)
             return total
 
     def __enter__(self) -> MLflowTracker:
@@ -334,8 +337,9 @@ class MLflowTracker:
         self.run_id = run.info.run_id
 
     def _continue(self, exp_id: str) -> bool:
-        """Reopen ``continue_run_id`` (RUNNING again, this run's tags and parent) when it is in this experiment, not
-        deleted and did not finish (it was killed or failed); False (a new run is created) otherwise."""
+        """Reopen ``continue_run_id`` (RUNNING again, this run's tags and parent) when it is in this
+        experiment, not deleted and did not finish (it was killed or failed); False (a new run is created)
+        otherwise."""
         from mlflow.entities import RunTag
 
         try:
@@ -345,7 +349,8 @@ class MLflowTracker:
                 raise
             return False
         # a finished run is a finished pipeline's record: extending it (a larger max_steps) starts a new run
-        if old.info.experiment_id != exp_id or old.info.lifecycle_stage == "deleted" or old.info.status == "FINISHED":
+        if (old.info.experiment_id != exp_id or old.info.lifecycle_stage == "deleted"
+                or old.info.status == "FINISHED"):
             return False
         self._client.update_run(old.info.run_id, status="RUNNING")
         self._client.log_batch(old.info.run_id, tags=[RunTag(k, v) for k, v in self._initial_tags.items()],
@@ -367,8 +372,8 @@ class MLflowTracker:
                 if not _is_permanent(exc):
                     raise
                 self._rejected += len(metrics) + len(params) + len(tags)
-                warnings.warn(f"MLflowTracker: {self.tracking_uri} refused a batch of {len(metrics)} metrics, "
-                              f"{len(params)} params, {len(tags)} tags: {_truncate(str(exc), 300)}",
+                warnings.warn(f"MLflowTracker: {self.tracking_uri} refused a batch of {len(metrics)} "
+                              f"metrics, {len(params)} params, {len(tags)} tags: {_truncate(str(exc), 300)}",
                               RuntimeWarning, stacklevel=4)
             # sent or refused: either way these leave the queue
             del self._metrics[: len(metrics)]

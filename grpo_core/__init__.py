@@ -1,4 +1,5 @@
-"""grpo_core: GRPO, framework-free. Layers, bottom to top; a module imports only its own layer and those below.
+"""grpo_core: GRPO, framework-free. Layers, bottom to top;
+a module imports only its own layer and those below.
 
     common/                          errors (exit codes), atomic files, RNG states, expressions, typed options
     embedded/                        the embedded default: synthetic tasks, tiny model, warm start

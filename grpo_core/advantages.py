@@ -186,7 +186,8 @@ def _validated(
     weights = torch.as_tensor(weights, dtype=rewards.dtype, device=rewards.device)
     if weights.ndim != 1 or weights.shape[0] != num_functions:
         raise ValueError(
-            f"weights must have one entry per reward function (K={num_functions}), got shape {tuple(weights.shape)}"
+            f"weights must have one entry per reward function (K={num_functions}), got shape "
+            f"{tuple(weights.shape)}"
         )
     if not torch.isfinite(weights).all():
         raise ValueError(f"weights must be finite, got {weights.tolist()}")

@@ -71,8 +71,9 @@ class CalibrateConfig(Options):
     enabled: bool = option(True, "sample the base policy and derive reward weights; off = equal weights")
     num_prompts: int = option(64, "training prompts sampled for calibration", ge=1)
     num_generations: int = option(8, "completions per calibration prompt", ge=2)
-    temperature: float | None = option(None, "override of generation.temperature for calibration (None = sample as "
-                                   "training samples); shown in reports/calibration.md", gt=0)
+    temperature: float | None = option(None, "override of generation.temperature for calibration "
+                                   "(None = sample as training samples); shown in reports/calibration.md",
+                                   gt=0)
     dead_std_threshold: float = option(1e-6, "mean within-group std below this marks a reward dead", ge=0)
     dominant_share: float = option(0.9, "flag a reward above this share of advantage variance", gt=0, le=1)
     drop_always_solved: bool = option(False, "drop prompts the base policy always solves (zero advantage)")
@@ -317,7 +318,8 @@ def calibrate_weights(rewards: Any, group_size: int, names: Sequence[str],
 
     uniform = np.ones(k)
     approx_uniform = diagonal_shares(uniform, v)
-    for i, n in enumerate(names):  # a lone live reward carries all the variance by definition: nothing to flag
+    # a lone live reward carries all the variance by definition: nothing to flag
+    for i, n in enumerate(names):
         if live.sum() > 1 and np.isfinite(approx_uniform[i]) and approx_uniform[i] > dominant_share:
             flags[n].append("dominant")
 
@@ -340,8 +342,8 @@ def calibrate_weights(rewards: Any, group_size: int, names: Sequence[str],
                         "not reward correctness; check the base model, prompts or num_generations")
     for i, n in enumerate(names):
         if "dominant" in flags[n]:
-            warnings.append(f"'{n}' carries {approx_uniform[i]:.1%} of the within-group variance under uniform "
-                            f"weights (> dominant_share={dominant_share})")
+            warnings.append(f"'{n}' carries {approx_uniform[i]:.1%} of the within-group variance under "
+                            f"uniform weights (> dominant_share={dominant_share})")
 
     realised = realised_shares(arr, group_size, weights)
     as_dict = lambda a: {n: finite_or_none(x) for n, x in zip(names, a)}  # noqa: E731

@@ -1,10 +1,10 @@
 """params.yaml, assembled from the options each component declares, and checked across sections.
 
 Each section's keys are declared, with their defaults, limits and meaning, by the code that reads them
-(``grpo_core/common/options.py`` says how): ``data:`` in data.py, ``model:`` in model/loading.py, ``generation:`` in
-rollout/, ``rewards:`` in rewards/base.py, ``guards:`` in train/guards.py, and ``train:``'s keys in the group
-of the part that reads them (``TrainConfig``). This module puts them together, checks what spans sections,
-and fingerprints what training computes.
+(``grpo_core/common/options.py`` says how): ``data:`` in data.py, ``model:`` in model/loading.py,
+``generation:`` in rollout/, ``rewards:`` in rewards/base.py, ``guards:`` in train/guards.py, and ``train:``'s
+keys in the group of the part that reads them (``TrainConfig``). This module puts them together, checks what
+spans sections, and fingerprints what training computes.
 
 ``train:`` stays flat in params.yaml, with TRL ``GRPOConfig``'s names, so a TRL user can carry a config over;
 in code each key lives in one group: ``train.epsilon`` is ``cfg.train.loss.epsilon``.
@@ -58,7 +58,8 @@ __all__ = ["ConfigError", "PipelineConfig", "TrainConfig", "load_config", "confi
 
 
 def _group(cls: type) -> Any:
-    return field(default_factory=cls, metadata={"group": True, "help": (cls.__doc__ or "").split("\n")[0]})
+    summary = " ".join((cls.__doc__ or "").split("\n\n")[0].split())  # the docstring's first paragraph
+    return field(default_factory=cls, metadata={"group": True, "help": summary})
 
 
 @dataclass
@@ -118,7 +119,8 @@ def train_key_owner() -> dict[str, str | None]:
 
 
 def describe_train() -> list[tuple[str, str, Any, str]]:
-    """(key, type, default, meaning) of every params.yaml `train:` key, in TrainConfig's then its groups' order."""
+    """(key, type, default, meaning) of every params.yaml `train:` key,
+    in TrainConfig's then its groups' order."""
     rows = [r for r in describe(TrainConfig) if r[0] not in train_groups()]
     return rows + [r for cls in train_groups().values() for r in describe(cls)]
 
@@ -139,8 +141,8 @@ def build_train(data: Any, prefix: str = "train") -> TrainConfig:
     routed: dict[str | None, dict] = {}
     for key, value in data.items():
         if f"{prefix}.{key}" in MOVED_KEYS:
-            raise ConfigError(f"{prefix}.{key}: moved to {MOVED_KEYS[f'{prefix}.{key}']} (the generation section "
-                              f"is shared by calibrate, train and evaluate); set it there")
+            raise ConfigError(f"{prefix}.{key}: moved to {MOVED_KEYS[f'{prefix}.{key}']} (the generation "
+                              "section is shared by calibrate, train and evaluate); set it there")
         if key not in owner:
             raise unknown_key(f"{prefix}.{key}", key, owner)
         routed.setdefault(owner[key], {})[key] = value
@@ -155,8 +157,8 @@ class EvaluateConfig(Options):
     max_samples: int | None = option(500, "held-out prompts evaluated (None = all)", ge=1)
     num_generations: int = option(8, "n: samples per prompt for pass@k", ge=1)
     pass_k: list[int] = option([1, 4, 8], "k values for the unbiased pass@k")
-    temperature: float | None = option(None, "override of generation.temperature for the sampled pass@k (None = "
-                                       "training's; greedy accuracy decodes greedily); shown in "
+    temperature: float | None = option(None, "override of generation.temperature for the sampled pass@k "
+                                       "(None = training's; greedy accuracy decodes greedily); shown in "
                                        "reports/evaluation.md", gt=0)
     max_completion_length: int | None = option(None, "override of generation.max_completion_length for both "
                                                "greedy and sampled completions (None = training's)", ge=1)
@@ -180,14 +182,16 @@ class TrackingConfig(Options):
     register_model: bool = option(True, "register the trained model in the MLflow Model Registry")
     registered_model_name: str = option("grpo-policy", "registered model name")
     promotion_metric: str = option("accuracy", "eval metric the promotion gate compares")
-    promotion_margin: float = option(0.0, "alias `champion` only when the metric beats the champion's by this",
+    promotion_margin: float = option(0.0,
+                                     "alias `champion` only when the metric beats the champion's by this",
                                      ge=0)
 
 
 @dataclass
 class PipelineConfig:
     embedded: EmbeddedConfig | None = option(None, "the embedded default's synthetic task and tiny model "
-                                             "(`prepare`); null when params.yaml names your own data and model")
+                                             "(`prepare`); null when params.yaml names your own data and "
+                                             "model")
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
@@ -210,9 +214,10 @@ class PipelineConfig:
 # Keys that live in another section now; an old params.yaml gets an error naming the new place.
 MOVED_KEYS = {
     **{f"train.{k}": f"generation.{k}" for k in (
-        "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length", "generation_kwargs",
-        "generation_batch_size", "cache_implementation", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode",
-        "vllm_mode", "vllm_server_host", "vllm_server_port", "vllm_group_port", "vllm_server_timeout")},
+        "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length",
+        "generation_kwargs", "generation_batch_size", "cache_implementation", "vllm_gpu_memory_utilization",
+        "vllm_enable_sleep_mode", "vllm_mode", "vllm_server_host", "vllm_server_port", "vllm_group_port",
+        "vllm_server_timeout")},
     "train.generation_backend": "generation.backend",
     "train.max_prompt_length": "data.max_prompt_length",
 }
@@ -251,8 +256,8 @@ def _apply_overrides(raw: dict, overrides: typing.Mapping[str, Any]) -> dict:
 
 
 def _resolve_generation_batch_size(cfg: PipelineConfig) -> None:
-    """generation.generation_batch_size (TRL's alternative to train.steps_per_generation) -> steps_per_generation,
-    the one the trainer reads; both set is an error, as in TRL."""
+    """generation.generation_batch_size (TRL's alternative to train.steps_per_generation) ->
+    steps_per_generation, the one the trainer reads; both set is an error, as in TRL."""
     g, b, p = cfg.generation, cfg.train.batch, cfg.train.parallel
     if g.generation_batch_size is None:
         return
@@ -262,8 +267,8 @@ def _resolve_generation_batch_size(cfg: PipelineConfig) -> None:
     per_step = b.per_device_train_batch_size * p.num_processes
     if g.generation_batch_size % per_step:
         raise ConfigError(f"generation.generation_batch_size: {g.generation_batch_size} is not a multiple of "
-                          f"train.per_device_train_batch_size x train.num_processes ({per_step}), the completions "
-                          f"one optimizer step trains on")
+                          f"train.per_device_train_batch_size x train.num_processes ({per_step}), the "
+                          "completions one optimizer step trains on")
     b.steps_per_generation = g.generation_batch_size // per_step
 
 
@@ -274,28 +279,30 @@ def check_across_sections(cfg: PipelineConfig) -> None:
     if (t.loss.loss_type == "vespo" and cfg.generation.backend == "vllm"
             and t.sampler_correction.vllm_importance_sampling_correction
             and not t.sampler_correction.vllm_importance_sampling_mode.startswith("token")):
-        raise ConfigError(f"train.vllm_importance_sampling_mode: vespo folds the correction into its sequence weight "
-                          f"token by token; use token_truncate or token_mask (got "
+        raise ConfigError("train.vllm_importance_sampling_mode: vespo folds the correction into its sequence "
+                          "weight token by token; use token_truncate or token_mask (got "
                           f"{t.sampler_correction.vllm_importance_sampling_mode})")
     _check_rewards(cfg)
     if cfg.data.hub_dataset is None and not cfg.data.paths("train"):
-        raise ConfigError(f"data.train_files: empty; name local files ({DATA_FILES_FORMS}) or set data.hub_dataset")
+        raise ConfigError(f"data.train_files: empty; name local files ({DATA_FILES_FORMS}) or set "
+                          "data.hub_dataset")
     if cfg.embedded is not None:
         for key, fixed in (("data_dir", EMBEDDED_DATA_DIR), ("model_dir", EMBEDDED_MODEL_DIR)):
             if getattr(cfg.embedded, key) != fixed:
-                raise ConfigError(f"embedded.{key}: {getattr(cfg.embedded, key)!r}; dvc.yaml names {fixed!r} as "
-                                  f"prepare's output, so leave the key out (point data.* / model.name_or_path at "
-                                  f"your own files instead)")
+                raise ConfigError(f"embedded.{key}: {getattr(cfg.embedded, key)!r}; dvc.yaml names {fixed!r} "
+                                  "as prepare's output, so leave the key out (point "
+                                  "data.* / model.name_or_path at your own files instead)")
     _check_eval(cfg)
-    if t.rollouts.async_rollouts == "auto":  # resolved here: what the trainer and the checks below read is a bool
+    # resolved here: what the trainer and the checks below read is a bool
+    if t.rollouts.async_rollouts == "auto":
         t.rollouts.async_rollouts = async_rollouts_blocker(cfg) is None
     why = _async_config_blocker(cfg) if t.rollouts.async_rollouts is True else None
     if why is not None:
         raise ConfigError(f"train.async_rollouts: {why} - set train.async_rollouts: false")
     if t.reference.sync_ref_model and cfg.model.lora is not None:
-        raise ConfigError("train.sync_ref_model: not with model.lora; under LoRA the reference is the base model with "
-                          "the adapters switched off, so there is no separate reference to mix the policy into "
-                          "(TRL raises the same)")
+        raise ConfigError("train.sync_ref_model: not with model.lora; under LoRA the reference is the base "
+                          "model with the adapters switched off, so there is no separate reference to mix "
+                          "the policy into (TRL raises the same)")
     _check_quantization(cfg)
 
 
@@ -321,14 +328,15 @@ def _check_quantization(cfg: PipelineConfig) -> None:
     if cfg.model.quantization is None:
         return
     if cfg.generation.backend == "vllm":
-        raise ConfigError("model.quantization: not with generation.backend vllm; the engine is fed the policy's merged "
-                          "weights (base + adapters, layer by layer) after each step, and a 4-bit base has no "
-                          "full-precision weight to merge into - use generation.backend auto or hf")
+        raise ConfigError("model.quantization: not with generation.backend vllm; the engine is fed the "
+                          "policy's merged weights (base + adapters, layer by layer) after each step, and a "
+                          "4-bit base has no full-precision weight to merge into - use generation.backend "
+                          "auto or hf")
     import importlib.util
 
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise ConfigError("model.quantization: needs bitsandbytes, which is not installed; install the extra: "
-                          "pip install -e '.[qlora]' (make setup installs it)")
+        raise ConfigError("model.quantization: needs bitsandbytes, which is not installed; install the "
+                          "extra: pip install -e '.[qlora]' (make setup installs it)")
 
 
 def _check_eval(cfg: PipelineConfig) -> None:
@@ -336,25 +344,26 @@ def _check_eval(cfg: PipelineConfig) -> None:
     if e.eval_strategy == "no":
         return
     if cfg.data.hub_dataset is None and not cfg.data.paths("eval"):
-        raise ConfigError("train.eval_strategy: steps scores held-out prompts, but data.eval_files is empty; name "
-                          "held-out data or set data.hub_dataset")
+        raise ConfigError("train.eval_strategy: steps scores held-out prompts, but data.eval_files is empty; "
+                          "name held-out data or set data.hub_dataset")
     names = eval_metric_names(e, [r.name for r in cfg.rewards], t.tool_use.enabled)
     if e.best_metric is not None and e.best_metric not in names:
-        raise ConfigError(f"train.metric_for_best_model: {e.metric_for_best_model!r} is not an eval metric; choose "
-                          f"one of {', '.join(names)}")
+        raise ConfigError(f"train.metric_for_best_model: {e.metric_for_best_model!r} is not an eval metric; "
+                          f"choose one of {', '.join(names)}")
     if e.load_best_model_at_end:
         if t.checkpoints.save_strategy != "steps":
             raise ConfigError("train.load_best_model_at_end: needs checkpoints to choose from; set "
                               "train.save_strategy: steps")
         if t.checkpoints.save_steps % e.eval_steps:
-            raise ConfigError(f"train.save_steps: {t.checkpoints.save_steps} is not a multiple of the evaluation "
-                              f"interval ({e.eval_steps}, train.eval_steps), so some checkpoints would have no "
-                              f"evaluation to be judged by (train.load_best_model_at_end)")
+            raise ConfigError(f"train.save_steps: {t.checkpoints.save_steps} is not a multiple of the "
+                              f"evaluation interval ({e.eval_steps}, train.eval_steps), so some checkpoints "
+                              "would have no evaluation to be judged by (train.load_best_model_at_end)")
 
 
 def async_rollouts_blocker(cfg: PipelineConfig) -> str | None:
-    """Why the sampler worker cannot serve ``cfg`` (None: it can); what ``train.async_rollouts: auto`` decides by.
-    The worker samples on the CPU, so a machine with a CUDA device (where the policy trains) rules it out."""
+    """Why the sampler worker cannot serve ``cfg`` (None: it can); what ``train.async_rollouts: auto`` decides
+    by. The worker samples on the CPU, so a machine with a CUDA device (where the policy trains) rules it
+    out."""
     why = _async_config_blocker(cfg)
     if why is not None:
         return why
@@ -366,23 +375,26 @@ def async_rollouts_blocker(cfg: PipelineConfig) -> str | None:
 
 
 def _async_config_blocker(cfg: PipelineConfig) -> str | None:
-    """What in ``cfg`` itself the sampler worker cannot serve (None: nothing); the device is checked at run time."""
+    """What in ``cfg`` itself the sampler worker cannot serve (None: nothing);
+    the device is checked at run time."""
     t = cfg.train
     if t.parallel.num_processes > 1:
-        return f"one training process with one sampler worker; train.num_processes is {t.parallel.num_processes}"
+        return ("one training process with one sampler worker; train.num_processes is "
+                f"{t.parallel.num_processes}")
     if cfg.generation.backend == "vllm":
-        return ("the sampler worker samples with generation.backend auto, hf or manual; vllm (colocated or server) "
-                "samples in the training process")
+        return ("the sampler worker samples with generation.backend auto, hf or manual; vllm (colocated or "
+                "server) samples in the training process")
     if t.rollouts.dynamic_sampling:
-        return ("not with train.dynamic_sampling (a round's size is only known once its groups are scored, so it "
-                "cannot be requested one step ahead)")
+        return ("not with train.dynamic_sampling (a round's size is only known once its groups are scored, "
+                "so it cannot be requested one step ahead)")
     if cfg.model.quantization is not None:
         return ("not with model.quantization; the sampler worker copies the policy into shared memory, which "
                 "bitsandbytes' packed 4-bit weights and their quantization state are not built for")
     return None
 
 
-def load_config(path: str | Path = "params.yaml", overrides: typing.Mapping[str, Any] | None = None) -> PipelineConfig:
+def load_config(path: str | Path = "params.yaml",
+                overrides: typing.Mapping[str, Any] | None = None) -> PipelineConfig:
     """Read and validate params.yaml. Raises ConfigError naming the key on any problem.
 
     Parsed as YAML 1.2, the way DVC reads and writes it: ``dvc exp run -S`` rewrites params.yaml and
@@ -421,7 +433,8 @@ def training_params_hash(cfg: PipelineConfig, reward_weights: typing.Sequence[fl
     a run resumes on another world size that keeps it (2 x 8 -> 1 x 16).
     """
     train = {k: v for k, v in flat_train(cfg.train).items() if k not in _BOOKKEEPING_KEYS}
-    train["per_device_train_batch_size"] = cfg.train.batch.per_device_train_batch_size * cfg.train.parallel.num_processes
+    train["per_device_train_batch_size"] = (cfg.train.batch.per_device_train_batch_size
+                                            * cfg.train.parallel.num_processes)
     payload = {
         "model": dataclasses.asdict(cfg.model),
         "generation": dataclasses.asdict(cfg.generation),
@@ -434,9 +447,10 @@ def training_params_hash(cfg: PipelineConfig, reward_weights: typing.Sequence[fl
 
 
 def params_read(inputs: Any) -> list[str]:
-    """The params.yaml keys a stage's inputs record (a dataclass of what the stage is handed) holds: a field named
-    after a section -> that section; a group of `train:` -> ``train.<key>`` for each of its keys; any other field
-    -> the key(s) its metadata ``param`` names. dvc.yaml must list each (tests/test_dvc_params.py)."""
+    """The params.yaml keys a stage's inputs record (a dataclass of what the stage is handed) holds: a field
+    named after a section -> that section; a group of `train:` -> ``train.<key>`` for each of its keys; any
+    other field -> the key(s) its metadata ``param`` names. dvc.yaml must list each
+    (tests/test_dvc_params.py)."""
     sections = {f.name for f in dataclasses.fields(PipelineConfig)}
     groups = tuple(train_groups().values())
     keys: list[str] = []
@@ -450,14 +464,14 @@ def params_read(inputs: Any) -> list[str]:
         elif f.name in sections:
             keys.append(f.name)
         else:
-            raise TypeError(f"{type(inputs).__name__}.{f.name}: neither a section, a group of train:, nor a field "
-                            f"naming its param")
+            raise TypeError(f"{type(inputs).__name__}.{f.name}: neither a section, a group of train:, nor a "
+                            "field naming its param")
     return keys
 
 
 def only_sections(cfg: PipelineConfig, keep: typing.Iterable[str]) -> PipelineConfig:
-    """``cfg`` with every section outside ``keep`` set to None: code handed it fails loudly on reading a section its
-    stage does not declare (and DVC does not track) instead of silently depending on it."""
+    """``cfg`` with every section outside ``keep`` set to None: code handed it fails loudly on reading a
+    section its stage does not declare (and DVC does not track) instead of silently depending on it."""
     keep = set(keep)
     return dataclasses.replace(cfg, **{f.name: None for f in dataclasses.fields(PipelineConfig)
                                        if f.name not in keep})

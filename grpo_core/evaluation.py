@@ -1,5 +1,5 @@
-"""A policy on held-out prompts, and its metrics: the one evaluation of the evaluate stage and of evaluation during
-training (``train.eval_strategy``).
+"""A policy on held-out prompts, and its metrics: the one evaluation of the evaluate stage and of evaluation
+during training (``train.eval_strategy``).
 
     rows (P prompts) -> per mode: sample_and_score(G completions each) -> rewards (N, K) + judges (N, 2)
       -> records {prompt_index, sample_index, mode, correct, format_ok, completion_length, reward/<name>, ...}
@@ -39,41 +39,45 @@ class EvalOptions(Options):
     """params.yaml `train:` keys of evaluation during training and of the best checkpoint."""
 
     eval_strategy: Literal["no", "steps"] = option(
-        "no", "steps = score the policy on held-out prompts (the eval split) every eval_steps and at the last "
-        "step, into the step log and the tracker as eval/* (grpo_core/train/evaluation.py); no = never")
+        "no", "steps = score the policy on held-out prompts (the eval split) every eval_steps and at the "
+        "last step, into the step log and the tracker as eval/* (grpo_core/train/evaluation.py); no = never")
     eval_steps: int | None = option(None, "eval_strategy steps: optimizer steps between evaluations (None = "
                                     "logging_steps, as in TRL)", ge=1)
-    eval_max_samples: int | None = option(100, "held-out prompts each evaluation scores: the first N of the eval "
-                                          "split (None = all)", ge=1)
+    eval_max_samples: int | None = option(100, "held-out prompts each evaluation scores: the first N of the "
+                                          "eval split (None = all)", ge=1)
     num_generations_eval: int | None = option(
         None, "completions sampled per held-out prompt at the training temperature, for eval/pass@N and "
         "eval/sampled/* (None = num_generations, TRL's default; 0 = greedy decoding only)", ge=0)
     per_device_eval_batch_size: int = option(64, "sequences per generate call during evaluation", ge=1)
     metric_for_best_model: str | None = option(
-        None, "an eval metric (eval/accuracy, eval/pass@N, eval/rewards/<name>/mean, ...; the eval/ prefix may be "
-        "left out): the best checkpoint by it is never pruned by save_total_limit (None = eval/accuracy under "
-        "load_best_model_at_end, else no best is tracked)")
-    greater_is_better: bool = option(True, "metric_for_best_model: a larger value is better (false: smaller, e.g. "
-                                     "eval/mean_completion_length)")
+        None, "an eval metric (eval/accuracy, eval/pass@N, eval/rewards/<name>/mean, ...; the eval/ prefix "
+        "may be left out): the best checkpoint by it is never pruned by save_total_limit "
+        "(None = eval/accuracy under load_best_model_at_end, else no best is tracked)")
+    greater_is_better: bool = option(True, "metric_for_best_model: a larger value is better (false: smaller, "
+                                     "e.g. eval/mean_completion_length)")
     load_best_model_at_end: bool = option(
-        False, "export the best checkpoint's weights by metric_for_best_model instead of the last step's (needs "
-        "save_steps to be a multiple of eval_steps, so every checkpoint has an evaluation)")
+        False, "export the best checkpoint's weights by metric_for_best_model instead of the last step's "
+        "(needs save_steps to be a multiple of eval_steps, so every checkpoint has an evaluation)")
 
     def check(self) -> None:
         wants_eval = self.metric_for_best_model is not None or self.load_best_model_at_end
         if wants_eval and self.eval_strategy != "steps":
-            key = "metric_for_best_model" if self.metric_for_best_model is not None else "load_best_model_at_end"
-            raise ConfigError(f"{key}: the best checkpoint is judged by evaluations; set train.eval_strategy: steps")
+            key = ("metric_for_best_model" if self.metric_for_best_model is not None
+                   else "load_best_model_at_end")
+            raise ConfigError(f"{key}: the best checkpoint is judged by evaluations; set "
+                              "train.eval_strategy: steps")
 
     def resolved(self, *, num_generations: int, logging_steps: int) -> EvalOptions:
         """A copy with the defaults that follow other keys filled in: eval_steps, num_generations_eval."""
         return dataclasses.replace(
             self, eval_steps=self.eval_steps or logging_steps,
-            num_generations_eval=num_generations if self.num_generations_eval is None else self.num_generations_eval)
+            num_generations_eval=num_generations if self.num_generations_eval is None
+                                 else self.num_generations_eval)
 
     @property
     def best_metric(self) -> str | None:
-        """metric_for_best_model as a step-log key (``eval/...``); eval/accuracy under load_best_model_at_end."""
+        """metric_for_best_model as a step-log key (``eval/...``); eval/accuracy under
+        load_best_model_at_end."""
         name = self.metric_for_best_model or ("accuracy" if self.load_best_model_at_end else None)
         if name is None:
             return None
@@ -86,7 +90,8 @@ def summary_metric_names(reward_names: Sequence[str], pass_k: Sequence[int], *, 
     ones and pass@k too); tools: with the tool metrics."""
     per = [*(f"rewards/{n}/mean" for n in reward_names), "format_compliance", "mean_completion_length",
            *(TOOL_EVAL_METRICS if tools else ())]
-    return ["accuracy", *per, *((*(f"pass@{k}" for k in pass_k), *(f"sampled/{m}" for m in per)) if sampled else ())]
+    return ["accuracy", *per,
+            *((*(f"pass@{k}" for k in pass_k), *(f"sampled/{m}" for m in per)) if sampled else ())]
 
 
 def eval_metric_names(e: EvalOptions, reward_names: Sequence[str], tools: bool = False) -> list[str]:
@@ -142,9 +147,9 @@ def _metric_keys(reward_names: Sequence[str], prefix: str) -> list[str]:
 
 
 def tool_metrics(rows: pd.DataFrame, prefix: str) -> dict[str, Any]:
-    """With tools (records with ``tool_calls`` / ``tool_failures``): calls per completion and failed calls per call
-    (TRL's tools/call_frequency and tools/failure_frequency), and the share of completions with at least one call
-    that succeeded (``tool_success_rate``)."""
+    """With tools (records with ``tool_calls`` / ``tool_failures``): calls per completion and failed calls per
+    call (TRL's tools/call_frequency and tools/failure_frequency), and the share of completions with at least
+    one call that succeeded (``tool_success_rate``)."""
     calls = rows["tool_calls"].astype(np.float64)
     failures = rows["tool_failures"].astype(np.float64)
     return {f"{prefix}tool_call_frequency": float(calls.mean()),
@@ -246,12 +251,15 @@ class EvalMode:
     sampling: SamplingParams
     batch_size: int                       # prompts per generate call
     seed: int | None = None               # seeds torch before the first call (sampled modes)
-    tools: Toolbox | None = None          # sampled as conversations with them (train.tools, environment_factory)
-    rollout_func: Callable | None = None  # sampled by the user's rollout (train.rollout_func; greedy: greedy params)
+    tools: Toolbox | None = None          # sampled as conversations with them (train.tools,
+                                          # environment_factory)
+    # sampled by the user's rollout (train.rollout_func; greedy: greedy params)
+    rollout_func: Callable | None = None
 
 
-def eval_modes(*, max_new_tokens: int, num_generations: int, sampling: SamplingParams, sequences_per_call: int,
-               seed: int | None, tools: Toolbox | None = None, rollout_func: Callable | None = None) -> list[EvalMode]:
+def eval_modes(*, max_new_tokens: int, num_generations: int, sampling: SamplingParams,
+               sequences_per_call: int, seed: int | None, tools: Toolbox | None = None,
+               rollout_func: Callable | None = None) -> list[EvalMode]:
     """Greedy decoding, then (``num_generations`` > 0) ``num_generations`` samples per prompt drawn with
     ``sampling``; each generate call holds about ``sequences_per_call`` sequences. tools, rollout_func: as
     training samples (train.tools / environment_factory, train.rollout_func)."""
@@ -266,7 +274,8 @@ def eval_modes(*, max_new_tokens: int, num_generations: int, sampling: SamplingP
 
 @dataclass(frozen=True)
 class Grading:
-    """What scores a held-out completion: the run's reward functions, by name, and the answer/format judges."""
+    """What scores a held-out completion: the run's reward functions, by name,
+    and the answer/format judges."""
 
     reward_fns: Sequence
     reward_names: Sequence[str]
@@ -279,26 +288,30 @@ def prompt_text(prompt: Any) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt, default=str)
 
 
-def score_policy(tokenizer, rows: Sequence[dict], indices: Sequence[int], encoder: PromptEncoder, grading: Grading,
-                 modes: Sequence[EvalMode], *, backend, policy: str = "policy") -> list[dict]:
+def score_policy(tokenizer, rows: Sequence[dict], indices: Sequence[int], encoder: PromptEncoder,
+                 grading: Grading, modes: Sequence[EvalMode], *, backend,
+                 policy: str = "policy") -> list[dict]:
     """Every mode's completions of ``rows`` (dataset positions ``indices``) as records, rewards under
-    ``reward/<name>``; ``correct`` and ``format_ok`` as the judges say. Sampled with tools, the records also carry
-    each completion's ``tool_calls``, ``tool_failures`` and ``turns``."""
+    ``reward/<name>``; ``correct`` and ``format_ok`` as the judges say. Sampled with tools, the records also
+    carry each completion's ``tool_calls``, ``tool_failures`` and ``turns``."""
     reward_names, judges = grading.reward_names, grading.judges
     K = len(reward_names)
     fns = [*grading.reward_fns, judges.correct_fn, judges.format_fn]
     records: list[dict] = []
     for mode in modes:
         plan = SamplePlan(mode.num_generations, mode.sampling, mode.batch_size, seed=mode.seed,
-                          on_error=grading.on_error, reward_timeout_s=grading.reward_timeout_s, tools=mode.tools,
-                          rollout_func=mode.rollout_func)
-        res = sample_and_score(None, tokenizer, rows, encoder, fns, plan, backend=backend, row_ids=list(indices))
+                          on_error=grading.on_error, reward_timeout_s=grading.reward_timeout_s,
+                          tools=mode.tools, rollout_func=mode.rollout_func)
+        res = sample_and_score(None, tokenizer, rows, encoder, fns, plan, backend=backend,
+                               row_ids=list(indices))
         for r, text in enumerate(res.texts):
             p = res.prompt_of(r)
             rec = {"policy": policy, "prompt_index": indices[p], "sample_index": r % mode.num_generations,
-                   "mode": mode.name, "prompt": prompt_text(rows[p]["prompt"]), "answer": rows[p].get("answer"),
-                   "completion": text, "completion_length": int(res.completion_lengths[r]),
-                   "truncated": bool(res.truncated[r]), "correct": judges.is_correct(float(res.rewards[r, K])),
+                   "mode": mode.name, "prompt": prompt_text(rows[p]["prompt"]),
+                   "answer": rows[p].get("answer"), "completion": text,
+                   "completion_length": int(res.completion_lengths[r]),
+                   "truncated": bool(res.truncated[r]),
+                   "correct": judges.is_correct(float(res.rewards[r, K])),
                    "format_ok": judges.is_well_formed(float(res.rewards[r, K + 1]))}
             rec.update({f"reward/{n}": float(res.rewards[r, k]) for k, n in enumerate(reward_names)})
             if mode.tools is not None:

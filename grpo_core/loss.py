@@ -1,10 +1,10 @@
 """The GRPO objective: clipped importance-ratio surrogate + k3 KL penalty + token aggregation + entropy bonus.
 
 Same numbers and gradients as TRL 1.16 ``GRPOTrainer._compute_loss`` for every loss type (grpo, bnpo, dr_grpo,
-dapo, luspo: the clipped surrogate; cispo, sapo, vespo: their own policy terms), token- and sequence-level (GSPO)
-importance sampling, two-sided clipping (``delta``), the off-policy sequence mask (OPSM) and the importance-ratio
-corrected KL (``use_bias_correction_kl``). ``GRPOLoss`` is built once from the run's ``LossOptions`` (TRL's
-names, declared here) and called per micro-batch; ``grpo_loss`` is its functional form.
+dapo, luspo: the clipped surrogate; cispo, sapo, vespo: their own policy terms), token- and sequence-level
+(GSPO) importance sampling, two-sided clipping (``delta``), the off-policy sequence mask (OPSM) and the
+importance-ratio corrected KL (``use_bias_correction_kl``). ``GRPOLoss`` is built once from the run's
+``LossOptions`` (TRL's names, declared here) and called per micro-batch; ``grpo_loss`` is its functional form.
 
 Per token t of completion i (shapes: (B, T) per token, (B, 1) per sequence):
 
@@ -38,7 +38,8 @@ LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", 
 LOSS_TYPES = typing.get_args(LossType)
 SamplerCorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 SAMPLER_CORRECTION_MODES = typing.get_args(SamplerCorrectionMode)
-_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the PPO-clip surrogate; the others have their own term
+# the PPO-clip surrogate; the others have their own term
+_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 # Normalised by num_items, the token count of the step's whole batch: never divided again for accumulation.
 TOKEN_SUM_LOSS_TYPES = ("dapo", "cispo", "vespo")
 
@@ -63,14 +64,16 @@ class LossOptions(Options):
     vespo_k_neg: float = option(3.0, "vespo: gamma shape k for negative advantages", ge=0)
     vespo_lambda_neg: float = option(2.0, "vespo: gamma rate lambda for negative advantages", ge=0)
     off_policy_mask_threshold: float | None = option(
-        None, "OPSM (DeepSeek-V3.2): drop negative-advantage sequences whose mean KL(sampler || policy) exceeds "
-        "this (None = off)", ge=0)
+        None, "OPSM (DeepSeek-V3.2): drop negative-advantage sequences whose mean KL(sampler || policy) "
+        "exceeds this (None = off)", ge=0)
 
     def check_meant(self) -> None:
-        """What a run refuses beyond the ranges: settings that run but cannot be meant (``grpo_loss`` takes them)."""
+        """What a run refuses beyond the ranges: settings that run but cannot be meant
+        (``grpo_loss`` takes them)."""
         if self.loss_type == "cispo" and (self.epsilon_high is None or self.epsilon_high <= 1):
-            raise ConfigError(f"epsilon_high: cispo caps the importance weight at epsilon_high itself (ScaleRL's "
-                              f"eps_max, e.g. 5.0), so it must be set above 1; got {self.epsilon_high}")
+            raise ConfigError("epsilon_high: cispo caps the importance weight at epsilon_high itself "
+                              "(ScaleRL's eps_max, e.g. 5.0), so it must be set above 1; "
+                              f"got {self.epsilon_high}")
         if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
             raise ConfigError(f"epsilon_high: {self.epsilon_high} is below epsilon ({self.epsilon})")
 
@@ -80,10 +83,11 @@ class SamplerCorrectionOptions(Options):
     """params.yaml `train:` keys of the trainer-vs-engine weight of vLLM samples (``sampler_correction``)."""
 
     vllm_importance_sampling_correction: bool = option(
-        True, "generation.backend vllm: weight each token's loss by pi_old / pi_sampler, the trainer's to the "
-        "engine's log-probs, which differ by kernels and precision (TRL's name and default)")
+        True, "generation.backend vllm: weight each token's loss by pi_old / pi_sampler, the trainer's to "
+        "the engine's log-probs, which differ by kernels and precision (TRL's name and default)")
     vllm_importance_sampling_mode: SamplerCorrectionMode = option(
-        "sequence_mask", "that ratio per token or per sequence; truncate = clamp to the clip range, mask = 0 outside")
+        "sequence_mask",
+        "that ratio per token or per sequence; truncate = clamp to the clip range, mask = 0 outside")
     vllm_importance_sampling_clip_min: float | None = option(
         None, "lower end of the ratio's range (None = 0 / unbounded)", ge=0)
     vllm_importance_sampling_clip_max: float | None = option(
@@ -121,8 +125,8 @@ class GRPOLoss:
         step share  / gradient_accumulation_steps (not the token-sum types), minus the entropy bonus
         stats       detached 0-dim diagnostics
 
-    max_completion_length: dr_grpo's constant normaliser L (None = the micro-batch's T); the generation section's
-    ``max_completion_length`` in a run. The other loss types ignore it.
+    max_completion_length: dr_grpo's constant normaliser L (None = the micro-batch's T); the generation
+    section's ``max_completion_length`` in a run. The other loss types ignore it.
     """
 
     def __init__(self, options: LossOptions, max_completion_length: int | None = None, *,
@@ -138,13 +142,14 @@ class GRPOLoss:
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps})")
 
     def __call__(self, logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
-                 advantages: torch.Tensor, mask: torch.Tensor, *, num_items: int | float | torch.Tensor | None = None,
+                 advantages: torch.Tensor, mask: torch.Tensor, *,
+                 num_items: int | float | torch.Tensor | None = None,
                  sampling_logps: torch.Tensor | None = None, entropy_mask: torch.Tensor | None = None,
                  sampler_ratio: torch.Tensor | None = None, kl_ratio_correction: bool = True,
                  entropies: torch.Tensor | None = None, entropy_coef: float = 0.0,
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Loss of one micro-batch, its share of the step's loss, and its statistics; the arguments and the result
-        are ``grpo_loss``'s. entropies: (B, T) per-token entropies with gradient, for the bonus
+        """Loss of one micro-batch, its share of the step's loss, and its statistics; the arguments and the
+        result are ``grpo_loss``'s. entropies: (B, T) per-token entropies with gradient, for the bonus
         ``entropy_coef * H`` (H their mean over the trained tokens: ``entropy_mask``, else ``mask``)."""
         extra = _OptionalInputs(sampling_logps, entropy_mask, sampler_ratio, entropies)
         self._check_inputs(logps, old_logps, ref_logps, advantages, mask, extra, num_items, entropy_coef)
@@ -160,25 +165,30 @@ class GRPOLoss:
         if self.options.beta != 0.0:
             per_token_kl = self.kl_term(logps, ref_logps, ratio, kl_ratio_correction)  # (B, T)
             per_token_loss = per_token_loss + self.options.beta * per_token_kl
-        loss = aggregate(per_token_loss, mask, self.options.loss_type, self.max_completion_length, num_items)  # ()
+        loss = aggregate(per_token_loss, mask, self.options.loss_type, self.max_completion_length,
+                         num_items)  # ()
         ga = self.gradient_accumulation_steps
-        if self.options.loss_type not in TOKEN_SUM_LOSS_TYPES and ga != 1:  # those count the whole step's tokens
+        # those count the whole step's tokens
+        if self.options.loss_type not in TOKEN_SUM_LOSS_TYPES and ga != 1:
             loss = loss / ga
         if entropy_coef != 0.0:  # the same bonus whatever the loss type's normaliser (TRL)
             trained = present if entropy_mask is None else entropy_mask
             loss = loss - entropy_coef * entropy_mean(entropies, trained) / ga
         return loss, self.stats(stats, ratio, per_token_kl, mask)
 
-    def policy_term(self, ratio: torch.Tensor, logratio: torch.Tensor, logps: torch.Tensor, advantages: torch.Tensor,
-                    mask: torch.Tensor, sampler_ratio: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
-        """The loss type's per-token policy loss, (B, T) or (B, 1) as the ratio, and its own stats (TRL's keys).
+    def policy_term(self, ratio: torch.Tensor, logratio: torch.Tensor, logps: torch.Tensor,
+                    advantages: torch.Tensor, mask: torch.Tensor,
+                    sampler_ratio: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+        """The loss type's per-token policy loss, (B, T) or (B, 1) as the ratio, and its own stats
+        (TRL's keys).
 
         ratio (B, T) | (B, 1); logratio, logps, mask (B, T); advantages (B, 1).
         """
         c = self.options
         if c.loss_type in _CLIPPED:
             pg_loss = clipped_surrogate(ratio, advantages, self.epsilon_low, self.epsilon_high, c.delta)
-            return pg_loss, clip_stats(_capped(ratio, c.delta), advantages, mask, self.epsilon_low, self.epsilon_high)
+            return pg_loss, clip_stats(_capped(ratio, c.delta), advantages, mask, self.epsilon_low,
+                                       self.epsilon_high)
         if c.loss_type == "cispo":
             clipped = ((ratio > self.epsilon_high) & (advantages > 0)).to(mask.dtype)
             return (cispo_term(ratio, logps, advantages, self.epsilon_high),
@@ -192,11 +202,12 @@ class GRPOLoss:
     def weighted(self, per_token_loss: torch.Tensor, advantages: torch.Tensor, logps: torch.Tensor,
                  old_logps: torch.Tensor, present: torch.Tensor, mask: torch.Tensor,
                  extra: _OptionalInputs) -> torch.Tensor:
-        """The policy loss times OPSM's keep mask (B, 1), the entropy mask (B, T) and the sampler ratio (B, T) |
-        (B, 1) - each only when set; vespo has already folded the sampler ratio into its weight."""
+        """The policy loss times OPSM's keep mask (B, 1), the entropy mask (B, T) and the sampler ratio
+        (B, T) | (B, 1) - each only when set; vespo has already folded the sampler ratio into its weight."""
         if self.options.off_policy_mask_threshold is not None:
             sampling_logps = extra.sampling_logps
-            sampled = old_logps if sampling_logps is None else torch.where(present, sampling_logps, logps.detach())
+            sampled = (old_logps if sampling_logps is None
+                       else torch.where(present, sampling_logps, logps.detach()))
             keep = off_policy_mask(advantages, logps, sampled, mask, self.options.off_policy_mask_threshold)
             per_token_loss = per_token_loss * keep
         if extra.entropy_mask is not None:
@@ -238,7 +249,8 @@ class GRPOLoss:
                              f"got {_describe(sampler_ratio)}")
         if (sampler_ratio is not None and self.options.loss_type == "vespo" and sampler_ratio.shape[1] == 1
                 and logps.shape[1] != 1):
-            raise ValueError("sampler_ratio: vespo takes a token-level correction (token_truncate or token_mask)")
+            raise ValueError("sampler_ratio: vespo takes a token-level correction (token_truncate or "
+                             "token_mask)")
         _check_normalisers(self.options.loss_type, self.max_completion_length, num_items,
                            completion_length=logps.shape[1])
         if entropy_coef != 0.0 and (entropies is None or tuple(entropies.shape) != shape):
@@ -249,8 +261,10 @@ class GRPOLoss:
 
 
 def _neutralise_padding(present: torch.Tensor, logps: torch.Tensor, old_logps: torch.Tensor | None,
-                        ref_logps: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """logps, old_logps, ref_logps (B, T) with the padded positions (``present`` False) set to logp 0, ratio 1, KL 0.
+                        ref_logps: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                 torch.Tensor | None]:
+    """logps, old_logps, ref_logps (B, T) with the padded positions
+    (``present`` False) set to logp 0, ratio 1, KL 0.
 
     Padding may hold anything (NaN where vLLM could not score a token, -inf from an ignored label). It is
     multiplied by 0 later, but 0 * NaN = NaN, in the value and in the gradient. Real tokens are untouched.
@@ -268,9 +282,11 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: to
               kl_ratio_correction: bool = True, max_completion_length: int | None = None,
               num_items: int | float | torch.Tensor | None = None,
               sampling_logps: torch.Tensor | None = None, entropy_mask: torch.Tensor | None = None,
-              sampler_ratio: torch.Tensor | None = None, **options) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO loss of one micro-batch and its statistics: ``GRPOLoss`` built from ``LossOptions(epsilon=epsilon_low,
-    **options)``, then called. ``options`` are LossOptions' keys (TRL's names; defaults and limits there).
+              sampler_ratio: torch.Tensor | None = None,
+              **options) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO loss of one micro-batch and its statistics: ``GRPOLoss`` built from
+    ``LossOptions(epsilon=epsilon_low, **options)``, then called. ``options`` are LossOptions' keys (TRL's
+    names; defaults and limits there).
 
     Args:
         logps: (B, T) log-probs of the sampled completion tokens under the current policy (with grad).
@@ -291,8 +307,8 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: to
         entropy_mask: (B, T) bool, the tokens the policy term trains on (``high_entropy_mask``: TRL's
             ``top_entropy_quantile``); None = all. The KL still counts every token, as in TRL.
         sampler_ratio: (B, T) or (B, 1) pi_old / pi_sampler, truncated or masked (``sampler_correction``): the
-            per-token policy loss is multiplied by it (TRL's vLLM importance-sampling correction); vespo folds it
-            into its sequence weight instead (token level only). None = no correction.
+            per-token policy loss is multiplied by it (TRL's vLLM importance-sampling correction); vespo folds
+            it into its sequence weight instead (token level only). None = no correction.
 
     Returns:
         (loss, stats): loss a 0-dim tensor in the dtype of ``logps``; stats detached 0-dim tensors, TRL's per
@@ -300,7 +316,8 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: to
         "clip_ratio/region_mean" (the clipped family), "cispo_clip_ratio" (cispo), "vespo/phi_seq_mean"
         (vespo); always "ratio_mean"; "kl" only when beta != 0 (as TRL logs it).
     """
-    _check_tensors(logps, old_logps, ref_logps, advantages, mask)  # with several bad arguments, a tensor is named
+    # with several bad arguments, a tensor is named
+    _check_tensors(logps, old_logps, ref_logps, advantages, mask)
     try:
         loss_options = LossOptions(epsilon=epsilon_low, **options)
     except ConfigError as err:  # this form's name for TRL's epsilon
@@ -311,8 +328,9 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: to
 
 
 def ratio_from_logratio(logratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
-    """pi_theta / pi_old from the log-ratio logp - old (B, T): per token (B, T), or per sequence (B, 1) as the exp
-    of the masked mean log-ratio (GSPO, length-normalised; TRL 1.16 uses it as is, no stop-gradient trick)."""
+    """pi_theta / pi_old from the log-ratio logp - old (B, T): per token (B, T), or per sequence (B, 1) as the
+    exp of the masked mean log-ratio (GSPO, length-normalised; TRL 1.16 uses it as is, no stop-gradient
+    trick)."""
     if level == "token":
         return torch.exp(logratio)
     mean_logratio = (logratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # empty row -> 0 -> ratio 1
@@ -328,23 +346,24 @@ def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, epsilon_low
     far enough in the direction A favours. delta (INTELLECT-2) also caps the unclipped branch, which
     bounds the loss of a negative-advantage token whose ratio explodes.
     """
-    pg_loss1 = -advantages * _capped(ratio, delta)                                # unclipped (capped at delta)
+    pg_loss1 = -advantages * _capped(ratio, delta)                               # unclipped (capped at delta)
     pg_loss2 = -advantages * torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)  # clipped
     return torch.max(pg_loss1, pg_loss2)  # = -min(r A, clip(r) A)
 
 
-def cispo_term(ratio: torch.Tensor, logps: torch.Tensor, advantages: torch.Tensor, epsilon_high: float) -> torch.Tensor:
-    """CISPO (MiniMax-M1): -sg(min(r, eps_high)) * A * logp. The importance weight is clipped and detached, so every
-    token keeps a gradient A * min(r, eps_high) * grad logp - none is switched off as under PPO-clip. eps_high is
-    the cap itself (TRL's ``epsilon_high``, e.g. 5), not 1 + eps."""
+def cispo_term(ratio: torch.Tensor, logps: torch.Tensor, advantages: torch.Tensor,
+               epsilon_high: float) -> torch.Tensor:
+    """CISPO (MiniMax-M1): -sg(min(r, eps_high)) * A * logp. The importance weight is clipped and detached, so
+    every token keeps a gradient A * min(r, eps_high) * grad logp - none is switched off as under PPO-clip.
+    eps_high is the cap itself (TRL's ``epsilon_high``, e.g. 5), not 1 + eps."""
     return -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logps
 
 
 def sapo_term(ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: float,
               temperature_neg: float) -> torch.Tensor:
-    """SAPO (Soft Adaptive Policy Optimization): -(4 / tau) * sigmoid(tau * (r - 1)) * A, tau = tau_pos for A > 0
-    else tau_neg. A smooth gate in place of the hard clip: its gradient, A * sigmoid'(tau (r - 1)) * 4 r grad logp,
-    is A * r * grad logp at r = 1 and fades as r leaves 1 (faster for the larger tau)."""
+    """SAPO (Soft Adaptive Policy Optimization): -(4 / tau) * sigmoid(tau * (r - 1)) * A, tau = tau_pos for
+    A > 0 else tau_neg. A smooth gate in place of the hard clip: its gradient, A * sigmoid'(tau (r - 1)) * 4 r
+    grad logp, is A * r * grad logp at r = 1 and fades as r leaves 1 (faster for the larger tau)."""
     tau = torch.where(advantages > 0, temperature_pos, temperature_neg)
     return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
 
@@ -353,11 +372,12 @@ def sapo_term(ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: fl
 def vespo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, k_pos: float,
                   lambda_pos: float, k_neg: float, lambda_neg: float,
                   sampler_ratio: torch.Tensor | None = None) -> torch.Tensor:
-    """VESPO's per-sequence weight (B, 1), detached: phi(w) = exp(lambda) * w^k * exp(-lambda * w), phi(1) = 1,
-    with w = exp(sum_t m_t clamp(logp_t - old_t, -20, 20)) the sequence's (unnormalised) importance ratio,
-    log w clamped to [log 1e-8, 20]; (k, lambda) = (k_pos, lambda_pos) for A >= 0, else the neg pair (lambda >=
-    1e-4). Computed in log space: log phi = lambda + k log w - lambda w; a non-finite phi counts 0. sampler_ratio
-    (B, T): pi_old / pi_sampler per token, its clamped log added to log w (the sampler-to-policy ratio)."""
+    """VESPO's per-sequence weight (B, 1), detached: phi(w) = exp(lambda) * w^k * exp(-lambda * w),
+    phi(1) = 1, with w = exp(sum_t m_t clamp(logp_t - old_t, -20, 20)) the sequence's (unnormalised)
+    importance ratio, log w clamped to [log 1e-8, 20]; (k, lambda) = (k_pos, lambda_pos) for A >= 0, else the
+    neg pair (lambda >= 1e-4). Computed in log space: log phi = lambda + k log w - lambda w; a non-finite phi
+    counts 0. sampler_ratio (B, T): pi_old / pi_sampler per token, its clamped log added to log w (the
+    sampler-to-policy ratio)."""
     lower = math.log(1e-8)
     log_w = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
     if sampler_ratio is not None:
@@ -375,9 +395,9 @@ def sampler_correction(old_logps: torch.Tensor, sampling_logps: torch.Tensor, ma
     """TRL's vLLM importance-sampling correction: the ratio pi_old / pi_sampler of the trainer's log-probs to
     the sampling engine's, which differ by kernels and precision even with the same weights.
 
-    token_*: per token (B, T), exp(old - sampling) over the mask; sequence_*: per sequence (B, 1), the exp of the
-    masked sum. *_truncate clamps it to [clip_min, clip_max] (None = unbounded); *_mask sets it to 0 outside.
-    A token the sampler could not score (NaN) counts ratio 1 (log difference 0).
+    token_*: per token (B, T), exp(old - sampling) over the mask; sequence_*: per sequence (B, 1), the exp of
+    the masked sum. *_truncate clamps it to [clip_min, clip_max] (None = unbounded); *_mask sets it to
+    0 outside. A token the sampler could not score (NaN) counts ratio 1 (log difference 0).
     """
     if mode not in SAMPLER_CORRECTION_MODES:
         raise ValueError(f"sampler correction mode must be one of {SAMPLER_CORRECTION_MODES}, got {mode!r}")
@@ -393,11 +413,12 @@ def sampler_correction(old_logps: torch.Tensor, sampling_logps: torch.Tensor, ma
 
 
 @torch.no_grad()
-def off_policy_mask(advantages: torch.Tensor, logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor,
-                    threshold: float) -> torch.Tensor:
-    """OPSM (DeepSeek-V3.2): (B, 1) 1 = keep, 0 = drop. A sequence is dropped when A < 0 and its mean per-token
-    KL estimate (sampling_logp - logp) over its tokens exceeds ``threshold``: a negative sample the policy has
-    already moved far from teaches instability, not avoidance. A token with no sampler log-prob (NaN) counts 0."""
+def off_policy_mask(advantages: torch.Tensor, logps: torch.Tensor, sampling_logps: torch.Tensor,
+                    mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """OPSM (DeepSeek-V3.2): (B, 1) 1 = keep, 0 = drop. A sequence is dropped when A < 0 and its mean
+    per-token KL estimate (sampling_logp - logp) over its tokens exceeds ``threshold``: a negative sample the
+    policy has already moved far from teaches instability, not avoidance. A token with no sampler log-prob
+    (NaN) counts 0."""
     kl = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)
     mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
     return ((advantages >= 0) | (mean_kl <= threshold)).to(mask.dtype)
@@ -405,7 +426,8 @@ def off_policy_mask(advantages: torch.Tensor, logps: torch.Tensor, sampling_logp
 
 def entropy_mean(entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The entropy bonus's H: mean entropy over the tokens in ``mask`` (0 when none), with gradient. The loss
-    subtracts coef * H whatever the loss type's normaliser, so ``entropy_coef`` means the same for all (TRL)."""
+    subtracts coef * H whatever the loss type's normaliser, so ``entropy_coef`` means the same for all
+    (TRL)."""
     mask = mask.to(entropies.dtype)
     return (entropies * mask).sum() / mask.sum().clamp(min=1.0)
 
@@ -420,10 +442,12 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
 
 
 def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str,
-              max_completion_length: int | None, num_items: int | float | torch.Tensor | None) -> torch.Tensor:
+              max_completion_length: int | None,
+              num_items: int | float | torch.Tensor | None) -> torch.Tensor:
     """Reduce (B, T) or (B, 1) per-token losses to a scalar over the tokens in mask (B, T).
 
-    grpo, sapo:          1/B sum_i [ sum_t m_it l_it / max(1, sum_t m_it) ]   (an empty row counts 0 in the mean)
+    grpo, sapo:          1/B sum_i [ sum_t m_it l_it / max(1, sum_t m_it) ]
+                         (an empty row counts 0 in the mean)
     bnpo:                sum_it m_it l_it / max(1, sum_it m_it)
     dr_grpo:             sum_it m_it l_it / (B * L),  L = max_completion_length (None -> T)
     dapo, cispo, vespo:  sum_it m_it l_it / max(1, num_items),  num_items None -> sum_it m_it

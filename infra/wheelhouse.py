@@ -3,16 +3,16 @@
     python -m infra.wheelhouse            # = make bench-gpu-wheels: .whl/ filled, .whl/kit-stamp.json written
     python -m infra.wheelhouse --stamp    # the stamp alone (before every GPU call, after any commit)
 
-The device machines' image (torch with CUDA, accelerate, numpy, pandas, pyarrow, pyyaml, peft, nvidia-ml-py, ...)
-lacks TRL, datasets and their own needs, and holds another transformers; they travel as wheels at the versions
-this project's environment runs (``WHEELS``, read from the installed packages here), for the machine's Python
-(3.12) and x86-64 Linux, downloaded without their dependencies (each one the kit needs is named). vLLM's CUDA build
-does not travel: its wheel alone (vllm 0.32.0, manylinux_2_28) is 326.5 MB, over the 64 MiB a run may carry; the kit
-measures it where it is installed.
+The device machines' image (torch with CUDA, accelerate, numpy, pandas, pyarrow, pyyaml, peft, nvidia-ml-py,
+...) lacks TRL, datasets and their own needs, and holds another transformers; they travel as wheels at the
+versions this project's environment runs (``WHEELS``, read from the installed packages here), for the
+machine's Python (3.12) and x86-64 Linux, downloaded without their dependencies (each one the kit needs is
+named). vLLM's CUDA build does not travel: its wheel alone (vllm 0.32.0, manylinux_2_28) is 326.5 MB, over the
+64 MiB a run may carry; the kit measures it where it is installed.
 
-A copied work tree has no .git, so the stamp records the commit (``git rev-parse HEAD``), whether tracked files
-differed from it, and a SHA-256 of every tracked file: on the GPU machine ``check_stamp`` says whether the files
-that ran are the stamped ones, and names those that are not.
+A copied work tree has no .git, so the stamp records the commit (``git rev-parse HEAD``), whether tracked
+files differed from it, and a SHA-256 of every tracked file: on the GPU machine ``check_stamp`` says whether
+the files that ran are the stamped ones, and names those that are not.
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ STAMP = WHEELHOUSE / "kit-stamp.json"
 # dill, multiprocess), transformers as this project pins it (with the regex it needs), and ruamel.yaml (the
 # config loader, grpo_core.config.load_config), and gguf (part e converts the real model's GGUF).
 WHEELS = ("trl", "datasets", "dill", "multiprocess", "transformers", "regex", "ruamel.yaml", "gguf")
-# Part e's model: the GGUF `make setup` puts in models/ (94 MiB) is over what one call carries, so it travels in
-# thirds, one per call, into .kit-model/ (ignored by git); the third call joins them (benchmarks/README.md).
+# Part e's model: the GGUF `make setup` puts in models/ (94 MiB) is over what one call carries, so it travels
+# in thirds, one per call, into .kit-model/ (ignored by git); the third call joins them
+# (benchmarks/README.md).
 GGUF = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_PIECES = REPO / ".kit-model"
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-             "manylinux1_x86_64")
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64", "manylinux1_x86_64")
 UNSTAMPED = ("benchmarks/results/",)  # what the kit itself writes: not part of the code that ran
 
 
@@ -96,19 +97,23 @@ def check_stamp(stamp: dict) -> dict:
 
 
 def commit_info() -> dict:
-    """The commit the kit ran: git's where there is a checkout, else the stamp's (and whether the files match)."""
+    """The commit the kit ran: git's where there is a checkout, else the stamp's
+    (and whether the files match)."""
     commit = _git("rev-parse", "HEAD")
     if commit is not None:
-        return {"commit": commit, "source": "git", "dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))}
+        return {"commit": commit, "source": "git",
+                "dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))}
     if STAMP.is_file():
         stamp = json.loads(STAMP.read_text())
         return {"commit": stamp["commit"], "source": f".whl/kit-stamp.json ({stamp['date']})",
                 "dirty": stamp["dirty"], **check_stamp(stamp)}
-    return {"commit": None, "source": "none: no .git and no .whl/kit-stamp.json (make bench-gpu-wheels writes it)"}
+    return {"commit": None,
+            "source": "none: no .git and no .whl/kit-stamp.json (make bench-gpu-wheels writes it)"}
 
 
 def split_model(pieces: int = 3) -> list[Path]:
-    """The GGUF in ``pieces`` files of (nearly) equal size in .kit-model/, named in order (``cat`` joins them)."""
+    """The GGUF in ``pieces`` files of (nearly) equal size in .kit-model/, named in order
+    (``cat`` joins them)."""
     data = GGUF.read_bytes()
     MODEL_PIECES.mkdir(exist_ok=True)
     size = -(-len(data) // pieces)
@@ -134,11 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(w.stat().st_size for w in wheels)
     for w in wheels:
         print(f"  {w.stat().st_size / 2**20:6.2f} MiB  {w.name}")
-    print(f"{len(wheels)} wheels, {total / 2**20:.1f} MiB in {WHEELHOUSE.relative_to(REPO)}/ (a run carries 64 MiB in "
-          "all, the work tree included)")
+    print(f"{len(wheels)} wheels, {total / 2**20:.1f} MiB in {WHEELHOUSE.relative_to(REPO)}/ (a run carries "
+          "64 MiB in all, the work tree included)")
     if GGUF.is_file():
         for piece in split_model():
-            print(f"  {piece.stat().st_size / 2**20:6.2f} MiB  {piece.relative_to(REPO)} (part e's model, one per call)")
+            print(f"  {piece.stat().st_size / 2**20:6.2f} MiB  {piece.relative_to(REPO)} (part e's model, "
+                  "one per call)")
     return 0
 
 

@@ -12,8 +12,8 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 @pytest.fixture(scope="session")
 def smollm2_pipeline(tmp_path_factory):
-    """(repo, log): configs/smollm2-135m-word-problems.yaml scaled down under `dvc repro` in a fresh clone, once
-    for the whole run (tests/real_model.py)."""
+    """(repo, log): configs/smollm2-135m-word-problems.yaml scaled down under `dvc repro` in a fresh clone,
+    once for the whole run (tests/real_model.py)."""
     from tests.real_model import build_smollm2_pipeline
 
     return build_smollm2_pipeline(tmp_path_factory.mktemp("smollm2"))
@@ -36,7 +36,8 @@ def prefect_harness():
 
 @pytest.fixture()
 def clean_env(monkeypatch):
-    """No tracking URI or run ids inherited from the caller: the stages find the store at their repo's root."""
+    """No tracking URI or run ids inherited from the caller: the stages find the store at their repo's
+    root."""
     for var in ("MLFLOW_TRACKING_URI", "GRPO_PARENT_RUN_ID", "GRPO_FLOW_RUN_ID", "GRPO_RUN_GROUP",
                 "GRPO_EXPERIMENT_NAME", "DVC_ROOT"):
         monkeypatch.delenv(var, raising=False)

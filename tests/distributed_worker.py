@@ -1,10 +1,11 @@
-"""Run by tests/test_distributed.py and tests/test_fsdp.py: ``train()`` with a deterministic rollout backend, as one
-process or as N processes under the train stage's CPU launcher (``torch.distributed.run``, gloo).
+"""Run by tests/test_distributed.py and tests/test_fsdp.py: ``train()`` with a deterministic rollout backend,
+as one process or as N processes under the train stage's CPU launcher (``torch.distributed.run``, gloo).
 
     python -m tests.distributed_worker OUT_DIR MODEL_DIR DATA_FILE SPEC_JSON
 
-SPEC_JSON: {"train": {train.* overrides}, "generation": {generation.* overrides}, "guards": {...}, "nan_loss_at":
-[grpo_loss calls on rank 0 whose loss becomes NaN], "sampled": true for the configured backend}. Sampling is the only random part of a GRPO step; with completions that depend only on the prompt and
+SPEC_JSON: {"train": {train.* overrides}, "generation": {generation.* overrides}, "guards": {...},
+"nan_loss_at": [grpo_loss calls on rank 0 whose loss becomes NaN], "sampled": true for the configured
+backend}. Sampling is the only random part of a GRPO step; with completions that depend only on the prompt and
 the sample index, one process with batch 2B and two processes with B each see the same global batch, so their
 losses and updates must agree.
 """
@@ -56,7 +57,8 @@ class DeterministicBackend:
 
 
 def poison_losses(calls: set[int]) -> None:
-    """Rank 0's loss calls (GRPOLoss) numbered in ``calls`` return NaN (a guard's trigger on one process only)."""
+    """Rank 0's loss calls (GRPOLoss) numbered in ``calls`` return NaN
+    (a guard's trigger on one process only)."""
     real, count = GRPOLoss.__call__, {"n": 0}
 
     def poisoned(self, *a, **k):
@@ -88,8 +90,8 @@ def main(out_dir: str, model_dir: str, data_file: str, spec_json: str) -> None:
     train = {"learning_rate": 1e-2, "num_generations": 4, "per_device_train_batch_size": 16,
              "max_steps": 2, "save_steps": 100,
              "output_dir": "out", "beta": 0.04, "seed": 0,
-             # DDP-wrapped and sharded models take the HF forward; the single process must too, or Adam turns the
-             # 1e-7 float differences of two forward implementations into visible weight differences
+             # DDP-wrapped and sharded models take the HF forward; the single process must too, or Adam turns
+             # the 1e-7 float differences of two forward implementations into visible weight differences
              "forward_backend": "hf", **spec.get("train", {})}
     cfg = config_from_dict({
         "data": {"train_files": [data_file], "eval_files": [data_file], "max_prompt_length": 48},
@@ -100,8 +102,8 @@ def main(out_dir: str, model_dir: str, data_file: str, spec_json: str) -> None:
     poison_losses(set(spec.get("nan_loss_at", [])))
     if spec.get("engine"):
         return train_with_engine(cfg, Path(out_dir))
-    # "sampled": the real sampling backend (the train config's: the hand-written decode on CPU), which draws from
-    # each process's RNG; else completions that are a fixed function of the prompt
+    # "sampled": the real sampling backend (the train config's: the hand-written decode on CPU), which draws
+    # from each process's RNG; else completions that are a fixed function of the prompt
     backend_factory = None if spec.get("sampled") else DeterministicBackend
     loop.train(cfg, root=out_dir, progress=False, hooks=loop.TrainHooks(backend_factory=backend_factory))
 
@@ -111,8 +113,9 @@ FIXED = [([5, 9, 11, 13], [21, 40, 7, 33, 12, 60]), ([8, 8, 30], [14, 15, 16, 17
 
 
 def train_with_engine(cfg, out: Path) -> None:
-    """train() sampling through a real vLLM engine in each process (generation.backend vllm); then each process
-    writes its engine's log-probs of FIXED (T = 1) and how many times the policy's weights were copied into it."""
+    """train() sampling through a real vLLM engine in each process (generation.backend vllm); then each
+    process writes its engine's log-probs of FIXED (T = 1) and how many times the policy's weights were copied
+    into it."""
     import dataclasses
 
     from vllm import SamplingParams as VLLMSamplingParams
@@ -136,7 +139,8 @@ def train_with_engine(cfg, out: Path) -> None:
                                     use_tqdm=False)
     logps = [[r.prompt_logprobs[len(p) + i][token].logprob for i, token in enumerate(c)]
              for r, (p, c) in zip(results, FIXED)]
-    (out / f"engine-rank{rank}.json").write_text(json.dumps({"logps": logps, "loads": built[0].weights_loaded}))
+    (out / f"engine-rank{rank}.json").write_text(
+        json.dumps({"logps": logps, "loads": built[0].weights_loaded}))
 
 
 if __name__ == "__main__":

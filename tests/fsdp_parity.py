@@ -1,11 +1,11 @@
-"""The numbers behind tests/test_fsdp.py, printed: how far two sharded CPU processes (FSDP2, gloo) land from one
-unsharded process on the same global batch, and the digests of resumed runs.
+"""The numbers behind tests/test_fsdp.py, printed: how far two sharded CPU processes (FSDP2, gloo) land from
+one unsharded process on the same global batch, and the digests of resumed runs.
 
     .venv/bin/python -m tests.fsdp_parity [WORK_DIR]
 
-Runs the 4-step tiny recipe of tests/test_fsdp.py as: one process; two sharded processes; two processes resumed
-from the sharded checkpoint-2; one process resumed from it. Prints the largest differences of the logged metrics,
-weights and AdamW state, and the sha256 (first 16 hex) of each run's step-4 weights.
+Runs the 4-step tiny recipe of tests/test_fsdp.py as: one process; two sharded processes; two processes
+resumed from the sharded checkpoint-2; one process resumed from it. Prints the largest differences of the
+logged metrics, weights and AdamW state, and the sha256 (first 16 hex) of each run's step-4 weights.
 """
 
 from __future__ import annotations
@@ -37,13 +37,15 @@ def main(work: Path) -> None:
     launch(work / "one", model, data, 1, {"train": RUN})
     launch(work / "two", model, data, 2, {"train": {**RUN, **SHARDED}})
     for name, processes, extra in (("resume-two", 2, SHARDED), ("resume-one", 1, {})):
-        shutil.copytree(work / "two/out/checkpoints/checkpoint-2", work / name / "out/checkpoints/checkpoint-2")
+        shutil.copytree(work / "two/out/checkpoints/checkpoint-2",
+                        work / name / "out/checkpoints/checkpoint-2")
         launch(work / name, model, data, processes, {"train": {**RUN, **extra}})
 
     log1, log2 = read_log(work / "one/metrics/train_log.csv"), read_log(work / "two/metrics/train_log.csv")
     print("1 vs 2 processes, largest relative difference over 4 steps:")
     for key in LOGGED:
-        diffs = [abs(float(a[key]) - float(b[key])) / max(abs(float(a[key])), 1e-12) for a, b in zip(log1, log2)]
+        diffs = [abs(float(a[key]) - float(b[key])) / max(abs(float(a[key])), 1e-12)
+                 for a, b in zip(log1, log2)]
         print(f"  {key:24s} {max(diffs):.2e}")
     base = load_file(model / "model.safetensors")
     c1, c2 = (work / r / "out/checkpoints/checkpoint-4" for r in ("one", "two"))
@@ -52,7 +54,8 @@ def main(work: Path) -> None:
           f"{max_diff(w1, base):.2e})")
     o1, o2 = (torch.load(c / "optimizer.pt", weights_only=True)["state"] for c in (c1, c2))
     for field in ("exp_avg", "exp_avg_sq"):
-        print(f"  AdamW {field:10s}: max |diff| {max(max_diff({0: o1[i][field]}, {0: o2[i][field]}) for i in o1):.2e}")
+        print(f"  AdamW {field:10s}: max |diff| "
+              f"{max(max_diff({0: o1[i][field]}, {0: o2[i][field]}) for i in o1):.2e}")
     print("step-4 weights, sha256:")
     for run in ("one", "two", "resume-two", "resume-one"):
         print(f"  {run:10s} {sha(work / run / 'out/checkpoints/checkpoint-4/model.safetensors')}")

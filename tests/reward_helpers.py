@@ -25,8 +25,8 @@ def digit_fraction_then_die(prompts, completions, **kwargs):
 
 
 def digit_fraction_then_die_after(prompts, completions, **kwargs):
-    """digit_fraction; on call number $GRPO_TEST_DIE_AT it SIGKILLs its own process half a second later, once the
-    round it scores has been answered: the worker dies between rounds."""
+    """digit_fraction; on call number $GRPO_TEST_DIE_AT it SIGKILLs its own process half a second later, once
+    the round it scores has been answered: the worker dies between rounds."""
     _calls["n"] += 1
     if os.environ.get("GRPO_TEST_DIE_AT") and _calls["n"] == int(os.environ["GRPO_TEST_DIE_AT"]):
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
@@ -34,7 +34,8 @@ def digit_fraction_then_die_after(prompts, completions, **kwargs):
 
 
 def digit_fraction_then_stop(prompts, completions, **kwargs):
-    """digit_fraction, but SIGSTOPs its own process on call number $GRPO_TEST_STOP_AT: alive, silent for good."""
+    """digit_fraction, but SIGSTOPs its own process on call number $GRPO_TEST_STOP_AT: alive,
+    silent for good."""
     _calls["n"] += 1
     if os.environ.get("GRPO_TEST_STOP_AT") and _calls["n"] == int(os.environ["GRPO_TEST_STOP_AT"]):
         os.kill(os.getpid(), signal.SIGSTOP)
@@ -95,7 +96,8 @@ def length_on_odd_prompts(prompts, completions, **kwargs):
 
 
 def sleeps_then_marks(prompts, completions, marker, seconds, **kwargs):
-    """Sleeps ``seconds`` (a reward stuck on a slow service), then touches ``marker``: whether the work went on."""
+    """Sleeps ``seconds`` (a reward stuck on a slow service), then touches ``marker``: whether the work went
+    on."""
     import pathlib
     import time
 
@@ -118,7 +120,8 @@ def _meeting():
 
 
 async def waits_for_partner(prompts, completions, **kwargs):
-    """Returns only once `frees_partner` ran in the same event loop: it cannot finish when called alone first."""
+    """Returns only once `frees_partner` ran in the same event loop: it cannot finish when called alone
+    first."""
     await _meeting().wait()
     return [1.0] * len(completions)
 
@@ -138,8 +141,8 @@ async def sleeps_then_marks_async(prompts, completions, marker, seconds, **kwarg
 
 
 def hostile_programs(prompts, completions, **kwargs):
-    """Whatever the policy wrote, runs hostile programs through the code reward (a policy gone bad, on demand):
-    one kills the parent, one reads its environment, one opens a socket, one loops until killed."""
+    """Whatever the policy wrote, runs hostile programs through the code reward (a policy gone bad, on
+    demand): one kills the parent, one reads its environment, one opens a socket, one loops until killed."""
     from grpo_core.rewards.code import code_execution
 
     programs = ["import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",

@@ -1,16 +1,17 @@
-"""Hostile programs against the code reward's jail (grpo_core/rewards/sandbox.py), each with what must hold after it.
+"""Hostile programs against the code reward's jail (grpo_core/rewards/sandbox.py),
+each with what must hold after it.
 
-Every program is run by ``run_python`` as the trainer would run it. It tries its attack in several ways; each try
-that works prints ``ESCAPED``. After the run the trainer's side is checked: nothing was written, no secret reached
-the output, the victims are alive, and no process of the run is left (the program prints its pid namespace first,
-and no process may remain in it).
+Every program is run by ``run_python`` as the trainer would run it. It tries its attack in several ways; each
+try that works prints ``ESCAPED``. After the run the trainer's side is checked: nothing was written, no secret
+reached the output, the victims are alive, and no process of the run is left (the program prints its pid
+namespace first, and no process may remain in it).
 
 Imported by tests/test_sandbox_hostile.py, and run as a script by it under an unprivileged user:
 
     python -m tests.sandbox_attacks REPO_DIR      (prints {attack: [problems]} as JSON)
 
-Only the standard library and grpo_core.rewards.sandbox are imported, so that the script runs from a copy of those
-files under any user.
+Only the standard library and grpo_core.rewards.sandbox are imported, so that the script runs from a copy of
+those files under any user.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class Targets:
     victim: int = 0           # a sleeping process of the trainer's
     port: int = 0             # a TCP server of the trainer's on 127.0.0.1
     abstract: str = ""        # an abstract unix socket of the trainer's
-    accepted: list[str] = field(default_factory=list)  # connections its servers accepted (none, or the jail leaked)
+    accepted: list[str] = field(default_factory=list)  # connections its servers accepted (none,
+                                                       # or the jail leaked)
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,8 @@ for path in T["write_to"]:
     attempt("write " + path, lambda: open(path, "w").write("pwned"))
 attempt("chmod /dev/null", lambda: os.chmod("/dev/null", 0o600))
 attempt("chmod the interpreter", lambda: os.chmod(sys.executable, 0o700))
-attempt("write into the interpreter's folder", lambda: open(os.path.join(os.path.dirname(sys.executable), "x"), "w"))
+attempt("write into the interpreter's folder", lambda: open(os.path.join(os.path.dirname(sys.executable), \
+"x"), "w"))
 '''
 
 
@@ -136,10 +139,12 @@ def unix_abstract():
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect("\\0" + T["abstract"])
     return s
-attempt("connect to the trainer's 127.0.0.1 server", lambda: socket.create_connection(("127.0.0.1", T["port"]), 1))
+attempt("connect to the trainer's 127.0.0.1 server", lambda: socket.create_connection(("127.0.0.1", \
+T["port"]), 1))
 attempt("connect to the trainer's abstract unix socket", unix_abstract)
 attempt("connect out", lambda: socket.create_connection(("1.1.1.1", 53), 1))
-attempt("send a datagram out", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("8.8.8.8", 53)))
+attempt("send a datagram out", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", \
+("8.8.8.8", 53)))
 attempt("resolve a name", lambda: socket.getaddrinfo("pypi.org", 443))
 '''
 
@@ -179,15 +184,16 @@ ATTACKS = [
     Attack("gain privileges", _privilege_attempts(), ("ok",)),
     Attack("reach the network", _network_attempts(), ("ok",)),
     Attack("snoop in /proc", _proc_snooping(), ("ok",), check=lambda r, t: _proc_problems(r, t)),
-    Attack("fork bomb", "while True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n", ("timeout",),
-           Limits(wall_s=2, cpu_s=10)),
+    Attack("fork bomb", "while True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+           ("timeout",), Limits(wall_s=2, cpu_s=10)),
     Attack("memory bomb", "chunks = []\nwhile True:\n    chunks.append(b'x' * (32 << 20))\n", ("error",),
            check=lambda r, t: [] if "MemoryError" in r.stderr else [f"no MemoryError: {r.stderr[-300:]!r}"]),
     Attack("10 GB at once", "attempt('allocate 10 GB', lambda: bytearray(10 << 30))\n", ("ok",)),
     Attack("100 MB of output", "chunk = 'x' * (1 << 20)\nfor _ in range(100):\n    sys.stdout.write(chunk)\n",
-           ("error",), check=lambda r, t: [] if len(r.stdout) <= (16 << 20) + 4096 else [f"{len(r.stdout)} bytes"]),
-    Attack("fill its /tmp and /dev/shm", "for folder in ('/tmp', '/dev/shm'):\n    attempt('fill ' + folder, lambda: "
-           "[open(f'{folder}/f{i}', 'wb').write(b'x' * (8 << 20)) for i in range(100)])\n", ("ok",)),
+           ("error",),
+           check=lambda r, t: [] if len(r.stdout) <= (16 << 20) + 4096 else [f"{len(r.stdout)} bytes"]),
+    Attack("fill its /tmp and /dev/shm", "for folder in ('/tmp', '/dev/shm'):\n    attempt('fill ' + folder, "
+           "lambda: [open(f'{folder}/f{i}', 'wb').write(b'x' * (8 << 20)) for i in range(100)])\n", ("ok",)),
     Attack("sleep past the wall clock", "time.sleep(60)\n", ("timeout",), Limits(wall_s=1.5, cpu_s=10),
            check=lambda r, t: [] if r.seconds < 3.5 else [f"took {r.seconds:.1f}s for a 1.5s limit"]),
     Attack("setsid and double fork, then exit", SETSID_ESCAPE, ("ok",)),
@@ -258,11 +264,13 @@ def _servers(targets: Targets) -> tuple[socket.socket, socket.socket]:
 
 
 def run_attack(attack: Attack, targets: Targets, jail: Jail | None = None) -> list[str]:
-    """Run one attack (in the default jail unless told); what went wrong (empty: it was contained and left nothing
-    behind)."""
+    """Run one attack (in the default jail unless told); what went wrong (empty: it was contained and left
+    nothing behind)."""
     fields = {k: v for k, v in vars(targets).items() if k != "accepted"}  # the program's T
-    result = run_python(PRELUDE.format(targets=fields) + attack.program, limits=attack.limits, jail=jail or Jail())
-    problems = [] if result.status in attack.statuses else [f"status {result.status} (want {attack.statuses})"]
+    result = run_python(PRELUDE.format(targets=fields) + attack.program, limits=attack.limits,
+                        jail=jail or Jail())
+    problems = ([] if result.status in attack.statuses
+                else [f"status {result.status} (want {attack.statuses})"])
     output = result.stdout + result.stderr
     problems += [line for line in output.splitlines() if line.startswith("ESCAPED")][:10]
     if targets.token in output:
@@ -274,7 +282,8 @@ def run_attack(attack: Attack, targets: Targets, jail: Jail | None = None) -> li
 
 
 def _left_behind(result: RunResult, targets: Targets, wait_s: float) -> list[str]:
-    """The trainer's side after the run: its processes, files and servers as they were, and no process of the run."""
+    """The trainer's side after the run: its processes, files and servers as they were,
+    and no process of the run."""
     ns = next((line.split(" ", 1)[1] for line in result.stdout.splitlines() if line.startswith("NS ")), None)
     problems = [] if ns else ["the program did not report its pid namespace"]
     time.sleep(wait_s)  # a daemon that escaped would write its marker by now
@@ -296,8 +305,8 @@ def _left_behind(result: RunResult, targets: Targets, wait_s: float) -> list[str
 
 
 def processes_in(ns: str) -> list[int]:
-    """Live processes in the pid namespace ``ns`` ("pid:[inode]"), as /proc/<pid>/ns/pid names it. Its init may be
-    there as a zombie: it has exited and waits for the host's init to collect its status."""
+    """Live processes in the pid namespace ``ns`` ("pid:[inode]"), as /proc/<pid>/ns/pid names it. Its init
+    may be there as a zombie: it has exited and waits for the host's init to collect its status."""
     found = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():

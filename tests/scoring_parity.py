@@ -1,15 +1,17 @@
-"""Run by tests/test_wrapped_scoring.py: the fused LM head (``train.fused_lm_head``, the LM head scoring chunk by chunk
-inside the model's own forward) against the full-logits path, under every wrapper the trainer scores through.
+"""Run by tests/test_wrapped_scoring.py: the fused LM head (``train.fused_lm_head``, the LM head scoring chunk
+by chunk inside the model's own forward) against the full-logits path, under every wrapper the trainer scores
+through.
 
-    python -m tests.scoring_parity OUT_DIR                                  # one process: plain, autocast, LoRA
-    python -m torch.distributed.run --standalone --nproc_per_node 2 -m tests.scoring_parity OUT_DIR   # DDP, FSDP2
+    python -m tests.scoring_parity OUT_DIR                                # one process: plain, autocast, LoRA
+    # DDP, FSDP2
+    python -m torch.distributed.run --standalone --nproc_per_node 2 -m tests.scoring_parity OUT_DIR
 
 Each case scores the same micro-batch twice on the same wrapped model, ``fused_head=True`` and ``False``: the
-policy's pass (log-probs and entropies, then the gradients of a loss on both) and a frozen pass (no gradient, no
-entropy: the old policy's and the reference's). Writes OUT_DIR/scoring-rank{R}.json: per case the largest
-differences of log-probs, entropies and gradients (and the largest gradient, for scale), and the last dimension of
-what the LM head returned on each path (a spy: the fused path's head returns 1 or 2 numbers per token, the logits
-path's the vocabulary).
+policy's pass (log-probs and entropies, then the gradients of a loss on both) and a frozen pass (no gradient,
+no entropy: the old policy's and the reference's). Writes OUT_DIR/scoring-rank{R}.json: per case the largest
+differences of log-probs, entropies and gradients (and the largest gradient, for scale), and the last
+dimension of what the LM head returned on each path (a spy: the fused path's head returns 1 or 2 numbers per
+token, the logits path's the vocabulary).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ def make_model(tied: bool) -> torch.nn.Module:
 
 
 def make_batch(rank: int) -> tuple[torch.Tensor, ...]:
-    """A micro-batch of its own on each process (so DDP's all-reduce and FSDP2's reduce-scatter matter), with a
-    left-padded prompt and a completion that ended early; position ids as the trainer makes them."""
+    """A micro-batch of its own on each process (so DDP's all-reduce and FSDP2's reduce-scatter matter), with
+    a left-padded prompt and a completion that ended early; position ids as the trainer makes them."""
     g = torch.Generator().manual_seed(100 + rank)
     ids = torch.randint(0, VOCAB, (B, L), generator=g)
     mask = torch.ones_like(ids)
@@ -67,13 +69,16 @@ def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def score(model, batch, fused: bool, scored=None):
-    """(logps, entropies, grads, head output's last dim) of the policy's pass, then the frozen pass's log-probs."""
+    """(logps, entropies, grads, head output's last dim) of the policy's pass,
+    then the frozen pass's log-probs."""
     ids, mask, positions, weights = batch
     seen = []
     hook = head_of(model).register_forward_hook(lambda m, i, o: seen.append(o.shape[-1]))
     try:
-        for m in model.modules():  # FSDP2: after a no-grad forward that did not reshard (the root; every unit with
-            if hasattr(m, "reshard"):  # reshard_after_forward False) zero_grad would clear the gathered copies' grads
+        # FSDP2: after a no-grad forward that did not reshard (the root; every unit with reshard_after_forward
+        # False) zero_grad would clear the gathered copies' grads
+        for m in model.modules():
+            if hasattr(m, "reshard"):
                 m.reshard()
         model.zero_grad(set_to_none=True)
         path = ScoringPath(chunk_size=CHUNK, forward="hf", fused_head=fused)
@@ -113,10 +118,12 @@ def one_process_cases() -> list[dict]:
 
     from grpo_core.model.loading import AdapterDisabledReference
 
-    results = [compare(f"plain{'-tied' if tied else ''}", make_model(tied), make_batch(0)) for tied in (False, True)]
+    results = [compare(f"plain{'-tied' if tied else ''}", make_model(tied), make_batch(0))
+               for tied in (False, True)]
     accelerator = Accelerator(mixed_precision="bf16", cpu=True)
     wrapped = accelerator.prepare(make_model(tied=True))
-    assert getattr(wrapped, "_original_forward", None) is not None  # accelerate's autocast + fp32-output wrapper
+    # accelerate's autocast + fp32-output wrapper
+    assert getattr(wrapped, "_original_forward", None) is not None
     results.append(compare("autocast-bf16", wrapped, make_batch(0)))
 
     def lora_policy():
@@ -149,16 +156,19 @@ def two_process_cases(rank: int) -> list[dict]:
     batch = make_batch(rank)
     results = [compare("ddp-tied", DistributedDataParallel(make_model(tied=True)), batch),
                compare("ddp", DistributedDataParallel(make_model(tied=False)), batch)]
-    ddp_autocast = accelerator.prepare(make_model(tied=True))  # as the trainer: DDP around accelerate's autocast
+    # as the trainer: DDP around accelerate's autocast
+    ddp_autocast = accelerator.prepare(make_model(tied=True))
     assert isinstance(ddp_autocast, DistributedDataParallel)
     assert getattr(ddp_autocast.module, "_original_forward", None) is not None
     results.append(compare("ddp-autocast-bf16", ddp_autocast, batch))
     for tied in (True, False):
         results.append(compare(f"fsdp2{'-tied' if tied else ''}",
                                shard_model(make_model(tied), FSDPSettings()), batch))
-    results.append(compare("fsdp2-tied-bf16", shard_model(make_model(tied=True), FSDPSettings(), "bf16"), batch))
+    results.append(compare("fsdp2-tied-bf16", shard_model(make_model(tied=True), FSDPSettings(), "bf16"),
+                           batch))
     results.append(compare("fsdp2-tied-keep-gathered",
-                           shard_model(make_model(tied=True), FSDPSettings(reshard_after_forward=False)), batch))
+                           shard_model(make_model(tied=True), FSDPSettings(reshard_after_forward=False)),
+                           batch))
     return results
 
 

@@ -21,7 +21,7 @@ def assert_close(actual, expected, tol=1e-12):
     torch.testing.assert_close(actual, torch.tensor(expected, dtype=actual.dtype), atol=tol, rtol=0)
 
 
-# --- hand-worked examples -------------------------------------------------------------------------------------
+# --- hand-worked examples -----------------------------------------------------------------------------------
 
 # Two groups of G=3, one reward function:
 #   group 0: [1, 2, 6]  mean 3, deviations [-2, -1, 3], var = (4 + 1 + 9) / (3 - 1) = 7,  std = sqrt(7)
@@ -65,7 +65,8 @@ def test_weights_none_entries_and_unscorable_row_hand_worked():
 def test_normalize_then_sum_hand_worked():
     # GDPO, G=2, two groups, K=2, weights (1, 1). With two values a, b: std = |a - b| / sqrt(2).
     #   group 0, f0 [1, 0]: z = +-0.5 / (1/sqrt(2) + eps) =: +-z0      f1 [0, 0]: equal -> 0, 0
-    #   group 1, f0 [1, 1]: 0, 0                                      f1 [5, 3]: z = +-1 / (sqrt(2) + eps) =: +-z1
+    #   group 1, f0 [1, 1]: 0, 0                                      f1 [5, 3]: z = +-1 / (sqrt(2) + eps) =:
+    #   +-z1
     # sums s = [z0, -z0, z1, -z1]; batch mean 0, batch var = (2 z0^2 + 2 z1^2) / 3; A = s / (std + eps)
     rewards = rewards_tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 5.0], [1.0, 3.0]])
     advantages = compute_advantages(rewards, [1.0, 1.0], group_size=2, aggregation="normalize_then_sum")
@@ -144,7 +145,7 @@ def test_group_with_equal_rewards_is_zero_while_others_learn():
     assert (advantages[3:] != 0).all()
 
 
-# --- None (NaN) handling --------------------------------------------------------------------------------------
+# --- None (NaN) handling ------------------------------------------------------------------------------------
 
 
 def test_none_in_one_function_contributes_nothing_to_the_sum():
@@ -205,7 +206,7 @@ def test_dtype_device_and_sequence_weights():
     assert compute_advantages(torch.tensor([[1], [0]]), [1.0], 2).is_floating_point()
 
 
-# --- bad inputs ----------------------------------------------------------------------------------------------
+# --- bad inputs ---------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -237,7 +238,7 @@ def test_error_message_carries_the_value():
         compute_advantages(torch.zeros(5, 1), [1.0], 2)
 
 
-# --- properties -----------------------------------------------------------------------------------------------
+# --- properties ---------------------------------------------------------------------------------------------
 
 reward_values = st.one_of(st.floats(-1e3, 1e3, allow_nan=False), st.just(NAN), st.sampled_from([0.0, 1.0]))
 

@@ -53,16 +53,18 @@ def test_staleness_0_is_the_synchronous_run_token_for_token(assets, tmp_path):
                  root=tmp_path / "zero", progress=False)
     assert weights_equal(sync.model_dir, zero.model_dir)
     assert log_without_timing(tmp_path / "sync") == log_without_timing(tmp_path / "zero")
-    assert [float(r["async/staleness"]) for r in read_log(tmp_path / "zero/metrics/train_log.csv")] == [0, 0, 0]
+    assert ([float(r["async/staleness"]) for r in read_log(tmp_path / "zero/metrics/train_log.csv")]
+            == [0, 0, 0])
 
 
 def test_staleness_1_trains_on_rounds_the_previous_weights_sampled_with_their_log_probs(assets, tmp_path):
-    """checkpoint-n holds the round step n+1 trains on: sampled by checkpoint-(n-1)'s weights (the base model for
-    n = 1), whose log-probs of its tokens - recomputed here - are its old log-probs, with the reference's (the base
-    model's) log-probs; a resume from checkpoint-2 ends on the weights of the uninterrupted run."""
+    """checkpoint-n holds the round step n+1 trains on: sampled by checkpoint-(n-1)'s weights (the base model
+    for n = 1), whose log-probs of its tokens - recomputed here - are its old log-probs, with the reference's
+    (the base model's) log-probs; a resume from checkpoint-2 ends on the weights of the uninterrupted run."""
     model_dir, data = assets
     knobs = {**ASYNC, "beta": 0.04, "save_steps": 1, "save_total_limit": 10}
-    whole = train(tiny_config(model_dir, data, DIGITS, max_steps=4, **knobs), root=tmp_path / "whole", progress=False)
+    whole = train(tiny_config(model_dir, data, DIGITS, max_steps=4, **knobs), root=tmp_path / "whole",
+                  progress=False)
     log = read_log(tmp_path / "whole/metrics/train_log.csv")
     assert [float(r["async/staleness"]) for r in log] == [0, 1, 1, 1]
     cfg = tiny_config(model_dir, data, DIGITS, max_steps=4, **knobs)
@@ -73,16 +75,27 @@ def test_staleness_1_trains_on_rounds_the_previous_weights_sampled_with_their_lo
         ahead = Round.from_buffer(ck.ahead_round)
         sampler_dir = model_dir if n == 1 else whole.checkpoint_dir / f"checkpoint-{n - 1}"
         sampler = AutoModelForCausalLM.from_pretrained(sampler_dir, dtype=torch.float32)
-        current = AutoModelForCausalLM.from_pretrained(whole.checkpoint_dir / f"checkpoint-{n}", dtype=torch.float32)
+        current = AutoModelForCausalLM.from_pretrained(whole.checkpoint_dir / f"checkpoint-{n}",
+                                                       dtype=torch.float32)
         mask = ahead.completion_mask.bool()
-        expected = frozen_logprobs(sampler, ahead, LogprobOptions(cfg.train.forward, cfg.generation.temperature, cfg.train.batch.per_device_train_batch_size))  # the decode loop's own log-probs, within float noise
+        # the decode loop's own log-probs, within float noise
+        expected = frozen_logprobs(sampler, ahead,
+                                   LogprobOptions(cfg.train.forward, cfg.generation.temperature,
+                                                  cfg.train.batch.per_device_train_batch_size))
         torch.testing.assert_close(ahead.old_logps[mask], expected[mask], rtol=0, atol=2e-5)
-        assert (frozen_logprobs(current, ahead, LogprobOptions(cfg.train.forward, cfg.generation.temperature, cfg.train.batch.per_device_train_batch_size))[mask] - ahead.old_logps[mask]).abs().max() > 1e-3
-        reference = frozen_logprobs(base, ahead, LogprobOptions(cfg.train.forward, cfg.generation.temperature, cfg.train.batch.per_device_train_batch_size))  # scored by the worker, off the trainer's path
+        assert (frozen_logprobs(current, ahead,
+                                LogprobOptions(cfg.train.forward, cfg.generation.temperature,
+                                               cfg.train.batch.per_device_train_batch_size))[mask]
+                - ahead.old_logps[mask]).abs().max() > 1e-3
+        # scored by the worker, off the trainer's path
+        reference = frozen_logprobs(base, ahead,
+                                    LogprobOptions(cfg.train.forward, cfg.generation.temperature,
+                                                   cfg.train.batch.per_device_train_batch_size))
         torch.testing.assert_close(ahead.ref_logps[mask], reference[mask], rtol=0, atol=1e-6)
 
     train(tiny_config(model_dir, data, DIGITS, max_steps=2, **knobs), root=tmp_path / "split", progress=False)
-    split = train(tiny_config(model_dir, data, DIGITS, max_steps=4, **knobs), root=tmp_path / "split", progress=False)
+    split = train(tiny_config(model_dir, data, DIGITS, max_steps=4, **knobs), root=tmp_path / "split",
+                  progress=False)
     assert split.resumed_from.name == "checkpoint-2"
     assert weights_equal(whole.model_dir, split.model_dir)
     assert log_without_timing(tmp_path / "whole") == log_without_timing(tmp_path / "split")
@@ -97,8 +110,9 @@ class StepRecorder:
 
 
 def test_a_rollback_trains_on_the_round_its_checkpoint_saved(assets, tmp_path, monkeypatch):
-    """A NaN at step 4 rolls back to checkpoint-2: the round in flight (sampled by abandoned weights) is dropped and
-    step 3 is redone on the round checkpoint-2 saved - the same round the first step 3 trained on."""
+    """A NaN at step 4 rolls back to checkpoint-2: the round in flight (sampled by abandoned weights) is
+    dropped and step 3 is redone on the round checkpoint-2 saved - the same round the first step 3 trained
+    on."""
     model_dir, data = assets
     nan_loss_at(monkeypatch, {4})  # one micro-batch per step: the 4th call is step 4
     cfg = tiny_config(model_dir, data, DIGITS, max_steps=5, save_steps=2, **ASYNC)
@@ -126,19 +140,21 @@ def test_a_worker_killed_mid_round_is_a_transient_error_not_a_hang(assets, tmp_p
     model_dir, data = assets
     monkeypatch.setenv("GRPO_TEST_DIE_AT", "2")  # the worker SIGKILLs itself scoring its 2nd round
     dying = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction_then_die"}]
-    with pytest.raises(SamplerWorkerLost, match=r"the sampler worker \(pid \d+\) died \(exit code -9\); the run "
-                                                r"resumes from its last checkpoint") as info:
+    with pytest.raises(SamplerWorkerLost, match=r"the sampler worker \(pid \d+\) died \(exit code -9\); the "
+                                                r"run resumes from its last checkpoint") as info:
         train(tiny_config(model_dir, data, dying, **ASYNC), root=tmp_path, progress=False)
     assert exit_code_for(info.value) == EXIT_ERROR  # retried by the flow, not a permanent training failure
 
 
 def test_a_worker_that_dies_between_rounds_is_the_same_transient_error(assets, tmp_path, monkeypatch):
-    """Killed half a second after answering round 2, between rounds or in a later one: the next submit finds the pipe
-    broken, or the wait for the round notices; the same transient error either way. 40 steps outlast the timer."""
+    """Killed half a second after answering round 2, between rounds or in a later one: the next submit finds
+    the pipe broken, or the wait for the round notices; the same transient error either way. 40 steps outlast
+    the timer."""
     model_dir, data = assets
     monkeypatch.setenv("GRPO_TEST_DIE_AT", "2")
     dying = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction_then_die_after"}]
-    with pytest.raises(SamplerWorkerLost, match=r"the sampler worker \(pid \d+\) died \(exit code -9\)") as info:
+    with pytest.raises(SamplerWorkerLost,
+                       match=r"the sampler worker \(pid \d+\) died \(exit code -9\)") as info:
         train(tiny_config(model_dir, data, dying, max_steps=40, **ASYNC), root=tmp_path, progress=False)
     assert exit_code_for(info.value) == EXIT_ERROR
 
@@ -152,13 +168,15 @@ def test_a_stopped_worker_fails_within_its_heartbeat_limit(assets, tmp_path, mon
     stopping = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction_then_stop"}]
     worker = SamplerWorker(silent_limit_s=3.0)
     start = time.monotonic()
-    with pytest.raises(SamplerWorkerLost, match=r"has sent no heartbeat for \d+ s .*limit is 3 s\): it is stopped"):
+    with pytest.raises(SamplerWorkerLost,
+                       match=r"has sent no heartbeat for \d+ s .*limit is 3 s\): it is stopped"):
         train(tiny_config(model_dir, data, stopping, **ASYNC), root=tmp_path, progress=False,
               hooks=TrainHooks(sampler_worker=worker))
     assert time.monotonic() - start < 60
     import multiprocessing
 
-    assert "grpo-sampler" not in [p.name for p in multiprocessing.active_children()]  # the stopped one was killed
+    # the stopped one was killed
+    assert "grpo-sampler" not in [p.name for p in multiprocessing.active_children()]
 
 
 @pytest.mark.parametrize(("knobs", "message"), [
@@ -181,7 +199,8 @@ def test_combinations_the_worker_cannot_serve_are_config_errors(assets, knobs, m
     ({"dynamic_sampling": True}, False, False),
 ])
 def test_auto_turns_async_on_exactly_where_the_worker_can_serve(assets, monkeypatch, knobs, cuda, resolved):
-    """params.yaml's `async_rollouts: auto`: resolved at load, where an explicit true would be a config error."""
+    """params.yaml's `async_rollouts: auto`: resolved at load,
+    where an explicit true would be a config error."""
     model_dir, data = assets
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     cfg = tiny_config(model_dir, data, DIGITS, async_rollouts="auto", **knobs)

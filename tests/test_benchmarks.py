@@ -22,8 +22,8 @@ def test_one_step_of_each_side_on_the_tiny_model(tmp_path):
     out = tmp_path / "result.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--config", "cpu-tiny", "--tiny", "--steps", "1", "--repeats", "1",
-         "--threads", "1", "--parallel", "--out", str(out), "--no-readme",
+        [sys.executable, "-m", "benchmarks.run", "--config", "cpu-tiny", "--tiny", "--steps", "1",
+         "--repeats", "1", "--threads", "1", "--parallel", "--out", str(out), "--no-readme",
          "--variant", "async:async_rollouts=true", "--variant", "trl-all-threads:side=trl,threads=0"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -65,8 +65,8 @@ def test_padding_benchmark_runs_and_counts_the_rows_it_skips(tmp_path, capsys):
 
 def test_rollout_benchmark_samples_equal_token_counts_with_each_backend(tmp_path):
     """benchmarks/rollout.py's timing of one backend, in this process, on the embedded shape, one round: each
-    backend (the real vLLM engine among them) produced exactly prompts x generations x tokens completion tokens,
-    so tokens/s compare like for like."""
+    backend (the real vLLM engine among them) produced exactly prompts x generations x tokens completion
+    tokens, so tokens/s compare like for like."""
     from tests.tiny import require_vllm
 
     require_vllm()
@@ -78,7 +78,8 @@ def test_rollout_benchmark_samples_equal_token_counts_with_each_backend(tmp_path
     prompts = prompt_ids(tmp_path / "model", 2)
     threads = torch.get_num_threads()
     try:
-        rows = {name: time_backend(name, tmp_path / "model", prompts, generations=2, tokens=4, rounds=1, threads=1)
+        rows = {name: time_backend(name, tmp_path / "model", prompts, generations=2, tokens=4, rounds=1,
+                                   threads=1)
                 for name in ("vllm", "manual")}
     finally:
         torch.set_num_threads(threads)  # time_backend sets this process's threads
@@ -99,15 +100,16 @@ TRAINER_PHASES = ("grpo/generate_round", "grpo/ref_logprobs", "grpo/policy_forwa
 
 @pytest.mark.slow
 def test_gpu_kit_smoke_runs_every_part_on_the_tiny_model(tmp_path):
-    """`make bench-gpu ARGS=--smoke`: parts a-e of the kit on CPU, the recipe shrunk (4 rows x 2 micro-batches, G=2,
-    4 tokens), one JSON and one table naming the machine and the commit."""
+    """`make bench-gpu ARGS=--smoke`: parts a-e of the kit on CPU, the recipe shrunk (4 rows x
+    2 micro-batches, G=2, 4 tokens), one JSON and one table naming the machine and the commit."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_kit", "--smoke", "--out", str(tmp_path)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads((tmp_path / "cpu-kit.json").read_text())
     assert (tmp_path / "kit-parts" / "kit-part-abcde.json").is_file()
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True).stdout.strip()
     assert result["commit"] == head and result["device"] == "cpu" and result["smoke"] is True
     assert set(result["parts"]) == {"a", "b", "c", "d", "e"}
 
@@ -123,13 +125,15 @@ def test_gpu_kit_smoke_runs_every_part_on_the_tiny_model(tmp_path):
     for name in ("grpo/policy_forward", "grpo/backward"):  # once per micro-batch
         assert a["phases"][name]["calls_per_step"] == 2 and a["profile"]["labels"][name]["calls"] == 2
     (metered,) = [s for s in a["steps"] if s["step"] == a["metered_steps"][0]]
-    assert metered["rss_mib"] >= max(a["phases"][n]["rss_mib"] for n in TRAINER_PHASES)  # the step holds its phases
+    # the step holds its phases
+    assert metered["rss_mib"] >= max(a["phases"][n]["rss_mib"] for n in TRAINER_PHASES)
     assert metered["metrics"]["completions/mean_length"] == 4 and a["memory_on_paper_gib"]["total"] > 0
     assert "aten::" in a["profile"]["top_operators"] and a["mfu_whole_step"] is None  # no bf16 peak for a CPU
 
     # (b): three backends on the recipe's round (4 prompts x 2 x 4 tokens), vLLM left out of the smoke run
     b = result["parts"]["b"]
-    assert set(b["backends"]) == {"hf-dynamic", "hf-static", "manual"} and b["settings"]["dtype"] == "bfloat16"
+    assert (set(b["backends"]) == {"hf-dynamic", "hf-static", "manual"}
+            and b["settings"]["dtype"] == "bfloat16")
     for row in b["backends"].values():
         assert row["tokens_per_round"] == [4 * 2 * 4] and row["tokens_per_s"] > 0
 
@@ -166,8 +170,9 @@ def _kit_run(r: int, step_times: list[float], generation: float = 0.5, peak: flo
 def _kit_part(name: str, runs: dict, commit: str = "c0ffee") -> dict:
     from benchmarks.gpu_kit import compare_config
 
-    machine = {"device": "nvidia-h100-80gb-hbm3", "device_name": "NVIDIA H100 80GB HBM3", "date": "2026-11-25 12:00:00",
-               "commit": {"commit": commit, "source": "git"}, "versions": {"torch": "2.11.0"}}
+    machine = {"device": "nvidia-h100-80gb-hbm3", "device_name": "NVIDIA H100 80GB HBM3",
+               "date": "2026-11-25 12:00:00", "commit": {"commit": commit, "source": "git"},
+               "versions": {"torch": "2.11.0"}}
     return {"file": name, "parts": ["d"], "runs": sorted({r["run"] for rs in runs.values() for r in rs}),
             "machine": machine, "d": {"config": compare_config(False).to_dict(),
                                       "assets": {"num_parameters": 500_000_000, "mean_prompt_tokens": 32.0},
@@ -175,34 +180,41 @@ def _kit_part(name: str, runs: dict, commit: str = "c0ffee") -> dict:
 
 
 def test_gpu_kit_merges_the_runs_of_several_calls_and_refuses_overlaps(tmp_path):
-    """Part d split over two calls (runs 0,1 and run 2), as the run tool's 10-minute calls need: the medians are
-    over every measured step of the three runs (each run's first step is its warm-up), worked out by hand."""
+    """Part d split over two calls (runs 0,1 and run 2), as the run tool's 10-minute calls need: the medians
+    are over every measured step of the three runs (each run's first step is its warm-up), worked out by
+    hand."""
     from benchmarks import gpu_kit
 
-    first = _kit_part("kit-part-d-runs01.json", {"ours": [_kit_run(0, [9, 2.0, 2.2]), _kit_run(1, [9, 2.4, 2.6])],
-                                                 "trl": [_kit_run(0, [9, 6.0, 6.0], 5.0), _kit_run(1, [9, 7.0, 5.0], 5.0)]})
+    first = _kit_part("kit-part-d-runs01.json",
+                      {"ours": [_kit_run(0, [9, 2.0, 2.2]), _kit_run(1, [9, 2.4, 2.6])],
+                       "trl": [_kit_run(0, [9, 6.0, 6.0], 5.0), _kit_run(1, [9, 7.0, 5.0], 5.0)]})
     second = _kit_part("kit-part-d-runs2.json", {"ours": [_kit_run(2, [9, 1.0, 3.0], peak=1200.0)],
                                                  "trl": [_kit_run(2, [9, 6.5, 6.5], 5.0)]})
     second["failures"] = {"b": "benchmarks.rollout --run hf-static exited 1:\nTraceback ...\nboom"}
     for folder, part in (("call1", first), ("call2", second)):
         gpu_kit.write_json(tmp_path / folder / "kit-parts" / part["file"], part)
-    assert gpu_kit.main(["--merge", str(tmp_path / "call1"), str(tmp_path / "call2"), "--out", str(tmp_path / "out")]) == 0
+    assert gpu_kit.main(["--merge", str(tmp_path / "call1"), str(tmp_path / "call2"), "--out",
+                         str(tmp_path / "out")]) == 0
     merged = json.loads((tmp_path / "out" / "nvidia-h100-80gb-hbm3-kit.json").read_text())
-    assert sorted(p.name for p in (tmp_path / "out" / "kit-parts").iterdir()) == [first["file"], second["file"]]
+    assert (sorted(p.name for p in (tmp_path / "out" / "kit-parts").iterdir())
+            == [first["file"], second["file"]])
     d = merged["parts"]["d"]
     ours, trl = d["summary"]["ours"], d["summary"]["trl"]
     assert d["complete"] and ours["runs"] == trl["runs"] == [0, 1, 2] and merged["commit"] == "c0ffee"
     # ours' measured steps: 2.0 2.2 2.4 2.6 1.0 3.0 -> median 2.3; per run 2.1, 2.5, 2.0
-    assert ours["step_time_s"] == pytest.approx(2.3) and ours["run_median_step_s"] == pytest.approx([2.1, 2.5, 2.0])
+    assert (ours["step_time_s"] == pytest.approx(2.3)
+            and ours["run_median_step_s"] == pytest.approx([2.1, 2.5, 2.0]))
     assert trl["step_time_s"] == pytest.approx(6.25) and trl["train_time_s"] == pytest.approx(1.25)
     assert ours["cuda_peak_allocated_mib"] == 1200.0 and ours["device_peak_used_mib"] == 1800.0
     assert d["ratio_ours_over_trl"]["step_time"] == pytest.approx(2.3 / 6.25)
-    # whole step, by hand: N = 5e8, B = 64, P + C = 288: 6*N*B*288 + 2*N*B*288 (reference) + 2*N*B*256 (sampling)
+    # whole step, by hand: N = 5e8, B = 64, P + C = 288: 6*N*B*288 + 2*N*B*288 (reference) + 2*N*B*256
+    # (sampling)
     flops = 6 * 5e8 * 64 * 288 + 2 * 5e8 * 64 * 288 + 2 * 5e8 * 64 * 256
     assert ours["mfu_whole_step"]["flops_per_step"] == pytest.approx(flops)
     assert ours["mfu_whole_step"]["mfu"] == pytest.approx(flops / 2.3 / 989e12)
     table = (tmp_path / "out" / "nvidia-h100-80gb-hbm3-kit.md").read_text()
-    assert "Not measured here: part(s) a, b, c" in table and "FAILED in `kit-part-d-runs2.json`: b: boom" in table
+    assert ("Not measured here: part(s) a, b, c" in table
+            and "FAILED in `kit-part-d-runs2.json`: b: boom" in table)
 
     with pytest.raises(ValueError, match=r"run\(s\) \[2\]"):  # the same run measured twice
         gpu_kit.merge([first, second, _kit_part("again.json", {"ours": [_kit_run(2, [9, 1.0])], "trl": []})])
@@ -265,8 +277,8 @@ def test_phase_meter_keeps_each_nested_span_peak():
 
 
 def test_device_gauge_reads_nvidia_smi_and_nvml(tmp_path, monkeypatch):
-    """The device gauge as the GPU machine runs it, with stand-ins: nvidia-smi's streaming query (MiB per line)
-    when NVML's Python binding is missing, and NVML's bytes when it is there."""
+    """The device gauge as the GPU machine runs it, with stand-ins: nvidia-smi's streaming query
+    (MiB per line) when NVML's Python binding is missing, and NVML's bytes when it is there."""
     from types import SimpleNamespace
 
     from benchmarks.phase_meter import DeviceMemoryGauge
@@ -289,7 +301,8 @@ def test_device_gauge_reads_nvidia_smi_and_nvml(tmp_path, monkeypatch):
         gauge.close()
 
     used = iter([2 * 2**20, 7 * 2**20] + [3 * 2**20] * 10_000)
-    fake = SimpleNamespace(NVMLError=RuntimeError, nvmlInit=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: i,
+    fake = SimpleNamespace(NVMLError=RuntimeError, nvmlInit=lambda: None,
+                           nvmlDeviceGetHandleByIndex=lambda i: i,
                            nvmlDeviceGetMemoryInfo=lambda handle: SimpleNamespace(used=next(used)))
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     gauge = DeviceMemoryGauge(interval_s=0.001)
@@ -307,7 +320,8 @@ def test_kit_stamp_names_the_files_that_differ_from_it():
     from infra.wheelhouse import check_stamp
 
     real = hashlib.sha256((REPO / "benchmarks" / "configs.py").read_bytes()).hexdigest()
-    stamp = {"files": {"benchmarks/configs.py": real, "benchmarks/rewards.py": "0" * 64, "no/such/file.py": "1" * 64}}
+    stamp = {"files": {"benchmarks/configs.py": real, "benchmarks/rewards.py": "0" * 64,
+                       "no/such/file.py": "1" * 64}}
     assert check_stamp(stamp) == {"files_match_stamp": False, "files_differing_count": 2,
                                   "files_differing": ["benchmarks/rewards.py", "no/such/file.py"]}
     assert check_stamp({"files": {"benchmarks/configs.py": real}})["files_match_stamp"] is True

@@ -1,5 +1,5 @@
-"""The hub tools recipe's calculator (grpo_core/tools/calculator.py): exact decimal arithmetic, values worked out by
-hand, and every construct outside arithmetic refused with a message naming it."""
+"""The hub tools recipe's calculator (grpo_core/tools/calculator.py): exact decimal arithmetic, values worked
+out by hand, and every construct outside arithmetic refused with a message naming it."""
 
 from __future__ import annotations
 

@@ -35,8 +35,8 @@ def constructed() -> np.ndarray:
 
 
 def test_a_single_reward_is_not_flagged_dominant():
-    """One reward (the SmolLM2 recipe's correctness alone) carries 100% of the variance: no warning for that; nor when
-    the only other reward is dead."""
+    """One reward (the SmolLM2 recipe's correctness alone) carries 100% of the variance: no warning for that;
+    nor when the only other reward is dead."""
     one = calibrate_weights(constructed()[:, :1], 4, ["correctness"], [1.0], dead_std_threshold=1e-6,
                             dominant_share=0.9, correctness_index=0)
     assert one["flags"] == {"correctness": []} and one["warnings"] == []
@@ -62,7 +62,8 @@ def test_weight_rule_on_constructed_case():
     assert out["shares"]["approx_uniform"]["format"] == pytest.approx(16 / 17)
     assert out["flags"] == {"correctness": [], "format": ["dominant"], "constant": ["dead"]}
     # the chosen weights hit the effective targets; with zero covariance the realised shares agree
-    assert out["target_shares"]["effective"] == pytest.approx({"correctness": 0.75, "format": 0.25, "constant": 0.0})
+    assert (out["target_shares"]["effective"]
+            == pytest.approx({"correctness": 0.75, "format": 0.25, "constant": 0.0}))
     assert out["shares"]["approx_chosen"]["correctness"] == pytest.approx(0.75)
     assert out["shares"]["realised_chosen"]["correctness"] == pytest.approx(0.75)
     assert out["shares"]["realised_chosen"]["format"] == pytest.approx(0.25)
@@ -80,7 +81,8 @@ def test_statistics_by_hand():
     assert c["zero_variance_group_fraction"] == 0.0
     k = stats["per_function"]["constant"]
     assert k["mean_within_group_std"] == 0.0 and k["zero_variance_group_fraction"] == 1.0
-    assert stats["correlation"]["correctness"]["format"] == pytest.approx(np.corrcoef(constructed()[:, :2].T)[0, 1])
+    assert (stats["correlation"]["correctness"]["format"]
+            == pytest.approx(np.corrcoef(constructed()[:, :2].T)[0, 1]))
     assert stats["correlation"]["constant"]["format"] is None  # undefined for a constant
     assert stats["correlation_with_correctness"]["correctness"] == pytest.approx(1.0)
     assert stats["difficulty"]["pass_rate_per_prompt"] == [0.5, 0.5]

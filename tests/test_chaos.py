@@ -1,11 +1,11 @@
 """Chaos: one training run under `dvc repro` is SIGKILLed (its whole process group) at 5 points - while a
 checkpoint is being written, and at seeded random moments after a step's log row (sampling, the update, the
-held-out evaluation the run does every 3 steps) - and `dvc repro` is run again after each kill. The run that ends
-has the weights of an uninterrupted run, byte for byte, and the same train log (every column but the wall-clock
-ones, `*_time` and `eval/runtime`), each step once.
+held-out evaluation the run does every 3 steps) - and `dvc repro` is run again after each kill. The run that
+ends has the weights of an uninterrupted run, byte for byte, and the same train log (every column but the
+wall-clock ones, `*_time` and `eval/runtime`), each step once.
 
-The recipe is the embedded default as params.yaml ships it (async rollouts on), scaled down (tests/test_pipeline.py
-TINY), with a checkpoint every step and evaluation during training.
+The recipe is the embedded default as params.yaml ships it (async rollouts on), scaled down
+(tests/test_pipeline.py TINY), with a checkpoint every step and evaluation during training.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ KILLS = ["checkpoint write", "after a step", "after a step", "checkpoint write",
 
 
 def training_copy(built, dest: Path) -> Path:
-    """The built pipeline's repo with CHANGES and no checkpoints: the train stage trains from the base model."""
+    """The built pipeline's repo with CHANGES and no checkpoints: the train stage trains from the base
+    model."""
     repo = copy_repo(built[0], dest)
     raw = yaml.safe_load((repo / "params.yaml").read_text())
     raw["train"].update(CHANGES)
@@ -64,7 +65,8 @@ def logged_steps(repo: Path) -> int:
     return max(0, len(path.read_text().splitlines()) - 1) if path.is_file() else 0
 
 
-def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 600, every: float = 0.0005) -> None:
+def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 600,
+             every: float = 0.0005) -> None:
     """Until ``condition()``, polled ``every`` seconds; fails if ``proc`` ends first or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
     while not condition():
@@ -78,9 +80,9 @@ def partial_writes(checkpoints: Path) -> set[str]:
 
 
 def freeze_inside_a_checkpoint_write(checkpoints: Path, proc: subprocess.Popen, attempts: int = 20) -> None:
-    """SIGSTOP the process group while a new checkpoint write is under way. A write can end between seeing its temp
-    folder and the signal; the folder, looked at once the group is stopped, says whether the stop landed inside it,
-    and a miss lets the run go on to the next write."""
+    """SIGSTOP the process group while a new checkpoint write is under way. A write can end between seeing its
+    temp folder and the signal; the folder, looked at once the group is stopped, says whether the stop landed
+    inside it, and a miss lets the run go on to the next write."""
     stale = partial_writes(checkpoints)  # an earlier kill's leftover, removed by the next save
     for _ in range(attempts):
         wait_for(lambda: bool(partial_writes(checkpoints) - stale), proc, "a checkpoint write")
@@ -103,7 +105,8 @@ def run_and_kill(repo: Path, kill: str, rng: random.Random) -> str:
             freeze_inside_a_checkpoint_write(checkpoints, proc)
         else:
             wait_for(lambda: logged_steps(repo) > start_rows, proc, "a new step")
-            if kill == "before an evaluation":  # the step before an eval step: its sampling, update and the eval
+            # the step before an eval step: its sampling, update and the eval
+            if kill == "before an evaluation":
                 wait_for(lambda: (logged_steps(repo) + 1) % CHANGES["eval_steps"] == 0, proc, "an eval step")
             time.sleep(rng.uniform(0.0, 0.5))
     finally:

@@ -1,4 +1,5 @@
-"""Checkpoints are complete or absent; RNG state round-trips; a SIGKILL mid-write leaves the last one valid."""
+"""Checkpoints are complete or absent; RNG state round-trips;
+a SIGKILL mid-write leaves the last one valid."""
 
 from __future__ import annotations
 
@@ -95,22 +96,24 @@ def test_each_process_restores_its_own_rng_states():
 def test_a_process_the_checkpoint_has_no_state_for_is_seeded_from_seed_step_and_rank():
     states, expected = states_of_two_processes()
     got = {}
-    for rank, step in ((2, 4), (3, 4), (2, 6), (2, 4)):  # resuming on more processes than saved the checkpoint
+    # resuming on more processes than saved the checkpoint
+    for rank, step in ((2, 4), (3, 4), (2, 6), (2, 4)):
         torch.manual_seed(99)
         assert restore_rngs(states, rank, seed=0, step=step) is False
         got.setdefault((rank, step), []).append(draws())
     assert got[(2, 4)][0] == got[(2, 4)][1]  # the same resume twice samples the same
     streams = [got[(2, 4)][0], got[(3, 4)][0], got[(2, 6)][0], *expected]
     assert len(set(streams)) == len(streams)  # no two ranks (or steps) share a stream
-    restore_rngs(states[0], 1, seed=0, step=2)  # a checkpoint of one dict (before per-process states): rank 0's
+    restore_rngs(states[0], 1, seed=0, step=2)  # a checkpoint of one dict (before per-process states): rank
+                                                # 0's
     a = draws()
     restore_rngs(states[0], 0, seed=0, step=2)
     assert draws() == expected[0] != a
 
 
 def test_optimizer_and_scheduler_load_onto_the_device_asked_for(tmp_path):
-    """Not where they were saved: every rank of an 8-GPU resume would otherwise load onto GPU 0 (meta stands in
-    for a GPU here: torch.load maps onto it without one)."""
+    """Not where they were saved: every rank of an 8-GPU resume would otherwise load onto GPU 0 (meta stands
+    in for a GPU here: torch.load maps onto it without one)."""
     _save(tmp_path, 1, rollout_buffer={"advantages": torch.tensor([0.5, -0.5])})
     ck = load_checkpoint(tmp_path / "checkpoint-1", device="meta")
     moments = [t for s in ck.optimizer["state"].values() for t in s.values() if isinstance(t, torch.Tensor)]
@@ -183,7 +186,8 @@ def test_the_manifest_lists_every_file_with_its_size_and_sha256(tmp_path):
     path = _save(tmp_path, 1)
     files = json.loads((path / MANIFEST_FILE).read_text())["files"]
     on_disk = sorted(p.name for p in path.iterdir() if p.name != MANIFEST_FILE)
-    assert sorted(files) == on_disk and {"model.safetensors", "optimizer.pt", "trainer_state.json"} <= set(files)
+    assert (sorted(files) == on_disk
+            and {"model.safetensors", "optimizer.pt", "trainer_state.json"} <= set(files))
     for name, entry in files.items():
         data = (path / name).read_bytes()
         assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -195,7 +199,8 @@ def _halve(file: Path) -> None:
 
 
 def _flip_tensor_bytes(file: Path) -> None:
-    """Flip bytes inside the tensor data (past safetensors' JSON header): the file still loads, with other values."""
+    """Flip bytes inside the tensor data (past safetensors' JSON header): the file still loads,
+    with other values."""
     data = bytearray(file.read_bytes())
     header = int.from_bytes(data[:8], "little")
     data[8 + header + 2] ^= 0xFF
@@ -209,7 +214,8 @@ def _flip_tensor_bytes(file: Path) -> None:
 ])
 def test_resume_skips_a_corrupt_newest_checkpoint_naming_the_file(tmp_path, damage, file, message):
     """The newest checkpoint damaged, two intact ones beside it - resume takes the newest intact
-    one and the warning names the damaged file. Byte flips in tensor data load silently without the manifest."""
+    one and the warning names the damaged file. Byte flips in tensor data load silently without the
+    manifest."""
     from safetensors.torch import load_file
 
     for step in (4, 8, 12):
@@ -228,8 +234,9 @@ def test_no_valid_checkpoint_is_an_error_naming_each(tmp_path):
         _save(tmp_path, step)
     _halve(tmp_path / "checkpoint-4" / "optimizer.pt")
     (tmp_path / "checkpoint-8" / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match=r"no valid checkpoint to resume from: .*checkpoint-8/model.safetensors "
-                                              r"is missing.*checkpoint-4/optimizer.pt has") as err:
+    with pytest.raises(CheckpointError, match=r"no valid checkpoint to resume from: "
+                                              r".*checkpoint-8/model.safetensors is "
+                                              r"missing.*checkpoint-4/optimizer.pt has") as err:
         latest_valid_checkpoint(tmp_path, warn=lambda msg: None)
     assert err.value.exit_code == 4
     assert latest_valid_checkpoint(tmp_path / "empty") is None

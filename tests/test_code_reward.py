@@ -1,5 +1,6 @@
-"""The code-execution reward and its sandbox: test-case shapes of the public code-RL datasets, pass rates worked out
-by hand, and hostile programs, each contained and scored, with this (the training) process unaffected."""
+"""The code-execution reward and its sandbox: test-case shapes of the public code-RL datasets, pass rates
+worked out by hand, and hostile programs, each contained and scored, with this (the training) process
+unaffected."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def test_program_extraction_and_test_shapes():
     io = [CodeTest("1 2", "3"), CodeTest("4 5", "9")]
     assert parse_tests([{"input": "1 2", "output": "3"}, {"input": "4 5", "output": "9"}]) == io
     assert parse_tests({"inputs": ["1 2", "4 5"], "outputs": ["3", "9"]}) == io
-    assert parse_tests('{"test_cases": [{"input": "1 2", "output": "3"}, {"input": "4 5", "output": "9"}]}') == io
+    assert (parse_tests('{"test_cases": [{"input": "1 2", "output": "3"}, {"input": "4 5", "output": "9"}]}')
+            == io)
     assert parse_tests(["assert f(1) == 1", "assert f(2) == 4"]) == [CodeTest(check="assert f(1) == 1"),
                                                                    CodeTest(check="assert f(2) == 4")]
     assert parse_tests("assert f(1) == 1") == [CodeTest(check="assert f(1) == 1")]
@@ -40,7 +42,8 @@ def test_program_extraction_and_test_shapes():
 
 
 def test_pass_rates_by_hand():
-    reward = build_reward_functions([{"name": "code", "function": "code_execution", "kwargs": {"timeout_s": 3}}])[0]
+    reward = build_reward_functions(
+        [{"name": "code", "function": "code_execution", "kwargs": {"timeout_s": 3}}])[0]
     adder = block("a, b = map(int, input().split())\nprint(a + b)")
     off_by_one = block("a, b = map(int, input().split())\nprint(a + b + (a == 4))")
     square = block("def f(x):\n    return x * x")
@@ -53,8 +56,8 @@ def test_pass_rates_by_hand():
         code_execution()([""], [adder], cases=[io])
 
 
-# hostile programs, scored like any failing program while this process goes on (the jail's own suite, with what
-# must hold on the machine after each: tests/test_sandbox_hostile.py)
+# hostile programs, scored like any failing program while this process goes on (the jail's own suite, with
+# what must hold on the machine after each: tests/test_sandbox_hostile.py)
 HOSTILE = [
     "while True:\n    pass",
     "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
@@ -64,7 +67,8 @@ HOSTILE = [
 ]
 
 
-@pytest.mark.parametrize("program", HOSTILE, ids=["loop", "fork bomb", "10 GB", "write /etc", "kill the parent"])
+@pytest.mark.parametrize("program", HOSTILE,
+                         ids=["loop", "fork bomb", "10 GB", "write /etc", "kill the parent"])
 def test_hostile_programs_score_zero(program):
     reward = code_execution(timeout_s=1)
     assert reward([""], [block(program)], tests=[[{"input": "", "output": "ok"}]]) == [0.0]
@@ -72,8 +76,10 @@ def test_hostile_programs_score_zero(program):
 
 
 def test_the_program_sees_an_empty_environment_and_its_own_folder():
-    result = run_python("import os\nopen('f', 'w').write('x')\nprint(sorted(os.environ), os.getcwd(), os.listdir('.'))")
-    assert result.status == "ok" and result.stdout.strip() == "['HOME', 'LANG', 'PATH', 'PWD'] /tmp ['f', 'main.py']"
+    result = run_python("import os\nopen('f', 'w').write('x')\nprint(sorted(os.environ), os.getcwd(), "
+                        "os.listdir('.'))")
+    assert (result.status == "ok"
+            and result.stdout.strip() == "['HOME', 'LANG', 'PATH', 'PWD'] /tmp ['f', 'main.py']")
     again = run_python("import os\nprint(os.listdir('/tmp'))")
     assert again.stdout.strip() == "['main.py']"  # a fresh folder each run
 

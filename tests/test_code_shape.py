@@ -1,6 +1,6 @@
 """What a reader of grpo_core can rely on: a function says by its parameters what it depends on - none but the
-config assembly (grpo_core/config.py) takes the whole `train:` config (each takes the group of options it reads:
-t.loss, t.optim, ...) - and none is longer than one sitting's read (90 lines)."""
+config assembly (grpo_core/config.py) takes the whole `train:` config (each takes the group of options it
+reads: t.loss, t.optim, ...) - and none is longer than one sitting's read (90 lines)."""
 
 from __future__ import annotations
 

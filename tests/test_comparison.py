@@ -1,5 +1,5 @@
-"""flows/comparison.py: the parent's curves and numbers from the outputs, logged once each; run names from the params
-diff; the saved view; the pipelines' colors."""
+"""flows/comparison.py: the parent's curves and numbers from the outputs, logged once each; run names from the
+params diff; the saved view; the pipelines' colors."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def test_summary_curves_come_from_the_train_log_and_the_held_out_evaluation(tmp_
         "completions/mean_length": [(1, 16.5), (2, 17.0), (3, 17.5), (4, 18.0)],
         "eval/accuracy": [(2, 0.25), (4, 0.5)],  # the evaluation steps only: empty and NaN are no points
         # the held-out evaluation: the base policy at step 0, the trained one at the last step
-        "accuracy": [(0, 0.5), (4, 0.75)], "pass_at_1": [(0, 0.4), (4, 0.6)], "pass_at_4": [(0, 0.7), (4, 0.9)]}
+        "accuracy": [(0, 0.5), (4, 0.75)], "pass_at_1": [(0, 0.4), (4, 0.6)],
+        "pass_at_4": [(0, 0.7), (4, 0.9)]}
     assert summary.values == {"accuracy_gain": 0.25, "step_time": statistics.median([2.0, 1.0, 5.0, 3.0]),
                               "steps": 4.0}
 
@@ -63,12 +64,15 @@ def test_summary_of_missing_outputs_is_empty_and_train_only_leaves_out_the_evalu
     write_outputs(tmp_path, log=[*LOG, "not-a-step,0.9,0,0,0,,1"])
     assert pipeline_summary(tmp_path).curves["accuracy"] == [(0, 0.5), (4, 0.75)]
     write_outputs(tmp_path, metrics={"base": {"accuracy": 0.5}, "trained": {}, "delta": {}})
-    assert pipeline_summary(tmp_path).curves["accuracy"] == [(0, 0.5)] and "accuracy_gain" not in pipeline_summary(
-        tmp_path).values
+    assert pipeline_summary(tmp_path).curves["accuracy"] == [(
+        0,
+        0.5)] and "accuracy_gain" not in pipeline_summary(
+                                                                  tmp_path).values
 
 
 def test_summary_values_keep_six_significant_digits(tmp_path):
-    base, trained = {"accuracy": 0.534, "pass@4": 0.8971428571428572}, {"accuracy": 0.836, "pass@4": 0.9086857142857143}
+    base, trained = {"accuracy": 0.534, "pass@4": 0.8971428571428572}, {"accuracy": 0.836,
+                                                                        "pass@4": 0.9086857142857143}
     write_outputs(tmp_path, log=[LOG[0], "1,0.1,0,0,16,,0.3212239", "2,0.2,0,0,16,,0.3212241"],
                   metrics={"base": base, "trained": trained, "delta": {"accuracy": 0.836 - 0.534}})
     summary = pipeline_summary(tmp_path)
@@ -97,7 +101,8 @@ def test_log_summary_logs_each_curve_point_once(client):
     full = PipelineSummary(curves={"reward": [(1, 0.1), (2, 0.3)], "accuracy": [(0, 0.5), (2, 0.75)]},
                            values={"steps": 2.0, "accuracy_gain": 0.25})
     assert log_summary(client, run_id, full) == 2 + 2
-    assert log_summary(client, run_id, full) == 2  # the numbers again (at step 0 they replace), no curve point
+    # the numbers again (at step 0 they replace), no curve point
+    assert log_summary(client, run_id, full) == 2
     assert history(client, run_id, "reward") == [(1, 0.1), (2, 0.3)]
     assert history(client, run_id, "accuracy") == [(0, 0.5), (2, 0.75)]
     latest = client.get_run(run_id).data.metrics  # what the runs table shows: the curve's last point
@@ -121,7 +126,8 @@ def test_params_diff_names_changed_added_and_removed_keys():
 
 
 def test_diff_name_is_short_and_keeps_ambiguous_keys_whole():
-    assert diff_name({"train.learning_rate": 0.002, "train.max_steps": 50}) == "learning_rate=0.002 max_steps=50"
+    assert (diff_name({"train.learning_rate": 0.002, "train.max_steps": 50})
+            == "learning_rate=0.002 max_steps=50")
     assert diff_name({"train.seed": 1, "evaluate.seed": 2}) == "train.seed=1 evaluate.seed=2"
     long = {f"train.key_{i}": i for i in range(20)}
     name = diff_name(long, limit=40)
@@ -136,7 +142,8 @@ def test_saved_view_opens_on_the_learning_curves_and_the_headline_columns():
     assert state["columnOrder"] == cols
     # 100 px (MLflow's width) holds 'accuracy_gain'; a longer param name gets a wider column
     assert all(len(m) <= 13 for m in HEADLINE)
-    assert state["columnWidths"] == {"params.`train.learning_rate`": 7 * 19 + 32, "params.`train.beta`": 7 * 10 + 32}
+    assert (state["columnWidths"]
+            == {"params.`train.learning_rate`": 7 * 19 + 32, "params.`train.beta`": 7 * 10 + 32})
     assert column_width("model.lr") == 100 and column_width("x" * 30) == 242
 
     first, *rest = state["compareRunSections"]
@@ -145,12 +152,15 @@ def test_saved_view_opens_on_the_learning_curves_and_the_headline_columns():
     charts = state["compareRunCharts"]
     assert [c["metricKey"] for c in charts] == list(CURVE_CHARTS) == [
         "reward", "accuracy", "eval/accuracy", "kl", "entropy", "completions/mean_length"]
-    for chart in charts:  # a line against the step, in the first section, the same chart when the view is rewritten
-        assert chart["type"] == "LINE" and chart["xAxisKey"] == "step" and chart["metricSectionId"] == first["uuid"]
+    # a line against the step, in the first section, the same chart when the view is rewritten
+    for chart in charts:
+        assert (chart["type"] == "LINE" and chart["xAxisKey"] == "step"
+                and chart["metricSectionId"] == first["uuid"])
         assert chart["selectedMetricKeys"] == [chart["metricKey"]] and not chart["deleted"]
     # a batch's values per step are noisy: a moving average over them; evaluations are drawn as they are
     assert {c["metricKey"]: c["lineSmoothness"] for c in charts} == {
-        "reward": 90, "accuracy": 0, "eval/accuracy": 0, "kl": 90, "entropy": 90, "completions/mean_length": 90}
+        "reward": 90, "accuracy": 0, "eval/accuracy": 0, "kl": 90, "entropy": 90,
+        "completions/mean_length": 90}
     assert not any(c["useGlobalLineSmoothing"] for c in charts)
     assert view_state(["train.learning_rate"])["compareRunCharts"] == charts
     assert VIEW_TAG == "mlflow.sharedViewState.grpo"

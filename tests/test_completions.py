@@ -1,5 +1,5 @@
-"""Completions you can read: the round's samples every log_completions_steps, in a jsonl beside the step log (cut
-back on resume) and as an MLflow table the UI and ``mlflow.load_table`` read."""
+"""Completions you can read: the round's samples every log_completions_steps, in a jsonl beside the step log
+(cut back on resume) and as an MLflow table the UI and ``mlflow.load_table`` read."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def test_rows_are_the_decoded_texts_rewards_and_advantages(assets):
     completion = tok("5")["input_ids"] + [tok.eos_token_id]
     round_ = Round(prompt_ids=torch.tensor([[tok.pad_token_id] + prompt, [tok.pad_token_id] + prompt]),
                    prompt_mask=torch.tensor([[0] + [1] * len(prompt)] * 2),
-                   completion_ids=torch.tensor([completion, completion]), completion_mask=torch.ones(2, len(completion),
-                                                                                                      dtype=torch.long),
+                   completion_ids=torch.tensor([completion, completion]),
+                   completion_mask=torch.ones(2, len(completion), dtype=torch.long),
                    is_truncated=torch.zeros(2, dtype=torch.bool), advantages=torch.tensor([0.5, -0.5]),
                    rewards=torch.tensor([[1.0, math.nan], [0.0, 2.0]]))
     rows = completion_rows(round_, tok, ["correct", "judge"], step=7, limit=None)
@@ -60,12 +60,15 @@ def test_training_writes_every_nth_steps_round_and_a_resume_does_not_repeat_it(a
     model_dir, data = assets
     knobs = {"log_completions_steps": 2, "num_completions_to_log": 6, "save_steps": 2}
     train(tiny_config(model_dir, data, DIGITS, max_steps=2, **knobs), root=tmp_path, progress=False)
-    train(tiny_config(model_dir, data, DIGITS, max_steps=4, **knobs), root=tmp_path, progress=False)  # resumes at 2
-    rows = [json.loads(line) for line in (tmp_path / "metrics/train_log.completions.jsonl").read_text().splitlines()]
+    train(tiny_config(model_dir, data, DIGITS, max_steps=4, **knobs), root=tmp_path,
+          progress=False)  # resumes at 2
+    rows = [json.loads(line)
+            for line in (tmp_path / "metrics/train_log.completions.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [2] * 6 + [4] * 6
     for r in rows:  # the reward is the digit fraction of the very text shown (the reward reads that text)
         text = r["completion"]
-        assert r["reward/digits"] == pytest.approx(sum(ch.isdigit() for ch in text) / max(len(text), 1), abs=1e-6)
+        assert (r["reward/digits"]
+                == pytest.approx(sum(ch.isdigit() for ch in text) / max(len(text), 1), abs=1e-6))
     step4 = [r for r in rows if r["step"] == 4][:4]  # the first group (G = 4): advantages sum to 0
     assert sum(r["advantage"] for r in step4) == pytest.approx(0.0, abs=1e-5)
     assert len(read_log(tmp_path / "metrics/train_log.csv")) == 4
@@ -80,7 +83,8 @@ def test_the_stage_logs_a_table_mlflow_reads_back(tmp_path, monkeypatch):
 
     cfg = config_from_dict({"rewards": DIGITS, "data": {"train_files": ["t.jsonl"]},
                             "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}})
-    ctx = StageContext(stage="train", root=tmp_path, store_root=tmp_path, params_path=tmp_path / "params.yaml", cfg=cfg)
+    ctx = StageContext(stage="train", root=tmp_path, store_root=tmp_path,
+                       params_path=tmp_path / "params.yaml", cfg=cfg)
     table = {"step": [2, 2], "prompt": ["a", "b"], "completion": ["x", "y"], "reward/digits": [0.5, None],
              "advantage": [0.7, -0.7]}
     with StageRun(ctx) as run:
@@ -90,8 +94,8 @@ def test_the_stage_logs_a_table_mlflow_reads_back(tmp_path, monkeypatch):
         run_id = run.run_id
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment_id = client.get_run(run_id).info.experiment_id
-    # load_table searches through the fluent API, which reads the variable; mlflow.set_tracking_uri would pin a
-    # process-wide URI that later tests' stores (set by the variable) never override
+    # load_table searches through the fluent API, which reads the variable; mlflow.set_tracking_uri would pin
+    # a process-wide URI that later tests' stores (set by the variable) never override
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     frame = client.load_table(experiment_id, "completions/step_000002.json", run_ids=[run_id])
     assert list(frame.columns) == list(table) and frame["advantage"].tolist() == pytest.approx([0.7, -0.7])

@@ -1,6 +1,6 @@
 """bf16 compute weights over float32 masters (grpo_core/train/compute_weights.py): training's
-forward and backward run on a bf16 copy without autocast, gradients sum in float32 on the masters, the optimizer
-steps the masters, and the same copy is what rollouts sample from."""
+forward and backward run on a bf16 copy without autocast, gradients sum in float32 on the masters, the
+optimizer steps the masters, and the same copy is what rollouts sample from."""
 
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ def assets(tmp_path_factory):
 
 
 def test_micro_batch_gradients_sum_in_float32_on_the_masters():
-    """Two backward passes on the bf16 copy: each master's gradient is float32(g1) + float32(g2) exactly, where g1 and
-    g2 are the bf16 gradients of the two micro-batches worked out on a separate bf16 model; the copy keeps none."""
+    """Two backward passes on the bf16 copy: each master's gradient is float32(g1) + float32(g2) exactly,
+    where g1 and g2 are the bf16 gradients of the two micro-batches worked out on a separate bf16 model; the
+    copy keeps none."""
     masters = random_qwen2(seed=1).train()
     weights = ComputeWeights(masters, _Recorder)
     assert {p.dtype for p in weights.model.parameters()} == {torch.bfloat16}
@@ -73,7 +74,8 @@ def test_an_update_below_bf16_spacing_survives_on_the_masters_and_sync_casts_the
     moved_masters = sum(int((p != before[n]).sum()) for n, p in masters.named_parameters())
     moved_in_bf16 = sum(int((p.to(torch.bfloat16) != before[n].to(torch.bfloat16)).sum())
                         for n, p in masters.named_parameters())
-    assert moved_masters > 10 * max(moved_in_bf16, 1)  # most of the update is below bf16's spacing: kept in float32
+    # most of the update is below bf16's spacing: kept in float32
+    assert moved_masters > 10 * max(moved_in_bf16, 1)
     weights.sync_weights(masters)
     for (name, p), master in zip(weights.model.named_parameters(), masters.parameters()):
         assert torch.equal(p, master.to(torch.bfloat16)), name
@@ -83,15 +85,17 @@ def test_an_update_below_bf16_spacing_survives_on_the_masters_and_sync_casts_the
 def test_only_unsharded_bf16_full_fine_tuning_takes_the_copy():
     assert uses_compute_weights("bf16", lora=False, quantized=False, sharded=False)
     assert not uses_compute_weights("no", lora=False, quantized=False, sharded=False)
-    assert not uses_compute_weights("fp16", lora=False, quantized=False, sharded=False)  # autocast + loss scaler
+    # autocast + loss scaler
+    assert not uses_compute_weights("fp16", lora=False, quantized=False, sharded=False)
     assert not uses_compute_weights("bf16", lora=True, quantized=False, sharded=False)
     assert not uses_compute_weights("bf16", lora=False, quantized=True, sharded=False)
     assert not uses_compute_weights("bf16", lora=False, quantized=False, sharded=True)  # MixedPrecisionPolicy
 
 
 def test_training_runs_forward_and_rollouts_on_one_bf16_copy_without_autocast(assets, tmp_path, monkeypatch):
-    """mixed_precision bf16: every training forward sees bf16 weights and no autocast, the rollout backend samples
-    from that same module, the checkpoint holds float32 masters, and the copy equals them cast after the last step."""
+    """mixed_precision bf16: every training forward sees bf16 weights and no autocast, the rollout backend
+    samples from that same module, the checkpoint holds float32 masters, and the copy equals them cast after
+    the last step."""
     import grpo_core.train.loop as loop
     from grpo_core.rollout import HFGenerateBackend
 

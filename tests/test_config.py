@@ -32,7 +32,8 @@ def test_shipped_params_validate():
     assert cfg.train.batch_plan.generation_batch_size % cfg.train.batch.num_generations == 0
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")) if (ROOT / "configs").exists() else [])
+@pytest.mark.parametrize("path",
+                         sorted((ROOT / "configs").glob("*.yaml")) if (ROOT / "configs").exists() else [])
 def test_example_configs_validate(path):
     load_config(path)
 
@@ -40,15 +41,22 @@ def test_example_configs_validate(path):
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda d: d["train"].update(learnig_rate=1e-4), "train.learnig_rate: unknown key; did you mean 'learning_rate'?"),
+        (lambda d: d["train"].update(learnig_rate=1e-4),
+         "train.learnig_rate: unknown key; did you mean 'learning_rate'?"),
         (lambda d: d.update(trian={}), "unknown section 'trian'; did you mean 'train'?"),
         (lambda d: d["train"].update(num_generations="eight"), "train.num_generations: expected an integer"),
-        (lambda d: d["train"].update(num_generations=1), "train.num_generations: 1 is out of range; allowed: >= 2"),
-        (lambda d: d["train"].update(loss_type="ppo"), "train.loss_type: 'ppo' is not allowed; choose one of 'grpo'"),
-        (lambda d: d["train"].update(learning_rate=0), "train.learning_rate: 0.0 is out of range; allowed: > 0"),
-        (lambda d: d["train"].update(mask_truncated_completions="yes"), "train.mask_truncated_completions: expected true or false"),
-        (lambda d: d["train"].update(per_device_train_batch_size=12), "must be divisible by train.num_generations (8)"),
-        (lambda d: d["train"].update(reward_weights=[1.0]), "train.reward_weights: 1 weights for 2 reward functions"),
+        (lambda d: d["train"].update(num_generations=1),
+         "train.num_generations: 1 is out of range; allowed: >= 2"),
+        (lambda d: d["train"].update(loss_type="ppo"),
+         "train.loss_type: 'ppo' is not allowed; choose one of 'grpo'"),
+        (lambda d: d["train"].update(learning_rate=0),
+         "train.learning_rate: 0.0 is out of range; allowed: > 0"),
+        (lambda d: d["train"].update(mask_truncated_completions="yes"),
+         "train.mask_truncated_completions: expected true or false"),
+        (lambda d: d["train"].update(per_device_train_batch_size=12),
+         "must be divisible by train.num_generations (8)"),
+        (lambda d: d["train"].update(reward_weights=[1.0]),
+         "train.reward_weights: 1 weights for 2 reward functions"),
         (lambda d: d["train"].update(epsilon_high=0.1), "train.epsilon_high: 0.1 is below epsilon (0.2)"),
         (lambda d: d["model"].update(lora={"r": 0}), "model.lora.r: 0 is out of range; allowed: >= 1"),
         (lambda d: d["rewards"][0].update(weight=2.0), "rewards[0].weight: unknown key"),
@@ -56,26 +64,36 @@ def test_example_configs_validate(path):
         (lambda d: d["evaluate"].update(pass_k=[16]), "evaluate.pass_k: k=16 must be between 1 and"),
         (lambda d: d["embedded"].update(label_noise=1.5), "embedded.label_noise: 1.5 is out of range"),
         (lambda d: d["embedded"].update(tasks=["calculator", "arithmetic"], max_operand=999),
-         "embedded.tasks: ['calculator', 'arithmetic']; calculator has chat prompts and a tool, the word problems "
-         "neither: it cannot be mixed with them"),
-        (lambda d: d["embedded"].update(tasks=["calculator"]), "embedded.max_operand: 9; the calculator task's "
-                                                                "numbers are 10..max_operand, so it needs >= 10"),
+         "embedded.tasks: ['calculator', 'arithmetic']; calculator has chat prompts and a tool, the word "
+         "problems neither: it cannot be mixed with them"),
+        (lambda d: d["embedded"].update(tasks=["calculator"]), "embedded.max_operand: 9; the calculator "
+                                                                "task's numbers are 10..max_operand, so it "
+                                                                "needs >= 10"),
         (lambda d: d["embedded"].update(tasks=["abacus"]), "embedded.tasks"),
         (lambda d: d.update(rewards=[]), "rewards: at least one reward function is required"),
-        # the data-file keys name their accepted forms (grpo_core.config.DATA_FILES_FORMS) on a wrong type or value
-        (lambda d: d["data"].update(train_files=5), "data.train_files: 5 is not a path or a list of paths, each a "
-                                                     "file, a folder (its jsonl"),
-        (lambda d: d["data"].update(train_files={"a": "b"}), "data.train_files: {'a': 'b'} is not a path or a list"),
-        (lambda d: d["data"].update(eval_files=["e.jsonl", 3]), "data.eval_files: ['e.jsonl', 3] is not a path or "
-                                                                 "a list of paths, each a file, a folder"),
-        (lambda d: d["data"].update(train_files=""), "data.train_files: '' is not a path; expected a path or a list"),
-        (lambda d: d["data"].update(train_files=["t.jsonl", " "]), "data.train_files[1]: ' ' is not a path; expected "
-                                                                    "a path or a list of paths, each a file, a "
-                                                                    "folder (its jsonl / json / parquet / csv files, "
-                                                                    "recursively, in name order) or a glob such as"),
-        (lambda d: d["data"].update(train_files=[]), "data.train_files: empty; name local files (a path or a list"),
-            (lambda d: d["embedded"].update(model_dir="elsewhere"), "embedded.model_dir: 'elsewhere'; dvc.yaml names"),
-            (lambda d: d["model"].update(lora={"r": 4}) or d["train"].update(sync_ref_model=True), "train.sync_ref_model: not with model.lora"),
+        # the data-file keys name their accepted forms (grpo_core.config.DATA_FILES_FORMS) on a wrong type or
+        # value
+        (lambda d: d["data"].update(train_files=5), "data.train_files: 5 is not a path or a list of paths, "
+                                                     "each a file, a folder (its jsonl"),
+        (lambda d: d["data"].update(train_files={"a": "b"}),
+         "data.train_files: {'a': 'b'} is not a path or a list"),
+        (lambda d: d["data"].update(eval_files=["e.jsonl", 3]), "data.eval_files: ['e.jsonl', 3] is not a "
+                                                                 "path or a list of paths, each a file, a "
+                                                                 "folder"),
+        (lambda d: d["data"].update(train_files=""),
+         "data.train_files: '' is not a path; expected a path or a list"),
+        (lambda d: d["data"].update(train_files=["t.jsonl", " "]), "data.train_files[1]: ' ' is not a path; "
+                                                                    "expected a path or a list of paths, "
+                                                                    "each a file, a folder (its "
+                                                                    "jsonl / json / parquet / csv files, "
+                                                                    "recursively, in name order) or a glob "
+                                                                    "such as"),
+        (lambda d: d["data"].update(train_files=[]),
+         "data.train_files: empty; name local files (a path or a list"),
+            (lambda d: d["embedded"].update(model_dir="elsewhere"),
+             "embedded.model_dir: 'elsewhere'; dvc.yaml names"),
+            (lambda d: d["model"].update(lora={"r": 4}) or d["train"].update(sync_ref_model=True),
+             "train.sync_ref_model: not with model.lora"),
     ],
 )
 def test_bad_params_name_the_key(mutate, message):
@@ -120,10 +138,12 @@ def test_params_hash_ignores_bookkeeping_but_not_training_keys():
 
 def test_params_hash_sees_the_global_batch_not_its_split_over_processes():
     sync = {"train.async_rollouts": False}  # auto would differ: on for one process, off for two
-    one = config_from_dict(base(), {"train.per_device_train_batch_size": 16, "train.num_generations": 4, **sync})
+    one = config_from_dict(base(),
+                           {"train.per_device_train_batch_size": 16, "train.num_generations": 4, **sync})
     two = config_from_dict(base(), {"train.per_device_train_batch_size": 8, "train.num_processes": 2,
                                     "train.num_generations": 4, **sync})
-    half = config_from_dict(base(), {"train.per_device_train_batch_size": 8, "train.num_generations": 4, **sync})
+    half = config_from_dict(base(),
+                            {"train.per_device_train_batch_size": 8, "train.num_generations": 4, **sync})
     assert training_params_hash(one) == training_params_hash(two)  # a resume on another world size
     assert training_params_hash(one) != training_params_hash(half)  # half the global batch: another run
 
@@ -133,18 +153,20 @@ def test_every_train_field_is_documented():
     assert all(meaning for _, _, _, meaning in rows)
     names = {r[0] for r in rows}
     # TRL GRPOConfig names the contract promises
-    for trl_name in ["learning_rate", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
-                     "beta", "epsilon",
-                     "epsilon_high", "delta", "loss_type", "scale_rewards", "num_iterations", "reward_weights",
-                     "multi_objective_aggregation", "mask_truncated_completions", "max_steps", "save_steps",
-                     "logging_steps", "seed", "warmup_ratio", "lr_scheduler_type", "weight_decay", "adam_beta1",
-                     "adam_beta2", "max_grad_norm", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
-                     "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold"]:
+    for trl_name in ["learning_rate", "num_generations", "per_device_train_batch_size",
+                     "gradient_accumulation_steps", "beta", "epsilon",
+                     "epsilon_high", "delta", "loss_type", "scale_rewards", "num_iterations",
+                     "reward_weights", "multi_objective_aggregation", "mask_truncated_completions",
+                     "max_steps", "save_steps", "logging_steps", "seed", "warmup_ratio", "lr_scheduler_type",
+                     "weight_decay", "adam_beta1", "adam_beta2", "max_grad_norm", "sapo_temperature_pos",
+                     "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                     "vespo_lambda_neg", "off_policy_mask_threshold"]:
         assert trl_name in names
     generation = {r[0] for r in describe(GenerationConfig) if r[3]}
     assert {"max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-            "generation_kwargs", "generation_batch_size", "cache_implementation", "vllm_gpu_memory_utilization",
-            "vllm_enable_sleep_mode", "vllm_mode", "vllm_server_host", "vllm_server_port", "vllm_group_port",
+            "generation_kwargs", "generation_batch_size", "cache_implementation",
+            "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_mode", "vllm_server_host",
+            "vllm_server_port", "vllm_group_port",
             "vllm_server_timeout"} <= generation   # GRPOConfig's names, each documented
     assert "max_prompt_length" in {r[0] for r in describe(DataConfig) if r[3]}
     import typing
@@ -159,7 +181,9 @@ def test_every_train_field_is_documented():
 def test_cispo_needs_its_cap_above_one(epsilon_high):
     with pytest.raises(ConfigError, match="train.epsilon_high: cispo caps the importance weight"):
         config_from_dict(base(), {"train.loss_type": "cispo", "train.epsilon_high": epsilon_high})
-    assert config_from_dict(base(), {"train.loss_type": "cispo", "train.epsilon_high": 5.0}).train.loss.epsilon_high == 5.0
+    assert config_from_dict(base(),
+                            {"train.loss_type": "cispo",
+                             "train.epsilon_high": 5.0}).train.loss.epsilon_high == 5.0
 
 
 @pytest.mark.parametrize(("key", "value"), [("sapo_temperature_pos", 0.0), ("vespo_k_neg", -1.0),
@@ -196,7 +220,8 @@ def test_generation_options_reach_sampling_and_bad_generation_kwargs_name_the_ke
             ({"generation_kwargs": {"n": 2}, "backend": "vllm"}, r"\['n'\]"),
             ({"generation_kwargs": {"suppress_tokens": [1]}, "backend": "manual"},
              "generation.generation_kwargs: the hand-written decode loop"),
-            ({"min_p": 1.5}, "generation.min_p"), ({"repetition_penalty": 0}, "generation.repetition_penalty")]:
+            ({"min_p": 1.5}, "generation.min_p"),
+            ({"repetition_penalty": 0}, "generation.repetition_penalty")]:
         with pytest.raises(ConfigError, match=match):
             config_from_dict({**base, "generation": generation})
 
@@ -204,7 +229,8 @@ def test_generation_options_reach_sampling_and_bad_generation_kwargs_name_the_ke
 @pytest.mark.parametrize("old,new", [("train.temperature", "generation.temperature"),
                                      ("train.generation_backend", "generation.backend"),
                                      ("train.min_p", "generation.min_p"),
-                                     ("train.vllm_gpu_memory_utilization", "generation.vllm_gpu_memory_utilization"),
+                                     ("train.vllm_gpu_memory_utilization",
+                                      "generation.vllm_gpu_memory_utilization"),
                                      ("train.max_prompt_length", "data.max_prompt_length")])
 def test_a_moved_key_is_an_error_naming_its_new_place(old, new):
     base = {"rewards": [{"name": "c", "function": "correctness"}], "data": {"train_files": ["t.jsonl"]}}
@@ -219,8 +245,10 @@ def test_generation_batch_size_sets_steps_per_generation_as_in_trl():
     base = {"rewards": [{"name": "c", "function": "correctness"}], "data": {"train_files": ["t.jsonl"]},
             "train": {"per_device_train_batch_size": 8, "num_generations": 4}}
     cfg = config_from_dict({**base, "generation": {"generation_batch_size": 32}})
-    assert cfg.train.batch.steps_per_generation == 4 and cfg.train.batch_plan.generation_batch_size == 32   # 32 / (8 x 1 process)
-    assert config_from_dict(base).train.batch_plan.generation_batch_size == 8    # null: per_device x processes x ga
+    assert (cfg.train.batch.steps_per_generation == 4
+            and cfg.train.batch_plan.generation_batch_size == 32)  # 32 / (8 x 1 process)
+    # null: per_device x processes x ga
+    assert config_from_dict(base).train.batch_plan.generation_batch_size == 8
     with pytest.raises(ConfigError, match="generation.generation_batch_size: 20 is not a multiple of"):
         config_from_dict({**base, "generation": {"generation_batch_size": 20}})
     with pytest.raises(ConfigError, match="set together with train.steps_per_generation"):
@@ -229,8 +257,8 @@ def test_generation_batch_size_sets_steps_per_generation_as_in_trl():
 
 
 def test_train_keys_are_grouped_by_owner_and_every_key_has_one_group():
-    """params.yaml's flat `train:` keys each live in one group (t.loss, t.optim, ...) or on TrainConfig itself, with
-    TRL's names; a key set flat lands in its group and nowhere else."""
+    """params.yaml's flat `train:` keys each live in one group (t.loss, t.optim, ...) or on TrainConfig
+    itself, with TRL's names; a key set flat lands in its group and nowhere else."""
     owner = train_key_owner()
     assert len(owner) == 86 and owner["epsilon"] == "loss" and owner["learning_rate"] == "optim"
     assert owner["seed"] is None and owner["reward_weights"] == "advantage"

@@ -1,6 +1,6 @@
-"""model.cpu_kernels: every stage caps torch's CPU kernels (ATen, oneDNN, MKL) at one instruction set before its
-first tensor op, so one run gives the same bytes on every CPU that has that set. Each check runs in a process of its
-own: ATen fixes its level at its first dispatch."""
+"""model.cpu_kernels: every stage caps torch's CPU kernels (ATen, oneDNN, MKL) at one instruction set before
+its first tensor op, so one run gives the same bytes on every CPU that has that set. Each check runs in a
+process of its own: ATen fixes its level at its first dispatch."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ if sys.argv[2] == "op first":
     import torch
     torch.ones(64).sum()
 running = pin_cpu_kernels(sys.argv[1])
-print(json.dumps({"running": running, **{k: os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+print(json.dumps({"running": running, **{k: os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", \
+"ONEDNN_MAX_CPU_ISA",
                                                                         "MKL_CBWR")}}))
 """
 PIN_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR")
@@ -37,8 +38,8 @@ def unpinned_env(**extra: str) -> dict[str, str]:
 
 
 def pinned(level: str, order: str = "pin first") -> tuple[dict, str]:
-    proc = subprocess.run([sys.executable, "-c", PIN, level, order], capture_output=True, text=True, env=unpinned_env(),
-                          check=True)
+    proc = subprocess.run([sys.executable, "-c", PIN, level, order], capture_output=True, text=True,
+                          env=unpinned_env(), check=True)
     return json.loads(proc.stdout.splitlines()[-1]), proc.stderr
 
 
@@ -46,8 +47,8 @@ def pinned(level: str, order: str = "pin first") -> tuple[dict, str]:
 def test_a_level_sets_all_three_libraries_and_aten_runs_at_it():
     assert pinned("scalar")[0] == {"running": "default", "ATEN_CPU_CAPABILITY": "default",
                                    "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_CBWR": "COMPATIBLE"}
-    assert pinned("avx2")[0] == {"running": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-                                 "MKL_CBWR": "AVX2"}
+    assert pinned("avx2")[0] == {"running": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+                                 "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "AVX2"}
     assert pinned("native")[0] == {"running": None, "ATEN_CPU_CAPABILITY": None, "ONEDNN_MAX_CPU_ISA": None,
                                    "MKL_CBWR": None}
 
@@ -63,7 +64,8 @@ def test_an_unknown_level_names_the_key_and_the_choices():
     from grpo_core.config import ConfigError, config_from_dict
     from grpo_core.model.cpu_kernels import pin_cpu_kernels
 
-    with pytest.raises(ValueError, match="model.cpu_kernels: 'avx3' is not one of native, avx2, avx512, scalar"):
+    with pytest.raises(ValueError,
+                       match="model.cpu_kernels: 'avx3' is not one of native, avx2, avx512, scalar"):
         pin_cpu_kernels("avx3")
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
     with pytest.raises(ConfigError, match="model.cpu_kernels"):
@@ -75,26 +77,29 @@ def prepare_bytes(tmp_path: Path, name: str, level: str, **env: str) -> str:
     repo = tmp_path / name
     (repo / ".dvc").mkdir(parents=True)
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
-    raw["embedded"].update(num_train=40, num_eval=8, hidden_size=32, num_hidden_layers=1, intermediate_size=64,
-                           warm_start_steps=20, warm_start_batch_size=8)
+    raw["embedded"].update(num_train=40, num_eval=8, hidden_size=32, num_hidden_layers=1,
+                           intermediate_size=64, warm_start_steps=20, warm_start_batch_size=8)
     raw["model"]["cpu_kernels"] = level
     (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    subprocess.run([sys.executable, "-m", "flows.stages", "prepare"], cwd=repo, check=True, capture_output=True,
+    subprocess.run([sys.executable, "-m", "flows.stages", "prepare"], cwd=repo, check=True,
+                   capture_output=True,
                    env=unpinned_env(MLFLOW_TRACKING_URI=f"sqlite:///{repo / 'mlflow.db'}", **env))
     return hashlib.sha256((repo / "artifacts/base_model/model.safetensors").read_bytes()).hexdigest()
 
 
 @needs_avx2
 def test_the_stage_pins_before_its_first_op_and_the_pin_decides_the_bytes(tmp_path):
-    """`scalar` through params.yaml gives the bytes of a native run whose environment a user capped by hand (so
-    the stage pinned before any kernel ran), and other bytes than the CPU's own level (so the pin took effect)."""
+    """`scalar` through params.yaml gives the bytes of a native run whose environment a user capped by hand
+    (so the stage pinned before any kernel ran), and other bytes than the CPU's own level (so the pin took
+    effect)."""
     by_param = prepare_bytes(tmp_path, "param", "scalar")
-    by_hand = prepare_bytes(tmp_path, "hand", "native", ATEN_CPU_CAPABILITY="default", ONEDNN_MAX_CPU_ISA="SSE41",
-                            MKL_CBWR="COMPATIBLE")
+    by_hand = prepare_bytes(tmp_path, "hand", "native", ATEN_CPU_CAPABILITY="default",
+                            ONEDNN_MAX_CPU_ISA="SSE41", MKL_CBWR="COMPATIBLE")
     native = prepare_bytes(tmp_path, "native", "native")
     assert by_param == by_hand
     assert native != by_param
-    assert prepare_bytes(tmp_path, "avx2", "avx2") == (native if torch.backends.cpu.get_cpu_capability() == "AVX2"
-                                                       else prepare_bytes(tmp_path, "hand2", "native",
-                                                                          ATEN_CPU_CAPABILITY="avx2",
-                                                                          ONEDNN_MAX_CPU_ISA="AVX2", MKL_CBWR="AVX2"))
+    assert prepare_bytes(tmp_path, "avx2",
+                         "avx2") == (native if torch.backends.cpu.get_cpu_capability() == "AVX2"
+                                     else prepare_bytes(tmp_path, "hand2", "native",
+                                                        ATEN_CPU_CAPABILITY="avx2",
+                                                        ONEDNN_MAX_CPU_ISA="AVX2", MKL_CBWR="AVX2"))

@@ -75,9 +75,9 @@ SHARD_ROWS = [{"prompt": f"q{i}", "answer": str(i)} for i in range(6)]
 
 @pytest.mark.parametrize("spec", [
     ["raw/train-00000-of-00002.parquet", "raw/train-00001-of-00002.parquet"],  # a list
-    "raw/train-*.parquet",                                                      # a glob, expanded in name order
-    ["raw/train-0000[01]-of-00002.parquet"],                                    # a list of globs
-    "raw",                                                                      # a folder
+    "raw/train-*.parquet",                                                    # a glob, expanded in name order
+    ["raw/train-0000[01]-of-00002.parquet"],                                  # a list of globs
+    "raw",                                                                    # a folder
 ])
 def test_a_split_reads_every_shard_in_name_order(tmp_path, spec):
     # written in reverse name order: the order rows are read in is the names', not the file system's
@@ -89,16 +89,20 @@ def test_a_split_reads_every_shard_in_name_order(tmp_path, spec):
 
 def test_paths_with_glob_characters_that_exist_are_read_as_they_are(tmp_path):
     write_shards(tmp_path / "v[1]", SHARD_ROWS, ["train.parquet"])  # an existing name is not a pattern
-    assert load_split(DataConfig(train_files="v[1]/train.parquet"), "train", root=tmp_path)["prompt"][0] == "q0"
+    assert (load_split(DataConfig(train_files="v[1]/train.parquet"), "train", root=tmp_path)["prompt"][0]
+            == "q0")
     root = tmp_path / "repo[x]"  # nor is the root a pattern is resolved against
     write_shards(root / "raw", SHARD_ROWS, ["a.parquet", "b.parquet"])
-    assert resolve_data_paths(["raw/*.parquet"], "k", root) == [str(root / "raw/a.parquet"), str(root / "raw/b.parquet")]
+    assert (resolve_data_paths(["raw/*.parquet"], "k", root)
+            == [str(root / "raw/a.parquet"), str(root / "raw/b.parquet")])
 
 
 @pytest.mark.parametrize("spec, message", [
     ("raw/test-*.parquet", "data.train_files: the glob 'raw/test-*.parquet' matches no file"),
-    (["raw/a.parquet", "raw/missing.parquet"], "data.train_files: {root}/raw/missing.parquet: no such data file or folder"),
-    (["raw/a.parquet", "raw/*.parquet"], "data.train_files: {root}/raw/a.parquet is named twice (again by 'raw/*.parquet')"),
+    (["raw/a.parquet", "raw/missing.parquet"],
+     "data.train_files: {root}/raw/missing.parquet: no such data file or folder"),
+    (["raw/a.parquet", "raw/*.parquet"],
+     "data.train_files: {root}/raw/a.parquet is named twice (again by 'raw/*.parquet')"),
     ("empty", "data.train_files: {root}/empty is a folder with no .jsonl, .json, .parquet, .csv files"),
 ])
 def test_data_paths_that_cannot_work_name_the_key_and_the_accepted_forms(tmp_path, spec, message):

@@ -46,7 +46,8 @@ def test_dvc_parses_a_list_or_a_glob_and_hashes_the_folder_holding_them(tmp_path
     set_data(repo, train_files=files, train_dir="data/raw")
     out = dvc(repo, "status", "validate").stdout  # never run: every dep is listed, by the path DVC hashes
     deps = out.split("changed deps:")[1].split("changed outs:")[0].split()
-    assert "data/raw" in deps and "data/prepared" in deps  # train_dir; eval_dir (the embedded eval file's folder)
+    # train_dir; eval_dir (the embedded eval file's folder)
+    assert "data/raw" in deps and "data/prepared" in deps
     assert not any("train-" in d for d in deps)
 
 
@@ -86,18 +87,18 @@ def test_every_file_read_lies_in_the_folder_dvc_hashes(shard_repo):
 @pytest.mark.parametrize("data, message", [
     ({"train_dir": "data/prepared"},
      "data.train_dir: data/prepared does not hold data/raw/train-00000-of-00002.parquet (named by "
-     "data.train_files); DVC hashes data.train_dir as validate's dependency (it cannot take a list or a glob), so "
-     "set it to a folder holding every train file; data/raw holds them all"),
-    ({"train_dir": "data"}, "data.train_dir: data holds validate's own outputs (data/validated/train.parquet, "
-                            "reports/validation.json), so DVC cannot depend on it; keep the data in a folder of its own, "
-                            "e.g. data/raw"),
+     "data.train_files); DVC hashes data.train_dir as validate's dependency (it cannot take a list or a "
+     "glob), so set it to a folder holding every train file; data/raw holds them all"),
+    ({"train_dir": "data"}, "data.train_dir: data holds validate's own outputs "
+                            "(data/validated/train.parquet, reports/validation.json), so DVC cannot depend "
+                            "on it; keep the data in a folder of its own, e.g. data/raw"),
     ({"train_dir": "data/nope"}, "data.train_dir: data/nope: no such file or folder; name the folder holding "
                                  "data.train_files"),
     ({"eval_files": ["data/prepared/eval.jsonl", "data/raw/train-00001-of-00002.parquet"]},
-     "data.eval_dir: data/prepared does not hold data/raw/train-00001-of-00002.parquet (named by data.eval_files); "
-     "DVC hashes data.eval_dir as validate's dependency (it cannot take a list or a glob), so set it to a folder "
-     "holding every eval file; the folder holding them all also holds validate's outputs: move them to a folder of "
-     "their own"),
+     "data.eval_dir: data/prepared does not hold data/raw/train-00001-of-00002.parquet (named by "
+     "data.eval_files); DVC hashes data.eval_dir as validate's dependency (it cannot take a list or a glob), "
+     "so set it to a folder holding every eval file; the folder holding them all also holds validate's "
+     "outputs: move them to a folder of their own"),
 ])
 def test_a_file_dvc_would_not_hash_is_our_error_naming_the_key(shard_repo, data, message):
     from flows.stages.common import StageConfigError
@@ -145,8 +146,8 @@ def test_a_list_of_shards_validates_and_trains_under_dvc_repro(sharded):
 def test_a_glob_reads_the_same_rows_and_editing_or_adding_a_shard_reruns_validate(sharded, tmp_path):
     repo = copy_repo(sharded[0], tmp_path / "repo")
     set_data(repo, train_files="data/raw/train-*.parquet")
-    # the stages after validate list the whole data section as params (dvc.yaml), so they are due too; validate
-    # alone shows the glob reads the same rows
+    # the stages after validate list the whole data section as params (dvc.yaml), so they are due too;
+    # validate alone shows the glob reads the same rows
     log = dvc(repo, "repro", "validate").stdout
     assert "Running stage 'validate'" in log
     assert validated_prompts(repo) == [r["prompt"] for r in sharded[2]]
@@ -170,11 +171,13 @@ def test_a_glob_reads_the_same_rows_and_editing_or_adding_a_shard_reruns_validat
      f"data.train_files: the glob 'data/raw/test-*.parquet' matches no file (looked for {{repo}}/data/raw/"
      f"test-*.parquet); expected {DATA_FILES_FORMS}"),
     ({"train_files": ["data/raw/" + SHARDS[0], "data/raw/gone.parquet"]},
-     f"data.train_files: {{repo}}/data/raw/gone.parquet: no such data file or folder; expected {DATA_FILES_FORMS}"),
+     "data.train_files: {repo}/data/raw/gone.parquet: no such data file or folder; "
+     f"expected {DATA_FILES_FORMS}"),
     ({"train_files": 5}, f"data.train_files: 5 is not {DATA_FILES_FORMS}"),
     ({"train_dir": "data/prepared"}, "data.train_dir: data/prepared does not hold data/raw/" + SHARDS[0]),
 ])
-def test_a_bad_value_under_dvc_repro_is_our_error_naming_the_key_and_the_forms(sharded, tmp_path, data, message):
+def test_a_bad_value_under_dvc_repro_is_our_error_naming_the_key_and_the_forms(sharded, tmp_path, data,
+                                                                               message):
     repo = copy_repo(sharded[0], tmp_path / "repo")
     set_data(repo, **data)
     proc = dvc(repo, "repro", "validate", check=False)

@@ -1,4 +1,5 @@
-"""The hand-written decode loop (grpo_core/rollout/manual.py) against HF: same tokens, same logits, same conventions."""
+"""The hand-written decode loop (grpo_core/rollout/manual.py) against HF: same tokens, same logits,
+same conventions."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ GREEDY = SamplingParams(max_new_tokens=12, do_sample=False)
 def qwen2(**overrides):
     """Two layers, GQA (4 query heads on 2 KV heads), q/k/v bias, untied head, rope theta 1e4."""
     torch.manual_seed(0)
-    cfg = dict(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0)
+    cfg = dict(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0)
     return Qwen2ForCausalLM(Qwen2Config(**{**cfg, **overrides})).eval()
 
 
@@ -78,7 +79,8 @@ def test_eos_early_stop_and_masks_follow_hf_conventions():
     prompts = [[5 + i % 30, 7, (3 * i) % 30 + 2][: 1 + i % 3] for i in range(12)]
     hf = HFGenerateBackend(model, TOK).generate(prompts, 1, sampling)
     ours = ManualDecodeBackend(model, TOK).generate(prompts, 1, sampling)
-    assert torch.equal(hf.completion_ids, ours.completion_ids) and torch.equal(hf.completion_mask, ours.completion_mask)
+    assert (torch.equal(hf.completion_ids, ours.completion_ids)
+            and torch.equal(hf.completion_mask, ours.completion_mask))
     assert torch.equal(hf.is_truncated, ours.is_truncated)
     assert 0 < int(ours.is_truncated.sum()) < len(prompts)  # both kinds of rows are exercised
     for row in range(len(prompts)):
@@ -110,9 +112,10 @@ def test_min_new_tokens_from_generation_config_masks_eos_as_hf_does():
     assert (ManualDecodeBackend(model, TOK).generate(PROMPTS, 2, sampling).completion_lengths == 1).all()
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(1.0, 0, 1.0, 0), (0.7, 0, 1.0, 0), (1.3, 5, 1.0, 0),
-                                                           (1.0, 0, 0.8, 0), (0.9, 7, 0.5, 0), (1.0, 100, 1.0, 0),
-                                                           (1.0, 0, 1.0, 0.1), (0.6, 9, 0.9, 0.05)])
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p",
+                         [(1.0, 0, 1.0, 0), (0.7, 0, 1.0, 0), (1.3, 5, 1.0, 0),
+                          (1.0, 0, 0.8, 0), (0.9, 7, 0.5, 0), (1.0, 100, 1.0, 0),
+                          (1.0, 0, 1.0, 0.1), (0.6, 9, 0.9, 0.05)])
 def test_warp_equals_hf_warpers(temperature, top_k, top_p, min_p):
     torch.manual_seed(0)
     logits = torch.randn(6, 37) * 3
@@ -130,7 +133,8 @@ def test_warp_equals_hf_warpers(temperature, top_k, top_p, min_p):
     got = ManualDecodeBackend.warp(logits.clone(), SamplingParams(8, temperature, top_p, top_k, min_p=min_p))
     assert torch.equal(torch.isinf(got), torch.isinf(expected))
     assert torch.allclose(got[~torch.isinf(got)], expected[~torch.isinf(expected)])
-    if 0 < top_k < 37 or top_p < 1.0 or min_p:  # something was masked (top_k beyond the vocabulary masks nothing)
+    # something was masked (top_k beyond the vocabulary masks nothing)
+    if 0 < top_k < 37 or top_p < 1.0 or min_p:
         assert torch.isinf(got).any()
 
 
@@ -141,16 +145,20 @@ def test_repetition_penalty_equals_hf_processor_and_hf_generate():
     ids, mask = torch.tensor([[PAD, PAD, 5, 9], [7, 3, 22, 5]]), torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
     seen = ManualDecodeBackend._prompt_tokens(ids, mask, 37)
     # HF's processor row by row, each told its own left padding (a per-row tensor needs transformers >= 5.20)
-    hf = torch.cat([RepetitionPenaltyLogitsProcessor(1.7, prompt_ignore_length=int(pad))(ids[r:r + 1], logits[r:r + 1].clone())
-                    for r, pad in enumerate((mask == 0).sum(1))])
+    hf = torch.cat(
+        [RepetitionPenaltyLogitsProcessor(1.7, prompt_ignore_length=int(pad))(ids[r:r + 1],
+                                                                              logits[r:r + 1].clone())
+         for r, pad in enumerate((mask == 0).sum(1))])
     assert torch.equal(ManualDecodeBackend.penalize_repetition(logits, seen, 1.7), hf)
     assert not seen[0, PAD] and seen[0, 5] and seen[1, 22]
     # whole decodes: greedy tokens equal HF generate's, and the penalty changes them
     model = qwen2()
     penalized = SamplingParams(max_new_tokens=12, do_sample=False, repetition_penalty=1.8)
     ours = ManualDecodeBackend(model, TOK).generate(PROMPTS, 2, penalized)
-    assert torch.equal(ours.completion_ids, HFGenerateBackend(model, TOK).generate(PROMPTS, 2, penalized).completion_ids)
-    assert not torch.equal(ours.completion_ids, ManualDecodeBackend(model, TOK).generate(PROMPTS, 2, GREEDY).completion_ids)
+    assert torch.equal(ours.completion_ids,
+                       HFGenerateBackend(model, TOK).generate(PROMPTS, 2, penalized).completion_ids)
+    assert not torch.equal(ours.completion_ids,
+                           ManualDecodeBackend(model, TOK).generate(PROMPTS, 2, GREEDY).completion_ids)
 
 
 def test_min_p_one_keeps_only_the_top_token():
@@ -169,11 +177,15 @@ def test_generation_kwargs_reach_hf_generate_and_the_manual_loop_refuses_them():
     plain = HFGenerateBackend(model, TOK).generate(PROMPTS, 1, GREEDY)
     banned = int(plain.completion_ids[0, 0])
     kept = HFGenerateBackend(model, TOK).generate(
-        PROMPTS, 1, SamplingParams(max_new_tokens=12, do_sample=False, generation_kwargs={"suppress_tokens": [banned]}))
+        PROMPTS, 1,
+        SamplingParams(max_new_tokens=12, do_sample=False, generation_kwargs={"suppress_tokens": [banned]}))
     assert not (kept.completion_ids == banned).any() and (plain.completion_ids == banned).any()
     with pytest.raises(ValueError, match="takes no generation_kwargs"):
-        ManualDecodeBackend(model, TOK).generate(PROMPTS, 1, SamplingParams(8, generation_kwargs={"suppress_tokens": [3]}))
-    assert isinstance(backend_for(model, TOK, generation_options(), seed=0, max_prompt_length=None), ManualDecodeBackend)
+        ManualDecodeBackend(model, TOK).generate(PROMPTS, 1,
+                                                 SamplingParams(8,
+                                                                generation_kwargs={"suppress_tokens": [3]}))
+    assert isinstance(backend_for(model, TOK, generation_options(), seed=0, max_prompt_length=None),
+                      ManualDecodeBackend)
     chosen = backend_for(model, TOK, generation_options(generation_kwargs={"suppress_tokens": [3]}), seed=0,
                          max_prompt_length=None)
     assert isinstance(chosen, HFGenerateBackend)
@@ -190,13 +202,13 @@ def test_sample_draws_from_softmax_and_never_a_masked_token():
 
 
 def exact_two_token_distribution(model, prompt: list[int]) -> dict[tuple[int, ...], float]:
-    """P(completion) of every completion of at most 2 tokens, by HF forwards on the unpadded prompt: p(t1) p(t2 | t1),
-    and p(EOS) alone for a completion that ends at once. Worked out without any sampling."""
+    """P(completion) of every completion of at most 2 tokens, by HF forwards on the unpadded prompt: p(t1)
+    p(t2 | t1), and p(EOS) alone for a completion that ends at once. Worked out without any sampling."""
     with torch.no_grad():
-        first = model(torch.tensor([prompt])).logits[0, -1].float().softmax(-1)                          # (V,)
+        first = model(torch.tensor([prompt])).logits[0, -1].float().softmax(-1)                         # (V,)
         V = first.shape[0]
         rows = torch.tensor([prompt + [t] for t in range(V)])
-        second = model(rows).logits[:, -1].float().softmax(-1)                                          # (V, V)
+        second = model(rows).logits[:, -1].float().softmax(-1)                                        # (V, V)
     exact = {(EOS,): float(first[EOS])}
     exact.update({(a, b): float(first[a] * second[a, b]) for a in range(V) if a != EOS for b in range(V)})
     return exact
@@ -204,9 +216,10 @@ def exact_two_token_distribution(model, prompt: list[int]) -> dict[tuple[int, ..
 
 @pytest.mark.parametrize("backend", [ManualDecodeBackend, HFGenerateBackend], ids=["manual", "hf"])
 def test_sampled_sequences_follow_the_models_distribution(backend):
-    """Whole sampled completions (2 tokens; left-padded prompts of different lengths in one batch, the EOS ending a row
-    early) against their exact probabilities: a chi-square goodness-of-fit per prompt. HF generate is held to the same
-    test: both backends sample the model's distribution, and differ only in their random streams."""
+    """Whole sampled completions (2 tokens; left-padded prompts of different lengths in one batch, the EOS
+    ending a row early) against their exact probabilities: a chi-square goodness-of-fit per prompt. HF
+    generate is held to the same test: both backends sample the model's distribution, and differ only in their
+    random streams."""
     from scipy.stats import chisquare
 
     model = qwen2()
@@ -218,11 +231,12 @@ def test_sampled_sequences_follow_the_models_distribution(backend):
     for p, prompt in enumerate(PROMPTS):
         exact = exact_two_token_distribution(model, prompt)
         counts: dict[tuple[int, ...], int] = {}
-        for ids, mask in zip(batch.completion_ids[p * G:(p + 1) * G], batch.completion_mask[p * G:(p + 1) * G]):
+        for ids, mask in zip(batch.completion_ids[p * G:(p + 1) * G],
+                             batch.completion_mask[p * G:(p + 1) * G]):
             key = tuple(ids[mask.bool()].tolist())
             counts[key] = counts.get(key, 0) + 1
         assert set(counts) <= set(exact)  # nothing outside the support (e.g. a pad sampled after EOS)
-        frequent = [k for k, q in exact.items() if q * G >= 5]          # cells too rare for chi-square are pooled
+        frequent = [k for k, q in exact.items() if q * G >= 5]      # cells too rare for chi-square are pooled
         observed = [counts.get(k, 0) for k in frequent] + [G - sum(counts.get(k, 0) for k in frequent)]
         expected = [exact[k] * G for k in frequent] + [G * (1 - sum(exact[k] for k in frequent))]
         assert len(frequent) > 20  # a distribution with many likely completions, not one dominant token
@@ -248,13 +262,15 @@ def test_training_updates_are_seen_and_chunks_change_nothing():
     model = qwen2()
     backend = ManualDecodeBackend(model, TOK, max_batch_size=3)
     before = backend.generate(PROMPTS, 2, GREEDY)
-    assert torch.equal(before.completion_ids, ManualDecodeBackend(model, TOK).generate(PROMPTS, 2, GREEDY).completion_ids)
+    assert torch.equal(before.completion_ids,
+                       ManualDecodeBackend(model, TOK).generate(PROMPTS, 2, GREEDY).completion_ids)
     with torch.no_grad():  # an optimizer step, in place
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     after = backend.generate(PROMPTS, 2, GREEDY)
     assert not torch.equal(before.completion_ids, after.completion_ids)
-    assert torch.equal(after.completion_ids, HFGenerateBackend(model, TOK).generate(PROMPTS, 2, GREEDY).completion_ids)
+    assert torch.equal(after.completion_ids,
+                       HFGenerateBackend(model, TOK).generate(PROMPTS, 2, GREEDY).completion_ids)
 
 
 class Wrapper(torch.nn.Module):  # stands in for a PEFT wrapper
@@ -281,7 +297,7 @@ def test_default_backend_choice():
     model = qwen2()
     assert isinstance(default_backend(model, TOK), ManualDecodeBackend)      # CPU, supported
     assert isinstance(default_backend(model, TOK, "hf"), HFGenerateBackend)
-    model.generation_config.no_repeat_ngram_size = 3                          # a processor we do not reproduce
+    model.generation_config.no_repeat_ngram_size = 3                         # a processor we do not reproduce
     assert isinstance(default_backend(model, TOK), HFGenerateBackend)
     with pytest.raises(ValueError, match="auto, hf, manual or vllm"):
         default_backend(model, TOK, "sglang")

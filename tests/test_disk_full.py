@@ -25,7 +25,8 @@ DIGITS = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}]
 
 
 def test_enospc_anywhere_in_the_chain_names_the_path_and_the_free_space(tmp_path):
-    target = tmp_path / "out" / "optimizer.pt"  # never created: the free space is its nearest existing folder's
+    # never created: the free space is its nearest existing folder's
+    target = tmp_path / "out" / "optimizer.pt"
     cause = OSError(errno.ENOSPC, "No space left on device", str(target))
     try:
         try:
@@ -62,12 +63,14 @@ def small_disk(tmp_path):
         return where
 
     yield mount
-    gc.collect()  # the failed torch.save's file handle lives in the exception's frames until they are collected
+    # the failed torch.save's file handle lives in the exception's frames until they are collected
+    gc.collect()
     if mounted:
         subprocess.run(["umount", str(where)], check=False)
 
 
-def test_a_checkpoint_that_fills_the_disk_keeps_the_last_one_and_resumes_once_there_is_room(tmp_path, small_disk):
+def test_a_checkpoint_that_fills_the_disk_keeps_the_last_one_and_resumes_once_there_is_room(tmp_path,
+                                                                                            small_disk):
     model_dir = make_tiny_model(tmp_path / "model")
     data = make_prompts(tmp_path / "train.jsonl")
     cfg = tiny_config(model_dir, data, DIGITS, max_steps=3, save_steps=1)
@@ -76,8 +79,8 @@ def test_a_checkpoint_that_fills_the_disk_keeps_the_last_one_and_resumes_once_th
     one = sum(p.stat().st_size for p in (sized.checkpoint_dir / "checkpoint-1").rglob("*") if p.is_file())
     root = small_disk(int(one * 1.5) // 1024)  # room for checkpoint-1, not for checkpoint-2 beside it
 
-    with pytest.raises(TransientFailure, match=r"disk full writing \S+/checkpoints/checkpoint-2 \(\d+\.\d MiB free "
-                                               r"on its filesystem\)") as info:
+    with pytest.raises(TransientFailure, match=r"disk full writing \S+/checkpoints/checkpoint-2 \(\d+\.\d "
+                                               r"MiB free on its filesystem\)") as info:
         train(cfg, root=root, progress=False)
     assert exit_code_for(info.value) == EXIT_ERROR
     checkpoints = root / cfg.train.checkpoints.output_dir / "checkpoints"

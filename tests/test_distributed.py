@@ -1,5 +1,6 @@
-"""Scale-out: two CPU processes (gloo, the train stage's CPU launcher) train with DDP exactly as one process does on
-the same global batch — the same loss, metrics and weights after each update. FSDP2: tests/test_fsdp.py."""
+"""Scale-out: two CPU processes (gloo, the train stage's CPU launcher) train with DDP exactly as one process
+does on the same global batch — the same loss, metrics and weights after each update. FSDP2:
+tests/test_fsdp.py."""
 
 from __future__ import annotations
 
@@ -27,11 +28,12 @@ def assets(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_type,mixed_precision", [("dapo", "no"), ("grpo", "no"), ("dapo", "bf16")])
-def test_two_gloo_processes_match_one_process_on_the_same_global_batch(assets, tmp_path, loss_type, mixed_precision):
+def test_two_gloo_processes_match_one_process_on_the_same_global_batch(assets, tmp_path, loss_type,
+                                                                       mixed_precision):
     """bf16: the bf16 compute copy (grpo_core/train/compute_weights.py) is not DDP-wrapped; its float32 master
-    gradients are all-reduced by the trainer. The two sides then differ only by bf16 rounding (one process sums 16
-    rows per weight gradient, two processes 8 each), so the bounds are bf16's; a missing all-reduce (each process
-    stepping on its own half) is far outside them."""
+    gradients are all-reduced by the trainer. The two sides then differ only by bf16 rounding (one process
+    sums 16 rows per weight gradient, two processes 8 each), so the bounds are bf16's; a missing all-reduce
+    (each process stepping on its own half) is far outside them."""
     model, data = assets
     one, two = tmp_path / "one", tmp_path / "two"
     knobs = {"loss_type": loss_type, "mixed_precision": mixed_precision}
@@ -55,7 +57,8 @@ def test_two_gloo_processes_match_one_process_on_the_same_global_batch(assets, t
         moved, diff = (w1[k].float() - base[k]).abs(), (w2[k].float() - w1[k].float()).abs()
         if mixed_precision == "no":
             assert diff.max().item() <= 1e-5 + 1e-3 * moved.max().item(), k
-        else:  # AdamW turns a bf16-sized gradient difference on a near-zero gradient into a sign flip: on average
+        else:  # AdamW turns a bf16-sized gradient difference on a near-zero gradient into a sign flip: on
+               # average
             assert diff.mean().item() <= 0.05 * moved.mean().item(), k  # measured 0.0004-0.025 (k_proj.bias)
 
 
@@ -78,14 +81,16 @@ def stage_context(tmp_path, **train):
     cfg = config_from_dict({"data": {"train_files": ["train.jsonl"]},
                             "rewards": [{"name": "r", "function": "tests.reward_helpers:digit_fraction"}],
                             "train": {"num_generations": 4, "per_device_train_batch_size": 8, **train}})
-    return StageContext(stage="train", root=REPO, store_root=tmp_path, params_path=tmp_path / "params.yaml", cfg=cfg)
+    return StageContext(stage="train", root=REPO, store_root=tmp_path, params_path=tmp_path / "params.yaml",
+                        cfg=cfg)
 
 
 def test_two_nodes_of_eight_gpus_render_one_accelerate_launch_per_node(tmp_path):
     """What machine 1 of 2 runs for train.num_processes 16 with FSDP2, checked by accelerate's own parser."""
     from accelerate.commands.launch import launch_command_parser
 
-    ctx = stage_context(tmp_path, num_processes=16, num_machines=2, accelerate_config="infra/accelerate/fsdp2.yaml")
+    ctx = stage_context(tmp_path, num_processes=16, num_machines=2,
+                        accelerate_config="infra/accelerate/fsdp2.yaml")
     cmd = launch_plan(ctx, ctx.cfg, cuda=True, environ=TWO_NODES)
     assert cmd[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
     assert cmd[-5:] == ["-m", "flows.stages", "train", "--params", str(tmp_path / "params.yaml")]
@@ -96,9 +101,9 @@ def test_two_nodes_of_eight_gpus_render_one_accelerate_launch_per_node(tmp_path)
 
 
 def test_accelerate_launches_fsdp2_yaml_as_plain_processes_and_never_its_own_fsdp():
-    """What ``accelerate launch`` makes of infra/accelerate/fsdp2.yaml (its own validation and environment, as run
-    on machine 1 of 2): 8 processes on this node, no ACCELERATE_USE_FSDP / FSDP_* variables - the sharding is
-    the trainer's alone, as on CPU."""
+    """What ``accelerate launch`` makes of infra/accelerate/fsdp2.yaml (its own validation and environment, as
+    run on machine 1 of 2): 8 processes on this node, no ACCELERATE_USE_FSDP / FSDP_* variables - the sharding
+    is the trainer's alone, as on CPU."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
@@ -150,18 +155,22 @@ def test_infra_accelerate_configs_load_as_accelerate_configs_and_as_ours(name):
 
 
 def test_machines_started_with_machine_0_wait_for_its_launch_and_no_longer(tmp_path):
-    """One Indexed Job starts every machine at once: machine 1 waits until machine 0's train stage announces the
-    job's launch; a marker from another launch does not count, and the wait ends with an error naming both."""
+    """One Indexed Job starts every machine at once: machine 1 waits until machine 0's train stage announces
+    the job's launch; a marker from another launch does not count, and the wait ends with an error naming
+    both."""
     import threading
 
     from flows.stages.train import announce_launch, wait_for_machine_zero
 
     ctx = stage_context(tmp_path, num_processes=16, num_machines=2, output_dir=str(tmp_path / "out"))
-    wait_for_machine_zero(ctx, ctx.cfg, environ={"MACHINE_RANK": "1"})  # no LAUNCH_ID: started by hand, no wait
+    # no LAUNCH_ID: started by hand, no wait
+    wait_for_machine_zero(ctx, ctx.cfg, environ={"MACHINE_RANK": "1"})
     announce_launch(ctx, ctx.cfg, environ={"LAUNCH_ID": "job-old"})
     with pytest.raises(StageConfigError, match=r"did not launch job-new within MACHINE_WAIT_S=0.3 s"):
-        wait_for_machine_zero(ctx, ctx.cfg, environ={"LAUNCH_ID": "job-new", "MACHINE_WAIT_S": "0.3"}, poll_s=0.05)
-    later = threading.Timer(0.3, announce_launch, args=(ctx, ctx.cfg), kwargs={"environ": {"LAUNCH_ID": "job-new"}})
+        wait_for_machine_zero(ctx, ctx.cfg, environ={"LAUNCH_ID": "job-new", "MACHINE_WAIT_S": "0.3"},
+                              poll_s=0.05)
+    later = threading.Timer(0.3, announce_launch, args=(ctx, ctx.cfg),
+                            kwargs={"environ": {"LAUNCH_ID": "job-new"}})
     later.start()
     wait_for_machine_zero(ctx, ctx.cfg, environ={"LAUNCH_ID": "job-new", "MACHINE_WAIT_S": "30"}, poll_s=0.05)
     later.join()
@@ -194,8 +203,8 @@ def resumed_from_step_2(root: Path, name: str, run: str = "two") -> Path:
 
 @pytest.mark.slow
 def test_two_sampling_processes_resume_bit_for_bit_on_two(assets, sampled_two):
-    """Each process restores its own streams: a resume samples what the uninterrupted run sampled (were rank 1 handed
-    rank 0's states, it would sample other completions and end on other weights)."""
+    """Each process restores its own streams: a resume samples what the uninterrupted run sampled (were rank
+    1 handed rank 0's states, it would sample other completions and end on other weights)."""
     import hashlib
 
     root = resumed_from_step_2(sampled_two, "resume-two")
@@ -213,7 +222,8 @@ def test_two_sampling_processes_resume_bit_for_bit_on_two(assets, sampled_two):
 
 @pytest.mark.slow
 def test_a_two_process_checkpoint_resumes_on_one_process(assets, sampled_two):
-    """Fewer processes: rank 0 takes its own saved streams (the states are per process: tests/test_checkpoint.py)."""
+    """Fewer processes: rank 0 takes its own saved streams (the states are per process:
+    tests/test_checkpoint.py)."""
     root = resumed_from_step_2(sampled_two, "resume-one")
     launch(root, *assets, 1, {**SAMPLED, "train": {**SAMPLED["train"], "per_device_train_batch_size": 16,
                                                          "num_processes": 1}})
@@ -222,8 +232,8 @@ def test_a_two_process_checkpoint_resumes_on_one_process(assets, sampled_two):
 
 @pytest.mark.slow
 def test_a_one_process_checkpoint_resumes_on_two_processes(assets, tmp_path):
-    """More processes: rank 0 takes the saved streams, rank 1 a stream seeded from (seed, step, rank); both then
-    save their own."""
+    """More processes: rank 0 takes the saved streams, rank 1 a stream seeded from (seed, step, rank); both
+    then save their own."""
     one = {**SAMPLED, "train": {**SAMPLED["train"], "per_device_train_batch_size": 16, "num_processes": 1,
                                 "max_steps": 2}}
     launch(tmp_path / "one", *assets, 1, one)

@@ -1,6 +1,6 @@
 """dvc.yaml's `params:` cover what each stage reads: the keys are derived from the inputs each stage is handed
-(``stage_inputs`` in flows/stages/<stage>.py, a record of sections and groups of `train:`), never listed twice by
-hand. A stage missing a key would let `dvc repro` serve an old calibration or evaluation as current."""
+(``stage_inputs`` in flows/stages/<stage>.py, a record of sections and groups of `train:`), never listed twice
+by hand. A stage missing a key would let `dvc repro` serve an old calibration or evaluation as current."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ STAGES = ["prepare", "convert", "validate", "calibrate", "train", "evaluate"]
 
 def dvc_params(stage: str) -> list[str]:
     spec = YAML(typ="safe", pure=True).load((ROOT / "dvc.yaml").read_text())["stages"][stage]
-    return [p for entry in spec.get("params", []) for p in ([entry] if isinstance(entry, str) else list(entry))]
+    return [p for entry in spec.get("params", [])
+            for p in ([entry] if isinstance(entry, str) else list(entry))]
 
 
 def covered(key: str, listed: list[str]) -> bool:
@@ -38,7 +39,8 @@ def test_dvc_yaml_lists_every_key_the_stage_reads(stage):
     cfg = load_config(ROOT / "params.yaml")
     read = params_read(importlib.import_module(f"flows.stages.{stage}").stage_inputs(cfg))
     assert read, stage
-    assert missing_keys(read, dvc_params(stage)) == [], f"dvc.yaml stages.{stage}.params misses keys {stage} reads"
+    assert (missing_keys(read, dvc_params(stage))
+            == []), f"dvc.yaml stages.{stage}.params misses keys {stage} reads"
 
 
 def test_the_sampling_stages_track_the_whole_generation_section():
@@ -55,7 +57,8 @@ def test_params_read_derives_keys_from_sections_groups_and_named_fields():
         generation: object
         calls: RewardCallOptions
         seed: int = dataclasses.field(default=0, metadata={"param": "train.seed"})
-        size: int = dataclasses.field(default=0, metadata={"param": ("train.num_generations", "train.num_processes")})
+        size: int = dataclasses.field(default=0,
+                                      metadata={"param": ("train.num_generations", "train.num_processes")})
 
     t = PipelineConfig().train
     assert params_read(Inputs(PipelineConfig().generation, t.reward_calls)) == [
@@ -64,12 +67,14 @@ def test_params_read_derives_keys_from_sections_groups_and_named_fields():
 
 
 def test_a_missing_key_is_caught():
-    """The check itself can fail: drop generation (or one train key) from calibrate's list and it reports them."""
+    """The check itself can fail: drop generation (or one train key) from calibrate's list and it reports
+    them."""
     cfg = load_config(ROOT / "params.yaml")
     read = params_read(importlib.import_module("flows.stages.calibrate").stage_inputs(cfg))
     listed = dvc_params("calibrate")
     assert missing_keys(read, [p for p in listed if p != "generation"]) == ["generation"]
-    assert missing_keys(read, [p for p in listed if p != "train.reward_timeout_s"]) == ["train.reward_timeout_s"]
+    assert (missing_keys(read, [p for p in listed if p != "train.reward_timeout_s"])
+            == ["train.reward_timeout_s"])
     assert covered("train.reward_errors", ["train"]) and not covered("train.reward_errors", ["training"])
 
 
@@ -84,8 +89,8 @@ def test_an_undeclared_section_cannot_be_read():
 @pytest.mark.parametrize("params_file", ["params.yaml", *sorted(p.relative_to(ROOT).as_posix()
                                                                  for p in (ROOT / "configs").glob("*.yaml"))])
 def test_every_key_dvc_yaml_tracks_is_written_in_params_and_each_recipe(params_file):
-    """`dvc repro` refuses a stage whose tracked key is missing from params.yaml ("Parameters ... are missing"):
-    params.yaml and every recipe a user copies over it must write each key dvc.yaml names."""
+    """`dvc repro` refuses a stage whose tracked key is missing from params.yaml ("Parameters ... are
+    missing"): params.yaml and every recipe a user copies over it must write each key dvc.yaml names."""
     values = YAML(typ="safe", pure=True).load((ROOT / params_file).read_text())
 
     def present(key: str) -> bool:

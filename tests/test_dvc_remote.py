@@ -20,7 +20,8 @@ from tests.test_pipeline import DVC, GIT, STAGES, built_pipeline, copy_repo, pip
 from tests.test_servers import Server, free_port
 
 pytestmark = pytest.mark.slow
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "grpo", "AWS_SECRET_ACCESS_KEY": "grpo-secret", "AWS_DEFAULT_REGION": "us-east-1"}
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "grpo", "AWS_SECRET_ACCESS_KEY": "grpo-secret",
+               "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +29,10 @@ def s3_server(tmp_path_factory):
     """moto's S3 server on 127.0.0.1 with the compose file's bucket `dvc`; yields its endpoint URL."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = Server("moto S3 server", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                    f"{url}/moto-api/", {**os.environ, **CREDENTIALS}, tmp_path_factory.mktemp("moto") / "server.log")
+    server = Server("moto S3 server",
+                    [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                    f"{url}/moto-api/", {**os.environ, **CREDENTIALS},
+                    tmp_path_factory.mktemp("moto") / "server.log")
     server.start(timeout=60)
     try:
         import boto3
@@ -43,8 +46,8 @@ def s3_server(tmp_path_factory):
 
 
 def sh(repo: Path, *cmd: str) -> str:
-    proc = subprocess.run(list(cmd), cwd=repo, env=pipeline_env(**CREDENTIALS), capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(list(cmd), cwd=repo, env=pipeline_env(**CREDENTIALS), capture_output=True,
+                          text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{out[-4000:]}"
     return out
@@ -64,7 +67,8 @@ def test_push_then_a_fresh_clone_pulls_and_repro_does_no_work(tmp_path_factory, 
     sh(team, DVC, "remote", "modify", "--local", "minio", "endpointurl", url)  # this machine only
     pushed = sh(team, DVC, "push", "-r", "minio")
     assert "pushed" in pushed
-    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="dvc") for o in page.get("Contents", [])]
+    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="dvc")
+            for o in page.get("Contents", [])]
     assert keys and all(k.startswith("grpo-pipeline/files/md5/") for k in keys), keys[:5]
 
     clone = tmp_path_factory.mktemp("teammate") / "repo"

@@ -37,11 +37,13 @@ class FakeAccelerator:
 
 def fake_rows(rewards_per_group: list[list[float]], tag: int) -> Round:
     """A sampled round whose group g has the given rewards; prompt_ids hold (tag, g) to trace rows."""
-    rewards = torch.tensor([r for group in rewards_per_group for r in group], dtype=torch.float32).unsqueeze(1)
+    rewards = torch.tensor([r for group in rewards_per_group for r in group],
+                           dtype=torch.float32).unsqueeze(1)
     n, G = len(rewards), len(rewards_per_group[0])
     ids = torch.tensor([[tag, i // G] for i in range(n)])
     return Round(prompt_ids=ids, prompt_mask=torch.ones(n, 2, dtype=torch.long),
-                 completion_ids=torch.ones(n, 3, dtype=torch.long), completion_mask=torch.ones(n, 3, dtype=torch.long),
+                 completion_ids=torch.ones(n, 3, dtype=torch.long),
+                 completion_mask=torch.ones(n, 3, dtype=torch.long),
                  is_truncated=torch.zeros(n, dtype=torch.bool), advantages=torch.zeros(n), rewards=rewards,
                  metrics={"generation_time": 1.0, "reward_errors": 0.0, "reward_timeouts": 0.0})
 
@@ -82,7 +84,8 @@ def test_at_the_cap_tied_groups_fill_the_round_and_are_counted():
     all_tied = [fake_rows([[1, 1], [2, 2], [0, 0]], tag) for tag in (1, 2)]
     filled, _ = fill(all_tied + [fake_rows([[0, 1], [0, 1], [0, 1]], 3)], max_rounds=2)
     assert len(filled.round) == 6 and filled.pending is None
-    assert filled.metrics["dynamic/tied_groups_used"] == 3 and filled.metrics["dynamic/generation_rounds"] == 2
+    assert (filled.metrics["dynamic/tied_groups_used"] == 3
+            and filled.metrics["dynamic/generation_rounds"] == 2)
     assert torch.equal(filled.round.advantages, torch.zeros(6))
 
 
@@ -102,8 +105,8 @@ def test_in_training_tied_groups_never_reach_the_loss(assets, tmp_path, monkeypa
         return real(self, logps, old, ref, advantages, mask, **kw)
 
     monkeypatch.setattr(GRPOLoss, "__call__", recording)
-    cfg = tiny_config(model_dir, data, HALF_TIED, max_steps=3, dynamic_sampling=True, dynamic_sampling_max_rounds=8,
-                      per_device_train_batch_size=16, num_generations=4)
+    cfg = tiny_config(model_dir, data, HALF_TIED, max_steps=3, dynamic_sampling=True,
+                      dynamic_sampling_max_rounds=8, per_device_train_batch_size=16, num_generations=4)
     train(cfg, root=tmp_path, progress=False)
     assert len(seen) == 3 and all(len(a) == 16 for a in seen)  # the batch stays full
     for advantages in seen:
@@ -116,20 +119,22 @@ def test_in_training_tied_groups_never_reach_the_loss(assets, tmp_path, monkeypa
 
 def test_dynamic_sampling_resumes_exactly_with_its_pending_groups(assets, tmp_path):
     model_dir, data = assets
-    knobs = {"dynamic_sampling": True, "save_steps": 2, "per_device_train_batch_size": 12, "num_generations": 4,
-             "learning_rate": 1e-2}
+    knobs = {"dynamic_sampling": True, "save_steps": 2, "per_device_train_batch_size": 12,
+             "num_generations": 4, "learning_rate": 1e-2}
     whole = train(tiny_config(model_dir, data, HALF_TIED, max_steps=4, **knobs), root=tmp_path / "whole",
                   progress=False)
     saved = [torch.load(c / "pending_groups.pt", weights_only=True) for c in
              sorted(whole.checkpoint_dir.glob("checkpoint-*"))]
     assert any(entry[0] is not None for entry in saved)  # a surplus was pending at some checkpoint
-    train(tiny_config(model_dir, data, HALF_TIED, max_steps=2, **knobs), root=tmp_path / "split", progress=False)
+    train(tiny_config(model_dir, data, HALF_TIED, max_steps=2, **knobs), root=tmp_path / "split",
+          progress=False)
     split = train(tiny_config(model_dir, data, HALF_TIED, max_steps=4, **knobs), root=tmp_path / "split",
                   progress=False)
     assert split.resumed_from.name == "checkpoint-2"
     a, b = load_file(whole.model_dir / "model.safetensors"), load_file(split.model_dir / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    whole_log, split_log = read_log(tmp_path / "whole/metrics/train_log.csv"), read_log(tmp_path / "split/metrics/train_log.csv")
+    whole_log, split_log = (read_log(tmp_path / "whole/metrics/train_log.csv"),
+                            read_log(tmp_path / "split/metrics/train_log.csv"))
     for key in ("loss", "dynamic/groups_dropped", "dynamic/generation_rounds"):
         assert [r[key] for r in whole_log] == [r[key] for r in split_log], key
 

@@ -91,7 +91,8 @@ def test_demonstration_format():
     clean = problem.completion()
     assert (
         clean
-        == f"<reasoning>\n{problem.a}{problem.op}{problem.b}={problem.result}\n</reasoning>\n<answer>\n{problem.result}\n</answer>"
+        == f"<reasoning>\n{problem.a}{problem.op}{problem.b}={problem.result}\n</reasoning>\n<answer>\n"
+           f"{problem.result}\n</answer>"
     )
     assert mc_problem.completion().endswith(f"<answer>\n\\boxed{{{mc_problem.answer}}}\n</answer>")
     strict, soft = strict_format(), soft_format()

@@ -1,5 +1,5 @@
-"""The embedded agentic recipe's parts (configs/embedded-tools.yaml): the calculator task, the calculator tool, the
-tool-calling chat template and the warm start's multi-turn transcripts."""
+"""The embedded agentic recipe's parts (configs/embedded-tools.yaml): the calculator task, the calculator
+tool, the tool-calling chat template and the warm start's multi-turn transcripts."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def problem(template: int = 0, operands=(123, 45), guess: int = 5600) -> Calcula
     return CalculatorProblem(template, "Mia", "pens", operands, guess)
 
 
-# --- the tool ------------------------------------------------------------------------------------------------
+# --- the tool -----------------------------------------------------------------------------------------------
 
 
 def test_calculator_schema_is_what_get_json_schema_reads_from_its_hints_and_docstring():
@@ -74,7 +74,8 @@ def test_calculator_schema_is_what_get_json_schema_reads_from_its_hints_and_docs
                 "type": "object",
                 "properties": {"expression": {
                     "type": "string",
-                    "description": 'integers joined by +, - or * (parentheses allowed), e.g. "123*45" or "120+305+998".',
+                    "description": 'integers joined by +, - or * (parentheses allowed), '
+                                   'e.g. "123*45" or "120+305+998".',
                 }},
                 "required": ["expression"],
             },
@@ -94,13 +95,13 @@ def test_calculator_evaluates_integer_arithmetic(expression, value):
 @pytest.mark.parametrize("expression, message", [
     ("2**10", "not Pow"),
     ("10**100000", "not Pow"),  # a huge exponent: refused before anything is computed
-    ("7/2", "not Div"), ("7//2", "not FloorDiv"), ("7%2", "not Mod"), ("1<<3", "not LShift"), ("~1", "not Invert"),
-    ("x", "not Name"), ("x*2", "not Name"),
+    ("7/2", "not Div"), ("7//2", "not FloorDiv"), ("7%2", "not Mod"), ("1<<3", "not LShift"),
+    ("~1", "not Invert"), ("x", "not Name"), ("x*2", "not Name"),
     ("__import__('os').system('true')", "not Call"), ("abs(-1)", "not Call"),
     ("(1).real", "not Attribute"), ("[1][0]", "not Subscript"), ("lambda: 1", "not Lambda"),
     ("1 if 1 else 2", "not IfExp"), ("1<2", "not Compare"), ("(1, 2)", "not Tuple"),
-    ("1.5", "a float literal"), ("1e3", "a float literal"), ("2j", "a complex literal"), ("True", "a bool literal"),
-    ("'a'*3", "a str literal"),
+    ("1.5", "a float literal"), ("1e3", "a float literal"), ("2j", "a complex literal"),
+    ("True", "a bool literal"), ("'a'*3", "a str literal"),
     ("123 times 45", INVALID), ("", INVALID), ("import os", INVALID), ("1;2", INVALID), ("1=1", INVALID),
     ("(" * 150 + "1" + ")" * 50, "longer than 200 characters"),
 ])
@@ -114,7 +115,7 @@ def test_calculator_refuses_a_non_string_argument():
         calculator(123)  # type: ignore[arg-type]
 
 
-# --- the task ------------------------------------------------------------------------------------------------
+# --- the task -----------------------------------------------------------------------------------------------
 
 
 def test_splits_are_deterministic_disjoint_chat_rows_with_independently_computed_answers():
@@ -176,7 +177,7 @@ def test_correctness_scores_the_tool_path_one_and_the_guesses_zero():
         "expression": "123 plus 456 plus 789"}
 
 
-# --- the chat template ---------------------------------------------------------------------------------------
+# --- the chat template --------------------------------------------------------------------------------------
 
 
 def conversation(p: CalculatorProblem | None = None) -> list[dict]:
@@ -185,7 +186,8 @@ def conversation(p: CalculatorProblem | None = None) -> list[dict]:
 
 
 def test_template_renders_the_hermes_layout_with_compact_markers(tok):
-    assert tok.apply_chat_template(conversation(), tools=TOOLS, tokenize=False) == PROMPT + CALL + RESULT + ANSWER
+    assert (tok.apply_chat_template(conversation(), tools=TOOLS, tokenize=False)
+            == PROMPT + CALL + RESULT + ANSWER)
     user = [{"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(user, tools=TOOLS, add_generation_prompt=True, tokenize=False) == (
         "<|system|>tools: calculator(expression: string)<|user|>hi<|assistant|>")
@@ -197,11 +199,13 @@ def test_template_renders_the_hermes_layout_with_compact_markers(tok):
     two_calls = [*user, {"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1+1"}}},
         {"type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2*3"}'}}]},
-        {"role": "tool", "name": "calculator", "content": "2"}, {"role": "tool", "name": "calculator", "content": "6"}]
+        {"role": "tool", "name": "calculator", "content": "2"},
+        {"role": "tool", "name": "calculator", "content": "6"}]
     assert tok.apply_chat_template(two_calls, tokenize=False) == (
-        '<|user|>hi<|assistant|><tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>'
-        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call><|eos|>'
-        "<|user|><tool_response>\n2\n</tool_response><tool_response>\n6\n</tool_response>")
+        '<|user|>hi<|assistant|><tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n'
+        '</tool_call><tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n'
+        '</tool_call><|eos|>' "<|user|><tool_response>\n2\n</tool_response><tool_response>\n6\n"
+                              "</tool_response>")
     with pytest.raises(Exception, match="unknown chat role: robot"):
         tok.apply_chat_template([{"role": "robot", "content": "x"}], tokenize=False)
 
@@ -229,9 +233,11 @@ def test_template_is_prefix_preserving_and_trl_appends_the_tool_result_tokens(to
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     assert is_chat_template_prefix_preserving(tok)
-    trainer = SimpleNamespace(processing_class=tok, _tokenizer=tok, chat_template=None, chat_template_kwargs={},
+    trainer = SimpleNamespace(processing_class=tok, _tokenizer=tok, chat_template=None,
+                              chat_template_kwargs={},
                               _is_vlm=False)  # what TRL 1.16's _get_tool_suffix_ids reads of the trainer
-    suffix = GRPOTrainer._get_tool_suffix_ids(trainer, [{"role": "tool", "name": "calculator", "content": "5535"}])
+    suffix = GRPOTrainer._get_tool_suffix_ids(trainer,
+                                              [{"role": "tool", "name": "calculator", "content": "5535"}])
     assert suffix == ids(tok, RESULT)
 
 
@@ -242,7 +248,8 @@ def test_the_models_turns_parse_back_into_messages(tok):
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "123*45"}}}
     assert tok.parse_response(ids(tok, CALL), prefix=prefix, tools=TOOLS) == {"role": "assistant",
                                                                                "tool_calls": [call]}
-    assert parse_response(tok, ids(tok, CALL), prefix=prefix, tools=TOOLS) == {"role": "assistant", "content": "",
+    assert parse_response(tok, ids(tok, CALL), prefix=prefix, tools=TOOLS) == {"role": "assistant",
+                                                                              "content": "",
                                                                               "tool_calls": [call]}
     after_result = ids(tok, PROMPT + CALL + RESULT)
     assert parse_response(tok, ids(tok, ANSWER), prefix=after_result, tools=TOOLS) == {
@@ -251,13 +258,15 @@ def test_the_models_turns_parse_back_into_messages(tok):
     [body] = re.findall(r"<tool_call>(.*?)</tool_call>", tok.decode(ids(tok, CALL)), re.DOTALL)
     assert json.loads(body) == call["function"]
     # broken JSON does not parse: TRL takes the turn for plain text
-    broken = ids(tok, '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12\n3"}}\n</tool_call><|eos|>')
+    broken = ids(tok,
+                 '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12\n3"}}\n'
+                 '</tool_call><|eos|>')
     assert "tool_calls" not in parse_response(tok, broken, prefix=prefix, tools=TOOLS)
 
 
 def test_the_rollout_core_parses_with_the_tokenizers_response_template(tok):
-    """grpo_core/tools/chat.py (what calibrate, train and evaluate sample with) reads the model's turns and appends
-    the tool result as the template writes it."""
+    """grpo_core/tools/chat.py (what calibrate, train and evaluate sample with) reads the model's turns and
+    appends the tool result as the template writes it."""
     from grpo_core.tools import ToolCall, ToolChat
 
     chat = ToolChat.for_tokenizer(tok)
@@ -281,7 +290,7 @@ def test_saved_tokenizer_keeps_its_template_parser_and_ids(tok, tmp_path, monkey
     assert set(ROLES) <= set(loaded.all_special_tokens)
 
 
-# --- the warm start ------------------------------------------------------------------------------------------
+# --- the warm start -----------------------------------------------------------------------------------------
 
 
 def test_transcript_tokens_and_masks_are_the_rollouts_concatenation(tok):
@@ -295,18 +304,22 @@ def test_transcript_tokens_and_masks_are_the_rollouts_concatenation(tok):
     assert mask == [1] * len(call) + [0] * len(result) + [1] * len(answer)
 
     _, completion_ids, mask = demonstration_tokens(tok, p.prompt, p.completion(guess=True), TOOLS)
-    assert completion_ids == ids(tok, "<answer>\n5600\n</answer><|eos|>") and mask == [1] * len(completion_ids)
+    assert (completion_ids == ids(tok, "<answer>\n5600\n</answer><|eos|>")
+            and mask == [1] * len(completion_ids))
 
     _, completion_ids, mask = demonstration_tokens(tok, p.prompt, p.completion(format_break=1), TOOLS)
-    error = ids(tok, "<|user|><tool_response>\n{'error': 'invalid expression'}\n</tool_response><|assistant|>")
+    error = ids(tok,
+                "<|user|><tool_response>\n{'error': 'invalid expression'}\n</tool_response><|assistant|>")
     bad_call = ids(tok, '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123 times 45"}}\n'
                         "</tool_call><|eos|>")
     assert completion_ids == bad_call + error + ids(tok, "<answer>\n5600\n</answer><|eos|>")
-    assert mask == [1] * len(bad_call) + [0] * len(error) + [1] * (len(completion_ids) - len(bad_call) - len(error))
+    assert (mask == [1] * len(bad_call) + [0] * len(error) + [1]
+            * (len(completion_ids) - len(bad_call) - len(error)))
 
     # text prompts (the word problems) learn every completion token
     assert demonstration_tokens(tok, "Add 1 and 2.", "<answer>\n3\n</answer>") == (
-        ids(tok, "Add 1 and 2."), ids(tok, ANSWER.replace("5535", "3")), [1] * len(ids(tok, ANSWER.replace("5535", "3"))))
+        ids(tok, "Add 1 and 2."), ids(tok, ANSWER.replace("5535", "3")),
+        [1] * len(ids(tok, ANSWER.replace("5535", "3"))))
 
 
 def test_warm_start_batches_learn_the_assistant_tokens_only(tok):
@@ -324,7 +337,8 @@ def test_warm_start_batches_learn_the_assistant_tokens_only(tok):
         assert all(lab[i] == IGNORE_INDEX for i in range(start))
         unlearnt = [i for i in range(start, n) if lab[i] == IGNORE_INDEX]
         text = tok.decode(row[start:n])
-        if "<tool_call>" in text:  # call <|eos|> | <|user|><tool_response>...</tool_response><|assistant|> | answer
+        # call <|eos|> | <|user|><tool_response>...</tool_response><|assistant|> | answer
+        if "<tool_call>" in text:
             end_of_call = start + row[start:].index(eos)
             answer = end_of_call + 1 + row[end_of_call + 1:].index(assistant) + 1
             assert row[end_of_call + 1] == user and unlearnt == list(range(end_of_call + 1, answer))
@@ -336,7 +350,7 @@ def test_warm_start_batches_learn_the_assistant_tokens_only(tok):
     assert kinds == {"tool", "guess", "error"}
 
 
-# --- prepare -------------------------------------------------------------------------------------------------
+# --- prepare ------------------------------------------------------------------------------------------------
 
 
 def test_prepare_builds_the_calculator_task(tmp_path, monkeypatch):
@@ -349,29 +363,35 @@ def test_prepare_builds_the_calculator_task(tmp_path, monkeypatch):
                          num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, warm_start_steps=3,
                          warm_start_batch_size=8, label_noise=0.6)
     summary = prepare(cfg, log=None)
-    assert summary["template_wrong_op_rates"] == [round(r, 4) for r in template_noise(0.6, 0.3, len(TEMPLATES))]
+    assert (summary["template_wrong_op_rates"]
+            == [round(r, 4) for r in template_noise(0.6, 0.3, len(TEMPLATES))])
     rows = [json.loads(line) for line in Path(cfg.data_dir, "eval.jsonl").read_text().splitlines()]
-    assert len(rows) == 10 and all(r["task"] == "calculator" and r["prompt"][0]["role"] == "user" for r in rows)
+    assert len(rows) == 10 and all(r["task"] == "calculator" and r["prompt"][0]["role"] == "user"
+                                   for r in rows)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     loaded = AutoTokenizer.from_pretrained(cfg.model_dir)
     model = AutoModelForCausalLM.from_pretrained(cfg.model_dir)
     assert model.config.vocab_size == len(loaded) and loaded.response_template == RESPONSE_TEMPLATE
-    prompt = loaded.apply_chat_template(rows[0]["prompt"], tools=TOOLS, add_generation_prompt=True, tokenize=False)
-    assert prompt == f"<|system|>tools: calculator(expression: string)<|user|>{rows[0]['prompt'][0]['content']}" \
-                     "<|assistant|>"
+    prompt = loaded.apply_chat_template(rows[0]["prompt"], tools=TOOLS, add_generation_prompt=True,
+                                        tokenize=False)
+    assert (
+        prompt == f"<|system|>tools: calculator(expression: string)<|user|>{rows[0]['prompt'][0]['content']}"
+        "<|assistant|>"
+    )
     assert set(vocabulary_words()) >= set(NAMES) | set(OBJECTS) | {"times", "plus", "What", "Multiply"}
     with pytest.raises(ValueError, match="cannot be mixed"):
-        prepare(EmbeddedConfig(tasks=["calculator", "arithmetic"], max_operand=999, data_dir=str(tmp_path / "d2"),
-                               model_dir=str(tmp_path / "m2")), log=None)
+        prepare(EmbeddedConfig(tasks=["calculator", "arithmetic"], max_operand=999,
+                               data_dir=str(tmp_path / "d2"), model_dir=str(tmp_path / "m2")), log=None)
 
 
-# --- the recipe ----------------------------------------------------------------------------------------------
+# --- the recipe ---------------------------------------------------------------------------------------------
 
 # What configs/embedded-tools.yaml changes of params.yaml (its header says why), besides the rewards and the
 # reward-hacking guard's format reward; nothing else may differ.
 RECIPE_CHANGES = {
-    ("embedded", "tasks"): ["calculator"], ("embedded", "max_operand"): 99, ("embedded", "warm_start_steps"): 600,
-    ("embedded", "label_noise"): 0.6, ("generation", "max_completion_length"): 64, ("train", "max_steps"): 200,
+    ("embedded", "tasks"): ["calculator"], ("embedded", "max_operand"): 99,
+    ("embedded", "warm_start_steps"): 600, ("embedded", "label_noise"): 0.6,
+    ("generation", "max_completion_length"): 64, ("train", "max_steps"): 200,
     ("train", "tools"): ["grpo_core.embedded.tools:calculator"], ("train", "max_tool_calling_iterations"): 1,
     ("train", "async_rollouts"): False,
 }
@@ -391,7 +411,8 @@ def test_recipe_is_params_yaml_with_the_calculator_task():
     module, _, name = cfg.train.tool_use.tools[0].partition(":")
     assert getattr(importlib.import_module(module), name) is calculator
     undo_recipe_changes(recipe, default, RECIPE_CHANGES)
-    assert recipe["rewards"] == [{"name": "correctness", "function": "correctness", "kwargs": {}, "target_share": 1.0}]
+    assert (recipe["rewards"]
+            == [{"name": "correctness", "function": "correctness", "kwargs": {}, "target_share": 1.0}])
     assert recipe["guards"]["reward_hacking"]["format_reward"] is None  # no format reward to watch
     recipe["rewards"], recipe["guards"]["reward_hacking"]["format_reward"] = default["rewards"], "format"
     assert recipe == default

@@ -1,5 +1,5 @@
-"""The hand-written Qwen2/Llama forward (grpo_core/model/fastforward.py) against the HF forward: the same per-token
-log-probs, entropies and parameter gradients; models it cannot reproduce fall back to HF."""
+"""The hand-written Qwen2/Llama forward (grpo_core/model/fastforward.py) against the HF forward: the same
+per-token log-probs, entropies and parameter gradients; models it cannot reproduce fall back to HF."""
 
 from __future__ import annotations
 
@@ -39,11 +39,13 @@ def scored(model, mb, forward, grad=True, temperature=0.7, padding_free=True):
     model.zero_grad(set_to_none=True)
     with torch.set_grad_enabled(grad):
         logps, entropy, mask = policy_logprobs(model, as_round(mb), logprob_options(
-            temperature=temperature, forward_backend=forward, padding_free=padding_free), compute_entropy=True)
+            temperature=temperature, forward_backend=forward, padding_free=padding_free),
+                                               compute_entropy=True)
         if grad:
             weights = torch.linspace(-1.0, 1.0, logps.numel()).view_as(logps)
             ((logps * weights).sum() + 0.3 * entropy.sum()).backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None} if grad else {}
+    grads = ({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None} if grad
+             else {})
     return logps.detach(), entropy.detach(), grads
 
 
@@ -104,11 +106,13 @@ def test_unsupported_models_fall_back_to_hf(monkeypatch):
     checkpointed = qwen2().train()
     checkpointed.gradient_checkpointing_enable()
     dropout = qwen2(attention_dropout=0.1)
-    sliding = Qwen2ForCausalLM(Qwen2Config(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                           num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
-                                           sliding_window=4, max_window_layers=0)).eval()
+    sliding = Qwen2ForCausalLM(Qwen2Config(vocab_size=37, hidden_size=32, intermediate_size=48,
+                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                           use_sliding_window=True, sliding_window=4,
+                                           max_window_layers=0)).eval()
     patched = qwen2()
-    patched.forward = patched.forward  # an instance attribute: a wrapped forward (accelerate autocast does so)
+    # an instance attribute: a wrapped forward (accelerate autocast does so)
+    patched.forward = patched.forward
     for model in (checkpointed, dropout, sliding, patched):
         assert not fastforward.use_manual_forward(model, "auto")
         with pytest.raises(ValueError, match="cannot run"):
@@ -145,7 +149,8 @@ def test_padding_tokens_never_reach_the_dense_layers(monkeypatch):
 
     monkeypatch.setattr(fastforward, "run_layers", counting)
     with torch.no_grad():
-        logps, _, mask = policy_logprobs(model, as_round(mb), logprob_options(temperature=1.0, forward_backend="manual"),
+        logps, _, mask = policy_logprobs(model, as_round(mb),
+                                         logprob_options(temperature=1.0, forward_backend="manual"),
                                          compute_entropy=False)
     width = mask.shape[1]
     later = int(mb["completion_mask"][:, :width - 1].sum())  # the last completion column is never an input
@@ -191,7 +196,8 @@ def test_padding_free_off_runs_every_column_with_the_same_numbers(monkeypatch):
     on, _, _ = scored(model, mb, "manual", grad=False)
     seen = []
     real_run_layers = fastforward.run_layers
-    monkeypatch.setattr(fastforward, "run_layers", lambda x, *a, **k: seen.append(x.shape[0]) or real_run_layers(x, *a, **k))
+    monkeypatch.setattr(fastforward, "run_layers",
+                        lambda x, *a, **k: seen.append(x.shape[0]) or real_run_layers(x, *a, **k))
     off, _, _ = scored(model, mb, "manual", grad=False, padding_free=False)
     U, P, B, K = 5, mb["prompt_ids"].shape[1], mb["prompt_ids"].shape[0], off.shape[1]
     assert seen == [U * P + B * (K - 1)]

@@ -27,7 +27,8 @@ write_dir_atomic(Path(sys.argv[1]), fill)
 def test_a_killed_write_keeps_the_old_folder_and_the_next_write_removes_its_leftovers(tmp_path):
     model = tmp_path / "model"
     write_dir_atomic(model, lambda d: (d / "v").write_text("1"))
-    proc = subprocess.run([sys.executable, "-c", KILLED_WRITE, str(model)], env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run([sys.executable, "-c", KILLED_WRITE, str(model)],
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == -signal.SIGKILL
     assert (model / "v").read_text() == "1"  # the old folder is whole
     (tmp_path / ".model.x1y2.old").mkdir()  # as a kill between the two renames leaves it

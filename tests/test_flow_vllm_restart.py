@@ -1,9 +1,9 @@
-"""The Prefect flow over a vLLM server that dies mid-training and is started again: the train stage fails with the
-transient exit code, the flow retries it, the retry resumes from the last checkpoint, and every step reaches
-metrics/train_log.csv and MLflow once.
+"""The Prefect flow over a vLLM server that dies mid-training and is started again: the train stage fails with
+the transient exit code, the flow retries it, the retry resumes from the last checkpoint, and every step
+reaches metrics/train_log.csv and MLflow once.
 
-The pipeline is tests/test_pipeline.py's tiny embedded default with a head size vLLM's CPU attention takes (64 / 2),
-sampling in train through `python -m flows.serve` (generation.vllm_mode: server).
+The pipeline is tests/test_pipeline.py's tiny embedded default with a head size vLLM's CPU attention takes
+(64 / 2), sampling in train through `python -m flows.serve` (generation.vllm_mode: server).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 MAX_STEPS = 6
 KILL_AFTER = 2
 SERVER_TIMEOUT_S = 10  # generation.vllm_server_timeout: how long the stage waits for a server that went away
-OUTAGE_S = 20          # > SERVER_TIMEOUT_S, so the stage fails rather than reconnecting to the restarted server
+OUTAGE_S = 20          # > SERVER_TIMEOUT_S, so the stage fails rather than reconnecting to the restarted
+                       # server
 
 
 def steps(repo: Path) -> list[int]:
@@ -44,9 +45,10 @@ def edit_params(repo: Path, **sections: dict) -> None:
 
 
 class KillAndRestart(threading.Thread):
-    """Stops the server once train has logged KILL_AFTER steps, waits for the stage to fail on it, and starts a
-    server on the same port again (the flow's retry delay is longer than both). A server back within the stage's
-    own wait (generation.vllm_server_timeout) is found again without a retry: the outage here is longer."""
+    """Stops the server once train has logged KILL_AFTER steps, waits for the stage to fail on it, and starts
+    a server on the same port again (the flow's retry delay is longer than both). A server back within the
+    stage's own wait (generation.vllm_server_timeout) is found again without a retry: the outage here is
+    longer."""
 
     def __init__(self, repo: Path, server: Server, model_dir: Path, log_dir: Path):
         super().__init__(daemon=True)
@@ -103,7 +105,8 @@ def test_a_server_killed_mid_train_is_retried_by_the_flow_and_every_step_lands_o
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with get_client(sync_client=True) as client:
-        (task,) = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[result["flow_run_id"]])))
+        (task,) = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[result["flow_run_id"]])))
     assert task.run_count == 2 and task.state.is_completed()  # failed once (exit 1), retried, resumed
 
     client = mlflow_client(repo)
@@ -111,4 +114,5 @@ def test_a_server_killed_mid_train_is_retried_by_the_flow_and_every_step_lands_o
     runs = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{result['parent_run_id']}' "
                                                    "and tags.stage = 'train'")
     logged = [m.step for run in runs for m in client.get_metric_history(run.info.run_id, "loss")]
-    assert sorted(logged) == list(range(1, MAX_STEPS + 1))  # each step once, however many runs the tries opened
+    # each step once, however many runs the tries opened
+    assert sorted(logged) == list(range(1, MAX_STEPS + 1))

@@ -1,5 +1,5 @@
-"""train.cast_lm_head_to_fp32 (TRL's option, the ScaleRL recipe): the LM head computes float32 logits under bf16
-autocast and over bf16 weights, on every log-prob path, with the state-dict keys unchanged."""
+"""train.cast_lm_head_to_fp32 (TRL's option, the ScaleRL recipe): the LM head computes float32 logits under
+bf16 autocast and over bf16 weights, on every log-prob path, with the state-dict keys unchanged."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def test_the_head_computes_in_float32_under_bf16_autocast():
 
 
 def float32_head_logps(model, ids, mask, k, manual):
-    """By hand: the backbone's last hidden states (its own dtype; the hand-written stack's for the manual path,
-    whose bf16 kernels round differently), then a float32 head and log-softmax."""
+    """By hand: the backbone's last hidden states (its own dtype; the hand-written stack's for the manual
+    path, whose bf16 kernels round differently), then a float32 head and log-softmax."""
     from grpo_core.model.fastforward import hidden_states
 
     with torch.no_grad():
@@ -47,7 +47,8 @@ def float32_head_logps(model, ids, mask, k, manual):
 
 
 @pytest.mark.parametrize("path", [dict(forward="hf", fused_head=False), dict(forward="hf", fused_head=True),
-                                  dict(forward="manual", fused_head=True)], ids=["hf-logits", "fused", "manual"])
+                                  dict(forward="manual", fused_head=True)],
+                         ids=["hf-logits", "fused", "manual"])
 def test_every_log_prob_path_takes_the_float32_head_over_bf16_weights(path):
     model = qwen2().to(torch.bfloat16)  # an untied head
     ids = torch.randint(2, 37, (3, 10))
@@ -91,10 +92,12 @@ def test_training_with_it_under_bf16_keeps_the_checkpoint_layout(tmp_path):
     model_dir, data = make_tiny_model(tmp_path / "model"), make_prompts(tmp_path / "p.jsonl")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     for cast in ("0", "1"):
-        proc = subprocess.run([sys.executable, "-c", RUN, str(model_dir), str(data), str(tmp_path / cast), cast],
+        proc = subprocess.run([sys.executable, "-c", RUN, str(model_dir), str(data), str(tmp_path / cast),
+                               cast],
                               env=env, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-3000:]
-    plain, cast = (load_file(tmp_path / c / "out/checkpoints/checkpoint-2/model.safetensors") for c in ("0", "1"))
+    plain, cast = (load_file(tmp_path / c / "out/checkpoints/checkpoint-2/model.safetensors") for c in ("0",
+                                                                                                        "1"))
     assert sorted(plain) == sorted(cast) and all(plain[k].dtype == cast[k].dtype for k in plain)
     kl = [read_log(tmp_path / c / "metrics/train_log.csv")[-1]["kl"] for c in ("0", "1")]
     assert kl[0] != kl[1]  # the logits did change

@@ -1,10 +1,10 @@
-"""FSDP2 (infra/accelerate/fsdp2.yaml): two CPU processes (gloo, the train stage's CPU launcher) shard the policy and
-the reference with torch's fully_shard and train exactly as one unsharded process does on the same global batch;
-their checkpoints resume exactly on two processes and on one; the export loads with from_pretrained; a guard's
-rollback triggered on one process only acts on both, as on one process.
+"""FSDP2 (infra/accelerate/fsdp2.yaml): two CPU processes (gloo, the train stage's CPU launcher) shard the
+policy and the reference with torch's fully_shard and train exactly as one unsharded process does on the same
+global batch; their checkpoints resume exactly on two processes and on one; the export loads with
+from_pretrained; a guard's rollback triggered on one process only acts on both, as on one process.
 
-Tolerances: one process and two sum the same numbers in another order (float32), so losses agree to 1e-4 relative and
-weights to 1e-3 of how far training moved them; a resume on the same world size is bit-for-bit.
+Tolerances: one process and two sum the same numbers in another order (float32), so losses agree to 1e-4
+relative and weights to 1e-3 of how far training moved them; a resume on the same world size is bit-for-bit.
 """
 
 from __future__ import annotations
@@ -29,15 +29,16 @@ FSDP2 = str(REPO / "infra/accelerate/fsdp2.yaml")
 RUN = {"max_steps": 4, "save_steps": 2, "beta": 0.04, "sync_ref_model": True, "ref_model_sync_steps": 2,
        "ref_model_mixup_alpha": 0.5}
 SHARDED = {"per_device_train_batch_size": 8, "num_processes": 2, "accelerate_config": FSDP2}
-LOGGED = ("loss", "reward", "reward_std", "kl", "entropy", "grad_norm", "completions/mean_length", "num_tokens",
-          "learning_rate", "guard/skipped")
+LOGGED = ("loss", "reward", "reward_std", "kl", "entropy", "grad_norm", "completions/mean_length",
+          "num_tokens", "learning_rate", "guard/skipped")
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The same 4 steps on one unsharded process (batch 16) and on two sharded ones (8 each); checkpoints at 2, 4."""
+    """The same 4 steps on one unsharded process (batch 16) and on two sharded ones (8 each);
+    checkpoints at 2, 4."""
     d = tmp_path_factory.mktemp("fsdp")
     model, data = make_tiny_model(d / "model"), make_prompts(d / "train.jsonl")
     launch(d / "one", model, data, 1, {"train": RUN})
@@ -89,7 +90,8 @@ def test_the_sharded_export_loads_with_from_pretrained(runs):
 
     model = AutoModelForCausalLM.from_pretrained(runs / "two/out/model")
     assert type(model).__name__ == "Qwen2ForCausalLM"
-    assert json.loads((runs / "two/out/model/config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    assert (json.loads((runs / "two/out/model/config.json").read_text())["architectures"]
+            == ["Qwen2ForCausalLM"])
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
     assert_weights_agree(runs / "one/out/model/model.safetensors", runs / "two/out/model/model.safetensors",
                          runs / "model/model.safetensors")
@@ -99,7 +101,8 @@ def test_the_sharded_export_loads_with_from_pretrained(runs):
 
 def resumed_from(runs: Path, name: str, step: int) -> Path:
     root = runs / name
-    shutil.copytree(runs / f"two/out/checkpoints/checkpoint-{step}", root / f"out/checkpoints/checkpoint-{step}")
+    shutil.copytree(runs / f"two/out/checkpoints/checkpoint-{step}",
+                    root / f"out/checkpoints/checkpoint-{step}")
     return root
 
 
@@ -120,7 +123,8 @@ def test_a_sharded_checkpoint_resumes_on_one_process(runs):
     root = resumed_from(runs, "resume-one", 2)
     launch(root, runs / "model", runs / "train.jsonl", 1, {"train": RUN})
     assert_weights_agree(runs / "two/out/checkpoints/checkpoint-4/model.safetensors",
-                         root / "out/checkpoints/checkpoint-4/model.safetensors", runs / "model/model.safetensors")
+                         root / "out/checkpoints/checkpoint-4/model.safetensors",
+                         runs / "model/model.safetensors")
     resumed = read_log(root / "metrics/train_log.csv")
     assert [r["step"] for r in resumed] == ["3", "4"]
     for r1, r2 in zip(read_log(runs / "two/metrics/train_log.csv")[2:], resumed):
@@ -129,8 +133,9 @@ def test_a_sharded_checkpoint_resumes_on_one_process(runs):
 
 
 def test_a_nan_on_one_process_rolls_both_back_as_one_process_would(runs):
-    """Rank 0's loss of step 3 is NaN, rank 1's is not: both skip the micro-batch, the nonfinite guard rolls both
-    back to checkpoint-2 with the learning rate halved, and the log and weights match one process's run."""
+    """Rank 0's loss of step 3 is NaN, rank 1's is not: both skip the micro-batch, the nonfinite guard rolls
+    both back to checkpoint-2 with the learning rate halved, and the log and weights match one process's
+    run."""
     spec = {"guards": {"nonfinite": {"action": "rollback"}, "rollback_lr_factor": 0.5, "max_rollbacks": 1},
             "nan_loss_at": [3]}
     launch(runs / "guard-one", runs / "model", runs / "train.jsonl", 1, {**spec, "train": RUN})
@@ -140,11 +145,11 @@ def test_a_nan_on_one_process_rolls_both_back_as_one_process_would(runs):
     assert lrs == [1e-2, 1e-2, 5e-3, 5e-3]
     state = json.loads((runs / "guard-two/out/checkpoints/checkpoint-4/trainer_state.json").read_text())
     assert state["rollbacks"] == 1
-    assert_weights_agree(runs / "guard-one/out/model/model.safetensors", runs / "guard-two/out/model/model.safetensors",
-                         runs / "model/model.safetensors")
+    assert_weights_agree(runs / "guard-one/out/model/model.safetensors",
+                         runs / "guard-two/out/model/model.safetensors", runs / "model/model.safetensors")
 
 
-SHARDED_FORWARD = r"""
+SHARDED_FORWARD = """
 import os, sys, torch, torch.distributed as dist
 from transformers import AutoModelForCausalLM
 from grpo_core.model.fastforward import use_manual_forward
@@ -157,39 +162,41 @@ assert is_sharded(sharded) and not is_sharded(plain)
 assert use_manual_forward(plain, "auto") and not use_manual_forward(sharded, "auto")
 ids = torch.randint(5, 400, (3, 12)); mask = torch.ones_like(ids); mask[0, :4] = 0
 want, _ = token_logprobs_and_entropy(plain, ids, mask, logits_to_keep=5)
-got, _ = token_logprobs_and_entropy(sharded, ids, mask, logits_to_keep=5)  # auto forward: HF's, fused head inside it
+got, _ = token_logprobs_and_entropy(sharded, ids, mask, logits_to_keep=5)  # auto forward: HF's, \
+fused head inside it
 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 print("ok")
 """
 
 
 def test_a_sharded_model_is_scored_through_its_own_forward(runs):
-    """The hand-written forward reaches into submodules and would skip the root's weight gathering: a sharded model
-    is refused by it and scored through its own forward (the fused LM head scoring inside it), to the same
-    log-probs."""
+    """The hand-written forward reaches into submodules and would skip the root's weight gathering: a sharded
+    model is refused by it and scored through its own forward (the fused LM head scoring inside it), to the
+    same log-probs."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", SHARDED_FORWARD, str(runs / "model"), str(port)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", SHARDED_FORWARD, str(runs / "model"), str(port)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
 
 
 def test_a_sharded_policy_feeds_each_process_engine_one_parameter_at_a_time(tmp_path):
-    """generation.backend vllm under FSDP2: no whole copy of the policy besides each process's engine; after every
-    optimizer step the shards are gathered (one parameter at a time) into both engines, so after the last step each
-    engine scores fixed completions exactly as the exported policy does (float32 engine, 1e-4: see
-    tests/test_vllm_engine.py), and unlike the base."""
+    """generation.backend vllm under FSDP2: no whole copy of the policy besides each process's engine; after
+    every optimizer step the shards are gathered (one parameter at a time) into both engines, so after the
+    last step each engine scores fixed completions exactly as the exported policy does (float32 engine, 1e-4:
+    see tests/test_vllm_engine.py), and unlike the base."""
     from tests.distributed_worker import FIXED
     from tests.tiny import require_vllm
 
     require_vllm()
     from transformers import AutoModelForCausalLM
 
-    model = make_tiny_model(tmp_path / "model", hidden_size=64, heads=2)  # head size 32: one vLLM's CPU attention runs
+    # head size 32: one vLLM's CPU attention runs
+    model = make_tiny_model(tmp_path / "model", hidden_size=64, heads=2)
     data = make_prompts(tmp_path / "train.jsonl")
     steps = 2
     launch(tmp_path / "run", model, data, 2, {"engine": True, "train": {**SHARDED, "max_steps": steps}})

@@ -1,5 +1,6 @@
-"""A GGUF model.name_or_path: converted once into a safetensors folder (the `convert` stage), the same bytes on a
-re-run, later stages sent there; bad files fail naming the file and the reason, with exit 5 and nothing written."""
+"""A GGUF model.name_or_path: converted once into a safetensors folder (the `convert` stage), the same bytes
+on a re-run, later stages sent there; bad files fail naming the file and the reason, with exit 5 and nothing
+written."""
 
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ def write_gguf(path: Path, arch: str) -> Path:
     return path
 
 
-# The converted folder's files (sha256). Two conversions, in other folders at other times (2026-11-27, transformers
-# 5.19.0, gguf 0.19.0), wrote exactly these bytes; a third here - the test run's convert stage - must as well.
+# The converted folder's files (sha256). Two conversions, in other folders at other times (2026-11-27,
+# transformers 5.19.0, gguf 0.19.0), wrote exactly these bytes; a third here - the test run's convert
+# stage - must as well.
 CONVERTED_SHA256 = {
     "chat_template.jinja": "872be49dbb638044ad01b60388f48d469ff2980e5f0dccdc22ec907db54d0788",
     "config.json": "77f3c3aab6bf3aa6f443e660b5bd96505846a0b318a56836f2d4e0cc4c892e0e",
@@ -58,8 +60,8 @@ CONVERTED_SHA256 = {
 @pytest.mark.slow
 def test_conversion_is_the_real_smollm2_and_deterministic(converted_smollm2):
     """The folder is SmolLM2-135M-Instruct as the hub ships it (Llama, 30 layers, 134.5M parameters, 49,152
-    tokens, ChatML template, <|im_end|> as EOS and pad), no GGUF quantization entry left, and the same bytes as
-    every earlier conversion (CONVERTED_SHA256)."""
+    tokens, ChatML template, <|im_end|> as EOS and pad), no GGUF quantization entry left, and the same bytes
+    as every earlier conversion (CONVERTED_SHA256)."""
     from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(converted_smollm2)
@@ -88,7 +90,8 @@ def test_converted_weights_equal_transformers_own_dequantization(converted_smoll
     gguf = smollm2_gguf()
     direct = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     saved = load_file(converted_smollm2 / "model.safetensors")
-    expected = {k: v for k, v in direct.state_dict().items() if k != "lm_head.weight"}  # tied to the embedding
+    # tied to the embedding
+    expected = {k: v for k, v in direct.state_dict().items() if k != "lm_head.weight"}
     assert set(saved) == set(expected)
     assert all(torch.equal(saved[k], expected[k]) for k in expected)
     tok = AutoTokenizer.from_pretrained(converted_smollm2)
@@ -118,7 +121,8 @@ def test_truncated_gguf_is_named(tmp_path):
     cut = tmp_path / "cut.gguf"
     with open(smollm2_gguf(), "rb") as src:
         cut.write_bytes(src.read(8 << 20))
-    with pytest.raises(GGUFError, match=r"cut.gguf is a truncated or corrupt GGUF file: ValueError: cannot reshape"):
+    with pytest.raises(GGUFError,
+                       match=r"cut.gguf is a truncated or corrupt GGUF file: ValueError: cannot reshape"):
         read_architecture(cut)
 
 
@@ -135,7 +139,8 @@ def test_corrupt_header_is_named(tmp_path):
 def test_an_architecture_transformers_cannot_dequantize_is_named(tmp_path):
     odd = write_gguf(tmp_path / "odd.gguf", "made-up-arch")
     assert read_architecture(odd) == "made-up-arch"
-    with pytest.raises(GGUFError, match=r"cannot load the 'made-up-arch' model in .*odd.gguf: .*not supported"):
+    with pytest.raises(GGUFError,
+                       match=r"cannot load the 'made-up-arch' model in .*odd.gguf: .*not supported"):
         convert_gguf(odd, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

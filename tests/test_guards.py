@@ -28,7 +28,8 @@ def test_calm_metrics_raise_nothing():
 @pytest.mark.parametrize("key, value, cfg_kwargs, guard", [
     ("kl", 1.5, {"kl_max": ThresholdGuard(1.0, "rollback")}, "kl_max"),
     ("entropy", 0.05, {"entropy_min": ThresholdGuard(0.1, "stop")}, "entropy_min"),
-    ("completions/clipped_ratio", 0.9, {"clipped_ratio_max": ThresholdGuard(0.5, "skip_step")}, "clipped_ratio_max"),
+    ("completions/clipped_ratio", 0.9, {"clipped_ratio_max": ThresholdGuard(0.5, "skip_step")},
+     "clipped_ratio_max"),
 ])
 def test_threshold_guards_fire_with_their_action(key, value, cfg_kwargs, guard):
     cfg = GuardsConfig(**cfg_kwargs)
@@ -38,9 +39,9 @@ def test_threshold_guards_fire_with_their_action(key, value, cfg_kwargs, guard):
 
 
 def test_a_window_guard_ignores_a_one_step_spike_and_acts_on_a_sustained_level():
-    """window 5: the median of the last five steps. The KL trace of a real run (embedded default, seed 11) with its
-    one-step estimator spike of 4.12 at step 45 passes; a run whose KL stays above the threshold is caught on the
-    third high step of five."""
+    """window 5: the median of the last five steps. The KL trace of a real run (embedded default, seed 11)
+    with its one-step estimator spike of 4.12 at step 45 passes; a run whose KL stays above the threshold is
+    caught on the third high step of five."""
     mon = GuardMonitor(GuardsConfig(kl_max=ThresholdGuard(2.0, "rollback", window=5)))
     calm_with_spike = [0.05, 0.08, 0.11, 0.07, 4.12, 0.09, 0.1, 0.06, 0.08, 0.07]
     assert [mon.check(s, {**CALM, "kl": kl}) for s, kl in enumerate(calm_with_spike, start=41)] == [[]] * 10
@@ -49,7 +50,8 @@ def test_a_window_guard_ignores_a_one_step_spike_and_acts_on_a_sustained_level()
     assert events[:2] == [[], []]
     (event,) = events[2]
     assert event.guard == "kl_max" and event.action == "rollback"
-    assert event.message == ("step 53: median kl of the last 5 steps 2.5 (this step 2.8) is above the threshold 2")
+    assert event.message == ("step 53: median kl of the last 5 steps 2.5 (this step 2.8) is above the "
+                             "threshold 2")
     mon.reset_history()  # after a rollback the window restarts: four high values are not yet a full window
     assert all(mon.check(s, {**CALM, "kl": 3.0}) == [] for s in range(48, 52))
     assert mon.check(52, {**CALM, "kl": 3.0})[0].guard == "kl_max"
@@ -57,7 +59,8 @@ def test_a_window_guard_ignores_a_one_step_spike_and_acts_on_a_sustained_level()
 
 def test_window_one_is_each_step_alone_and_a_window_is_validated():
     mon = GuardMonitor(GuardsConfig(entropy_min=ThresholdGuard(0.1, "warn")))
-    assert mon.check(1, {**CALM, "entropy": 0.05})[0].message == "step 1: entropy=0.05 is below the threshold 0.1"
+    assert (mon.check(1, {**CALM, "entropy": 0.05})[0].message
+            == "step 1: entropy=0.05 is below the threshold 0.1")
     with pytest.raises(ConfigError, match="guards.kl_max.window"):
         config_from_dict({"data": {"train_files": ["x.jsonl"]}, "rewards": [{"name": "a", "function": "b"}],
                           "guards": {"kl_max": {"threshold": 1.0, "window": 0}}})
@@ -115,7 +118,8 @@ def test_a_reward_scoring_nothing_for_n_steps_in_a_row_fires_naming_it():
     assert monitor.check(4, silent) == [] and monitor.check(5, {**silent, "rewards/format/mean": None}) == []
     (event,) = monitor.check(6, silent)
     assert (event.guard, event.action) == ("reward_silent", "stop")
-    assert event.message.startswith("step 6: reward 'format' scored none of the completions") and "3 steps" in event.message
+    assert (event.message.startswith("step 6: reward 'format' scored none of the completions")
+            and "3 steps" in event.message)
     monitor.reset_history()  # a rollback: the steps counted no longer exist
     assert monitor.check(7, silent) == []
 

@@ -21,8 +21,8 @@ def project_modules() -> dict[str, Path]:
 
 
 def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
-    """The project modules ``path`` imports anywhere in it: ``from a.b import c`` is a.b.c when that is a module,
-    else a.b (importing a package's name, not its submodules)."""
+    """The project modules ``path`` imports anywhere in it: ``from a.b import c`` is a.b.c when that is a
+    module, else a.b (importing a package's name, not its submodules)."""
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -93,7 +93,8 @@ def test_design_doc_names_every_module_and_only_modules_that_exist():
     (packages rewards/, tools/ and embedded/ as a whole) it does not name, fails here."""
     import re
 
-    named = set(re.findall(r"^- `(grpo_core/[a-z_/]*(?:\.py|/))`", (REPO / "docs/design.md").read_text(), re.M))
+    named = set(re.findall(r"^- `(grpo_core/[a-z_/]*(?:\.py|/))`", (REPO / "docs/design.md").read_text(),
+                           re.M))
     missing = sorted(p for p in named if not (REPO / p).exists())
     assert not missing, f"docs/design.md names modules that are gone: {missing}"
     whole = {p for p in named if p.endswith("/")}
@@ -125,7 +126,8 @@ def layer_of(module: str) -> int:
 
 
 def test_layer_of_places_modules_and_refuses_strays():
-    assert layer_of("grpo_core.train.loop") > layer_of("grpo_core.model.logprobs") > layer_of("grpo_core.loss")
+    assert (layer_of("grpo_core.train.loop") > layer_of("grpo_core.model.logprobs")
+            > layer_of("grpo_core.loss"))
     with pytest.raises(AssertionError, match="in no layer"):
         layer_of("grpo_core.somewhere_new")
 

@@ -21,7 +21,9 @@ def placeholders(node) -> set[str]:
     return set(PLACEHOLDER.findall(node)) if isinstance(node, str) else set()
 
 
-@pytest.mark.parametrize("name", ["gpu-process-pool.json", "gpu-kubernetes-pool.json", "multinode-kubernetes-pool.json"])
+@pytest.mark.parametrize("name",
+                         ["gpu-process-pool.json", "gpu-kubernetes-pool.json",
+                          "multinode-kubernetes-pool.json"])
 def test_work_pool_templates_declare_every_placeholder_they_use(name):
     template = json.loads((INFRA / "prefect" / name).read_text())
     used = placeholders(template["job_configuration"])
@@ -43,7 +45,8 @@ def render_multinode(**values) -> dict:
 
     template = json.loads((INFRA / "prefect/multinode-kubernetes-pool.json").read_text())
     defaults = {k: v.get("default") for k, v in template["variables"]["properties"].items()}
-    return apply_values(template["job_configuration"], {**defaults, "command": "prefect flow-run execute", **values})
+    return apply_values(template["job_configuration"],
+                        {**defaults, "command": "prefect flow-run execute", **values})
 
 
 def test_the_multinode_template_renders_one_indexed_job_of_a_pod_per_machine():
@@ -56,7 +59,8 @@ def test_the_multinode_template_renders_one_indexed_job_of_a_pod_per_machine():
     env = {e["name"]: e for e in container["env"]}
     assert env["MACHINE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == (
         "metadata.annotations['batch.kubernetes.io/job-completion-index']")
-    assert env["JOB_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['batch.kubernetes.io/job-name']"
+    assert (env["JOB_NAME"]["valueFrom"]["fieldRef"]["fieldPath"]
+            == "metadata.labels['batch.kubernetes.io/job-name']")
     claim = {v["name"]: v for v in pod["volumes"]}["workspace"]["persistentVolumeClaim"]["claimName"]
     assert claim == "grpo-workspace"
     assert {"name": "workspace", "mountPath": "/workspace/grpo-pipeline"} in container["volumeMounts"]
@@ -80,7 +84,8 @@ def test_pod_0_runs_the_flow_and_the_others_join_its_train_stage(tmp_path, rank,
         stub.write_text(f'#!/bin/sh\necho "{tool} $* | $PWD | $MACHINE_RANK $MAIN_PROCESS_IP $LAUNCH_ID"\n')
         stub.chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "JOB_NAME": "grpo-pipeline-x7k2p", "MACHINE_RANK": rank}
-    out = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+    out = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True,
+                         check=True).stdout.strip()
     command, cwd, seen = out.split(" | ")
     assert command == runs
     assert seen == f"{rank} grpo-pipeline-x7k2p-0.grpo-train grpo-pipeline-x7k2p"  # every pod finds pod 0

@@ -1,5 +1,6 @@
-"""Rewards marked `isolated: true` run in a worker process: a call past its timeout ends the work (the worker is
-killed), where a plain reward's timed-out call is abandoned in a thread that goes on; errors and values come back."""
+"""Rewards marked `isolated: true` run in a worker process: a call past its timeout ends the work (the worker
+is killed), where a plain reward's timed-out call is abandoned in a thread that goes on; errors and values
+come back."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def test_an_isolated_reward_answers_raises_and_recovers(tmp_path):
     ])
     assert quick(["p", "q"], ["a", "b"]) == [1.0, 1.0] and (tmp_path / "q").exists()
     scores = score_completions([quick, failing], ["p"], ["a"], {}, on_error="none", timeout_s=30)
-    assert scores.rewards[0, 0] == 1.0 and math.isnan(scores.rewards[0, 1]) and scores.error_counts["bug"] == 1
+    assert (scores.rewards[0, 0] == 1.0 and math.isnan(scores.rewards[0, 1])
+            and scores.error_counts["bug"] == 1)
     with pytest.raises(Exception, match=r"reward 'bug' \(isolated\) raised ValueError: a bug in the reward"):
         score_completions([failing], ["p"], ["a"], {}, on_error="raise", timeout_s=30)
     quick.stop()  # killed between calls: the next call starts a fresh worker
@@ -58,8 +60,10 @@ def test_async_rewards_run_together_and_a_timeout_cancels_the_work(tmp_path):
          "kwargs": {"marker": str(tmp_path / "late"), "seconds": 1.0}},
     ])
     # the waiter is listed first: awaited one after the other it would wait out its timeout
-    scores = score_completions([waiter, freer, late], ["p", "q"], ["a", "b"], {}, on_error="none", timeout_s=0.3)
-    assert scores.rewards[:, 0].tolist() == [1.0, 1.0] and scores.rewards[:, 1].tolist() == [0.25, 0.25]  # clipped
+    scores = score_completions([waiter, freer, late], ["p", "q"], ["a", "b"], {}, on_error="none",
+                               timeout_s=0.3)
+    assert (scores.rewards[:, 0].tolist() == [1.0, 1.0]
+            and scores.rewards[:, 1].tolist() == [0.25, 0.25])  # clipped
     assert all(math.isnan(v) for v in scores.rewards[:, 2]) and scores.timeout_counts["late"] == 1
     time.sleep(1.2)
     assert not (tmp_path / "late").exists()  # cancelled at its await, never finished

@@ -1,4 +1,5 @@
-"""benchmarks/learning.py: TRL gets our recipe value for value, the table's arithmetic, and one run of every side.
+"""benchmarks/learning.py: TRL gets our recipe value for value, the table's arithmetic,
+and one run of every side.
 
 It measures nothing here: `make bench-learning` does (benchmarks/README.md, "Learning").
 """
@@ -28,7 +29,8 @@ def test_trl_gets_the_recipe_of_params_yaml_value_for_value(tmp_path):
     args = GRPOConfig(**learning.trl_args(cfg, tmp_path, [0.6, 0.4]))
     for name in ("max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         assert getattr(args, name) == getattr(g, name), name
-    for name in ("learning_rate", "num_generations", "per_device_train_batch_size", "beta", "epsilon", "loss_type", "scale_rewards", "num_iterations",
+    for name in ("learning_rate", "num_generations", "per_device_train_batch_size", "beta", "epsilon",
+                 "loss_type", "scale_rewards", "num_iterations",
                  "max_steps", "seed", "adam_beta1", "adam_beta2", "weight_decay", "max_grad_norm",
                  "mask_truncated_completions", "multi_objective_aggregation", "gradient_checkpointing"):
         assert getattr(args, name) == t[name], name
@@ -54,17 +56,20 @@ def test_summary_and_table_from_hand_numbers():
     table = learning.table(runs, ["ours", "trl"], [0, 1], summary)
     assert "| 0 | 0.700 | 0.750 | -0.050 |" in table and "| 1 | 0.800 | 0.650 | +0.150 |" in table
     assert "| mean | 0.750 | 0.700 | +0.050 |" in table
-    # Welch by hand: variances 0.005 and 0.005, se = sqrt(0.005/2 + 0.005/2) = 0.070711, df = 2, t = 0.05 / se =
-    # 0.70711; with 2 df P(T > t) = 1/2 - t / (2 sqrt(2 + t^2)) = 0.27639, p = 0.55279; CI 0.05 -+ 4.30265 * se
+    # Welch by hand: variances 0.005 and
+    # 0.005, se = sqrt(0.005/2 + 0.005/2) = 0.070711, df = 2, t = 0.05 / se = 0.70711; with 2 df
+    # P(T > t) = 1/2 - t / (2 sqrt(2 + t^2)) = 0.27639, p = 0.55279; CI 0.05 -+ 4.30265 * se
     assert summary["ours"]["p_value"] == pytest.approx(0.55279, abs=1e-5)
     assert summary["ours"]["ci95"] == pytest.approx([-0.25424, 0.35424], abs=1e-5)
     assert "ours − trl: +0.050, 95% CI [-0.254, +0.354], Welch p = 0.55 (2 seeds a side)" in table
-    assert summary["ours"]["completion_tokens_per_s"] == 1500.0 and summary["trl"]["completion_tokens_per_s"] == 750.0
+    assert (summary["ours"]["completion_tokens_per_s"] == 1500.0
+            and summary["trl"]["completion_tokens_per_s"] == 750.0)
     assert "train-stage completion tokens/s (mean over seeds): ours 1,500, trl 750 (ours/trl 2.00x)" in table
 
 
 def test_without_trl_the_first_side_is_the_baseline():
-    """`--sides ours ours-async`: async is compared with the synchronous default (the async decision's command)."""
+    """`--sides ours ours-async`: async is compared with the synchronous default
+    (the async decision's command)."""
     runs = [{"side": side, "seed": seed, "accuracy": acc} for side, seed, acc in
             [("ours", 0, 0.60), ("ours-async", 0, 0.70), ("ours", 1, 0.70), ("ours-async", 1, 0.80),
              ("ours", 2, 0.80), ("ours-async", 2, 0.75)]]
@@ -101,15 +106,16 @@ def tiny_root(root: Path) -> Path:
     pd.DataFrame(rows[12:]).to_parquet(root / "data" / "validated" / "eval.parquet")
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["embedded"] = None
-    params["data"].update(train_files="data/validated/train.parquet", eval_files="data/validated/eval.parquet")
+    params["data"].update(train_files="data/validated/train.parquet",
+                          eval_files="data/validated/eval.parquet")
     params["train"].update(per_device_train_batch_size=16, num_generations=4, reward_weights=[0.5, 0.5])
     params["generation"]["max_completion_length"] = 6
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     return root
 
 
-# ours-vllm needs a head size vLLM's CPU attention takes (>= 32); the tiny model's is 8. The vLLM side's one run
-# on a real model is the SmolLM2 recipe's (benchmarks/README.md), its backend tests/test_vllm_engine.py.
+# ours-vllm needs a head size vLLM's CPU attention takes (>= 32); the tiny model's is 8. The vLLM side's one
+# run on a real model is the SmolLM2 recipe's (benchmarks/README.md), its backend tests/test_vllm_engine.py.
 SIDES_ON_THE_TINY_MODEL = [s for s in learning.SIDES if s != "ours-vllm"]
 
 
@@ -126,7 +132,8 @@ def test_one_step_of_every_side_and_the_table(tmp_path):
     doc = json.loads(out.read_text())
     assert {r["side"] for r in doc["runs"]} == set(SIDES_ON_THE_TINY_MODEL)
     for run in doc["runs"]:
-        assert 0.0 <= run["accuracy"] <= 1.0 and run["num_prompts"] == 4 and run["reward_weights"] == [0.5, 0.5]
+        assert (0.0 <= run["accuracy"] <= 1.0 and run["num_prompts"] == 4
+                and run["reward_weights"] == [0.5, 0.5])
         assert run["steps"] == 1 and 16 <= run["completion_tokens"] <= 16 * 6  # 16 completions of 1..6 tokens
     assert 0.0 <= doc["base_accuracy"] <= 1.0
     assert "| 0 |" in doc["table"] and "| mean |" in doc["table"] and doc["table"] in proc.stdout
@@ -145,7 +152,8 @@ def test_trl_renders_the_prompt_our_encoder_renders(prompt_format, system):
 
     question = "Mia has 9 pens and gives away 3. How many pens are left?"
     tok = build_chat_tokenizer([question, "Solve the problem."])
-    data = load_config(REPO / "params.yaml", {"data.prompt_format": prompt_format, "data.system_prompt": system}).data
+    data = load_config(REPO / "params.yaml",
+                       {"data.prompt_format": prompt_format, "data.system_prompt": system}).data
     ours = PromptEncoder.from_config(tok, data).render(question)
     theirs = maybe_apply_chat_template({"prompt": learning.trl_prompt(question, data)}, tok)["prompt"]
     assert theirs == ours
@@ -154,18 +162,20 @@ def test_trl_renders_the_prompt_our_encoder_renders(prompt_format, system):
 
 
 def test_cached_tables_the_kept_results_without_running_anything(tmp_path):
-    """`--cached`: the results a cut-short invocation kept (here ours seeds 1, 2 and TRL seed 1) become the table;
-    the missing run shows as -, and nothing is launched (there is no repo at --root to run one)."""
+    """`--cached`: the results a cut-short invocation kept (here ours seeds 1, 2 and TRL seed 1) become the
+    table; the missing run shows as -, and nothing is launched (there is no repo at --root to run one)."""
     kept = {("ours", 1): 0.90, ("trl", 1): 0.88, ("ours", 2): 0.80}
     for (side, seed), acc in kept.items():
         (tmp_path / "work" / f"{side}-seed{seed}").mkdir(parents=True)
-        result = {"side": side, "seed": seed, "accuracy": acc, "completion_tokens_per_s": 20.0 if side == "ours" else 8.0}
+        result = {"side": side, "seed": seed, "accuracy": acc,
+                  "completion_tokens_per_s": 20.0 if side == "ours" else 8.0}
         if (side, seed) == ("ours", 1):
             result["base"] = {"accuracy": 0.37}
         (tmp_path / "work" / f"{side}-seed{seed}" / "result.json").write_text(json.dumps(result))
     out = tmp_path / "table.json"
-    assert learning.main(["--cached", "--sides", "ours", "trl", "--seeds", "1", "2", "--root", str(tmp_path / "none"),
-                          "--workdir", str(tmp_path / "work"), "--out", str(out)]) == 0
+    assert learning.main(["--cached", "--sides", "ours", "trl", "--seeds", "1", "2", "--root",
+                          str(tmp_path / "none"), "--workdir", str(tmp_path / "work"), "--out",
+                          str(out)]) == 0
     doc = json.loads(out.read_text())
     assert "| 2 | 0.800 | – | – |" in doc["table"] and "| mean | 0.850 | 0.880 | +0.020 |" in doc["table"]
     assert doc["base_accuracy"] == 0.37 and "(ours/trl 2.50x)" in doc["table"]

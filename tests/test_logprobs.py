@@ -32,7 +32,7 @@ def random_logits(dtype, shape=(3, 5, 11), seed=0):
     return logits, index
 
 
-# --- hand-worked -----------------------------------------------------------------------------------------------
+# --- hand-worked --------------------------------------------------------------------------------------------
 
 
 def test_hand_worked_two_token_distribution():
@@ -60,7 +60,7 @@ def test_uniform_logits_give_log_vocab():
     torch.testing.assert_close(entropy_from_logits(logits), torch.full((2, 3), math.log(4), dtype=F64))
 
 
-# --- equal to the naive computation ----------------------------------------------------------------------------
+# --- equal to the naive computation -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -144,7 +144,7 @@ def test_empty_inputs():
     assert entropy_from_logits(logits).shape == (0, 5)
 
 
-# --- token_logprobs_and_entropy on a tiny causal LM ------------------------------------------------------------
+# --- token_logprobs_and_entropy on a tiny causal LM ---------------------------------------------------------
 
 PROMPT, COMPLETION = 4, 5
 
@@ -273,7 +273,7 @@ def test_compute_entropy_false_returns_none(tiny_model, batch):
     assert entropies is None
 
 
-# --- bad inputs ------------------------------------------------------------------------------------------------
+# --- bad inputs ---------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -83,7 +83,8 @@ def test_checkpoint_holds_adapter_optimizer_scheduler_and_rng(assets, tmp_path):
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert {"python", "numpy", "torch"} <= set(state["rng"][0])  # one state per process
     saved = load_file(ckpt / "adapter_model.safetensors")
-    assert saved and all("lora_" in k for k in saved) and all(v.dtype == torch.float32 for v in saved.values())
+    assert (saved and all("lora_" in k for k in saved)
+            and all(v.dtype == torch.float32 for v in saved.values()))
 
 
 def test_resume_continues_exactly(assets, tmp_path):
@@ -97,9 +98,9 @@ def test_resume_continues_exactly(assets, tmp_path):
 
 
 def test_rollback_restores_the_adapter(assets, tmp_path, monkeypatch):
-    """NaN at step 4 rolls back to checkpoint-2 (adapters already moved by step 3). With the learning rate kept
-    (factor 1) the redone steps 3-5 must equal an uninterrupted run exactly: only if the adapters, optimizer,
-    sampler and RNG all came back from checkpoint-2."""
+    """NaN at step 4 rolls back to checkpoint-2 (adapters already moved by step 3). With the learning rate
+    kept (factor 1) the redone steps 3-5 must equal an uninterrupted run exactly: only if the adapters,
+    optimizer, sampler and RNG all came back from checkpoint-2."""
     guards = {"nonfinite": {"action": "rollback"}, "rollback_lr_factor": 1.0, "max_rollbacks": 1}
 
     def cfg():
@@ -125,7 +126,8 @@ import sys
 from grpo_core.config import config_from_dict
 from tests.tiny import tiny_config
 from grpo_core.train.loop import train
-cfg = tiny_config(sys.argv[1], sys.argv[2], [{"name": "digits", "function": "tests.reward_helpers:digit_fraction_then_die"}],
+cfg = tiny_config(sys.argv[1], sys.argv[2], [{"name": "digits", \
+"function": "tests.reward_helpers:digit_fraction_then_die"}],
                   max_steps=12, save_steps=5, num_iterations=2, learning_rate=2e-2, beta=0.04)
 raw = cfg.to_dict(); raw.pop("embedded")
 raw["model"]["lora"] = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.1, "target_modules": "all-linear"}
@@ -158,10 +160,13 @@ def test_exact_resume_after_sigkill(assets, tmp_path):
     for rel in ("out/model/adapter/adapter_model.safetensors", "out/model/model.safetensors"):
         a, b = load_file(tmp_path / "straight" / rel), load_file(tmp_path / "killed" / rel)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rel
-        print(f"{rel}: straight {digest(tmp_path / 'straight' / rel)} resumed {digest(tmp_path / 'killed' / rel)}")
+        print(f"{rel}: straight {digest(tmp_path / 'straight' / rel)} resumed "
+              f"{digest(tmp_path / 'killed' / rel)}")
     drop = {"step_time", "generation_time"}
-    log_a = [{k: v for k, v in r.items() if k not in drop} for r in read_log(tmp_path / "straight/metrics/train_log.csv")]
-    log_b = [{k: v for k, v in r.items() if k not in drop} for r in read_log(tmp_path / "killed/metrics/train_log.csv")]
+    log_a = [{k: v for k, v in r.items() if k not in drop}
+             for r in read_log(tmp_path / "straight/metrics/train_log.csv")]
+    log_b = [{k: v for k, v in r.items() if k not in drop}
+             for r in read_log(tmp_path / "killed/metrics/train_log.csv")]
     assert [r["step"] for r in log_b] == [str(i) for i in range(1, 13)]
     assert log_a == log_b
 
@@ -176,7 +181,8 @@ def test_disable_dropout_makes_the_training_forward_repeatable(assets):
     cfg = ModelConfig(name_or_path=str(model_dir), lora=LoraConfig(**{**LORA, "lora_dropout": 0.5}))
     policy, _ = load_policy(cfg)
     policy.train()
-    with torch.no_grad():  # a trained adapter: peft starts B at zero, where dropout on its input changes nothing
+    # a trained adapter: peft starts B at zero, where dropout on its input changes nothing
+    with torch.no_grad():
         for name, param in policy.named_parameters():
             if "lora_B" in name:
                 param.normal_(std=0.5)
@@ -217,5 +223,7 @@ def test_the_lora_reference_is_scored_as_the_policy_with_its_adapters_off(assets
         policy_logps, _ = token_logprobs_and_entropy(policy, ids, mask, K, path=path)
     hook.remove()
     torch.testing.assert_close(ref_logps, base_logps, rtol=1e-5, atol=1e-5)
-    assert (policy_logps - base_logps).abs().max() > 1e-3  # the adapters matter: the reference switched them off
-    assert sum(head_rows) <= 2 * 2 * (K + 1)  # reference and policy: the completion's positions only (12 each before)
+    assert (policy_logps - base_logps).abs().max() > 1e-3  # the adapters matter: the reference switched them
+                                                           # off
+    # reference and policy: the completion's positions only (12 each before)
+    assert sum(head_rows) <= 2 * 2 * (K + 1)

@@ -33,7 +33,7 @@ def assert_values(actual, expected, tol=1e-12):
     torch.testing.assert_close(actual, torch.tensor(expected, dtype=F64), atol=tol, rtol=0)
 
 
-# --- the clipped surrogate, token level ----------------------------------------------------------------------
+# --- the clipped surrogate, token level ---------------------------------------------------------------------
 
 
 def test_clip_inactive_is_the_plain_ratio_surrogate():
@@ -157,7 +157,8 @@ def test_sequence_level_uses_the_length_normalised_ratio():
     #   eps 0.2: every token -min(1.2214, 1.2) = -1.2, clipped -> loss -1.2, gradient 0
     #   eps_high 0.28: unclipped, each of the 2 tokens carries -r, dapo: 2 * (-r) / 2 = -e^0.2;
     #                  d r / d logp_t = r * (1/2 tokens) -> gradient -e^0.2 / 2 = -0.61070 per unmasked token
-    # token level for contrast, eps_high 0.28: -(min(e^0.1, ..) + min(e^0.3, 1.28)) / 2 = -(1.10517 + 1.28) / 2
+    # token level for contrast, eps_high 0.28:
+    # -(min(e^0.1, ..) + min(e^0.3, 1.28)) / 2 = -(1.10517 + 1.28) / 2
     logps = torch.tensor([[0.1, 0.3, 5.0]], dtype=F64).sub(1.0).requires_grad_(True)
     old = torch.full((1, 3), -1.0, dtype=F64)
     mask = [[1, 1, 0]]
@@ -190,7 +191,8 @@ def test_kl_is_zero_when_policy_equals_reference(loss_type):
 
 
 def test_k3_kl_hand_worked_and_the_ratio_correction_gradient():
-    # ref - logp = ln 2: k3 = e^(ln 2) - ln 2 - 1 = 2 - 0.693147 - 1 = 0.306853.  A = 0, beta = 0.1, one token:
+    # ref - logp = ln 2: k3 = e^(ln 2) - ln 2 - 1 = 2 - 0.693147 - 1 = 0.306853.  A = 0, beta = 0.1, one
+    # token:
     #   loss = 0.1 * 0.306853 (ratio = 1 on-policy, so the correction does not change the value)
     #   d k3 / d logp = -e^(ref - logp) + 1 = -1
     #   without correction: grad = 0.1 * -1 = -0.1
@@ -234,7 +236,7 @@ def test_kl_stat_only_when_beta_is_positive():
     assert all(not value.requires_grad for value in stats.values())
 
 
-# --- on-policy: the loss value is not a learning signal -------------------------------------------------------
+# --- on-policy: the loss value is not a learning signal -----------------------------------------------------
 
 
 def tiny_linear_policy(seed=0, batch=4, length=5, features=3, vocab=7):
@@ -350,15 +352,18 @@ def test_clipping_is_inert_on_policy(level):
 @pytest.mark.parametrize(("loss_type", "same_as"), [("cispo", "dapo"), ("vespo", "dapo"), ("sapo", "grpo"),
                                                     ("luspo", "luspo")])
 def test_on_policy_every_term_is_reinforce(loss_type, same_as):
-    """At r = 1: cispo's weight is 1 (under its cap), VESPO's phi(1) = e^l * 1 * e^-l = 1, SAPO's gate has slope
-    (4/tau) * tau * sigmoid'(0) = 1: each per-token gradient is -A, aggregated as the named clipped loss."""
+    """At r = 1: cispo's weight is 1 (under its cap), VESPO's phi(1) = e^l * 1 * e^-l = 1, SAPO's gate has
+    slope (4/tau) * tau * sigmoid'(0) = 1: each per-token gradient is -A, aggregated as the named clipped
+    loss."""
     torch.manual_seed(5)
     logps = (-torch.rand(3, 4, dtype=F64)).requires_grad_(True)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=F64)
     advantages = torch.tensor([1.0, -0.5, 0.25], dtype=F64)
-    loss, _ = grpo_loss(logps, None, None, advantages, mask, loss_type=loss_type, epsilon_high=5.0, num_items=7)
+    loss, _ = grpo_loss(logps, None, None, advantages, mask, loss_type=loss_type, epsilon_high=5.0,
+                        num_items=7)
     (grad,) = torch.autograd.grad(loss, logps)
-    clipped, _ = grpo_loss(logps, None, None, advantages, mask, loss_type=same_as, epsilon_high=5.0, num_items=7)
+    clipped, _ = grpo_loss(logps, None, None, advantages, mask, loss_type=same_as, epsilon_high=5.0,
+                           num_items=7)
     (expected,) = torch.autograd.grad(clipped, logps)
     torch.testing.assert_close(grad, expected, rtol=0, atol=1e-12)
     if same_as == "dapo":  # hand-worked: -A_i / 7 on each real token
@@ -366,7 +371,8 @@ def test_on_policy_every_term_is_reinforce(loss_type, same_as):
 
 
 def test_cispo_keeps_a_gradient_where_the_clip_would_stop_it():
-    # r = 1.5 > 1 + eps_high with A = 1: PPO-clip's gradient is 0; cispo's is -min(r, 5) * A = -1.5 (dapo, 1 token)
+    # r = 1.5 > 1 + eps_high with A = 1: PPO-clip's gradient is 0; cispo's is -min(r, 5) * A = -1.5
+    # (dapo, 1 token)
     logps, old = policy_with_ratios([[1.5]])
     _, clipped_grad, _ = loss_and_grad(logps, old, [1.0], loss_type="dapo", epsilon_high=0.28)
     _, cispo_grad, stats = loss_and_grad(logps, old, [1.0], loss_type="cispo", epsilon_high=5.0)
@@ -378,7 +384,8 @@ def test_cispo_keeps_a_gradient_where_the_clip_would_stop_it():
 
 
 def test_sapo_gate_hand_worked():
-    # l = -(4 / tau) sigmoid(tau (r - 1)) A: r = 2, A = 1, tau_pos = 1 -> -4 sigmoid(1); r = 0.5, A = -1, tau_neg 2
+    # l = -(4 / tau) sigmoid(tau (r - 1)) A: r = 2, A = 1, tau_pos = 1 -> -4 sigmoid(1); r = 0.5, A = -1,
+    # tau_neg 2
     logps, old = policy_with_ratios([[2.0], [0.5]])
     loss, grad, _ = loss_and_grad(logps, old, [1.0, -1.0], loss_type="sapo", sapo_temperature_pos=1.0,
                                   sapo_temperature_neg=2.0)
@@ -391,7 +398,8 @@ def test_sapo_gate_hand_worked():
 def test_vespo_weight_hand_worked():
     from grpo_core.loss import vespo_weights
 
-    # w = exp(0.2 + 0.3) = e^0.5 for A >= 0 (k 2, l 3): phi = e^3 w^2 e^(-3w); for A < 0 (k 3, l 2): e^2 w^3 e^(-2w)
+    # w = exp(0.2 + 0.3) = e^0.5 for A >= 0 (k 2, l 3): phi = e^3 w^2 e^(-3w);
+    # for A < 0 (k 3, l 2): e^2 w^3 e^(-2w)
     log_ratio = torch.tensor([[0.2, 0.3, 9.0], [0.2, 0.3, 9.0]], dtype=F64)
     mask = torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=F64)
     phi = vespo_weights(log_ratio, torch.tensor([[1.0], [-1.0]], dtype=F64), mask, 2.0, 3.0, 3.0, 2.0)

@@ -1,5 +1,6 @@
-"""GRPOLoss: built once from LossOptions (TRL names), called per micro-batch; the same numbers as grpo_loss, bit for
-bit, for every loss type and importance-sampling level; options checked when they are made; fed by TrainConfig().loss."""
+"""GRPOLoss: built once from LossOptions (TRL names), called per micro-batch; the same numbers as grpo_loss,
+bit for bit, for every loss type and importance-sampling level; options checked when they are made; fed by
+TrainConfig().loss."""
 
 import ast
 import dataclasses
@@ -31,8 +32,8 @@ def functional_options(config: LossOptions) -> dict:
 
 
 def micro_batch(B=5, T=7, seed=0, dtype=F64):
-    """Random tensors off-policy, with padding holding NaN, an empty row, OPSM's sampler log-probs, an entropy mask
-    and a token-level sampler ratio."""
+    """Random tensors off-policy, with padding holding NaN, an empty row, OPSM's sampler log-probs, an entropy
+    mask and a token-level sampler ratio."""
     g = torch.Generator().manual_seed(seed)
     logps = torch.randn(B, T, generator=g, dtype=dtype) - 1.5
     mask = (torch.rand(B, T, generator=g) > 0.25).to(dtype)
@@ -88,7 +89,8 @@ def test_the_object_equals_grpo_loss_bit_for_bit(loss_type, level, dtype):
     loss_fn = GRPOLoss(config, max_completion_length=10)  # built once ...
     for seed, T in ((0, 7), (1, 4)):  # ... called on micro-batches of different widths
         logps, tensors, extras = micro_batch(T=T, seed=seed, dtype=dtype)
-        for keywords in ({}, extras, {**extras, "kl_ratio_correction": False, "num_items": torch.tensor(31.0)}):
+        for keywords in ({}, extras,
+                         {**extras, "kl_ratio_correction": False, "num_items": torch.tensor(31.0)}):
             ours = run(loss_fn, logps, tensors, **keywords)
             theirs = run(grpo_loss, logps, tensors, max_completion_length=10, **functional_options(config),
                          **keywords)
@@ -181,8 +183,9 @@ def test_grpo_loss_takes_the_contracts_keywords_with_their_defaults_and_nothing_
     assert_same_results(run(grpo_loss, logps, tensors, **CONTRACT_KEYWORDS), defaults)
     assert_same_results(run(grpo_loss, logps, tensors, sampling_logps=extras["sampling_logps"],
                             entropy_mask=extras["entropy_mask"], sampler_ratio=extras["sampler_ratio"]),
-                        run(GRPOLoss(TrainConfig().loss), logps, tensors, sampling_logps=extras["sampling_logps"],
-                            entropy_mask=extras["entropy_mask"], sampler_ratio=extras["sampler_ratio"]))
+                        run(GRPOLoss(TrainConfig().loss), logps, tensors,
+                            sampling_logps=extras["sampling_logps"], entropy_mask=extras["entropy_mask"],
+                            sampler_ratio=extras["sampler_ratio"]))
     with pytest.raises(TypeError, match="epsilonn"):
         grpo_loss(logps, None, None, tensors["advantages"], tensors["mask"], epsilonn=0.1)
 
@@ -192,7 +195,8 @@ def test_grpo_loss_is_a_thin_call_onto_the_object():
     source = inspect.getsource(grpo_loss)
     assert "GRPOLoss(" in source and "LossOptions(" in source
     body = source[source.index('"""', source.index('"""') + 3) + 3:]
-    assert len(body.strip().splitlines()) <= 8
+    code = [line for line in body.strip().splitlines() if not line.strip().startswith("#")]
+    assert len(code) <= 8
 
 
 @pytest.mark.parametrize("path", ["grpo_core/loss.py", "grpo_core/model/fastforward.py",
@@ -200,14 +204,16 @@ def test_grpo_loss_is_a_thin_call_onto_the_object():
 def test_no_function_over_90_lines(path):
     tree = ast.parse((REPO / path).read_text())
     long = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(tree)
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 90]
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.end_lineno - node.lineno + 1 > 90]
     assert long == []
 
 
 def test_the_step_share_and_the_entropy_bonus_are_in_the_loss_that_is_trained():
-    """B = 2 rows of 2 tokens, on-policy (ratio 1), A = (1, 0.5): every token's policy loss is -A, so grpo's loss is
-    (-1 - 0.5) / 2 = -0.75 and dapo's -3 / 4 = -0.75. With 4 micro-batches a step, grpo's share is a quarter of it
-    and dapo's stays (its num_items counts the step's tokens); the bonus takes coef * mean entropy / 4 off both."""
+    """B = 2 rows of 2 tokens, on-policy (ratio 1), A = (1, 0.5): every token's policy loss is -A, so grpo's
+    loss is (-1 - 0.5) / 2 = -0.75 and dapo's -3 / 4 = -0.75. With 4 micro-batches a step, grpo's share is a
+    quarter of it and dapo's stays (its num_items counts the step's tokens); the bonus takes coef * mean
+    entropy / 4 off both."""
     logps = torch.full((2, 2), -1.0, dtype=F64)
     mask, advantages = torch.ones(2, 2, dtype=F64), torch.tensor([1.0, 0.5], dtype=F64)
     entropies = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=F64, requires_grad=True)
@@ -215,7 +221,8 @@ def test_the_step_share_and_the_entropy_bonus_are_in_the_loss_that_is_trained():
         loss_fn = GRPOLoss(loss_config(loss_type=loss_type), gradient_accumulation_steps=4)
         loss, _ = loss_fn(logps, None, None, advantages, mask, num_items=4)
         assert loss.item() == pytest.approx(share, abs=1e-12)
-        loss, _ = loss_fn(logps, None, None, advantages, mask, num_items=4, entropies=entropies, entropy_coef=0.1)
+        loss, _ = loss_fn(logps, None, None, advantages, mask, num_items=4, entropies=entropies,
+                          entropy_coef=0.1)
         assert loss.item() == pytest.approx(share - 0.1 * 2.5 / 4, abs=1e-12)
         (grad,) = torch.autograd.grad(loss, entropies)
         torch.testing.assert_close(grad, torch.full((2, 2), -0.1 / 4 / 4, dtype=F64))  # -coef / ga / tokens

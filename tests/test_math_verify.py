@@ -1,6 +1,6 @@
-"""The math_verify reward (Hugging Face's math-verify): a table of answer/gold pairs, equal and unequal, in the
-answer section and in a whole completion; golds that do not parse; and the reward wired into validate's gold check
-and evaluation's correctness judge."""
+"""The math_verify reward (Hugging Face's math-verify): a table of answer/gold pairs, equal and unequal, in
+the answer section and in a whole completion; golds that do not parse; and the reward wired into validate's
+gold check and evaluation's correctness judge."""
 
 from __future__ import annotations
 
@@ -20,13 +20,15 @@ def section(body: str) -> str:
 # (gold, the answer section's text, equal?)
 SECTION_PAIRS = [
     # GSM8K golds and thousands separators
-    ("#### 72", "72", True), ("#### 72", "73", False), ("#### 1,234", "1234", True), ("#### 1234", "1,234", True),
-    ("#### 1,000,000", "1000000", True), ("#### 1,000,000", "100000", False), ("#### -5", "-5", True),
-    ("#### -5", "5", False), ("#### 0", "0", True), ("#### 18", "18.0", True), ("#### 18", "18.5", False),
-    ("42", "$42$", True), ("42", r"\boxed{42}", True), ("42", r"The answer is \boxed{24}", False),
+    ("#### 72", "72", True), ("#### 72", "73", False), ("#### 1,234", "1234", True),
+    ("#### 1234", "1,234", True), ("#### 1,000,000", "1000000", True), ("#### 1,000,000", "100000", False),
+    ("#### -5", "-5", True), ("#### -5", "5", False), ("#### 0", "0", True), ("#### 18", "18.0", True),
+    ("#### 18", "18.5", False), ("42", "$42$", True), ("42", r"\boxed{42}", True),
+    ("42", r"The answer is \boxed{24}", False),
     # fractions, decimals, roots, powers
-    (r"\frac{1}{2}", "0.5", True), (r"\frac{1}{2}", r"\frac{2}{4}", True), (r"\frac{1}{2}", r"\dfrac{1}{2}", True),
-    (r"\frac{1}{2}", "1/2", True), (r"\frac{1}{2}", r"\frac{1}{3}", False), (r"\frac{3}{4}", "0.75", True),
+    (r"\frac{1}{2}", "0.5", True), (r"\frac{1}{2}", r"\frac{2}{4}", True),
+    (r"\frac{1}{2}", r"\dfrac{1}{2}", True), (r"\frac{1}{2}", "1/2", True),
+    (r"\frac{1}{2}", r"\frac{1}{3}", False), (r"\frac{3}{4}", "0.75", True),
     (r"\frac{3}{4}", "0.7", False), ("3/4", r"\frac{3}{4}", True), (r"\sqrt{2}", r"2^{1/2}", True),
     (r"\sqrt{2}", r"\sqrt{3}", False), (r"2\sqrt{3}", r"\sqrt{12}", True), (r"\sqrt{8}", r"2\sqrt{2}", True),
     ("2^{10}", "1024", True), ("2^{10}", "1000", False), (r"-\frac{7}{3}", r"-\frac{14}{6}", True),
@@ -39,12 +41,14 @@ SECTION_PAIRS = [
     ("$3a+2b$", "$2b+3a$", True), ("$3a+2b$", "$3a-2b$", False), (r"$\pi$", r"$\pi$", True),
     (r"$2\pi$", r"$\pi + \pi$", True), (r"$\pi$", "3", False),
     # sets and intervals
-    (r"$\{1,2,3\}$", r"$\{3,2,1\}$", True), (r"$\{1,2,3\}$", r"$\{1,2\}$", False), (r"$[0,1)$", "$[0, 1)$", True),
-    (r"$(0,1)$", "$[0,1]$", False), (r"$(-\infty, 2]$", r"$(-\infty,2]$", True), (r"$(-\infty, 2]$", r"$(-\infty,2)$", False),
+    (r"$\{1,2,3\}$", r"$\{3,2,1\}$", True), (r"$\{1,2,3\}$", r"$\{1,2\}$", False),
+    (r"$[0,1)$", "$[0, 1)$", True), (r"$(0,1)$", "$[0,1]$", False),
+    (r"$(-\infty, 2]$", r"$(-\infty,2]$", True), (r"$(-\infty, 2]$", r"$(-\infty,2)$", False),
     (r"$[1,5]$", r"$[1,5]$", True), ("$x=2$", "$2$", True),
     # percentages and units
     (r"50\%", "50", True), (r"50\%", r"50\%", True), (r"50\%", "40", False), (r"12.5\%", r"12.5\%", True),
-    ("10 cm", r"$10\text{ cm}$", True), ("10", r"$10\text{ meters}$", True), ("10", r"$11\text{ meters}$", False),
+    ("10 cm", r"$10\text{ cm}$", True), ("10", r"$10\text{ meters}$", True),
+    ("10", r"$11\text{ meters}$", False),
     # plain numbers in other spellings
     ("0.25", r"\frac{1}{4}", True), ("0.25", ".25", True), ("0.25", "0.26", False), ("100", "100.00", True),
     ("3.0", "3", True), ("-0.5", r"-\frac{1}{2}", True), ("-0.5", r"\frac{1}{2}", False),
@@ -80,8 +84,10 @@ def test_the_table_is_large_and_balanced():
 
 def test_values_golds_that_do_not_parse_and_chat_completions():
     reward = math_verify(correct=2.0, incorrect=-1.0, gold_column="solution")
-    chat = [[{"role": "assistant", "content": section("7")}], [{"role": "assistant", "content": "no tags, 7"}],
-            [{"role": "assistant", "content": section("7")}], [{"role": "assistant", "content": section("7")}]]
+    chat = [[{"role": "assistant", "content": section("7")}],
+            [{"role": "assistant", "content": "no tags, 7"}],
+            [{"role": "assistant", "content": section("7")}],
+            [{"role": "assistant", "content": section("7")}]]
     assert reward([""] * 4, chat, solution=["7", "7", "no number here", None]) == [2.0, -1.0, None, None]
     assert parse_math_gold("#### 1,234")[0] == 1234 and parse_math_gold("banana") is None
     with pytest.raises(KeyError, match="no gold column 'answer'"):

@@ -1,5 +1,5 @@
-"""benchmarks/memory_plan.py: its parameter counts and bytes per parameter against real models and the trainer's
-own optimizer (measured on CPU), and the docs table against what the script prints."""
+"""benchmarks/memory_plan.py: its parameter counts and bytes per parameter against real models and the
+trainer's own optimizer (measured on CPU), and the docs table against what the script prints."""
 
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ def test_lora_bytes_measured(tmp_path):
     optimizer = one_training_step(model, model)
 
     adapter_params = mp.lora_parameter_count(shape, rank)
-    assert tensor_bytes(frozen) == mp.DTYPE_BYTES["bfloat16"] * mp.parameter_count(shape)  # the base, model.dtype
+    # the base, model.dtype
+    assert tensor_bytes(frozen) == mp.DTYPE_BYTES["bfloat16"] * mp.parameter_count(shape)
     assert len(adapters) == mp.lora_tensor_count(shape)
     assert tensor_bytes(adapters) == mp.MASTER_BYTES * adapter_params
     assert tensor_bytes(p.grad for p in adapters) == mp.GRADIENT_BYTES * adapter_params
@@ -108,7 +109,8 @@ def test_plan_reads_the_recipe_and_the_terms_add_up():
     # one GPU and DDP train and sample on the bf16 compute copy, LoRA samples from the policy itself
     assert one_gpu.replica == ddp.replica == 2 * one_gpu.parameters
     assert rows["Qwen2.5-0.5B", "LoRA, DDP"].replica == 0
-    float32 = mp.Recipe(**{**recipe.__dict__, "model_dtype": "float32"})  # the compute copy is bf16 all the same
+    # the compute copy is bf16 all the same
+    float32 = mp.Recipe(**{**recipe.__dict__, "model_dtype": "float32"})
     assert mp.replica_bytes(mp.QWEN25[0], float32, mp.STRATEGIES[0]) == 2 * one_gpu.parameters
     plain = mp.Recipe(**{**float32.__dict__, "mixed_precision": "no"})
     assert mp.replica_bytes(mp.QWEN25[0], plain, mp.STRATEGIES[0]) == 0  # samples from the float32 policy
@@ -137,16 +139,17 @@ def test_a_missing_config_is_named(tmp_path, capsys):
     assert str(missing) in capsys.readouterr().err
 
 
-# (hidden, layers, heads, kv_heads, intermediate, rows, tokens, gradient checkpointing): Qwen2.5's GQA structure at
-# sizes a CPU measures in seconds; 2,048 tokens each, so the activations dwarf the allocator's noise
+# (hidden, layers, heads, kv_heads, intermediate, rows, tokens, gradient checkpointing): Qwen2.5's GQA
+# structure at sizes a CPU measures in seconds; 2,048 tokens each, so the activations dwarf the allocator's
+# noise
 MEASURED_SHAPES = [(256, 4, 4, 2, 1024, 4, 512, False), (512, 2, 8, 2, 1536, 2, 1024, False),
                    (384, 6, 6, 2, 1024, 8, 256, False), (384, 6, 6, 2, 1024, 8, 256, True)]
 
 
 @pytest.mark.parametrize("shape", MEASURED_SHAPES, ids=lambda s: "x".join(str(int(v)) for v in s))
 def test_activation_estimate_within_a_quarter_of_the_measured_step(shape):
-    """The plan's activation term (float32 compute, as measured here) against what one forward and backward of that
-    micro-batch adds to a fresh process's peak RSS (benchmarks/activation_measure.py)."""
+    """The plan's activation term (float32 compute, as measured here) against what one forward and backward of
+    that micro-batch adds to a fresh process's peak RSS (benchmarks/activation_measure.py)."""
     from benchmarks.activation_measure import measure
 
     hidden, layers, heads, kv_heads, intermediate, rows, tokens, checkpointing = shape
@@ -160,8 +163,9 @@ def test_activation_estimate_within_a_quarter_of_the_measured_step(shape):
 
 
 def test_a_child_measures_its_own_peak_not_its_parents():
-    """benchmarks/rss.py: a subprocess started from a process holding 512 MiB reports its own small peak (Linux folds
-    the replaced image's peak into ru_maxrss across vfork + exec, so ru_maxrss would report the parent's)."""
+    """benchmarks/rss.py: a subprocess started from a process holding 512 MiB reports its own small peak
+    (Linux folds the replaced image's peak into ru_maxrss across vfork + exec, so ru_maxrss would report the
+    parent's)."""
     import subprocess
     import sys
 

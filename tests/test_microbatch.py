@@ -21,7 +21,8 @@ def order(prompt, completion, G, span, keep):
 def test_rows_sorted_longest_first_within_each_span():
     # lengths (prompt + completion): 3, 7, 5, 5 | 9, 1
     prompt, completion = [1, 2, 2, 3, 4, 1], [2, 5, 3, 2, 5, 0]
-    assert order(prompt, completion, 2, 4, keep=False) == [1, 2, 3, 0, 4, 5]  # ties (rows 2, 3) keep their order
+    # ties (rows 2, 3) keep their order
+    assert order(prompt, completion, 2, 4, keep=False) == [1, 2, 3, 0, 4, 5]
     # groups of 2 kept adjacent: {0, 1} (longest 7) before {2, 3} (longest 5), rows inside by length
     assert order(prompt, completion, 2, 4, keep=True) == [1, 0, 2, 3, 4, 5]
 
@@ -65,7 +66,8 @@ def test_grouping_changes_padding_not_the_update(assets, tmp_path, monkeypatch, 
     weights, logs = {}, {}
     for grouped in (False, True):
         widths.append([])
-        cfg = tiny_config(model_dir, data, [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}],
+        cfg = tiny_config(model_dir, data,
+                          [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}],
                           max_steps=2, per_device_train_batch_size=8, gradient_accumulation_steps=2,
                           num_generations=4, beta=0.04, loss_type=loss_type, learning_rate=1e-2,
                           group_by_length=grouped, forward_backend=forward)

@@ -83,7 +83,8 @@ def children(client, parent) -> dict[str, object]:
 
 
 def built_commit(repo: Path) -> str:
-    """The commit the built pipeline ran at (the clone's first; `two_pipelines` commits the results on top)."""
+    """The commit the built pipeline ran at (the clone's first;
+    `two_pipelines` commits the results on top)."""
     return run(repo, "git", "rev-list", "--max-parents=0", "HEAD").stdout.strip()
 
 
@@ -118,7 +119,8 @@ def test_parents_carry_names_summary_params_datasets_and_source(two_pipelines, s
     last = int(rows[-1]["step"])
     for key in ("reward", "kl", "entropy", "completions/mean_length"):  # each step's, as in the train log
         assert history(client, base, key) == [(int(r["step"]), float(r[key])) for r in rows]
-    # the held-out evaluation: the base policy at step 0, the trained one at the last step (6 significant digits)
+    # the held-out evaluation: the base policy at step 0, the trained one at the last step
+    # (6 significant digits)
     assert history(client, base, "accuracy") == [(0, six(metrics["base"]["accuracy"])),
                                                  (last, six(metrics["trained"]["accuracy"]))]
     for k in (1, 2, 4):
@@ -130,7 +132,8 @@ def test_parents_carry_names_summary_params_datasets_and_source(two_pipelines, s
     assert latest["accuracy_gain"] == six(metrics["delta"]["accuracy"]) and latest["steps"] == len(rows)
     assert latest["step_time"] == six(statistics.median(float(r["step_time"]) for r in rows))
     assert set(exp.data.metrics) == set(latest)
-    # another learning rate moves the policy otherwise (the tiny model earns no reward: its reward curves are zeros)
+    # another learning rate moves the policy otherwise (the tiny model earns no reward: its reward curves are
+    # zeros)
     assert history(client, exp, "kl") != history(client, base, "kl")
     # two colors, the second the one after the first
     assert base.data.tags[RUN_COLOR_TAG] != exp.data.tags[RUN_COLOR_TAG]
@@ -138,7 +141,8 @@ def test_parents_carry_names_summary_params_datasets_and_source(two_pipelines, s
     # the params that differ, named and recorded; the changed value is a param of the parent
     assert json.loads(exp.data.tags["grpo.params_diff"]) == {"train.learning_rate": 0.002}
     assert json.loads(base.data.tags["grpo.params_diff"]) == {}
-    assert exp.data.params["train.learning_rate"] == "0.002" and base.data.params["train.learning_rate"] == "0.001"
+    assert (exp.data.params["train.learning_rate"] == "0.002"
+            and base.data.params["train.learning_rate"] == "0.001")
     assert exp.data.tags["dvc.exp_name"] == exp_name
 
     # datasets: the validated files with their DVC hashes
@@ -178,15 +182,16 @@ def test_train_run_leads_with_reward_and_kl_and_the_model_is_logged_and_register
     rewards = [float(r["reward"]) for r in train_log(repo)]
     headline = [m.value for m in sorted(client.get_metric_history(train.info.run_id, "0_overview/reward"),
                                         key=lambda m: m.step)]
-    assert headline == rewards == [m.value for m in sorted(client.get_metric_history(train.info.run_id, "reward"),
-                                                           key=lambda m: m.step)]
+    assert headline == rewards == [
+        m.value for m in sorted(client.get_metric_history(train.info.run_id, "reward"), key=lambda m: m.step)]
     assert len(client.get_metric_history(train.info.run_id, "0_overview/kl")) == len(rewards)
 
     evaluate = runs["evaluate"]
     (output,) = evaluate.outputs.model_outputs
     logged = client.get_logged_model(output.model_id)
     assert logged.source_run_id == evaluate.info.run_id and logged.status.value == "READY"
-    (version,) = [v for v in client.search_model_versions("name = 'grpo-policy'") if v.run_id == evaluate.info.run_id]
+    (version,) = [v for v in client.search_model_versions("name = 'grpo-policy'")
+                  if v.run_id == evaluate.info.run_id]
     assert version.source == f"models:/{logged.model_id}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server)  # what a user downloading from the team's server sets
     monkeypatch.setenv("MLFLOW_REGISTRY_URI", server)
@@ -220,7 +225,8 @@ def test_exp_run_logs_its_stages_under_its_own_parent(two_pipelines, server):
 def browser():
     if not (CHROMIUM and CHROMEDRIVER):
         if os.environ.get("CI"):
-            pytest.fail("chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)")
+            pytest.fail("chromium and chromium-driver are not installed (apt-get install chromium "
+                        "chromium-driver)")
         pytest.skip("Debian's chromium and chromium-driver are not installed")
     with chromium() as driver:
         yield driver
@@ -238,7 +244,8 @@ def wait_for(driver, condition, what: str, timeout: float = 90.0, shot: str | No
 
 def test_browser_overlays_the_two_pipelines_learning_curves_in_the_pictures(two_pipelines, server, browser):
     """What `make pictures` checks and shoots, checked here against the store: the runs table with a row per
-    pipeline and no column name cut, and the chart view's learning curves, a curve per pipeline with its values."""
+    pipeline and no column name cut, and the chart view's learning curves, a curve per pipeline with its
+    values."""
     repo, exp_name = two_pipelines
     client = client_for(server)
     by_name = parents(client)
@@ -249,11 +256,13 @@ def test_browser_overlays_the_two_pipelines_learning_curves_in_the_pictures(two_
     pictures = take_pictures(browser, server, exp_id, names, SHOTS)
 
     headers = [h["text"] for h in pictures.headers]
-    assert set(HEADLINE) | {"train.learning_rate"} <= set(headers) and not any(h["cut"] for h in pictures.headers)
+    assert (set(HEADLINE) | {"train.learning_rate"} <= set(headers)
+            and not any(h["cut"] for h in pictures.headers))
     assert headers.index("accuracy") < headers.index("train.learning_rate")
     charts = pictures.charts
     assert set(charts) == set(CURVE_CHARTS) - {"eval/accuracy"}  # no in-training evaluation: no chart for it
-    for title, chart in charts.items():  # each chart draws the two pipelines' curves, as the parents logged them
+    for title, chart in charts.items():  # each chart draws the two pipelines' curves,
+                                         # as the parents logged them
         assert set(chart.curves) == set(names)
         for name in names:
             assert chart.curves[name] == [(float(s), v) for s, v in history(client, by_name[name], title)]

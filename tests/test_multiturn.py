@@ -1,6 +1,7 @@
-"""The multi-turn rollout (grpo_core/rollout/multiturn.py) on scripted policies: how a completion's tokens are put
-together and masked, the budget, the turn limit; conversations through sample_and_score (environments, rewards
-that receive them, closing); and the tool mask through the round into everything that counts model tokens."""
+"""The multi-turn rollout (grpo_core/rollout/multiturn.py) on scripted policies: how a completion's tokens are
+put together and masked, the budget, the turn limit; conversations through sample_and_score (environments,
+rewards that receive them, closing); and the tool mask through the round into everything that counts model
+tokens."""
 
 from __future__ import annotations
 
@@ -54,7 +55,9 @@ def row(batch, i):
 def test_a_completion_is_call_then_tool_block_then_answer_masked_where_the_model_did_not_write(tok):
     out, backend, chat = rollout(tok, call_then_answer)
     call = ids(tok, hermes_call("multiply", a=12, b=34)) + [tok.eos_token_id]
-    block = ids(tok, "\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    block = ids(tok,
+                "\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n"
+                "<|im_start|>assistant\n")
     answer = ids(tok, "The answer is 408") + [tok.eos_token_id]
     for i in range(2):
         completion, mask = row(out.batch, i)
@@ -134,13 +137,15 @@ def test_a_malformed_call_is_answered_with_why_and_the_model_tries_again(tok):
     roles = [m["role"] for m in out.completions[0]]
     assert roles == ["assistant", "tool", "assistant", "tool", "assistant"]
     assert out.completions[0][0] == {"role": "assistant", "content": '<tool_call>\n{"name": "multiply", '
-                                                                   '"arguments": {"a": 12, "b": 34}\n</tool_call>'}
-    assert out.completions[0][1]["content"].startswith("{'error': 'malformed tool call: json parser could not")
+                                                                   '"arguments": {"a": 12, "b": 34}\n'
+                                                                   '</tool_call>'}
+    assert out.completions[0][1]["content"].startswith("{'error': 'malformed tool call: json parser could "
+                                                       "not")
     assert out.completions[0][-1]["content"] == "The answer is 408"
     assert (out.tool_calls, out.tool_failures) == (4, 2)
 
 
-# -- through sample_and_score: environments, rewards, closing -------------------------------------------------
+# -- through sample_and_score: environments, rewards, closing ------------------------------------------------
 
 
 def counted(prompts, completions, environments, **columns):
@@ -163,7 +168,8 @@ def test_environments_reach_the_rewards_and_are_closed(tok):
     plan = SamplePlan(2, SamplingParams(max_new_tokens=300), batch_size=2, keep_batches=True, tools=box)
     res = sample_and_score(None, tok, rows, PromptEncoder(tok, None), fns, plan,
                            backend=ScriptedBackend(Script(tok, increments, 300)))
-    assert res.rewards.tolist() == [[5.0, 5.0]] * 2 + [[14.0, 14.0]] * 2  # start + 2 + 2, each rollout its own
+    # start + 2 + 2, each rollout its own
+    assert res.rewards.tolist() == [[5.0, 5.0]] * 2 + [[14.0, 14.0]] * 2
     assert res.tool_calls.tolist() == [2] * 4 and res.turns.tolist() == [3] * 4
     assert len(Counter.closed) == 1 + 4  # the probe, then every rollout's environment after scoring
     prompt_text = tok.decode(res.batches[0].prompt_ids[2][res.batches[0].prompt_mask[2].bool()])
@@ -199,7 +205,7 @@ def _tool_use(tools=(), environment_factory=None):
     return ToolUseConfig(list(tools), environment_factory, None, 10.0, None)
 
 
-# -- the tool mask through the round ----------------------------------------------------------------------------
+# -- the tool mask through the round -------------------------------------------------------------------------
 
 
 def test_the_round_counts_the_models_tokens_only():
@@ -228,14 +234,15 @@ def test_the_sampler_correction_statistics_leave_tool_tokens_out():
     old = torch.zeros(1, 4)
     sampled = torch.tensor([[0.0, -9.0, -9.0, -0.5]])  # tool tokens carry no sampler log-prob worth comparing
     r = Round(prompt_ids=torch.ones(1, 2, dtype=torch.long), prompt_mask=torch.ones(1, 2, dtype=torch.long),
-              completion_ids=torch.ones(1, 4, dtype=torch.long), completion_mask=torch.ones(1, 4, dtype=torch.long),
-              is_truncated=torch.tensor([False]), advantages=torch.zeros(1), old_logps=old, sampling_logps=sampled,
-              tool_mask=torch.tensor([[1, 0, 0, 1]]), sampler_ratio=torch.ones(1, 4))
+              completion_ids=torch.ones(1, 4, dtype=torch.long),
+              completion_mask=torch.ones(1, 4, dtype=torch.long),
+              is_truncated=torch.tensor([False]), advantages=torch.zeros(1), old_logps=old,
+              sampling_logps=sampled, tool_mask=torch.tensor([[1, 0, 0, 1]]), sampler_ratio=torch.ones(1, 4))
     m = sampler_metrics(One(), r)
     assert m["sampling/sampling_logp_difference/max"] == pytest.approx(0.5)
 
 
-# -- training with an environment ------------------------------------------------------------------------------
+# -- training with an environment ----------------------------------------------------------------------------
 
 
 def test_training_with_an_environment_logs_tool_metrics_and_corrects_on_model_tokens(tmp_path, monkeypatch):
@@ -283,6 +290,7 @@ def test_training_with_an_environment_logs_tool_metrics_and_corrects_on_model_to
     assert logged[0]["tools/call_frequency"] == 1.0 and logged[0]["tools/failure_frequency"] == 0.0
     assert logged[0]["tools/mean_turns"] == 2.0  # a call, its result, a second call the limit leaves unrun
     assert logged[0]["rewards/counter/mean"] == pytest.approx((3 + 3 + 4 + 4) / 4)
-    assert logged[0]["completions/mean_length"] == 2 * call  # the model's two turns, the tool block not counted
+    # the model's two turns, the tool block not counted
+    assert logged[0]["completions/mean_length"] == 2 * call
     row = read_log(tmp_path / "log.csv")[0]
     assert float(row["tools/call_frequency"]) == 1.0 and "tools/mean_turns" in row

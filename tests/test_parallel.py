@@ -1,5 +1,6 @@
-"""train.accelerate_config read as the trainer reads it: DDP, FSDP2 from fsdp_config, and clear refusals (DeepSpeed
-withdrawn, accelerate's own FSDP, FSDP1, settings the trainer does not honour, LoRA or fp16 under FSDP2)."""
+"""train.accelerate_config read as the trainer reads it: DDP, FSDP2 from fsdp_config, and clear refusals
+(DeepSpeed withdrawn, accelerate's own FSDP, FSDP1, settings the trainer does not honour, LoRA or fp16 under
+FSDP2)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def test_fsdp_config_version_2_is_fsdp2_with_its_settings(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ("distributed_type: DEEPSPEED\ndeepspeed_config: {zero_stage: 3}\n", "DeepSpeed is not supported"),
     ("distributed_type: MULTI_GPU\ndeepspeed_config: {zero_stage: 3}\n", "DeepSpeed is not supported"),
-    ("distributed_type: FSDP\nfsdp_config: {fsdp_version: 2}\n", "distributed_type FSDP hands sharding to accelerate"),
+    ("distributed_type: FSDP\nfsdp_config: {fsdp_version: 2}\n",
+     "distributed_type FSDP hands sharding to accelerate"),
     ("distributed_type: MEGATRON_LM\n", "distributed_type MEGATRON_LM is not supported"),
     ("distributed_type: MULTI_GPU\nfsdp_config: {fsdp_version: 1}\n", "fsdp_version must be 2"),
     (FSDP2 % ", fsdp_sharding_strategy: FULL_SHARD", r"keys \['fsdp_sharding_strategy'\] are not read"),

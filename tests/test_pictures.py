@@ -1,5 +1,6 @@
-"""flows/pictures.py without a browser: when the chart view counts as drawn, when the pictures would show nothing to
-compare, and what `make pictures` says about a store it cannot picture. tests/test_mlflow_ui.py runs it in chromium."""
+"""flows/pictures.py without a browser: when the chart view counts as drawn, when the pictures would show
+nothing to compare, and what `make pictures` says about a store it cannot picture. tests/test_mlflow_ui.py
+runs it in chromium."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ class Page:
         def trace(name, y, hover, metric="reward"):
             return {"name": name, "metric": metric, "hover": hover, "x": [1, 2, 3], "y": y}
 
-        smoothed = {"title": "reward", "traces": [  # each run: its moving average, then its raw values (faded)
+        # each run: its moving average, then its raw values (faded)
+        smoothed = {"title": "reward", "traces": [
             trace(NAMES[0], [0.1, 0.2, 0.25], "none"), trace(NAMES[0], [0.1, 0.3, 0.3], "skip"),
             trace(NAMES[1], [0.1, 0.1, 0.15], "none"), trace(NAMES[1], [0.1, 0.1, 0.2], "skip")]}
         plain = {"title": "accuracy", "traces": [trace(NAMES[0], [0.5, 0.6, 0.7], "none", "accuracy"),
@@ -45,7 +47,9 @@ class Page:
 
 def test_charts_are_read_as_logged_not_as_smoothed():
     reward, accuracy = read_charts(Page())
-    assert reward == Chart("reward", {NAMES[0]: [(1, 0.1), (2, 0.3), (3, 0.3)], NAMES[1]: [(1, 0.1), (2, 0.1), (3, 0.2)]})
+    assert reward == Chart("reward",
+                           {NAMES[0]: [(1, 0.1), (2, 0.3), (3, 0.3)],
+                            NAMES[1]: [(1, 0.1), (2, 0.1), (3, 0.2)]})
     assert accuracy == Chart("accuracy", {NAMES[0]: [(1, 0.5), (2, 0.6), (3, 0.7)]})
 
 
@@ -63,7 +67,8 @@ def test_pictures_of_a_store_without_two_pipelines_say_so(tmp_path):
 
     shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
     (tmp_path / "dvc.yaml").write_text("stages: {}\n")
-    with pytest.raises(PicturesError, match="no experiment 'grpo-pipeline' at sqlite:///.*did the pipeline run"):
+    with pytest.raises(PicturesError,
+                       match="no experiment 'grpo-pipeline' at sqlite:///.*did the pipeline run"):
         main(["--repo", str(tmp_path), "--no-runs"])
 
     from mlflow import MlflowClient

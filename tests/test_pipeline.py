@@ -35,7 +35,8 @@ TINY = {
                  "batch_size": 16},
 }
 STAGES = ["prepare", "convert", "validate", "calibrate", "train", "evaluate"]
-# The stages that open an MLflow run here: convert has nothing to convert for the embedded default's model folder.
+# The stages that open an MLflow run here: convert has nothing to convert for the embedded default's model
+# folder.
 TRACKED_STAGES = [s for s in STAGES if s != "convert"]
 GIT = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com", "-c", "commit.gpgsign=false"]
 
@@ -55,9 +56,11 @@ def pipeline_env(**extra: str) -> dict[str, str]:
 
 
 def run(repo: Path, *cmd: str, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
-    proc = subprocess.run(list(cmd), cwd=repo, env=pipeline_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(list(cmd), cwd=repo, env=pipeline_env(), capture_output=True, text=True,
+                          timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-4000:]}")
     return proc
 
 
@@ -152,7 +155,8 @@ def test_repro_runs_every_stage_and_writes_every_declared_output(pipeline):
     assert missing == []
     # no output names where this clone lives: another clone hashes the same outputs the same (a shared cache)
     where = str(repo.resolve()).encode()
-    files = [f for p in declared for f in ((repo / p).rglob("*") if (repo / p).is_dir() else [repo / p]) if f.is_file()]
+    files = [f for p in declared for f in ((repo / p).rglob("*") if (repo / p).is_dir() else [repo / p])
+             if f.is_file()]
     assert [str(f.relative_to(repo)) for f in files if where in f.read_bytes()] == []
 
     # the contract's outputs
@@ -160,7 +164,8 @@ def test_repro_runs_every_stage_and_writes_every_declared_output(pipeline):
     assert {"weights", "stats", "rule"} <= set(weights)
     assert sorted(p.name for p in (repo / "artifacts/checkpoints").glob("checkpoint-*")) == ["checkpoint-2",
                                                                                              "checkpoint-3"]
-    assert (repo / "artifacts/model/model.safetensors").is_file() and (repo / "artifacts/model/config.json").is_file()
+    assert ((repo / "artifacts/model/model.safetensors").is_file()
+            and (repo / "artifacts/model/config.json").is_file())
     metrics = json.loads((repo / "metrics/eval.json").read_text())
     assert set(metrics) >= {"base", "trained", "delta"}
     assert 0.0 <= metrics["base"]["accuracy"] <= 1.0 and 0.0 <= metrics["trained"]["accuracy"] <= 1.0
@@ -182,7 +187,8 @@ def test_repro_runs_every_stage_and_writes_every_declared_output(pipeline):
     assert "| accuracy |" in (repo / "reports/evaluation.md").read_text()
     from flows.stages.evaluate import registry_markdown
 
-    registry = json.loads((repo / "reports/registry.json").read_text())  # the decision as data; the report renders it
+    # the decision as data; the report renders it
+    registry = json.loads((repo / "reports/registry.json").read_text())
     assert registry["registered"] and registry["version"] == 1 and registry["against"] == "base"
     assert registry_markdown(registry) in (repo / "reports/evaluation.md").read_text()
     # the exported model is the last checkpoint's policy cast to model.dtype; training moved it off the base
@@ -213,7 +219,8 @@ def test_second_repro_does_nothing(pipeline):
 
 def test_mlflow_holds_one_parent_with_a_child_run_per_stage(pipeline):
     repo, _ = pipeline
-    assert (repo / "mlflow.db").is_file() and (repo / "mlruns").is_dir()  # at the repo root, found via DVC_ROOT
+    # at the repo root, found via DVC_ROOT
+    assert (repo / "mlflow.db").is_file() and (repo / "mlruns").is_dir()
     runs = stage_runs(repo)
     parents = [r for r in runs if r.data.tags.get("grpo.role") == "pipeline"]
     assert len(parents) == 1
@@ -237,7 +244,8 @@ def test_mlflow_holds_one_parent_with_a_child_run_per_stage(pipeline):
     assert {"eval", "plots", "reports", "metrics"} <= artifacts
     (output,) = evaluate.outputs.model_outputs  # the policy is a LoggedModel of the run, not a run artifact
     assert client.get_logged_model(output.model_id).source_run_id == evaluate.info.run_id
-    assert {a.path for a in client.list_artifacts(children[2].info.run_id)} >= {"calibration", "reports", "samples"}
+    assert ({a.path for a in client.list_artifacts(children[2].info.run_id)}
+            >= {"calibration", "reports", "samples"})
     versions = client.search_model_versions("name='grpo-policy'")
     assert len(versions) == 1 and versions[0].run_id == evaluate.info.run_id
 
@@ -262,7 +270,8 @@ def test_bad_data_stops_at_validate_with_a_report_naming_the_rows(pipeline, tmp_
     (repo / "data/bad").mkdir()
     (repo / "data/bad/train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     raw = yaml.safe_load((repo / "params.yaml").read_text())
-    raw["data"].update(train_files="data/bad/train.jsonl", train_dir="data/bad")  # (prepare owns data/prepared)
+    # (prepare owns data/prepared)
+    raw["data"].update(train_files="data/bad/train.jsonl", train_dir="data/bad")
     (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     kept = {p: (repo / p).read_bytes() for p in ("data/validated/train.parquet", "metrics/eval.json",
                                                  "artifacts/calibration/reward_weights.json")}
@@ -311,14 +320,16 @@ def test_sigkill_during_training_then_repro_resumes_with_no_lost_steps(pipeline,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and proc.poll() is None:
-        steps = [int(p.name.split("-")[1]) for p in ckpts.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
+        steps = [int(p.name.split("-")[1]) for p in ckpts.glob("checkpoint-*")
+                 if p.name.split("-")[1].isdigit()]
         if any(4 < s < 40 for s in steps):
             break
         time.sleep(0.05)
     assert proc.poll() is None, "training ended before it could be killed"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    killed_at = max(int(p.name.split("-")[1]) for p in ckpts.glob("checkpoint-*") if p.name.split("-")[1].isdigit())
+    killed_at = max(int(p.name.split("-")[1]) for p in ckpts.glob("checkpoint-*")
+                    if p.name.split("-")[1].isdigit())
     assert killed_at < 40
 
     out = dvc(repo, "repro")
@@ -331,11 +342,14 @@ def test_sigkill_during_training_then_repro_resumes_with_no_lost_steps(pipeline,
 
     # MLflow: the killed pipeline's parent is KILLED; its train run went on in the resumed pipeline, one curve
     runs = [r for r in stage_runs(repo) if r.info.run_id not in before]
-    pipelines = sorted((r for r in runs if r.data.tags.get("grpo.role") == "pipeline"), key=lambda r: r.info.start_time)
+    pipelines = sorted((r for r in runs if r.data.tags.get("grpo.role") == "pipeline"),
+                       key=lambda r: r.info.start_time)
     assert [p.info.status for p in pipelines] == ["KILLED", "FINISHED"]
     (train,) = [r for r in runs if r.data.tags.get("stage") == "train"]
-    assert train.info.status == "FINISHED" and train.data.tags["mlflow.parentRunId"] == pipelines[1].info.run_id
+    assert (train.info.status == "FINISHED"
+            and train.data.tags["mlflow.parentRunId"] == pipelines[1].info.run_id)
     assert train.data.tags["train.checkpoints"] == f"resume:checkpoint-{killed_at}"
     logged = {m.step for m in mlflow_client(repo).get_metric_history(train.info.run_id, "reward")}
-    # the killed run extended the built one from its last checkpoint (a larger max_steps): a new run from there on
+    # the killed run extended the built one from its last checkpoint
+    # (a larger max_steps): a new run from there on
     assert logged == set(range(TINY["train"]["max_steps"] + 1, 41))

@@ -75,21 +75,23 @@ def test_bf16_moves_the_policy_as_fp32_does_and_plain_bf16_adamw_does_not(assets
     fp32 = mean_kl(assets, tmp_path / "fp32", "float32", "no")
     bf16 = mean_kl(assets, tmp_path / "bf16", "bfloat16", "bf16")
     plain = mean_kl(assets, tmp_path / "plain", "bfloat16", "bf16", plain=True)
-    print(f"mean KL, steps 21-30, lr 1e-5: fp32 {fp32:.3g}, bf16 (fp32 masters) {bf16:.3g} ({bf16 / fp32:.2f}x), "
-          f"plain bf16 AdamW {plain:.3g} ({plain / fp32:.2f}x)")
+    print(f"mean KL, steps 21-30, lr 1e-5: fp32 {fp32:.3g}, bf16 (fp32 masters) {bf16:.3g} "
+          f"({bf16 / fp32:.2f}x), plain bf16 AdamW {plain:.3g} ({plain / fp32:.2f}x)")
     assert 0.5 < bf16 / fp32 < 2.0
     assert plain / fp32 < 0.5  # the test can fail: the rounding it guards against is real
     config = json.loads((tmp_path / "bf16/out/model/config.json").read_text())
     assert config["dtype"] == "bfloat16"  # the export is in model.dtype
     from safetensors.torch import load_file
 
-    assert {t.dtype for t in load_file(tmp_path / "bf16/out/model/model.safetensors").values()} == {torch.bfloat16}
+    assert ({t.dtype for t in load_file(tmp_path / "bf16/out/model/model.safetensors").values()}
+            == {torch.bfloat16})
 
 
 def test_a_half_precision_model_dtype_samples_from_a_copy_in_it_refreshed_after_every_step(assets, tmp_path):
-    """model.dtype bfloat16, full fine-tuning: the backend samples from a bf16 copy of the float32 masters (not the
-    masters under autocast), refreshed after every optimizer step - after the run it equals the last step's masters
-    cast to bf16 - and HF's static KV cache runs on it (K and V in one dtype: no fall-back to the dynamic cache)."""
+    """model.dtype bfloat16, full fine-tuning: the backend samples from a bf16 copy of the float32 masters
+    (not the masters under autocast), refreshed after every optimizer step - after the run it equals the last
+    step's masters cast to bf16 - and HF's static KV cache runs on it (K and V in one dtype: no fall-back to
+    the dynamic cache)."""
     import dataclasses
 
     from safetensors.torch import load_file
@@ -104,8 +106,8 @@ def test_a_half_precision_model_dtype_samples_from_a_copy_in_it_refreshed_after_
         backends.append(HFGenerateBackend(model, tokenizer, static_cache=True))
         return backends[-1]
 
-    cfg = tiny_config(*assets, [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}], max_steps=2,
-                      save_steps=2, per_device_train_batch_size=8)
+    cfg = tiny_config(*assets, [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}],
+                      max_steps=2, save_steps=2, per_device_train_batch_size=8)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="bfloat16"))
     train(cfg, root=tmp_path, progress=False, hooks=TrainHooks(backend_factory=factory),
           export=False)  # the export casts in place
@@ -123,8 +125,8 @@ def test_a_half_precision_model_dtype_samples_from_a_copy_in_it_refreshed_after_
 
 
 def test_tf32_is_switched_on_through_the_api_this_torch_has():
-    """set_up calls allow_tf32 on CUDA; here only that it names flags this torch has and sets them (a renamed flag
-    would raise on the first GPU run, where no test runs)."""
+    """set_up calls allow_tf32 on CUDA; here only that it names flags this torch has and sets them (a renamed
+    flag would raise on the first GPU run, where no test runs)."""
     from grpo_core.train.setup import allow_tf32
 
     before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision

@@ -26,13 +26,15 @@ PREFECT = str(BIN / "prefect")
 
 @pytest.fixture(scope="module")
 def servers(prefect_server, mlflow_server):  # noqa: F811 - the fixtures imported above
-    """The session's `prefect server start` and `mlflow server` (tests/test_servers.py); the environment a user's
-    shell has when pointed at them."""
-    return pipeline_env(PREFECT_API_URL=prefect_server.api, MLFLOW_TRACKING_URI=mlflow_server.uri), mlflow_server.uri
+    """The session's `prefect server start` and `mlflow server` (tests/test_servers.py); the environment a
+    user's shell has when pointed at them."""
+    return pipeline_env(PREFECT_API_URL=prefect_server.api,
+                        MLFLOW_TRACKING_URI=mlflow_server.uri), mlflow_server.uri
 
 
 def prefect(repo: Path, env: dict, *args: str, timeout: int = 300) -> str:
-    proc = subprocess.run([PREFECT, *args], cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([PREFECT, *args], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=timeout)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"prefect {' '.join(args)} exited {proc.returncode}\n{out[-4000:]}"
     return out
@@ -72,7 +74,8 @@ def test_deploy_schedule_run_and_worker_complete_the_flow(servers, tmp_path_fact
     assert schedule.schedule.cron == "0 2 * * *" and schedule.schedule.timezone == "UTC" and schedule.active
     assert nightly.work_pool_name == "grpo-process"
 
-    started = prefect(repo, env, "deployment", "run", "grpo-pipeline/adhoc", "-p", 'params_overrides={"train.max_steps": 4}')
+    started = prefect(repo, env, "deployment", "run", "grpo-pipeline/adhoc", "-p",
+                      'params_overrides={"train.max_steps": 4}')
     flow_run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", started).group(1)
     prefect(repo, env, "worker", "start", "--pool", "grpo-process", "--run-once", timeout=900)
 
@@ -93,7 +96,8 @@ def test_deploy_schedule_run_and_worker_complete_the_flow(servers, tmp_path_fact
         [exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
     assert set(children) == {"train", "evaluate"}  # max_steps feeds only these: DVC skipped the rest
     train = children["train"]
-    assert train.data.tags["prefect.flow_run_id"] == flow_run_id and train.data.params["train.max_steps"] == "4"
+    assert (train.data.tags["prefect.flow_run_id"] == flow_run_id
+            and train.data.params["train.max_steps"] == "4")
     # resumed from the built run's last checkpoint: this run trained (and logged) the one new step
     assert train.data.tags["train.checkpoints"] == f"resume:checkpoint-{TINY['train']['max_steps']}"
     assert [m.step for m in client.get_metric_history(train.info.run_id, "reward")] == [4]
@@ -115,5 +119,6 @@ def test_deploy_schedule_run_and_worker_complete_the_flow(servers, tmp_path_fact
 async def artifacts_of(client, flow_run_id: str) -> dict:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    found = await client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    found = await client.read_artifacts(
+        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
     return {a.key: a for a in found}

@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_stage_exit_code_is_read_from_dvc_output():
-    out = "...\nERROR: failed to reproduce 'validate': failed to run: python -m flows.stages validate, exited with 3\n"
+    out = ("...\nERROR: failed to reproduce 'validate': failed to run: python -m flows.stages validate, "
+           "exited with 3\n")
     assert stage_exit_code(out, "validate") == 3
     assert stage_exit_code(out, "train") is None
     assert stage_exit_code("ERROR: Unable to acquire lock", "validate") is None
@@ -82,8 +83,8 @@ with exclusive(Path(sys.argv[1]), sys.argv[2], RuntimeError):
 @contextlib.contextmanager
 def held(path: Path, holder: str):
     """``path``'s lock held by another process as ``holder``; yields that process."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path), holder], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path), holder], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         assert proc.stdout.readline().strip() == "held"
         yield proc
@@ -117,7 +118,8 @@ def test_summary_lists_stages_weights_evaluation_and_registry(tmp_path):
         {"base": {"accuracy": 0.25, "pass@4": 0.5}, "trained": {"accuracy": 0.5, "pass@4": 0.75},
          "delta": {"accuracy": 0.25, "pass@4": 0.25}}))
     (tmp_path / "reports/registry.json").write_text(json.dumps(PROMOTED))
-    md = summary_markdown(tmp_path, status="FINISHED", results=[{"stage": "train", "ran": True, "seconds": 3.0}],
+    md = summary_markdown(tmp_path, status="FINISHED",
+                          results=[{"stage": "train", "ran": True, "seconds": 3.0}],
                           selected=["train", "evaluate"], flow_run_id="f1", parent_run_id="p1",
                           experiment="e", tracking_uri="sqlite:///x")
     assert "| train | ran | 3.0 |" in md and "| evaluate | not run | - |" in md
@@ -129,11 +131,11 @@ def test_summary_lists_stages_weights_evaluation_and_registry(tmp_path):
 
 #: a registry decision as evaluate writes it (reports/registry.json), and its rendering worked out by hand
 PROMOTED = {"registered": True, "model_name": "grpo-policy", "version": 3, "alias": "champion",
-            "previous_champion": 2, "metric": "accuracy", "trained": 0.5, "reference": 0.25, "against": "champion",
-            "margin": 0.1, "promote": True, "delta": 0.25,
+            "previous_champion": 2, "metric": "accuracy", "trained": 0.5, "reference": 0.25,
+            "against": "champion", "margin": 0.1, "promote": True, "delta": 0.25,
             "reason": "accuracy 0.5000 beats the champion's 0.2500 by more than 0.1 (delta +0.2500)"}
-PROMOTED_TEXT = ("Registered `grpo-policy` version 3. Promoted to `@champion`: accuracy 0.5000 beats the champion's "
-                 "0.2500 by more than 0.1 (delta +0.2500).")
+PROMOTED_TEXT = ("Registered `grpo-policy` version 3. Promoted to `@champion`: accuracy 0.5000 beats the "
+                 "champion's 0.2500 by more than 0.1 (delta +0.2500).")
 EVALUATED = [{"stage": "evaluate", "ran": True, "seconds": 1.0}]
 
 
@@ -145,7 +147,8 @@ def summary_of(root: Path, results: list[dict] = EVALUATED) -> str:
 def test_summary_takes_the_registry_decision_from_the_json_never_the_markdown(tmp_path):
     (tmp_path / "reports").mkdir()
     # the report says otherwise: the summary must not read it
-    (tmp_path / "reports/evaluation.md").write_text("# Evaluation\n\n## Registry\n\nRegistered v9. Promoted.\n")
+    (tmp_path / "reports/evaluation.md").write_text("# Evaluation\n\n## Registry\n\nRegistered v9. "
+                                                    "Promoted.\n")
     md = summary_of(tmp_path)
     assert "v9" not in md and "## Registry" not in md
     assert "- `reports/registry.json` is missing (written by `evaluate`)" in md
@@ -164,14 +167,16 @@ def test_summary_takes_the_registry_decision_from_the_json_never_the_markdown(tm
 def test_summary_names_a_malformed_result_and_a_missing_one_of_a_stage_that_ran(tmp_path):
     (tmp_path / "metrics").mkdir()
     (tmp_path / "reports").mkdir()
-    assert "Stage results not shown" not in summary_of(tmp_path, results=[])  # evaluate did not run: no files expected
+    # evaluate did not run: no files expected
+    assert "Stage results not shown" not in summary_of(tmp_path, results=[])
     (tmp_path / "metrics/eval.json").write_text('{"base": {"accuracy": 0.5}, "trained": ')
-    (tmp_path / "reports/registry.json").write_text(json.dumps({"registered": True, "promote": True, "alias": None,
-                                                                "reason": "r"}))
+    (tmp_path / "reports/registry.json").write_text(
+        json.dumps({"registered": True, "promote": True, "alias": None, "reason": "r"}))
     md = summary_of(tmp_path, results=[])  # malformed: named even when its stage did not run here
     problems = md.split("## Stage results not shown\n\n", 1)[1].splitlines()
     assert problems[0].startswith("- `metrics/eval.json` is not readable JSON (")
-    assert problems[1] == "- `reports/registry.json` is malformed: no model_name, version (written by `evaluate`)"
+    assert problems[1] == ("- `reports/registry.json` is malformed: no model_name, "
+                           "version (written by `evaluate`)")
     assert "## Evaluation" not in md and "## Registry" not in md
 
 
@@ -212,7 +217,8 @@ def artifact_markdown(flow_run_id: str) -> str:
 
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(artifact_filter=ArtifactFilter(
-            key=ArtifactFilterKey(any_=[SUMMARY_ARTIFACT_KEY]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+            key=ArtifactFilterKey(any_=[SUMMARY_ARTIFACT_KEY]),
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
     assert found, f"no {SUMMARY_ARTIFACT_KEY} artifact for flow run {flow_run_id}"
     return found[0].data
 
@@ -238,18 +244,21 @@ def test_transient_failures_are_retried_and_validation_failures_are_not(prefect_
 
 
 @pytest.mark.slow
-def test_a_second_flow_run_on_a_repo_is_refused_before_it_touches_params_yaml(prefect_harness, clean_env, tmp_path):
+def test_a_second_flow_run_on_a_repo_is_refused_before_it_touches_params_yaml(prefect_harness, clean_env,
+                                                                              tmp_path):
     from flows.pipeline import grpo_pipeline
     from flows.stages.common import FlowBusy, flow_lock_path
 
     repo = fake_repo(tmp_path / "repo", "ok")
     before = (repo / "params.yaml").read_text()
     with held(flow_lock_path(repo), "flow run brave-otter") as other:
-        with pytest.raises(FlowBusy, match=f"`flow run brave-otter` \\(PID {other.pid}, since .*would rewrite "
-                                           "params.yaml under its stages"):
-            grpo_pipeline(stages=["validate"], repo=str(repo), params_overrides={"train.max_steps": 7}, retries=0)
+        with pytest.raises(FlowBusy, match=f"`flow run brave-otter` \\(PID {other.pid}, since .*would "
+                                           "rewrite params.yaml under its stages"):
+            grpo_pipeline(stages=["validate"], repo=str(repo), params_overrides={"train.max_steps": 7},
+                          retries=0)
     assert (repo / "params.yaml").read_text() == before and not (repo / "attempts").exists()
-    result = grpo_pipeline(stages=["validate"], repo=str(repo), params_overrides={"train.max_steps": 7}, retries=0)
+    result = grpo_pipeline(stages=["validate"], repo=str(repo), params_overrides={"train.max_steps": 7},
+                           retries=0)
     assert result["stages"][0]["ran"] and load_params(repo / "params.yaml").train.max_steps == 7
 
 
@@ -262,17 +271,19 @@ for path, doc in json.loads(pathlib.Path("results.json").read_text()).items():
 
 
 @pytest.mark.slow
-def test_the_flow_returns_and_shows_the_registry_decision_evaluate_wrote_as_json(prefect_harness, clean_env, tmp_path):
-    """An `evaluate` that writes its JSON results and no markdown: the flow's return value and summary artifact
-    carry the decision all the same."""
+def test_the_flow_returns_and_shows_the_registry_decision_evaluate_wrote_as_json(prefect_harness, clean_env,
+                                                                                 tmp_path):
+    """An `evaluate` that writes its JSON results and no markdown: the flow's return value and summary
+    artifact carry the decision all the same."""
     from flows.pipeline import grpo_pipeline
 
     repo = fake_repo(tmp_path / "repo", "ok")
     metrics = {"base": {"accuracy": 0.25}, "trained": {"accuracy": 0.5}, "delta": {"accuracy": 0.25}}
-    (repo / "results.json").write_text(json.dumps({"metrics/eval.json": metrics, "reports/registry.json": PROMOTED}))
+    (repo / "results.json").write_text(
+        json.dumps({"metrics/eval.json": metrics, "reports/registry.json": PROMOTED}))
     (repo / "evaluate.py").write_text(EVALUATE_SCRIPT)
-    (repo / "dvc.yaml").write_text("stages:\n  evaluate:\n    cmd: python evaluate.py\n    deps: [evaluate.py]\n"
-                                   "    outs: [metrics/eval.json, reports/registry.json]\n")
+    (repo / "dvc.yaml").write_text("stages:\n  evaluate:\n    cmd: python evaluate.py\n    deps: "
+                                   "[evaluate.py]\n    outs: [metrics/eval.json, reports/registry.json]\n")
     result = grpo_pipeline(stages=["evaluate"], repo=str(repo), retries=0)
     assert result["registry"] == PROMOTED and result["eval"] == metrics
     md = artifact_markdown(result["flow_run_id"])
@@ -302,4 +313,5 @@ def test_prefect_yaml_deploys_the_flow_on_a_nightly_schedule():
         assert dep["work_pool"]["name"] == "grpo-process"
     (schedule,) = by_name["nightly-retrain"]["schedules"]
     CronSchedule(cron=schedule["cron"], timezone=schedule["timezone"])  # valid cron
-    assert spec["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == "{{ $GRPO_REPO_DIR }}"
+    assert (spec["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"]
+            == "{{ $GRPO_REPO_DIR }}")

@@ -1,10 +1,12 @@
-"""The Prefect server restarted under a running flow (`python -m flows.pipeline` against `prefect server start`).
+"""The Prefect server restarted under a running flow (`python -m flows.pipeline` against
+`prefect server start`).
 
-- killed (SIGKILL) while train runs and started again seconds later: the client's retries carry the flow over; it completes, and Prefect, MLflow
-  and the train log all say so, each step once;
+- killed (SIGKILL) while train runs and started again seconds later: the client's retries carry the flow over;
+  it completes, and Prefect, MLflow and the train log all say so, each step once;
 - down past the client's retries (``PREFECT_CLIENT_MAX_RETRIES=1`` here: one retry, 2 s): every stage still
   runs, the MLflow parent is FINISHED as the stages were, the flow exits 1 naming the Prefect server, and its
-  Prefect record is left RUNNING; the next flow run completes and settles that record as COMPLETED, saying why.
+  Prefect record is left RUNNING; the next flow run completes and settles that record as COMPLETED, saying
+  why.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from tests.test_pipeline import built_pipeline, copy_repo, mlflow_client
 from tests.test_servers import Server, _env, prefect_post, started_prefect_server
 
 pytestmark = pytest.mark.slow
-STEPS = 40  # the tiny pipeline's steps take ~0.1 s: enough of them that the server dies inside the train stage
+# the tiny pipeline's steps take ~0.1 s: enough of them that the server dies inside the train stage
+STEPS = 40
 
 
 @pytest.fixture()
@@ -38,7 +41,8 @@ def start_flow(repo: Path, api: str, log: Path, *overrides: str, **env: str) -> 
     args = [a for o in overrides for a in ("-S", o)]
     return subprocess.Popen([sys.executable, "-m", "flows.pipeline", *args], cwd=repo, stdout=log.open("w"),
                             stderr=subprocess.STDOUT, text=True,
-                            env=_env(PREFECT_API_URL=api, MLFLOW_TRACKING_URI=f"sqlite:///{repo / 'mlflow.db'}", **env))
+                            env=_env(PREFECT_API_URL=api,
+                                     MLFLOW_TRACKING_URI=f"sqlite:///{repo / 'mlflow.db'}", **env))
 
 
 def train_log_text(repo: Path) -> str:
@@ -47,7 +51,8 @@ def train_log_text(repo: Path) -> str:
 
 
 def wait_for_a_train_step(repo: Path, log: Path, flow: subprocess.Popen) -> None:
-    """Until this flow's train stage has written a step (the repo's train log holds an earlier run's steps)."""
+    """Until this flow's train stage has written a step (the repo's train log holds an earlier run's
+    steps)."""
     wait_for(lambda: "Running stage 'train'" in log.read_text(), flow, "the train stage", every=0.2)
     before = train_log_text(repo)
     wait_for(lambda: train_log_text(repo) not in (before, "") and train_log_text(repo).endswith("\n"), flow,
@@ -118,9 +123,11 @@ def test_a_restart_under_a_running_flow_completes_and_a_long_outage_is_settled_b
     (settled,) = prefect_post(server.api, "/flow_runs/filter", {"flow_runs": {"id": {"any_": [stale["id"]]}}})
     assert settled["state_type"] == "COMPLETED"
     assert settled["state"]["message"].startswith(
-        f"ended FINISHED (MLflow parent run {mlflow_parent(repo, stale['id']).info.run_id}) while the Prefect server "
-        "could not be reached; settled by the next flow run in this repo. Stages: prepare up to date, ")
+        f"ended FINISHED (MLflow parent run {mlflow_parent(repo, stale['id']).info.run_id}) while the "
+        "Prefect server could not be reached; settled by the next flow run in this repo. Stages: prepare up "
+        "to date, ")
     assert "train ran, evaluate ran" in settled["state"]["message"]
-    stale_tasks = prefect_post(server.api, "/task_runs/filter", {"flow_runs": {"id": {"any_": [stale["id"]]}}})
+    stale_tasks = prefect_post(server.api, "/task_runs/filter",
+                               {"flow_runs": {"id": {"any_": [stale["id"]]}}})
     assert stale_tasks and all(t["state_type"] == "COMPLETED" for t in stale_tasks)
     assert latest_flow_run(server.api)[0]["state_type"] == "COMPLETED"

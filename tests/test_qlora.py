@@ -1,7 +1,8 @@
-"""QLoRA (model.quantization) end to end on a tiny model, on CPU (bitsandbytes 0.50 runs its 4-bit layers there): the
-base's linear layers really are 4-bit, only the adapters train, gradient checkpointing and a rollout between
-training forwards work, a checkpoint resumes exactly, the export is a plain full-precision model that samples as
-the trained 4-bit policy does (to NF4 rounding), and the settings QLoRA cannot run are refused with the reason."""
+"""QLoRA (model.quantization) end to end on a tiny model, on CPU (bitsandbytes 0.50 runs its 4-bit layers
+there): the base's linear layers really are 4-bit, only the adapters train, gradient checkpointing and a
+rollout between training forwards work, a checkpoint resumes exactly, the export is a plain full-precision
+model that samples as the trained 4-bit policy does (to NF4 rounding), and the settings QLoRA cannot run are
+refused with the reason."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def require_bitsandbytes() -> None:
         import bitsandbytes  # noqa: F401
     except ImportError as exc:
         if os.environ.get("CI"):
-            pytest.fail(f"CI must run QLoRA, and bitsandbytes is not installed ({exc}): make setup installs it")
+            pytest.fail(f"CI must run QLoRA, and bitsandbytes is not installed ({exc}): make setup installs "
+                        "it")
         pytest.skip(f"bitsandbytes is not installed: {exc}")
 
 
@@ -65,9 +67,9 @@ def straight(assets, tmp_path_factory):
 
 
 def quantized_bytes(module) -> int:
-    """A Linear4bit's bytes per its own weights: the packed 4-bit values, the per-block constants (absmax) and,
-    with double quantization, the constants of those constants. The two 256-entry lookup tables (1 KB each, the
-    NF4 code, the same whatever the layer's size) are left out."""
+    """A Linear4bit's bytes per its own weights: the packed 4-bit values, the per-block constants (absmax)
+    and, with double quantization, the constants of those constants. The two 256-entry lookup tables (1 KB
+    each, the NF4 code, the same whatever the layer's size) are left out."""
     qs = module.weight.quant_state
     n = module.weight.numel() * module.weight.element_size() + qs.absmax.numel() * qs.absmax.element_size()
     if qs.nested:
@@ -105,8 +107,8 @@ def test_the_base_is_4bit_and_only_the_adapters_train(assets):
 
 
 def test_gradient_checkpointing_and_a_rollout_between_training_forwards(assets):
-    """An eval-mode, no-grad forward (a rollout, the reference pass) must not turn the 4-bit layers into their CPU
-    inference layout (bitsandbytes 0.50 does on AVX512-BF16 CPUs): the next training forward would fail in
+    """An eval-mode, no-grad forward (a rollout, the reference pass) must not turn the 4-bit layers into their
+    CPU inference layout (bitsandbytes 0.50 does on AVX512-BF16 CPUs): the next training forward would fail in
     backward. Under gradient checkpointing every adapter, the first layer's included, gets a gradient."""
     from grpo_core.model.loading import load_policy
 
@@ -116,7 +118,8 @@ def test_gradient_checkpointing_and_a_rollout_between_training_forwards(assets):
     with torch.no_grad():
         policy.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
     policy.train()
-    for _ in range(2):  # B starts at 0: a first step gives only B a gradient; train B a little so A gets one too
+    # B starts at 0: a first step gives only B a gradient; train B a little so A gets one too
+    for _ in range(2):
         out = policy(input_ids=ids, labels=ids)
         out.loss.backward()
         with torch.no_grad():
@@ -125,7 +128,8 @@ def test_gradient_checkpointing_and_a_rollout_between_training_forwards(assets):
                     p -= 0.1 * p.grad
     grads = {n: p.grad for n, p in policy.named_parameters() if p.requires_grad}
     assert all(g is not None and g.abs().sum() > 0 for g in grads.values()), [n for n, g in grads.items()
-                                                                              if g is None or not g.abs().sum()]
+                                                                              if g is None
+                                                                              or not g.abs().sum()]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -155,11 +159,12 @@ def test_resume_continues_exactly(assets, straight, tmp_path):
 
 
 def test_export_is_a_full_precision_model_that_samples_as_the_4bit_policy(assets, straight):
-    """The export merges the adapters into the base as it was before quantization, so it cannot equal the trained
-    policy (the 4-bit base + adapters) exactly: each base weight differs by its NF4 rounding (up to half a step
-    of a 16-level code scaled per 64 weights). Measured here: the export's logits differ from the 4-bit policy's
-    by no more than the unquantized base's differ from the 4-bit base's (x 1.5; the adapters add nothing to the
-    gap), far less than training moved them, and greedy completions agree token for token on at least 90% of the tokens of 8 prompts x 12 tokens."""
+    """The export merges the adapters into the base as it was before quantization, so it cannot equal the
+    trained policy (the 4-bit base + adapters) exactly: each base weight differs by its NF4 rounding (up to
+    half a step of a 16-level code scaled per 64 weights). Measured here: the export's logits differ from the
+    4-bit policy's by no more than the unquantized base's differ from the 4-bit base's (x 1.5; the adapters
+    add nothing to the gap), far less than training moved them, and greedy completions agree token for token
+    on at least 90% of the tokens of 8 prompts x 12 tokens."""
     import bitsandbytes as bnb
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -200,7 +205,8 @@ def test_export_is_a_full_precision_model_that_samples_as_the_4bit_policy(assets
         b = policy.generate(**batch, **kwargs)[:, batch.input_ids.shape[1]:]
     # measured: gap_trained 0.041, gap_base 0.078, moved 0.99 (max |logit| differences), greedy agreement 100%
     assert gap_trained <= 1.5 * gap_base, (gap_trained, gap_base)
-    assert moved > 5 * gap_trained, (moved, gap_trained)  # what training changed is far above the NF4 rounding
+    # what training changed is far above the NF4 rounding
+    assert moved > 5 * gap_trained, (moved, gap_trained)
     agree = (a == b).float().mean().item()
     assert agree >= 0.9, (agree, a, b)
 
@@ -214,7 +220,8 @@ def test_refusals_name_the_reason(assets, monkeypatch):
         config_from_dict(qlora_raw(assets, lora=None))
     raw = qlora_raw(assets)
     raw["generation"]["backend"] = "vllm"
-    with pytest.raises(ConfigError, match="not with generation.backend vllm; the engine is fed the policy's merged"):
+    with pytest.raises(ConfigError,
+                       match="not with generation.backend vllm; the engine is fed the policy's merged"):
         config_from_dict(raw)
     with pytest.raises(ConfigError, match="train.async_rollouts: not with model.quantization"):
         qlora_config(assets, async_rollouts=True)
@@ -222,7 +229,8 @@ def test_refusals_name_the_reason(assets, monkeypatch):
         config_from_dict(qlora_raw(assets, quantization={"load_in_4bit": False}))
     with pytest.raises(ConfigError, match="quant_type"):
         config_from_dict(qlora_raw(assets, quantization={"quant_type": "int4"}))
-    assert config_from_dict(qlora_raw(assets, quantization={})).model.quantization.quant_type == "nf4"  # defaults
+    assert (config_from_dict(qlora_raw(assets, quantization={})).model.quantization.quant_type
+            == "nf4")  # defaults
 
     from grpo_core.model.sharding import FSDPSettings
     from grpo_core.train.parallel import ParallelConfigError, Parallelism, check_parallelism

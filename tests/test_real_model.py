@@ -17,15 +17,15 @@ from tests.tiny import in_stage_repo, undo_recipe_changes
 
 REPO = Path(__file__).resolve().parents[1]
 ALL_CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
-# The hub-model recipes (embedded: null); configs/embedded-*.yaml are the embedded default on another engine, and
-# configs/smollm2-*.yaml runs the real SmolLM2 model itself (tests/test_smollm2.py), no stand-in.
+# The hub-model recipes (embedded: null); configs/embedded-*.yaml are the embedded default on another engine,
+# and configs/smollm2-*.yaml runs the real SmolLM2 model itself (tests/test_smollm2.py), no stand-in.
 CONFIGS = [name for name in ALL_CONFIGS if name.startswith("gsm8k-")]
-# What configs/gsm8k-qwen2.5-0.5b-tools.yaml changes of the GSM8K recipe besides the system prompt, and nothing
-# else (its header says why).
+# What configs/gsm8k-qwen2.5-0.5b-tools.yaml changes of the GSM8K recipe besides the system prompt, and
+# nothing else (its header says why).
 TOOLS_RECIPE_CHANGES = {
     ("data", "max_prompt_length"): 512, ("generation", "max_completion_length"): 768,
-    ("train", "tools"): ["grpo_core.tools.calculator:calculator"], ("train", "max_tool_calling_iterations"): 4,
-    ("tracking", "experiment_name"): "gsm8k-qwen2.5-0.5b-tools",
+    ("train", "tools"): ["grpo_core.tools.calculator:calculator"],
+    ("train", "max_tool_calling_iterations"): 4, ("tracking", "experiment_name"): "gsm8k-qwen2.5-0.5b-tools",
     ("tracking", "registered_model_name"): "gsm8k-qwen2.5-0.5b-tools",
 }
 # What configs/embedded-vllm.yaml changes of params.yaml, and nothing else (its header says why).
@@ -81,7 +81,8 @@ def hub_tools_model(tmp_path_factory):
 
 
 def interpolations(node) -> list[str]:
-    """Every ``${key}`` in a dvc.yaml fragment; dict keys count too (an out with options is ``{path: {...}}``)."""
+    """Every ``${key}`` in a dvc.yaml fragment; dict keys count too
+    (an out with options is ``{path: {...}}``)."""
     if isinstance(node, dict):
         return [key for k, v in node.items() for key in (*interpolations(k), *interpolations(v))]
     if isinstance(node, list):
@@ -100,8 +101,8 @@ def lookup(raw: dict, dotted: str):
 
 @pytest.mark.parametrize("name", ["params.yaml", *ALL_CONFIGS])
 def test_config_is_complete_for_dvc(name):
-    """What `dvc repro` needs of params.yaml: every `${...}` in dvc.yaml resolves to one path (DVC cannot hash a
-    list), every key a stage lists under `params` exists, and the file loads as our config."""
+    """What `dvc repro` needs of params.yaml: every `${...}` in dvc.yaml resolves to one path (DVC cannot hash
+    a list), every key a stage lists under `params` exists, and the file loads as our config."""
     from grpo_core.config import config_from_dict
 
     raw = yaml.safe_load((REPO / name).read_text()) if name == "params.yaml" else recipe(name)
@@ -109,7 +110,8 @@ def test_config_is_complete_for_dvc(name):
     for stage, spec in stages.items():
         for key in interpolations({"deps": spec.get("deps", []), "outs": spec.get("outs", [])}):
             value = lookup(raw, key)
-            assert isinstance(value, str), f"{name}: dvc.yaml {stage} needs ${{{key}}} as one path, got {value!r}"
+            assert isinstance(value,
+                              str), f"{name}: dvc.yaml {stage} needs ${{{key}}} as one path, got {value!r}"
         for key in spec.get("params", []):
             lookup(raw, key)  # KeyError names the missing key
     cfg = config_from_dict(raw)
@@ -121,15 +123,17 @@ def test_config_is_complete_for_dvc(name):
 
 
 def test_tools_recipe_is_the_gsm8k_recipe_with_a_calculator():
-    """configs/gsm8k-qwen2.5-0.5b-tools.yaml is the GSM8K recipe with TOOLS_RECIPE_CHANGES and a system prompt that
-    names the tool, and nothing else; its tool imports and passes the registry's checks (type hints, docstring)."""
+    """configs/gsm8k-qwen2.5-0.5b-tools.yaml is the GSM8K recipe with TOOLS_RECIPE_CHANGES and a system prompt
+    that names the tool, and nothing else; its tool imports and passes the registry's checks (type hints,
+    docstring)."""
     from grpo_core.config import load_config
     from grpo_core.tools import build_toolbox
 
     base, tools = recipe("gsm8k-qwen2.5-0.5b.yaml"), recipe("gsm8k-qwen2.5-0.5b-tools.yaml")
     undo_recipe_changes(tools, base, TOOLS_RECIPE_CHANGES)
     prompt = base["data"]["system_prompt"]
-    assert tools["data"]["system_prompt"] == "Use the calculator tool for every computation, then r" + prompt[1:]
+    assert (tools["data"]["system_prompt"]
+            == "Use the calculator tool for every computation, then r" + prompt[1:])
     tools["data"]["system_prompt"] = prompt
     assert tools == base
     toolbox = build_toolbox(load_config(REPO / "configs/gsm8k-qwen2.5-0.5b-tools.yaml").train.tool_use)
@@ -137,14 +141,16 @@ def test_tools_recipe_is_the_gsm8k_recipe_with_a_calculator():
 
 
 def test_embedded_vllm_recipe_is_the_default_with_the_engine_and_a_head_size_it_runs():
-    """configs/embedded-vllm.yaml is params.yaml with EMBEDDED_VLLM's keys changed, and nothing else: a key added to
-    or changed in params.yaml must reach the recipe too (the recipe claims "the embedded default with vLLM")."""
+    """configs/embedded-vllm.yaml is params.yaml with EMBEDDED_VLLM's keys changed, and nothing else: a key
+    added to or changed in params.yaml must reach the recipe too (the recipe claims "the embedded default with
+    vLLM")."""
     default = yaml.safe_load((REPO / "params.yaml").read_text())
     vllm = recipe("embedded-vllm.yaml")
     undo_recipe_changes(vllm, default, EMBEDDED_VLLM)
     assert vllm == default
     embedded = recipe("embedded-vllm.yaml")["embedded"]
-    assert embedded["hidden_size"] // embedded["num_attention_heads"] == 32  # a size vLLM's CPU attention takes
+    # a size vLLM's CPU attention takes
+    assert embedded["hidden_size"] // embedded["num_attention_heads"] == 32
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -207,7 +213,8 @@ def test_validate_passes_gsm8k_golds_and_checks_the_model(chat_repo, capsys):
 
     assert main(["validate"]) == 0
     report = json.loads((chat_repo / "reports/validation.json").read_text())
-    assert report["ok"] and report["summary"]["total_failures"] == 0  # `#### 72` and `#### 1,200` golds score 1
+    # `#### 72` and `#### 1,200` golds score 1
+    assert report["ok"] and report["summary"]["total_failures"] == 0
     assert "qwen2, 26 tensors" in (chat_repo / "reports/validation.txt").read_text()
 
 
@@ -225,7 +232,8 @@ def test_validate_fails_on_a_reward_that_raises_on_a_smoke_batch(chat_repo, caps
     from flows.stages.__main__ import main
 
     edit_params(chat_repo, lambda r: r["rewards"].append(
-        {"name": "buggy", "function": "tests.reward_helpers:always_raises", "kwargs": {}, "target_share": 0.1}))
+        {"name": "buggy", "function": "tests.reward_helpers:always_raises", "kwargs": {},
+         "target_share": 0.1}))
     assert main(["validate"]) == 3
     text = (chat_repo / "reports/validation.txt").read_text()
     assert "reward_smoke:buggy" in text and "KeyError" in text
@@ -264,7 +272,8 @@ def test_fixture_is_shaped_like_the_hub(hub_assets):
     tok = AutoTokenizer.from_pretrained(model)
     config = AutoConfig.from_pretrained(model)
     assert config.model_type == "qwen2" and config.tie_word_embeddings and config.dtype == torch.bfloat16
-    assert tok.eos_token == IM_END and tok.pad_token == "<|endoftext|>" and tok.pad_token_id != tok.eos_token_id
+    assert (tok.eos_token == IM_END and tok.pad_token == "<|endoftext|>"
+            and tok.pad_token_id != tok.eos_token_id)
     assert tok.bos_token is None and tok.chat_template == CHATML_TEMPLATE
     assert GenerationConfig.from_pretrained(model).eos_token_id == [tok.eos_token_id, tok.pad_token_id]
     import pandas as pd

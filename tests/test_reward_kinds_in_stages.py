@@ -1,6 +1,6 @@
-"""Every kind of reward through validate (its gold check and smoke test) and calibrate (its statistics), in-process
-on a tiny model: math answers (math_verify), code run in the sandbox (code_execution), a learned reward model, a
-reward isolated in a worker process and an async one."""
+"""Every kind of reward through validate (its gold check and smoke test) and calibrate (its statistics),
+in-process on a tiny model: math answers (math_verify), code run in the sandbox (code_execution), a learned
+reward model, a reward isolated in a worker process and an async one."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def write_rows(path, n: int, first: int = 0) -> None:
         for i in range(first, first + n):
             a, b = i % 7 + 1, i % 5 + 2
             tests = [{"input": f"{a} {b}\n", "output": f"{a + b}\n"}]
-            fh.write(json.dumps({"prompt": f"Q{i}: what is {a} + {b}?", "answer": str(a + b), "tests": tests}) + "\n")
+            fh.write(json.dumps({"prompt": f"Q{i}: what is {a} + {b}?", "answer": str(a + b), "tests": tests})
+                     + "\n")
 
 
 def make_classifier(path) -> str:
@@ -31,7 +32,8 @@ def make_classifier(path) -> str:
     tok = build_chat_tokenizer(["what is the sum", "1 2 3 4 5 6 7 8 9"])
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=tok.pad_token_id)
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1,
+                         pad_token_id=tok.pad_token_id)
     Qwen2ForSequenceClassification(config).save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
@@ -69,6 +71,8 @@ def test_validate_and_calibrate_take_every_kind_of_reward(repo):
     weights = json.loads((repo / "artifacts/calibration/reward_weights.json").read_text())
     assert weights["names"] == ["math", "code", "judge", "digits", "polite"]
     per = weights["stats"]["per_function"]
-    assert per["math"]["mean"] == 0.0 and per["code"]["mean"] == 0.0  # a tiny random policy: wrong, no program
+    # a tiny random policy: wrong, no program
+    assert per["math"]["mean"] == 0.0 and per["code"]["mean"] == 0.0
     assert per["polite"]["mean"] == 0.5 and 0.0 <= per["digits"]["mean"] <= 1.0
-    assert per["judge"]["mean"] is not None and per["judge"]["mean_within_group_std"] > 0  # texts differ to it
+    assert (per["judge"]["mean"] is not None
+            and per["judge"]["mean_within_group_std"] > 0)  # texts differ to it

@@ -1,5 +1,5 @@
-"""A sequence-classification reward model as a reward (`function: reward_model`): batched, right-padded scores equal
-each text scored alone, unpadded; chat prompts go through the model's own chat template, as TRL does."""
+"""A sequence-classification reward model as a reward (`function: reward_model`): batched, right-padded scores
+equal each text scored alone, unpadded; chat prompts go through the model's own chat template, as TRL does."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ def classifier_dir(tmp_path_factory):
     tok = build_chat_tokenizer(PROMPTS + COMPLETIONS)
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=1,
+                         pad_token_id=tok.pad_token_id)
     Qwen2ForSequenceClassification(config).save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -32,7 +33,8 @@ def alone(path, texts):
 
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForSequenceClassification.from_pretrained(path)
     with torch.no_grad():
-        return [model(**tok(t, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item() for t in texts]
+        return [model(**tok(t, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item()
+                for t in texts]
 
 
 def test_plain_prompts_batched_and_padded_equal_each_alone(classifier_dir):

@@ -117,8 +117,10 @@ def test_pad_and_eos_ids_for_every_backend():
     from tests.tiny import random_qwen2
 
     model = random_qwen2()
-    for tok in (SimpleNamespace(pad_token_id=None, eos_token_id=None), SimpleNamespace(pad_token_id=0, eos_token_id=None)):
-        for backend in (HFGenerateBackend, ManualDecodeBackend, lambda m, t: VLLMBackend(m, t, engine=object())):
+    for tok in (SimpleNamespace(pad_token_id=None, eos_token_id=None),
+                SimpleNamespace(pad_token_id=0, eos_token_id=None)):
+        for backend in (HFGenerateBackend, ManualDecodeBackend,
+                        lambda m, t: VLLMBackend(m, t, engine=object())):
             with pytest.raises(ValueError, match="neither an EOS nor a pad token"):
                 backend(model, tok)
 

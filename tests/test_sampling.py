@@ -82,5 +82,6 @@ def test_errors_are_clear(setup):
     with pytest.raises(ValueError, match="row 0 has no 'prompt'"):
         sample_and_score(model, tokenizer, [{"question": "x"}], encoder, fns,
                          SamplePlan(2, SamplingParams(max_new_tokens=2), batch_size=1))
-    empty = sample_and_score(model, tokenizer, [], encoder, fns, SamplePlan(2, SamplingParams(max_new_tokens=2), 1))
+    empty = sample_and_score(model, tokenizer, [], encoder, fns,
+                             SamplePlan(2, SamplingParams(max_new_tokens=2), 1))
     assert empty.rewards.shape == (0, 2) and empty.num_prompts == 0

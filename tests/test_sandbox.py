@@ -1,5 +1,6 @@
-"""The jail's limits, its checks before training, and its settings (grpo_core/rewards/sandbox.py): where it cannot
-start, building the code reward fails naming the cause and the fix; `sandbox: none` runs unisolated and says so."""
+"""The jail's limits, its checks before training, and its settings (grpo_core/rewards/sandbox.py): where it
+cannot start, building the code reward fails naming the cause and the fix; `sandbox: none` runs unisolated and
+says so."""
 
 from __future__ import annotations
 
@@ -36,12 +37,13 @@ def code_reward(**kwargs):
     ("import time\ntime.sleep(5)", Limits(wall_s=0.5), "timeout", ""),
     ("x = bytearray(600 << 20)", Limits(memory_mib=512), "error", "MemoryError"),
     ("x = bytearray(400 << 20)\nprint(len(x) >> 20)", Limits(memory_mib=512), "ok", "400"),
-    ("fhs = [open(f'/tmp/{i}', 'w') for i in range(100)]", Limits(open_files=64), "error", "Too many open files"),
+    ("fhs = [open(f'/tmp/{i}', 'w') for i in range(100)]", Limits(open_files=64), "error",
+     "Too many open files"),
     ("open('/tmp/f', 'wb').write(b'x' * (2 << 20))", Limits(file_mib=1), "error", "File too large"),
     ("open('/tmp/f', 'wb').write(b'x' * (5 << 20))", Limits(tmp_mib=4), "error", "No space left on device"),
-    ("import os, time\nn = 0\nwhile True:\n    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
-     "    if pid == 0:\n        time.sleep(5)\n        os._exit(0)\n    n += 1\nprint('forked', n)", Limits(processes=8),
-     "ok", "forked 6"),  # 8 = the jail's init, this program and 6 children
+    ("import os, time\nn = 0\nwhile True:\n    try:\n        pid = os.fork()\n    except OSError:\n        "
+     "break\n    if pid == 0:\n        time.sleep(5)\n        os._exit(0)\n    n += 1\nprint('forked', n)",
+     Limits(processes=8), "ok", "forked 6"),  # 8 = the jail's init, this program and 6 children
     ("import sys\nsys.exit(3)", Limits(), "error", ""),
     ("print(input()[::-1])", Limits(), "ok", "cba"),
 ])
@@ -52,8 +54,9 @@ def test_limits(jail_starts, program, limits, status, says):
 
 
 def test_a_missing_bwrap_is_named_with_its_fix(tmp_path):
-    with pytest.raises(SandboxUnavailable, match=r"rewards\[0\]: code_execution: bubblewrap is missing: .*/no/bwrap "
-                                                 "is not an executable file; point rewards.*sandbox_binary"):
+    with pytest.raises(SandboxUnavailable, match=r"rewards\[0\]: code_execution: bubblewrap is missing: "
+                                                 r".*/no/bwrap " "is not an executable file; point "
+                                                                 "rewards.*sandbox_binary"):
         code_reward(sandbox_binary=str(tmp_path / "no/bwrap"))
     try:
         code_reward(sandbox_binary=str(tmp_path / "no/bwrap"))
@@ -91,10 +94,11 @@ def test_the_fix_follows_the_machines_sysctls(tmp_path, sysctls, fix):
 
 
 def test_the_sandbox_setting_is_checked():
-    with pytest.raises(RewardConfigError, match=r"rewards\[0\]: reward 'code': kwargs.sandbox: 'nsjail' is not one "
-                                                r"of: bwrap .*none"):
+    with pytest.raises(RewardConfigError, match=r"rewards\[0\]: reward 'code': kwargs.sandbox: 'nsjail' is "
+                                                r"not one of: bwrap .*none"):
         code_reward(sandbox="nsjail")
-    with pytest.raises(RewardConfigError, match=r"rewards\[0\].*kwargs.readonly_paths: 'data' is not an absolute"):
+    with pytest.raises(RewardConfigError,
+                       match=r"rewards\[0\].*kwargs.readonly_paths: 'data' is not an absolute"):
         code_reward(readonly_paths=["data"])
 
 
@@ -155,5 +159,6 @@ def test_a_jail_that_breaks_after_the_check_stops_the_reward(jail_starts):
         binary = Path(folder) / package.name / "_bin" / "bwrap"
         reward = code_reward(sandbox_binary=str(binary))
         binary.write_text("#!/bin/sh\necho 'bwrap: broken since' >&2\nexit 1\n")
-        with pytest.raises(SandboxUnavailable, match="the jail could not start a program: bwrap: broken since"):
+        with pytest.raises(SandboxUnavailable,
+                           match="the jail could not start a program: bwrap: broken since"):
             reward([""], ["```python\nprint(1)\n```"], tests=[[{"input": "", "output": "1"}]])

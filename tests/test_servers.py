@@ -58,7 +58,8 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n"
+                                   f"{self.log_path.read_text()[-3000:]}")
             if self.healthy():
                 return
             time.sleep(0.5)
@@ -94,8 +95,9 @@ def mlflow_server(tmp_path_factory):
     d = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
     server = Server("mlflow server",
-                    [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-                     "--backend-store-uri", f"sqlite:///{d / 'mlflow.db'}", "--artifacts-destination", str(d / "artifacts")],
+                    [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers",
+                     "1", "--backend-store-uri", f"sqlite:///{d / 'mlflow.db'}", "--artifacts-destination",
+                     str(d / "artifacts")],
                     f"http://127.0.0.1:{port}/health", _env(), d / "server.log")
     server.uri = f"http://127.0.0.1:{port}"
     server.start()
@@ -109,8 +111,8 @@ def started_prefect_server(d: Path) -> Server:
     port = free_port()
     env = _env(PREFECT_HOME=str(d), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false")
     server = Server("prefect server",
-                    [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui",
-                     "--analytics-off", "--no-scheduler", "--no-late-runs"],
+                    [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port),
+                     "--no-ui", "--analytics-off", "--no-scheduler", "--no-late-runs"],
                     f"http://127.0.0.1:{port}/api/health", env, d / "server.log")
     server.api = f"http://127.0.0.1:{port}/api"
     server.start()
@@ -135,9 +137,10 @@ def prefect_post(api: str, path: str, body: dict) -> list[dict]:
 
 def run_flow(repo: Path, mlflow_uri: str, prefect_api: str, *overrides: str) -> subprocess.CompletedProcess:
     args = [a for o in overrides for a in ("-S", o)]
-    env = _env(MLFLOW_TRACKING_URI=mlflow_uri, PREFECT_API_URL=prefect_api, PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    return subprocess.run([sys.executable, "-m", "flows.pipeline", *args], cwd=repo, env=env, capture_output=True,
-                          text=True, timeout=900)
+    env = _env(MLFLOW_TRACKING_URI=mlflow_uri, PREFECT_API_URL=prefect_api,
+               PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    return subprocess.run([sys.executable, "-m", "flows.pipeline", *args], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=900)
 
 
 def runs_by_stage(client, parent_run_id: str) -> dict:
@@ -163,7 +166,8 @@ def test_a_guard_stop_fails_the_prefect_task_with_its_reason(mlflow_server, pref
 
     flows = prefect_post(prefect_server.api, "/flow_runs/filter", {"sort": "START_TIME_DESC", "limit": 1})
     assert flows[0]["state_type"] == "FAILED"
-    tasks = prefect_post(prefect_server.api, "/task_runs/filter", {"flow_runs": {"id": {"any_": [flows[0]["id"]]}}})
+    tasks = prefect_post(prefect_server.api, "/task_runs/filter",
+                         {"flow_runs": {"id": {"any_": [flows[0]["id"]]}}})
     train_task = next(t for t in tasks if t["name"].startswith("train"))
     assert train_task["state_type"] == "FAILED"
     assert train_task["run_count"] == 1  # a guard stop is permanent: not retried
@@ -180,7 +184,8 @@ def test_a_guard_stop_fails_the_prefect_task_with_its_reason(mlflow_server, pref
 
 
 class OutageTracker:
-    """Wraps the MLflow tracker; the server goes down after step ``down_after`` and is back after ``up_after``."""
+    """Wraps the MLflow tracker; the server goes down after step ``down_after`` and is back after
+    ``up_after``."""
 
     def __init__(self, tracker, server: Server, down_after: int, up_after: int):
         self.tracker, self.server, self.down_after, self.up_after = tracker, server, down_after, up_after
@@ -205,8 +210,8 @@ def test_mlflow_outage_mid_training_is_replayed_when_the_server_is_back(mlflow_s
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     model_dir, data = make_tiny_model(tmp_path / "model"), make_prompts(tmp_path / "train.jsonl")
-    cfg = tiny_config(model_dir, data, [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}],
-                      max_steps=6)
+    cfg = tiny_config(model_dir, data,
+                      [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}], max_steps=6)
     tracker = MLflowTracker(mlflow_server.uri, "outage", "train", retry_interval_s=0.0)
     outage = OutageTracker(tracker, mlflow_server, down_after=2, up_after=4)
     with pytest.warns(RuntimeWarning, match="failed, values kept for a retry"):

@@ -1,6 +1,7 @@
-"""The real pretrained model end to end: configs/smollm2-135m-word-problems.yaml under `dvc repro` in a fresh clone,
-sizes scaled down (SCALE). The GGUF conversion, SmolLM2's own tokenizer and ChatML template in every stage that
-renders a prompt, a checkpoint resume, and an export that generates what the trained policy generates."""
+"""The real pretrained model end to end: configs/smollm2-135m-word-problems.yaml under `dvc repro` in a fresh
+clone, sizes scaled down (SCALE). The GGUF conversion, SmolLM2's own tokenizer and ChatML template in every
+stage that renders a prompt, a checkpoint resume, and an export that generates what the trained policy
+generates."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 from tests.real_model import SCALE, set_params, smollm2_gguf
 from tests.test_pipeline import copy_repo, dvc
 
-CHAT_PREFIX = "<|im_start|>system\nSolve the problem. End your reply with: The answer is N.<|im_end|>\n<|im_start|>user\n"
+CHAT_PREFIX = ("<|im_start|>system\nSolve the problem. End your reply with: The answer is N.<|im_end|>\n"
+               "<|im_start|>user\n")
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +26,8 @@ def test_the_recipe_converts_the_gguf_and_runs_every_stage(smollm2_pipeline):
         assert f"Running stage '{stage}'" in log
     assert "convert: 134,515,008 parameters (llama) from models/SmolLM2-135M-Instruct.Q4_1.gguf" in log
     source = json.loads((repo / "artifacts/converted_model/gguf_source.json").read_text())
-    assert source["gguf_file"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and source["bytes"] == smollm2_gguf().stat().st_size
+    assert (source["gguf_file"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
+            and source["bytes"] == smollm2_gguf().stat().st_size)
     assert len(pd.read_csv(repo / "metrics/train_log.csv")) == 2
     metrics = json.loads((repo / "metrics/eval.json").read_text())
     assert metrics["base"]["num_prompts"] == metrics["trained"]["num_prompts"] == 4
@@ -33,8 +36,8 @@ def test_the_recipe_converts_the_gguf_and_runs_every_stage(smollm2_pipeline):
 
 def test_prompts_are_rendered_with_smollm2s_own_chatml_template(smollm2_pipeline):
     """The prompt is the system message and the problem under SmolLM2's template (its <|im_start|>/<|im_end|>
-    specials; by hand below), and evaluate sampled from exactly that: HF generate on the rendered prompt writes the
-    base policy's greedy reply the stage recorded."""
+    specials; by hand below), and evaluate sampled from exactly that: HF generate on the rendered prompt
+    writes the base policy's greedy reply the stage recorded."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grpo_core.config import load_config
@@ -48,8 +51,10 @@ def test_prompts_are_rendered_with_smollm2s_own_chatml_template(smollm2_pipeline
     assert text == f"{CHAT_PREFIX}{problem}<|im_end|>\n<|im_start|>assistant\n"
 
     rows = pd.read_parquet(repo / "artifacts/eval/completions.parquet")
-    (recorded,) = rows[(rows["policy"] == "base") & (rows["mode"] == "greedy") & (rows["prompt_index"] == 0)]["completion"]
-    model = AutoModelForCausalLM.from_pretrained(repo / "artifacts/converted_model", dtype=torch.float32).eval()
+    (recorded,) = rows[(rows["policy"] == "base") & (rows["mode"] == "greedy") & (rows["prompt_index"] == 0)][
+        "completion"]
+    model = AutoModelForCausalLM.from_pretrained(repo / "artifacts/converted_model",
+                                                 dtype=torch.float32).eval()
     ids = tok(text, add_special_tokens=False, return_tensors="pt")
     out = model.generate(**ids, max_new_tokens=SCALE["generation"]["max_completion_length"], do_sample=False)
     assert tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True) == recorded
@@ -70,18 +75,22 @@ def test_resume_from_a_checkpoint_then_export_generates_what_the_policy_generate
     assert pd.read_csv(repo / "metrics/train_log.csv")["step"].tolist() == [1, 2, 3]
 
     exported = AutoModelForCausalLM.from_pretrained(repo / "artifacts/model", dtype=torch.float32).eval()
-    policy = AutoModelForCausalLM.from_pretrained(repo / "artifacts/checkpoints/checkpoint-3", dtype=torch.float32)
+    policy = AutoModelForCausalLM.from_pretrained(repo / "artifacts/checkpoints/checkpoint-3",
+                                                  dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(repo / "artifacts/converted_model", dtype=torch.float32)
     exported_w, policy_w, base_w = exported.state_dict(), policy.eval().state_dict(), base.state_dict()
     assert all(torch.equal(exported_w[k], policy_w[k]) for k in policy_w)
     assert any(not torch.equal(base_w[k], policy_w[k]) for k in policy_w)  # three steps moved it
     tok = AutoTokenizer.from_pretrained(repo / "artifacts/model")
     tok.padding_side = "left"
-    problems = [json.loads(line)["prompt"] for line in (repo / "data/word-problems/eval.jsonl").read_text().splitlines()[:3]]
+    problems = [json.loads(line)["prompt"]
+                for line in (repo / "data/word-problems/eval.jsonl").read_text().splitlines()[:3]]
     chats = [[{"role": "system", "content": "Solve the problem. End your reply with: The answer is N."},
               {"role": "user", "content": p}] for p in problems]
     batch = tok.apply_chat_template(chats, add_generation_prompt=True, padding=True, return_tensors="pt",
                                     return_dict=True)
-    replies = [tok.batch_decode(m.generate(**batch, max_new_tokens=24, do_sample=False)[:, batch["input_ids"].shape[1]:],
-                                skip_special_tokens=True) for m in (exported, policy)]
+    replies = [
+        tok.batch_decode(m.generate(**batch, max_new_tokens=24,
+                                    do_sample=False)[:, batch["input_ids"].shape[1]:],
+                         skip_special_tokens=True) for m in (exported, policy)]
     assert replies[0] == replies[1] and all(replies[0])

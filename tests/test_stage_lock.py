@@ -1,5 +1,5 @@
-"""One writer at a time: a second stage process in the same repo is refused naming the holder; a killed holder's
-lock is free at once; launched ranks and other machines run under their launcher's lock."""
+"""One writer at a time: a second stage process in the same repo is refused naming the holder; a killed
+holder's lock is free at once; launched ranks and other machines run under their launcher's lock."""
 
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ def test_a_second_stage_is_refused_naming_the_holder_and_a_killed_holder_frees_t
         assert main(["convert"]) == EXIT_ERROR
         err = capsys.readouterr().err
         assert f"convert failed: StageBusy: convert: `train` (PID {holder.pid}, since " in err
-        assert "Wait for it to end, or stop it." in err and "Traceback" not in err  # a known condition, said plainly
+        # a known condition, said plainly
+        assert "Wait for it to end, or stop it." in err and "Traceback" not in err
         assert not (repo / "artifacts/converted_model").exists()  # refused before it wrote anything
     finally:
         holder.send_signal(signal.SIGKILL)

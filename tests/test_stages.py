@@ -41,17 +41,18 @@ def test_exit_codes_follow_the_exception_class():
     assert exit_code_for(VLLMUnavailable("x")) == EXIT_CONFIG  # was 1, so Prefect retried a setup error
     assert exit_code_for(TrainingErrorLookalike("x")) == EXIT_ERROR
     assert exit_code_for(RuntimeError("x")) == EXIT_ERROR
-    assert isinstance(ConfigError("x"), ValueError) and isinstance(GuardStop("x"), RuntimeError)  # callers' catches
+    assert (isinstance(ConfigError("x"), ValueError)
+            and isinstance(GuardStop("x"), RuntimeError))  # callers' catches
 
 
-# Raised inside one module and handled there, never a stage's failure; PicturesError is `make pictures`' own (no stage
-# and no Prefect task runs flows/pictures.py).
+# Raised inside one module and handled there, never a stage's failure; PicturesError is `make pictures`' own
+# (no stage and no Prefect task runs flows/pictures.py).
 INTERNAL_ERRORS = {"RewardTimeout", "StageFailed", "PermanentStageFailure", "StageTimeout", "PicturesError"}
 
 
 def test_every_error_class_of_the_project_carries_an_exit_code():
-    """A new error class must choose its category (grpo_core.common.errors): one that does not falls through to exit 1
-    and Prefect retries a failure that cannot heal."""
+    """A new error class must choose its category (grpo_core.common.errors): one that does not falls through
+    to exit 1 and Prefect retries a failure that cannot heal."""
     import ast
 
     from grpo_core.common.errors import PipelineError
@@ -59,7 +60,8 @@ def test_every_error_class_of_the_project_carries_an_exit_code():
     found = []
     for path in [*REPO.glob("grpo_core/**/*.py"), *REPO.glob("flows/**/*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef) and node.name.endswith(("Error", "Stop", "Failed", "Unavailable")):
+            if (isinstance(node, ast.ClassDef)
+                    and node.name.endswith(("Error", "Stop", "Failed", "Unavailable"))):
                 found.append((path, node.name))
     assert len(found) >= 12
     import importlib
@@ -82,7 +84,8 @@ def test_safe_key_makes_mlflow_accept_eval_metric_names():
 def test_promotion_gate():
     first = promotion_decision("accuracy", 0.6, base=0.5, champion=None, margin=0.0)
     assert first["promote"] and first["against"] == "base"
-    assert not promotion_decision("accuracy", 0.5, base=0.5, champion=None, margin=0.0)["promote"]  # must beat
+    assert not promotion_decision("accuracy", 0.5, base=0.5, champion=None,
+                                  margin=0.0)["promote"]  # must beat
     assert not promotion_decision("accuracy", 0.55, base=0.5, champion=None, margin=0.1)["promote"]
     vs_champion = promotion_decision("accuracy", 0.7, base=0.1, champion=0.69, margin=0.02)
     assert not vs_champion["promote"] and vs_champion["against"] == "champion"
@@ -151,7 +154,8 @@ def test_checkpoints_resume_only_for_the_same_inputs(tmp_path, capsys):
     _fake_checkpoint(ckpt, 50)
     assert prepare_checkpoints(ctx, cfg, fp) == "resume:checkpoint-50"  # e.g. max_steps raised, or a crash
     assert (ckpt / "checkpoint-50").exists()
-    assert prepare_checkpoints(ctx, cfg, {**fp, "params_hash": "changed"}) == "fresh"  # new params: start over
+    # new params: start over
+    assert prepare_checkpoints(ctx, cfg, {**fp, "params_hash": "changed"}) == "fresh"
     assert not (ckpt / "checkpoint-50").exists()
     assert "starting fresh" in capsys.readouterr().err
     assert json.loads((ckpt / FINGERPRINT).read_text())["params_hash"] == "changed"
@@ -167,7 +171,8 @@ def test_difficulty_kept_indices_drop_only_sampled_extremes():
     cfg = load_params(REPO / "params.yaml")
     cfg = dataclasses.replace(cfg, calibrate=dataclasses.replace(cfg.calibrate, drop_always_solved=True,
                                                                  drop_never_solved=True))
-    out = {"difficulty": {"correctness_function": "correctness", "pass_rate_per_prompt": [1.0, 0.0, 0.5, None],
+    out = {"difficulty": {"correctness_function": "correctness",
+                          "pass_rate_per_prompt": [1.0, 0.0, 0.5, None],
                           "mean_pass_rate": 0.5, "always_solved": 1, "never_solved": 1, "histogram": {}}}
     doc = difficulty_doc(out, [1, 3, 5, 7], num_train=9, c=cfg.calibrate)
     assert doc["kept_indices"] == [0, 2, 4, 5, 6, 7, 8]  # 1 (always) and 3 (never) dropped; unsampled kept
@@ -192,7 +197,8 @@ def tiny_repo(tmp_path, monkeypatch):
     raw["calibrate"].update(num_prompts=5, num_generations=3)
     raw["train"].update(num_generations=4, per_device_train_batch_size=8)
     raw["generation"]["max_completion_length"] = 6
-    raw["rewards"] = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction", "target_share": 0.5},
+    raw["rewards"] = [{"name": "digits", "function": "tests.reward_helpers:digit_fraction",
+                       "target_share": 0.5},
                       {"name": "correctness", "function": "correctness", "target_share": 0.5}]
     return in_stage_repo(tmp_path, raw, monkeypatch, "test-calibrate")
 
@@ -232,9 +238,11 @@ def test_calibrate_stage_writes_weights_difficulty_report_and_logs_a_child_run(t
 
 
 # Imported by a stage but deliberately not its dvc.yaml dep (dvc.yaml's header says why): plumbing that
-# changes nothing a stage computes (MLflow runs, exit codes), and config code whose values reach stages as params.
+# changes nothing a stage computes (MLflow runs, exit codes), and config code whose values reach stages as
+# params.
 NOT_DEPS = {
-    "*": {"flows/stages/runs.py", "flows/tracking.py", "flows/comparison.py", "grpo_core/embedded/config.py", "grpo_core/common/errors.py"},
+    "*": {"flows/stages/runs.py", "flows/tracking.py", "flows/comparison.py", "grpo_core/embedded/config.py",
+          "grpo_core/common/errors.py"},
     "prepare": {"grpo_core/config.py"},
     "convert": {"grpo_core/config.py"},
     "validate": {"grpo_core/config.py"},
@@ -248,7 +256,8 @@ def project_imports(path: Path) -> set[Path]:
     import ast
 
     def module_file(name: str) -> Path | None:
-        for candidate in (REPO / (name.replace(".", "/") + ".py"), REPO / name.replace(".", "/") / "__init__.py"):
+        for candidate in (REPO / (name.replace(".", "/") + ".py"),
+                          REPO / name.replace(".", "/") / "__init__.py"):
             if candidate.exists():
                 return candidate
         return None
@@ -259,7 +268,8 @@ def project_imports(path: Path) -> set[Path]:
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
             names = [f"{base}.{a.name}" for a in node.names] + [base]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -273,9 +283,10 @@ def project_imports(path: Path) -> set[Path]:
 
 @pytest.mark.parametrize("stage", ["prepare", "convert", "validate", "calibrate", "train", "evaluate"])
 def test_every_module_a_stage_runs_is_its_dvc_dep(stage):
-    """An edit to code a stage runs must re-run the stage: follow the stage module's imports through the project
-    and check each file is under one of the stage's deps. A file exempt from a stage's deps is not followed: the
-    params loader (config.py) imports every section's declarations, not the code that computes with them."""
+    """An edit to code a stage runs must re-run the stage: follow the stage module's imports through the
+    project and check each file is under one of the stage's deps. A file exempt from a stage's deps is not
+    followed: the params loader (config.py) imports every section's declarations, not the code that computes
+    with them."""
     import yaml
 
     deps = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"][stage]["deps"]
@@ -289,7 +300,8 @@ def test_every_module_a_stage_runs_is_its_dvc_dep(stage):
                 todo.extend(project_imports(path))
     files = {str(p.relative_to(REPO)) for p in seen} - {"flows/__init__.py", "flows/stages/__init__.py",
                                                         "grpo_core/__init__.py"}
-    missing = sorted(f for f in files - allowed if not any(f == d or f.startswith(d.rstrip("/") + "/") for d in deps))
+    missing = sorted(f for f in files - allowed
+                     if not any(f == d or f.startswith(d.rstrip("/") + "/") for d in deps))
     assert missing == [], f"dvc.yaml stage {stage} runs these files without listing them as deps"
     assert allowed - NOT_DEPS["*"] <= files, "an exception for a file the stage no longer imports"
 
@@ -321,15 +333,17 @@ def test_calibrate_samples_through_the_backend_train_names(tiny_repo, monkeypatc
 
 
 def scripted_sampling(accuracy: dict[str, float]):
-    """A stand-in for evaluate's ``sample_policy``: each policy answers the first ``accuracy * n`` prompts right,
-    greedy and sampled alike, so the stage's metrics (and with them the gate's inputs) are known in advance."""
+    """A stand-in for evaluate's ``sample_policy``: each policy answers the first ``accuracy * n`` prompts
+    right, greedy and sampled alike, so the stage's metrics (and with them the gate's inputs) are known in
+    advance."""
 
     def sample(policy, model_cfg, cfg, ctx, rows, indices):
         right = round(accuracy[policy] * len(indices))
         modes = (("greedy", 1), ("sampled", cfg.evaluate.num_generations))
         return [{"policy": policy, "prompt_index": i, "sample_index": j, "mode": mode, "correct": i < right,
                  "reward/correctness": float(i < right), "reward/format": 1.0, "format_ok": True,
-                 "completion_length": 3, "prompt": rows[i]["prompt"], "answer": rows[i]["answer"], "completion": "x"}
+                 "completion_length": 3, "prompt": rows[i]["prompt"], "answer": rows[i]["answer"],
+                 "completion": "x"}
                 for i in indices for mode, count in modes for j in range(count)]
 
     return sample
@@ -337,8 +351,8 @@ def scripted_sampling(accuracy: dict[str, float]):
 
 @pytest.fixture()
 def eval_repo(tmp_path, monkeypatch):
-    """A repo evaluate can run in: 8 held-out prompts, a stub trained-model folder (only uploaded, never loaded:
-    sampling is scripted), a private MLflow store with a model registry."""
+    """A repo evaluate can run in: 8 held-out prompts, a stub trained-model folder (only uploaded, never
+    loaded: sampling is scripted), a private MLflow store with a model registry."""
     import yaml
 
     from tests.tiny import in_stage_repo, make_prompts
@@ -381,8 +395,8 @@ def test_evaluate_writes_its_registry_decision_as_data_and_renders_the_report_fr
 
     # no champion yet: 0.75 vs the base's 0.25 is more than 0.1 better -> v1 becomes champion
     first = evaluate_with(eval_repo, monkeypatch, trained=0.75, margin=0.1)
-    assert {k: first[k] for k in ("registered", "model_name", "version", "promote", "alias", "metric", "trained",
-                                  "reference", "against", "margin", "previous_champion")} == {
+    assert {k: first[k] for k in ("registered", "model_name", "version", "promote", "alias", "metric",
+                                  "trained", "reference", "against", "margin", "previous_champion")} == {
         "registered": True, "model_name": "grpo-policy", "version": 1, "promote": True, "alias": "champion",
         "metric": "accuracy", "trained": 0.75, "reference": 0.25, "against": "base", "margin": 0.1,
         "previous_champion": None}
@@ -397,7 +411,8 @@ def test_evaluate_writes_its_registry_decision_as_data_and_renders_the_report_fr
 
     # the same 0.125 gain with margin 0.1 -> v3 takes the alias
     third = evaluate_with(eval_repo, monkeypatch, trained=0.875, margin=0.1)
-    assert (third["version"], third["promote"], third["alias"], third["reference"]) == (3, True, "champion", 0.75)
+    assert ((third["version"], third["promote"], third["alias"], third["reference"])
+            == (3, True, "champion", 0.75))
     assert champion() == 3
 
     # the report's Registry section is the rendering of that JSON, not a second account of the decision
@@ -416,12 +431,13 @@ def test_evaluate_run_again_on_the_same_model_registers_no_second_version(eval_r
     again = evaluate_with(eval_repo, monkeypatch, trained=0.75, margin=0.0, new_model=False)
     md5 = model_files_md5(eval_repo / "artifacts/model")
     assert again == {"registered": False, "promote": False, "alias": None,
-                     "reason": f"this trained model (files md5 {md5[:12]}) is already version 1 of grpo-policy; "
-                               "a re-run does not register it twice"}
+                     "reason": f"this trained model (files md5 {md5[:12]}) is already version 1 of "
+                               "grpo-policy; a re-run does not register it twice"}
     client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
     (version,) = client.search_model_versions("name='grpo-policy'")
     assert version.tags[MODEL_MD5_TAG] == md5
-    assert evaluate_with(eval_repo, monkeypatch, trained=0.8, margin=0.0)["version"] == 2  # retrained: a new one
+    assert (evaluate_with(eval_repo, monkeypatch, trained=0.8, margin=0.0)["version"]
+            == 2)  # retrained: a new one
 
 
 def test_evaluate_records_why_nothing_was_registered(eval_repo, monkeypatch):
@@ -430,4 +446,5 @@ def test_evaluate_records_why_nothing_was_registered(eval_repo, monkeypatch):
     decision = evaluate_with(eval_repo, monkeypatch, trained=0.75, margin=0.0)
     assert decision == {"registered": False, "promote": False, "alias": None,
                         "reason": "tracking.register_model is false"}
-    assert "Not registered: tracking.register_model is false." in (eval_repo / "reports/evaluation.md").read_text()
+    assert ("Not registered: tracking.register_model is false."
+            in (eval_repo / "reports/evaluation.md").read_text())

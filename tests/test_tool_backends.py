@@ -1,10 +1,12 @@
-"""The multi-turn loop on real backends, greedy: HF generate and the hand-written decode loop give the tokens, tool
-masks and messages TRL 1.16's own tool loop gives (its real HF generate, not a script), on a tiny model warm-started
-to call a tool; the vLLM engine, colocated and behind ``python -m flows.serve`` (server mode), gives HF generate's.
+"""The multi-turn loop on real backends, greedy: HF generate and the hand-written decode loop give the tokens,
+tool masks and messages TRL 1.16's own tool loop gives (its real HF generate, not a script), on a tiny model
+warm-started to call a tool; the vLLM engine, colocated and behind ``python -m flows.serve`` (server mode),
+gives HF generate's.
 
-The model is a Qwen2 (hidden 64 over 2 heads: vLLM's CPU attention takes head size 32) behind a short ChatML chat
-template that writes Hermes tool calls (``<tool_call>{json}</tool_call>``) and lists the tools in one line, so a
-context is tens of tokens and warm-starting it to call ``multiply`` and answer with the result takes seconds.
+The model is a Qwen2 (hidden 64 over 2 heads: vLLM's CPU attention takes head size 32) behind a short ChatML
+chat template that writes Hermes tool calls (``<tool_call>{json}</tool_call>``) and lists the tools in one
+line, so a context is tens of tokens and warm-starting it to call ``multiply`` and answer with the result
+takes seconds.
 """
 
 from __future__ import annotations
@@ -25,14 +27,13 @@ from tests.tool_fixtures import WORDS, _bpe_tokenizer, hermes_call, multiply
 trl = pytest.importorskip("trl")
 
 TEMPLATE = (
-    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n"
-    "{% endif %}"
-    "{% for m in messages %}"
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor "
+    "%}<|im_end|>\n{% endif %}" "{% for m in messages %}"
     "{% if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
-    "{% for c in m.tool_calls or [] %}<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments}"
-    " | tojson }}\n</tool_call>{% endfor %}<|im_end|>\n"
-    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
-    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{{ {'name': c.function.name, 'arguments': "
+    "c.function.arguments} | tojson }}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 QUESTIONS = [(12, 34), (5, 6), (7, 8)]
@@ -57,15 +58,16 @@ def model_dir(tmp_path_factory):
     examples = []
     for a, b in QUESTIONS:
         prompt = PromptEncoder(tok, None).encode(question(a, b), tools=[multiply])
-        call = tok(hermes_call("multiply", a=a, b=b), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        call = tok(hermes_call("multiply", a=a, b=b),
+                   add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         block = chat.suffix_ids([{"role": "tool", "name": "multiply", "content": str(a * b)}])
         answer = tok(f"The answer is {a * b}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         examples += [(prompt, call), (prompt + call + block, answer)]
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=None,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
     width = max(len(p) + len(t) for p, t in examples)
     ids = torch.full((len(examples), width), tok.pad_token_id)
     labels, mask = torch.full_like(ids, -100), torch.zeros_like(ids)
@@ -87,7 +89,9 @@ def model_dir(tmp_path_factory):
 def _load(path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path,
+                                                dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(
+                                                    path)
 
 
 def ours(path, rows, make_backend):
@@ -95,7 +99,8 @@ def ours(path, rows, make_backend):
     toolbox = build_toolbox(_tool_use())
     plan = SamplePlan(G, SamplingParams(max_new_tokens=BUDGET, do_sample=False), batch_size=len(rows),
                       keep_batches=True, tools=toolbox)
-    res = sample_and_score(None, tok, rows, PromptEncoder(tok, None), [], plan, backend=make_backend(model, tok))
+    res = sample_and_score(None, tok, rows, PromptEncoder(tok, None), [], plan,
+                           backend=make_backend(model, tok))
     (batch,) = res.batches
     real = batch.completion_mask.bool()
     return ([batch.completion_ids[i][real[i]].tolist() for i in range(len(real))],
@@ -114,20 +119,23 @@ def right(prompts, completions, answer, **columns):
 
 @pytest.fixture(scope="module")
 def trl_loop(model_dir):
-    """TRL's first batch through its own tool loop and HF generate, greedy: (rows in its order, its outputs)."""
+    """TRL's first batch through its own tool loop and HF generate, greedy: (rows in its order,
+    its outputs)."""
     import datasets
     from trl import GRPOConfig, GRPOTrainer
     from trl.chat_template_utils import qwen3_template
 
     model, tok = _load(model_dir)
-    tok.response_template = qwen3_template  # TRL knows no response template for this chat template: set Qwen's
+    # TRL knows no response template for this chat template: set Qwen's
+    tok.response_template = qwen3_template
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
     rows = [json.loads(line) for line in open(model_dir / "rows.jsonl")]
-    args = GRPOConfig(output_dir=str(model_dir / "trl"), num_generations=G, per_device_train_batch_size=G * len(rows),
-                      max_completion_length=BUDGET, max_steps=1, bf16=False, use_cpu=True, report_to="none",
-                      save_strategy="no", disable_tqdm=True, generation_kwargs={"do_sample": False}, seed=0)
-    trainer = GRPOTrainer(model=model, reward_funcs=[right], args=args, processing_class=tok, tools=[multiply],
-                          train_dataset=datasets.Dataset.from_list(rows))
+    args = GRPOConfig(output_dir=str(model_dir / "trl"), num_generations=G,
+                      per_device_train_batch_size=G * len(rows), max_completion_length=BUDGET, max_steps=1,
+                      bf16=False, use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
+                      generation_kwargs={"do_sample": False}, seed=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=[right], args=args, processing_class=tok,
+                          tools=[multiply], train_dataset=datasets.Dataset.from_list(rows))
     recorded = []
     generate = trainer._generate
     trainer._generate = lambda prompts: recorded.append((prompts, generate(prompts))) or recorded[-1][1]
@@ -145,7 +153,8 @@ def test_greedy_conversations_equal_trls_tool_loop(model_dir, trl_loop, make_bac
     assert ids == trl_ids and masks == trl_masks and completions == trl_completions
     assert res.tool_calls.sum() >= len(rows)  # the warm-started model does call the tool, and is answered
     assert any(0 in m for m in masks)
-    # a conversation ends with the model's turn, or with a tool result that used up the budget to its last token
+    # a conversation ends with the model's turn, or with a tool result that used up the budget to its last
+    # token
     assert all(c[-1]["role"] == "assistant" or len(i) == BUDGET for c, i in zip(completions, ids))
 
 
@@ -164,7 +173,8 @@ def test_the_vllm_engine_holds_the_same_conversations(model_dir, trl_loop):
 
 
 def test_the_vllm_server_holds_the_same_conversations(model_dir, trl_loop, tmp_path):
-    """Server mode: every turn's context goes to ``flows.serve`` as token ids, the loop stays in the trainer."""
+    """Server mode: every turn's context goes to ``flows.serve`` as token ids,
+    the loop stays in the trainer."""
     require_vllm()
     from tests.test_vllm_server import Server
 

@@ -1,6 +1,7 @@
 """The validate stage with tools: what can be known before training is refused there, naming it -
-a tool path that does not import, a tool without type hints or docstring, a chat template that cannot show tool
-calls, an environment whose reset cannot take the rows, plain-text prompts, a row naming no environment."""
+a tool path that does not import, a tool without type hints or docstring, a chat template that cannot show
+tool calls, an environment whose reset cannot take the rows, plain-text prompts, a row naming no
+environment."""
 
 from __future__ import annotations
 
@@ -48,11 +49,14 @@ def repo(tmp_path, monkeypatch, model_dir, rows, **train):
     for split in ("train", "eval"):
         with open(data / f"{split}.jsonl", "w") as fh:
             for i, r in enumerate(rows):
-                fh.write(json.dumps({**r, "prompt": [{"role": "user", "content": f"{split} {i}: what is 2 times 3"}]
-                                     if r.get("prompt") is None else r["prompt"]}) + "\n")
+                fh.write(
+                    json.dumps({**r,
+                                "prompt": [{"role": "user", "content": f"{split} {i}: what is 2 times 3"}]
+                                if r.get("prompt") is None else r["prompt"]}) + "\n")
     raw = {"data": {"train_files": ["raw/train.jsonl"], "eval_files": ["raw/eval.jsonl"]},
            "model": {"name_or_path": str(model_dir)},
-           "rewards": [{"name": "counter", "function": "environment_reward"}] if "environment_factory" in train
+           "rewards": [{"name": "counter", "function": "environment_reward"}]
+                      if "environment_factory" in train
            else [{"name": "len", "function": "tests.test_tool_stages:length"}],
            "train": train}
     return in_stage_repo(tmp_path, raw, monkeypatch, "tool-stages")
@@ -72,7 +76,8 @@ def test_tools_and_environments_that_fit_pass(tmp_path, monkeypatch, model_dir):
 
 def test_a_row_naming_no_environment_fails_validation_naming_the_row(tmp_path, monkeypatch, model_dir):
     rows = [{"environment": "counter"}, {"environment": "countr"}]
-    root = repo(tmp_path, monkeypatch, model_dir, rows, environment_factory={"counter": "tests.tool_fixtures:Counter"})
+    root = repo(tmp_path, monkeypatch, model_dir, rows,
+                environment_factory={"counter": "tests.tool_fixtures:Counter"})
     assert main(["validate"]) == EXIT_VALIDATION
     failures = json.loads((root / "reports/validation.json").read_text())["failures"]
     unknown = [f for f in failures if f["check"] == "environment_unknown"]
@@ -80,12 +85,14 @@ def test_a_row_naming_no_environment_fails_validation_naming_the_row(tmp_path, m
     assert "'countr' is not one of train.environment_factory's ['counter']" in unknown[0]["value"]
 
 
-@pytest.mark.parametrize("train, words", [  # every other bad tool: tests/test_tools.py (the same build_toolbox)
+# every other bad tool: tests/test_tools.py (the same build_toolbox)
+@pytest.mark.parametrize("train, words", [
     ({"tools": ["tests.test_tools:no_docstring"]}, ["train.tools[0]", "no docstring"]),
     ({"environment_factory": "tests.test_tool_stages:NarrowReset"},
      ["train row 0", "reset(**row) cannot take the row's columns ['prompt']", "accept **kwargs"]),
 ])
-def test_tools_that_cannot_run_stop_validate_with_exit_2(tmp_path, monkeypatch, model_dir, capsys, train, words):
+def test_tools_that_cannot_run_stop_validate_with_exit_2(tmp_path, monkeypatch, model_dir, capsys, train,
+                                                         words):
     repo(tmp_path, monkeypatch, model_dir, [{}, {}], **train)
     assert main(["validate"]) == EXIT_CONFIG
     err = capsys.readouterr().err
@@ -126,7 +133,8 @@ def test_the_plots_show_the_tool_metrics(tmp_path, monkeypatch):
                         "tools/failure_frequency": [0.3, 0.1]})
     plots.training_figure(log, tmp_path / "t.png")
     assert "tool calls (brown) / failed share (olive)" in [ax.get_title() for ax in shown[0].axes]
-    metrics = {"base": {"accuracy": 0.1, "tool_success_rate": 0.2}, "trained": {"accuracy": 0.3, "tool_success_rate": 0.6}}
+    metrics = {"base": {"accuracy": 0.1, "tool_success_rate": 0.2},
+               "trained": {"accuracy": 0.3, "tool_success_rate": 0.6}}
     plots.evaluation_figure(log, metrics, [], tmp_path / "e.png")
     bars = shown[1].axes[2]
     assert [t.get_text() for t in bars.get_xticklabels()] == ["accuracy\n(greedy)", "tool\nsuccess"]
@@ -161,11 +169,13 @@ def test_calibrate_and_evaluate_sample_with_the_tools(tmp_path, monkeypatch, mod
     monkeypatch.setattr(rollout, "backend_for", lambda model, tok, g, **kw: ScriptedBackend(
         Script(tok, calculator_policy, g.max_completion_length)))
     assert main(["calibrate"]) == EXIT_OK
-    assert "<tool_response>" in (tmp_path / "reports/calibration.md").read_text()  # a sample shows a tool result
+    # a sample shows a tool result
+    assert "<tool_response>" in (tmp_path / "reports/calibration.md").read_text()
     assert main(["evaluate"]) == EXIT_OK
     metrics = json.loads((tmp_path / "metrics/eval.json").read_text())
     for policy in ("base", "trained"):  # the same script: the same numbers
         assert 0 < metrics[policy]["tool_success_rate"] <= 1 and metrics[policy]["tool_call_frequency"] > 0
-        assert metrics[policy]["accuracy"] > 0  # "The answer is <the tool's product>": the judge reads the model
+        # "The answer is <the tool's product>": the judge reads the model
+        assert metrics[policy]["accuracy"] > 0
     completions = pd.read_parquet(tmp_path / "artifacts/eval/completions.parquet")
     assert {"tool_calls", "tool_failures", "turns"} <= set(completions.columns)

@@ -1,6 +1,6 @@
-"""Training with tools through every path a round takes: the async sampler worker (staleness 0 is the synchronous
-run, token for token), a checkpoint inside a round (resumed with its tool mask, new environments for the next
-round), and evaluation during training (eval/tool_* metrics)."""
+"""Training with tools through every path a round takes: the async sampler worker (staleness 0 is the
+synchronous run, token for token), a checkpoint inside a round (resumed with its tool mask, new environments
+for the next round), and evaluation during training (eval/tool_* metrics)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ def assets(tmp_path_factory):
     tok.save_pretrained(root / "model")
     with open(root / "rows.jsonl", "w") as fh:
         for i in range(4):
-            fh.write(json.dumps({"prompt": [{"role": "user", "content": f"count {i}"}], "start": i, "answer": "3"}) + "\n")
+            fh.write(
+                json.dumps({"prompt": [{"role": "user", "content": f"count {i}"}], "start": i, "answer": "3"})
+                + "\n")
     return root
 
 
@@ -52,8 +54,8 @@ def run(root, out, **knobs):
 
 def train_(root, out, **knobs):
     (root / out).mkdir(exist_ok=True)
-    return train(config(root, **knobs), reward_weights=[1.0], root=root / out, progress=False, log_path="log.csv",
-                 hooks=TrainHooks(backend_factory=ScriptedFactory(counter_policy, 100)))
+    return train(config(root, **knobs), reward_weights=[1.0], root=root / out, progress=False,
+                 log_path="log.csv", hooks=TrainHooks(backend_factory=ScriptedFactory(counter_policy, 100)))
 
 
 def weights(result):
@@ -73,7 +75,8 @@ def test_async_rollouts_with_tools_at_staleness_0_are_the_synchronous_run(assets
 
 
 def test_a_checkpoint_inside_a_round_resumes_with_its_tool_mask(assets):
-    knobs = {"steps_per_generation": 2, "per_device_train_batch_size": 2, "save_steps": 1, "save_total_limit": 5}
+    knobs = {"steps_per_generation": 2, "per_device_train_batch_size": 2, "save_steps": 1,
+             "save_total_limit": 5}
     whole, _ = run(assets, "whole", max_steps=4, **knobs)
     train_(assets, "cut", max_steps=1, **knobs)  # checkpoint-1 holds the rest of the round
     resumed = train_(assets, "cut", max_steps=4, **knobs)
@@ -86,13 +89,14 @@ def test_evaluation_during_training_logs_the_tool_metrics(assets):
     for key in ("eval/tool_call_frequency", "eval/tool_failure_frequency", "eval/tool_success_rate",
                 "eval/sampled/tool_success_rate"):
         assert key in log[0] and log[0][key] != "", key
-    assert 0 < float(log[0]["eval/tool_success_rate"]) <= 1 and float(log[0]["eval/tool_failure_frequency"]) == 0
+    assert (0 < float(log[0]["eval/tool_success_rate"]) <= 1
+            and float(log[0]["eval/tool_failure_frequency"]) == 0)
 
 
 def test_the_completion_table_counts_each_rows_tool_calls(assets):
-    """Each logged row carries its calls, failed calls and turns, as its text shows them: a call per <tool_call>
-    block, a turn per generation prompt after the first (special tokens are left out of the text, the role word
-    stays); their mean is the step's tools/call_frequency."""
+    """Each logged row carries its calls, failed calls and turns, as its text shows them: a call per
+    <tool_call> block, a turn per generation prompt after the first (special tokens are left out of the text,
+    the role word stays); their mean is the step's tools/call_frequency."""
     _, log = run(assets, "table", max_steps=1, log_completions_steps=1, num_completions_to_log=100)
     rows = [json.loads(line) for line in (assets / "table/log.completions.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and {r["step"] for r in rows} == {1}
@@ -100,4 +104,5 @@ def test_the_completion_table_counts_each_rows_tool_calls(assets):
         assert r["tool_calls"] == r["completion"].count("<tool_call>") and r["tool_failures"] == 0
         assert r["turns"] == 1 + r["completion"].count("</tool_response>\nassistant\n")
     assert max(r["tool_calls"] for r in rows) == 2 and max(r["turns"] for r in rows) >= 2  # the script's most
-    assert sum(r["tool_calls"] for r in rows) / len(rows) == pytest.approx(float(log[0]["tools/call_frequency"]))
+    assert (sum(r["tool_calls"] for r in rows) / len(rows)
+            == pytest.approx(float(log[0]["tools/call_frequency"])))

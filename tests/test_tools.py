@@ -1,6 +1,6 @@
-"""Tools and environments (grpo_core/tools/): import and checks, parsing the tool-call formats (against TRL 1.16's
-own parser on the same tokens), the tokens of tool results (against TRL's ``_get_tool_suffix_ids``), running calls
-(concurrency, order, timeouts, errors), and bad input named where it is."""
+"""Tools and environments (grpo_core/tools/): import and checks, parsing the tool-call formats (against TRL
+1.16's own parser on the same tokens), the tokens of tool results (against TRL's ``_get_tool_suffix_ids``),
+running calls (concurrency, order, timeouts, errors), and bad input named where it is."""
 
 from __future__ import annotations
 
@@ -195,7 +195,8 @@ def test_environments_are_built_per_rollout_reset_with_their_row_and_closed():
 
 
 def test_a_mapping_picks_each_rows_environment_and_refuses_unknown_names():
-    box = build_toolbox(tool_use(["tests.tool_fixtures:multiply"], {"counter": "tests.tool_fixtures:Counter"}))
+    box = build_toolbox(tool_use(["tests.tool_fixtures:multiply"],
+                                 {"counter": "tests.tool_fixtures:Counter"}))
     (tools,) = box.open([{"prompt": "p", "environment": "counter", "start": 1}])
     assert set(tools.functions) == {"multiply", "increment"} and tools.environment.count == 1
     with pytest.raises(EnvironmentFailure, match=r"row 7: environment 'count' .* not one of .*\['counter'\]"):
@@ -220,7 +221,8 @@ def test_an_environment_that_hangs_fails_within_the_bound_naming_what_hung(facto
     SleepingInit.built = SleepingClose.closes = 0
     box = build_toolbox(tool_use(environment_factory=f"tests.test_tools:{factory}", timeout=0.5))
     start = time.monotonic()
-    with pytest.raises(EnvironmentFailure, match=rf"{what} did not return within train.tool_timeout_s = 0.5 s"):
+    with pytest.raises(EnvironmentFailure,
+                       match=rf"{what} did not return within train.tool_timeout_s = 0.5 s"):
         close_all(box.open(rows, ["row 0"]))
     assert time.monotonic() - start < 5
 
@@ -228,8 +230,9 @@ def test_an_environment_that_hangs_fails_within_the_bound_naming_what_hung(facto
 def test_a_probe_that_hangs_on_building_the_environment_is_bounded():
     SleepingInit.built = 1  # every build hangs, the probe's too
     start = time.monotonic()
-    with pytest.raises(EnvironmentFailure, match=r"train.environment_factory \(tests.test_tools:SleepingInit\): "
-                                                 r"building the environment did not return within"):
+    with pytest.raises(EnvironmentFailure, match=r"train.environment_factory "
+                                                 r"\(tests.test_tools:SleepingInit\): building the "
+                                                 r"environment did not return within"):
         build_toolbox(tool_use(environment_factory="tests.test_tools:SleepingInit", timeout=0.5))
     assert time.monotonic() - start < 5
 
@@ -251,14 +254,16 @@ def test_config_refuses_malformed_tool_keys(train, words):
 
 
 def test_environment_reward_needs_environments():
-    raw = {"data": {"train_files": ["x.jsonl"]}, "rewards": [{"name": "env", "function": "environment_reward"}]}
-    with pytest.raises(ConfigError, match="rewards\\[0\\]: environment_reward .* set train.environment_factory"):
+    raw = {"data": {"train_files": ["x.jsonl"]},
+           "rewards": [{"name": "env", "function": "environment_reward"}]}
+    with pytest.raises(ConfigError,
+                       match="rewards\\[0\\]: environment_reward .* set train.environment_factory"):
         config_from_dict(raw)
     raw["train"] = {"environment_factory": "tests.tool_fixtures:Counter"}
     assert config_from_dict(raw).train.tool_use.enabled
 
 
-# -- parsing: the formats, against TRL's parser ----------------------------------------------------------------
+# -- parsing: the formats, against TRL's parser --------------------------------------------------------------
 
 
 def _trl_parse(tok, ids, prefix, tools):
@@ -272,8 +277,8 @@ def _trl_parse(tok, ids, prefix, tools):
 
 
 def _prompt(tok, question="what is 12 times 34"):
-    return tok.apply_chat_template([{"role": "user", "content": question}], tools=[multiply, add], tokenize=False,
-                                   add_generation_prompt=True)
+    return tok.apply_chat_template([{"role": "user", "content": question}], tools=[multiply, add],
+                                   tokenize=False, add_generation_prompt=True)
 
 
 LLAMA_CALL = '{"name": "multiply", "parameters": {"a": 12, "b": "34"}}'
@@ -284,8 +289,9 @@ LLAMA_CALL = '{"name": "multiply", "parameters": {"a": 12, "b": "34"}}'
                                  "Let me see.\n" + hermes_call("multiply", a="12", b=34) + "\n"
                                  + hermes_call("add", a=1, b=2) + "<|im_end|>",
                                  "The answer is 408<|im_end|>", "The answer is 4"]),
-    (qwen_tokenizer, "qwen3", ["<think>\nneed a tool\n</think>\n\n" + hermes_call("add", a=1, b=2) + "<|im_end|>",
-                               "<think>\n\n</think>\n\nThe answer is 3<|im_end|>"]),
+    (qwen_tokenizer, "qwen3",
+     ["<think>\nneed a tool\n</think>\n\n" + hermes_call("add", a=1, b=2) + "<|im_end|>",
+      "<think>\n\n</think>\n\nThe answer is 3<|im_end|>"]),
     (llama_tokenizer, "llama3_1", [LLAMA_CALL + "<|eot_id|>", "The answer is 408<|eot_id|>"]),
 ])
 def test_tool_calls_parse_as_trls_parser_parses_them(make, template, replies):
@@ -297,8 +303,10 @@ def test_tool_calls_parse_as_trls_parser_parses_them(make, template, replies):
         ids = tok(reply, add_special_tokens=False)["input_ids"]
         turn = chat.parse(ids, prefix, [multiply, add])
         assert turn.message == _trl_parse(tok, ids, prefix, [multiply, add]), reply
-        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in turn.message.get("tool_calls", [])]
-        assert [(c.name, c.arguments) for c in turn.calls] == calls and all(c.error is None for c in turn.calls)
+        calls = [(c["function"]["name"], c["function"]["arguments"])
+                 for c in turn.message.get("tool_calls", [])]
+        assert ([(c.name, c.arguments) for c in turn.calls] == calls
+                and all(c.error is None for c in turn.calls))
     assert turn.calls == [] and turn.message["content"].startswith("The answer is")
 
 
@@ -312,13 +320,15 @@ def test_a_call_typed_by_its_tools_schema():
 @pytest.mark.parametrize("reply, reason", [
     ('<tool_call>\n{"name": "multiply", "arguments": {"a": 12\n</tool_call><|im_end|>', "could not parse"),
     ('<tool_call>\n{"nam": "multiply"}\n</tool_call><|im_end|>', "has no function name"),
-    ('<tool_call>\n{"name": "multiply", "arguments": [1, 2]}\n</tool_call><|im_end|>', "arguments are not a JSON"),
+    ('<tool_call>\n{"name": "multiply", "arguments": [1, 2]}\n</tool_call><|im_end|>',
+     "arguments are not a JSON"),
 ])
 def test_a_malformed_call_becomes_a_failed_call_with_its_reason(reply, reason):
     tok = qwen_tokenizer()
     chat = ToolChat.for_tokenizer(tok)
     turn = chat.parse(tok(reply, add_special_tokens=False)["input_ids"], [], [multiply])
-    assert turn.message == {"role": "assistant", "content": reply.removesuffix("<|im_end|>")}  # TRL's fallback
+    assert turn.message == {"role": "assistant",
+                            "content": reply.removesuffix("<|im_end|>")}  # TRL's fallback
     (call,) = turn.calls
     assert call.error.startswith("malformed tool call") and reason in call.error
 
@@ -341,14 +351,15 @@ def test_templates_that_cannot_carry_tool_calls_are_refused():
                          "{% for c in m.get('tool_calls', []) %}[CALL {{ c.function.name }}"
                          "({{ c.function.arguments | tojson }})]{% endfor %}<|im_end|>\n"
                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    with pytest.raises(ToolConfigError, match=r"writes a tool call as '\[CALL probe_tool.*set a response_template"):
+    with pytest.raises(ToolConfigError,
+                       match=r"writes a tool call as '\[CALL probe_tool.*set a response_template"):
         ToolChat.for_tokenizer(tok)
     tok.chat_template = None
     with pytest.raises(ToolConfigError, match="need a chat template"):
         ToolChat.for_tokenizer(tok)
 
 
-# -- the tokens of tool results, against TRL's ----------------------------------------------------------------
+# -- the tokens of tool results, against TRL's ---------------------------------------------------------------
 
 
 def _trl_suffix(tok, messages, chat_template=None):
@@ -368,17 +379,18 @@ def test_tool_result_tokens_are_trls(make, template):
     tok = make(template)
     messages = [{"role": "tool", "name": "multiply", "content": "408"},
                 {"role": "tool", "name": "add", "content": "{'error': 'boom'}"}]
-    # Qwen3's template re-renders the call once a result follows: TRL swaps in its training template for it, we
-    # count end-of-turn tokens instead; the tokens must be the same
+    # Qwen3's template re-renders the call once a result follows: TRL swaps in its training template for it,
+    # we count end-of-turn tokens instead; the tokens must be the same
     training = None if is_chat_template_prefix_preserving(tok) else get_training_chat_template(tok)
     assert (training is not None) == (template == "qwen3")
     ours = ToolChat.for_tokenizer(tok).suffix_ids(messages)
     assert ours == _trl_suffix(tok, messages, training)
     assert "408" in tok.decode(ours) and tok.decode(ours).endswith(
-        "<|im_start|>assistant\n" if template.startswith("qwen") else "<|start_header_id|>assistant<|end_header_id|>\n\n")
+        "<|im_start|>assistant\n" if template.startswith("qwen")
+        else "<|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
-# -- running calls ------------------------------------------------------------------------------------------------
+# -- running calls -------------------------------------------------------------------------------------------
 
 
 def slow(seconds: float) -> str:
@@ -441,7 +453,8 @@ def test_one_rollouts_calls_run_in_order_on_its_environment():
     counter = Counter()
     counter.reset(start=0)
     tools = RolloutTools({"increment": counter.increment}, counter)
-    calls = [ToolCall("increment", {"by": 1}), ToolCall("increment", {"by": 10}), ToolCall("increment", {"by": 100})]
+    calls = [ToolCall("increment", {"by": 1}), ToolCall("increment", {"by": 10}),
+             ToolCall("increment", {"by": 100})]
     (results,) = run_calls([(tools.functions, calls)], timeout_s=5)
     assert [r.content for r in results] == ["1", "11", "111"]
 
@@ -449,14 +462,15 @@ def test_one_rollouts_calls_run_in_order_on_its_environment():
 def test_errors_are_answered_as_trl_writes_them_and_counted():
     calls = [ToolCall("boom", {"a": 3}), ToolCall("nope", {}), ToolCall("multiply", {"a": 2}),
              ToolCall("gives_object", {"a": 1}), ToolCall("unknown", {}, "malformed tool call: broken JSON"),
-             ToolCall("multiply", {"a": 2, "b": 5}), ToolCall("gives_none", {"a": 1}), ToolCall("later", {"a": 4})]
+             ToolCall("multiply", {"a": 2, "b": 5}), ToolCall("gives_none", {"a": 1}),
+             ToolCall("later", {"a": 4})]
     (results,) = run_calls([(TOOLS, calls)], timeout_s=5)
     assert [(r.content, r.failed) for r in results] == [
         ("{'error': 'bad a=3'}", True),
         ("{'error': 'Tool nope not found.'}", True),
         ("{'error': \"multiply() missing 1 required positional argument: 'b'\"}", True),
-        ("{'error': 'Tool gives_object returned object; a tool returns a string (numbers, lists, dicts and None are "
-         "shown with str())'}", True),
+        ("{'error': 'Tool gives_object returned object; a tool returns a string (numbers, lists, dicts and "
+         "None are shown with str())'}", True),
         ("{'error': 'malformed tool call: broken JSON'}", True),
         ("10", False), ("None", False), ("later 4", False)]
     assert results[0].message == {"role": "tool", "name": "boom", "content": "{'error': 'bad a=3'}"}
@@ -465,7 +479,8 @@ def test_errors_are_answered_as_trl_writes_them_and_counted():
 def test_a_call_past_its_time_is_answered_and_the_rollouts_later_calls_are_not_run():
     t0 = time.perf_counter()
     results = run_calls([(TOOLS, [ToolCall("slow", {"seconds": 3}), ToolCall("multiply", {"a": 1, "b": 2})]),
-                         (TOOLS, [ToolCall("multiply", {"a": 2, "b": 3}), ToolCall("multiply", {"a": 3, "b": 4})])],
+                         (TOOLS,
+                          [ToolCall("multiply", {"a": 2, "b": 3}), ToolCall("multiply", {"a": 3, "b": 4})])],
                         timeout_s=0.3)
     assert time.perf_counter() - t0 < 1.5
     assert [(r.content, r.failed) for r in results[0]] == [
@@ -474,7 +489,7 @@ def test_a_call_past_its_time_is_answered_and_the_rollouts_later_calls_are_not_r
     assert [r.content for r in results[1]] == ["6", "12"]
 
 
-# -- rollout_func: what it must return ----------------------------------------------------------------------------
+# -- rollout_func: what it must return -----------------------------------------------------------------------
 
 
 def one_arg(prompts):
@@ -487,9 +502,12 @@ def one_arg(prompts):
     ({"prompt_ids": [[1]], "completion_ids": [[2], [3]], "logprobs": None}, "list of 1 token-id lists"),
     ({"prompt_ids": [[1]], "completion_ids": [[]], "logprobs": None}, "an empty completion"),
     ({"prompt_ids": [[1]], "completion_ids": [[2.5]], "logprobs": None}, "other than int token ids"),
-    ({"prompt_ids": [[1]], "completion_ids": [[2, 3]], "logprobs": [[0.1]]}, "'logprobs' must have one value"),
-    ({"prompt_ids": [[1]], "completion_ids": [[2, 3]], "logprobs": None, "env_mask": [[1, 2]]}, "other than 0 and 1"),
-    ({"prompt_ids": [[1]], "completion_ids": [[2]], "logprobs": None, "score": [1, 2]}, "'score' has 2 values"),
+    ({"prompt_ids": [[1]], "completion_ids": [[2, 3]], "logprobs": [[0.1]]},
+     "'logprobs' must have one value"),
+    ({"prompt_ids": [[1]], "completion_ids": [[2, 3]], "logprobs": None, "env_mask": [[1, 2]]},
+     "other than 0 and 1"),
+    ({"prompt_ids": [[1]], "completion_ids": [[2]], "logprobs": None, "score": [1, 2]},
+     "'score' has 2 values"),
 ])
 def test_a_rollout_func_returning_the_wrong_thing_is_named(out, message):
     from grpo_core.rollout.custom import RolloutContext, RolloutFuncError, run_rollout_func
@@ -504,8 +522,8 @@ def test_a_rollout_func_batch_masks_what_it_inserted_and_broadcasts_scalars():
     from grpo_core.rollout.custom import RolloutContext, run_rollout_func
     from grpo_core.rollout.types import SamplingParams
 
-    out = {"prompt_ids": [[5, 6], [7]], "completion_ids": [[1, 2, 9], [3, 4]], "logprobs": [[-0.1, None, -0.3],
-           [-0.4, -0.5]], "env_mask": [[1, 0, 1], [1, 1]], "tag": "x"}
+    out = {"prompt_ids": [[5, 6], [7]], "completion_ids": [[1, 2, 9], [3, 4]],
+           "logprobs": [[-0.1, None, -0.3], [-0.4, -0.5]], "env_mask": [[1, 0, 1], [1, 1]], "tag": "x"}
     context = RolloutContext(None, qwen_tokenizer(), SamplingParams(max_new_tokens=4), 2)
     batch, extra = run_rollout_func(lambda prompts, trainer: out, ["a", "a"], context, pad_id=0, eos_ids=[9])
     assert batch.model_mask.tolist() == [[1, 0, 1], [1, 1, 0]] and batch.completion_lengths.tolist() == [2, 2]
@@ -516,7 +534,8 @@ def test_a_rollout_func_batch_masks_what_it_inserted_and_broadcasts_scalars():
 def test_a_rollout_func_that_cannot_take_prompts_and_trainer_is_refused():
     from grpo_core.tools import load_rollout_func
 
-    with pytest.raises(ToolConfigError, match=r"train.rollout_func \(tests.test_tools:one_arg\): cannot be called"):
+    with pytest.raises(ToolConfigError,
+                       match=r"train.rollout_func \(tests.test_tools:one_arg\): cannot be called"):
         load_rollout_func(ToolUseConfig([], None, None, 1.0, "tests.test_tools:one_arg"))
     with pytest.raises(ToolConfigError, match="cannot import module"):
         load_rollout_func(ToolUseConfig([], None, None, 1.0, "tests.none:f"))

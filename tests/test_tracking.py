@@ -67,7 +67,8 @@ def test_parent_and_child_runs(store, tmp_path):
 
     artifact = tmp_path / "reward_weights.json"
     artifact.write_text("{}")
-    with MLflowTracker(uri, "exp-a", run_name="train", parent_run_id=parent, tags={"stage": "train", "k": "v"}) as child:
+    with MLflowTracker(uri, "exp-a", run_name="train", parent_run_id=parent,
+                       tags={"stage": "train", "k": "v"}) as child:
         assert isinstance(child, Tracker)
         child.log_params({"train": {"learning_rate": 5e-4, "beta": 0.04}})
         for step in range(1, 4):
@@ -81,8 +82,10 @@ def test_parent_and_child_runs(store, tmp_path):
     assert run.info.run_name == "train" and run.info.status == "FINISHED"
     assert run.data.params == {"train.learning_rate": "0.0005", "train.beta": "0.04"}
     history = client.get_metric_history(child.run_id, "reward")
-    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [(1, 0.1), (2, 0.2), (3, 0.3)]
-    assert [a.path for a in client.list_artifacts(child.run_id, "calibration")] == ["calibration/reward_weights.json"]
+    assert ([(m.step, m.value) for m in sorted(history, key=lambda m: m.step)]
+            == [(1, 0.1), (2, 0.2), (3, 0.3)])
+    assert ([a.path for a in client.list_artifacts(child.run_id, "calibration")]
+            == ["calibration/reward_weights.json"])
     exp = client.get_experiment_by_name("exp-a")
     assert exp.artifact_location == (root.resolve() / "mlruns").as_uri()
     assert Path(root, "mlruns").is_dir()

@@ -1,8 +1,8 @@
-"""Tracking that loses nothing: a store that is down as a stage starts is retried, a stage that could not record
-says so, and a train log's steps that MLflow lacks (a killed run's lost backlog) reach it exactly once.
+"""Tracking that loses nothing: a store that is down as a stage starts is retried, a stage that could not
+record says so, and a train log's steps that MLflow lacks (a killed run's lost backlog) reach it exactly once.
 
-The store is a real SQLite MLflow store; an outage is its parent-run creation failing (what an unreachable server
-does to the first call a stage makes).
+The store is a real SQLite MLflow store; an outage is its parent-run creation failing (what an unreachable
+server does to the first call a stage makes).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ def ctx(tmp_path, monkeypatch):
     monkeypatch.setattr(runs, "OPEN_BACKOFF_S", 0.01)
     cfg = config_from_dict({"rewards": DIGITS, "data": {"train_files": ["t.jsonl"]},
                             "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}})
-    return StageContext(stage="train", root=tmp_path, store_root=tmp_path, params_path=tmp_path / "params.yaml",
-                        cfg=cfg)
+    return StageContext(stage="train", root=tmp_path, store_root=tmp_path,
+                        params_path=tmp_path / "params.yaml", cfg=cfg)
 
 
 def client(ctx):
@@ -35,7 +35,8 @@ def client(ctx):
 
 
 def failing_first(monkeypatch, times: int) -> list[int]:
-    """The parent run's creation fails ``times`` times (a store not up yet), then works; returns the call count."""
+    """The parent run's creation fails ``times`` times (a store not up yet), then works;
+    returns the call count."""
     real, calls = runs.create_parent_run, [0]
 
     def create(*args, **kwargs):
@@ -77,9 +78,9 @@ def test_a_store_down_throughout_says_so_at_the_end(ctx, monkeypatch, capsys):
 
 
 def test_a_killed_runs_lost_steps_reach_mlflow_from_the_train_log_exactly_once(ctx):
-    """The first run logged steps 1-2 and was killed with 3-4 in its in-memory backlog (MLflow down); the resumed
-    stage continues the same run, redoes steps 2-3 from its checkpoint (step 2 is not logged again) and backfills
-    step 4 from the train log; a second backfill sends nothing."""
+    """The first run logged steps 1-2 and was killed with 3-4 in its in-memory backlog (MLflow down); the
+    resumed stage continues the same run, redoes steps 2-3 from its checkpoint (step 2 is not logged again)
+    and backfills step 4 from the train log; a second backfill sends nothing."""
     rows = [{"step": s, "reward": 0.1 * s, "kl": 0.01 * s, "pass@4": 0.5} for s in (1, 2, 3, 4)]
     killed = StageRun(ctx).__enter__()  # never closed: the process died
     for row in rows[:2]:
@@ -89,7 +90,8 @@ def test_a_killed_runs_lost_steps_reach_mlflow_from_the_train_log_exactly_once(c
 
     with StageRun(ctx, continue_run_id=run_id) as resumed:
         assert resumed.run_id == run_id
-        resumed.log_metrics({k: v for k, v in rows[1].items() if k != "step"}, step=2)  # redone from checkpoint-1
+        # redone from checkpoint-1
+        resumed.log_metrics({k: v for k, v in rows[1].items() if k != "step"}, step=2)
         resumed.log_metrics({k: v for k, v in rows[2].items() if k != "step"}, step=3)
         assert resumed.backfill(rows) == 5  # step 4: reward, kl, pass_at_4 and the two overview keys
         assert resumed.backfill(rows) == 0

@@ -67,7 +67,8 @@ def test_round_buffer_round_trips_tensors_and_metrics():
     for name in r.row_fields():
         assert torch.equal(getattr(back, name), getattr(r, name)), name
     assert back.old_logps is None
-    assert back.metrics["reward"] == 0.25 and back.metrics["rewards/digits/mean"] != back.metrics["rewards/digits/mean"]
+    assert (back.metrics["reward"] == 0.25
+            and back.metrics["rewards/digits/mean"] != back.metrics["rewards/digits/mean"])
 
 
 def test_trim_padding_drops_all_padding_columns_on_both_sides():
@@ -78,7 +79,8 @@ def test_trim_padding_drops_all_padding_columns_on_both_sides():
     assert attention.tolist() == [[0, 0, 1, 1, 1], [0, 1, 1, 1, 0], [0, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
     assert mask.tolist() == [[1, 1], [1, 0], [0, 0], [1, 1]]
     rows = r.rows(slice(1, 3))  # prompts of 2 tokens, completions of at most 1
-    ids, attention, mask = trim_padding(rows.prompt_ids, rows.prompt_mask, rows.completion_ids, rows.completion_mask)
+    ids, attention, mask = trim_padding(rows.prompt_ids, rows.prompt_mask, rows.completion_ids,
+                                        rows.completion_mask)
     assert ids.tolist() == [[6, 7, 13], [6, 7, 0]] and mask.tolist() == [[1], [0]]
     empty = torch.zeros(2, 3, dtype=torch.long)
     _, _, mask = trim_padding(rows.prompt_ids, rows.prompt_mask, empty, empty)
@@ -98,7 +100,9 @@ def test_benchmark_levers_are_train_keys_and_unknown_levers_are_refused():
         "fused_lm_head": False, "trim_padding": False, "padding_free": False, "fused_adamw": False,
         "forward_backend": "hf"}
     fields = set(train_key_owner())
-    assert set(train_overrides({"fused_head": 1, "trim": 1, "padding_free": 1, "fused_adamw": 1, "forward": 1})) <= fields
+    assert set(
+        train_overrides({"fused_head": 1, "trim": 1, "padding_free": 1, "fused_adamw": 1,
+                         "forward": 1})) <= fields
     with pytest.raises(ValueError, match=r"unknown lever\(s\) \['fused_heads'\]"):
         train_overrides({"fused_heads": False})
 
@@ -128,8 +132,8 @@ def test_a_synced_reference_stays_in_checkpoints_after_a_resume(assets, tmp_path
     """TR-DPO: the reference synced at step 3 is saved at step 4; resumed there, the step-5 checkpoint must
     carry the same reference (it has not been synced again), not drop it and fall back to the base."""
     model_dir, data = assets
-    keys = dict(beta=0.1, sync_ref_model=True, ref_model_sync_steps=3, ref_model_mixup_alpha=0.5, save_steps=2,
-                save_total_limit=3)
+    keys = dict(beta=0.1, sync_ref_model=True, ref_model_sync_steps=3, ref_model_mixup_alpha=0.5,
+                save_steps=2, save_total_limit=3)
     train(tiny_config(model_dir, data, DIGITS, max_steps=4, **keys), root=tmp_path, progress=False)
     res = train(tiny_config(model_dir, data, DIGITS, max_steps=5, **keys), root=tmp_path, progress=False)
     assert res.resumed_from.name == "checkpoint-4"

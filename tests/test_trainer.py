@@ -86,7 +86,8 @@ def test_one_step_logs_the_dapo_loss_and_moves_each_weight_by_adams_first_update
     (row,) = read_log(tmp_path / "metrics/train_log.csv")
 
     ((batch,),) = steps  # one step, one micro-batch: the whole round
-    advantages = group_advantages(batch.rewards[:, 0], cfg.train.batch.num_generations)  # one reward, weight 1
+    advantages = group_advantages(batch.rewards[:, 0],
+                                  cfg.train.batch.num_generations)  # one reward, weight 1
     torch.testing.assert_close(batch.advantages.double(), advantages, rtol=0, atol=1e-6)
     lengths = batch.completion_mask.sum(dim=1).double()
     expected_loss = (-(advantages * lengths).sum() / lengths.sum()).item()
@@ -199,18 +200,22 @@ def test_each_loss_type_trains_end_to_end_and_logs_its_metric(assets, tmp_path, 
     assert any(not torch.equal(before[k], after[k]) for k in before)
     if column is not None:
         first, second = [float(r[column]) for r in log[0::2]], [float(r[column]) for r in log[1::2]]
-        on_policy = {"cispo_clip_ratio": 0.0, "clip_ratio/region_mean": 0.0, "vespo/phi_seq_mean": 1.0}[column]
+        on_policy = {"cispo_clip_ratio": 0.0, "clip_ratio/region_mean": 0.0,
+                     "vespo/phi_seq_mean": 1.0}[column]
         assert all(v == pytest.approx(on_policy) for v in first)  # ratio 1: nothing clipped, phi(1) = 1
         assert any(v != pytest.approx(on_policy, abs=1e-6) for v in second)
 
 
 def test_adaptive_entropy_state_is_checkpointed_and_a_resume_is_exact(assets, tmp_path):
-    """Entropy ~6 nats sits below a target of 10: the coefficient climbs by delta each step (0.01 -> 0.05 over 4),
-    is logged, lands in each checkpoint, and a run stopped at step 2 and resumed ends on the same weights."""
+    """Entropy ~6 nats sits below a target of 10: the coefficient climbs by delta each step (0.01 -> 0.05 over
+    4), is logged, lands in each checkpoint, and a run stopped at step 2 and resumed ends on the same
+    weights."""
     model_dir, data = assets
-    knobs = {"use_adaptive_entropy": True, "entropy_coef": 0.01, "entropy_target": 10.0, "entropy_coef_delta": 0.01,
-             "entropy_coef_max": 0.035, "top_entropy_quantile": 0.5, "save_steps": 2, "learning_rate": 1e-2}
-    whole = train(tiny_config(model_dir, data, DIGITS, max_steps=4, **knobs), root=tmp_path / "whole", progress=False)
+    knobs = {"use_adaptive_entropy": True, "entropy_coef": 0.01, "entropy_target": 10.0,
+             "entropy_coef_delta": 0.01, "entropy_coef_max": 0.035, "top_entropy_quantile": 0.5,
+             "save_steps": 2, "learning_rate": 1e-2}
+    whole = train(tiny_config(model_dir, data, DIGITS, max_steps=4, **knobs), root=tmp_path / "whole",
+                  progress=False)
     coefs = [float(r["entropy_coef"]) for r in read_log(tmp_path / "whole/metrics/train_log.csv")]
     assert coefs == pytest.approx([0.02, 0.03, 0.035, 0.035])  # capped at entropy_coef_max
     import json
@@ -218,7 +223,8 @@ def test_adaptive_entropy_state_is_checkpointed_and_a_resume_is_exact(assets, tm
     state = json.loads((whole.checkpoint_dir / "checkpoint-2/trainer_state.json").read_text())
     assert state["entropy_coef"] == pytest.approx(0.03) and 0 < state["last_entropy"] < 10
     train(tiny_config(model_dir, data, DIGITS, max_steps=2, **knobs), root=tmp_path / "split", progress=False)
-    split = train(tiny_config(model_dir, data, DIGITS, max_steps=4, **knobs), root=tmp_path / "split", progress=False)
+    split = train(tiny_config(model_dir, data, DIGITS, max_steps=4, **knobs), root=tmp_path / "split",
+                  progress=False)
     assert split.resumed_from is not None and split.resumed_from.name == "checkpoint-2"
     a, b = load_file(whole.model_dir / "model.safetensors"), load_file(split.model_dir / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -270,7 +276,8 @@ def test_resume_refuses_changed_params(assets, tmp_path):
     model_dir, data = assets
     train(tiny_config(model_dir, data, DIGITS, max_steps=2, save_steps=1), root=tmp_path, progress=False)
     with pytest.raises(CheckpointError, match="different training params"):
-        train(tiny_config(model_dir, data, DIGITS, max_steps=3, learning_rate=1e-4), root=tmp_path, progress=False)
+        train(tiny_config(model_dir, data, DIGITS, max_steps=3, learning_rate=1e-4), root=tmp_path,
+              progress=False)
     # told to start fresh, it does
     res = train(tiny_config(model_dir, data, DIGITS, max_steps=1, learning_rate=1e-4, resume="never"),
                 root=tmp_path, progress=False)
@@ -281,7 +288,8 @@ def test_checkpoints_are_pruned_to_the_limit(assets, tmp_path):
     model_dir, data = assets
     train(tiny_config(model_dir, data, DIGITS, max_steps=5, save_steps=1, save_total_limit=2), root=tmp_path,
           progress=False)
-    assert [p.name for p in list_checkpoints(tmp_path / "out/checkpoints")] == ["checkpoint-4", "checkpoint-5"]
+    assert ([p.name for p in list_checkpoints(tmp_path / "out/checkpoints")]
+            == ["checkpoint-4", "checkpoint-5"])
 
 
 def test_prompt_sampler_covers_each_epoch_once_and_restores():
@@ -300,7 +308,8 @@ RUN = """
 import sys
 from grpo_core.train.loop import train
 from tests.tiny import tiny_config
-cfg = tiny_config(sys.argv[1], sys.argv[2], [{"name": "digits", "function": "tests.reward_helpers:digit_fraction_then_die"}],
+cfg = tiny_config(sys.argv[1], sys.argv[2], [{"name": "digits", \
+"function": "tests.reward_helpers:digit_fraction_then_die"}],
                   max_steps=12, save_steps=5, num_iterations=2)
 train(cfg, root=sys.argv[3], progress=False)
 """
@@ -342,23 +351,29 @@ def test_exact_resume_after_sigkill(assets, tmp_path):
     b = load_file(tmp_path / "killed/out/model/model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     drop = {"step_time", "generation_time"}
-    log_a = [{k: v for k, v in r.items() if k not in drop} for r in read_log(tmp_path / "straight/metrics/train_log.csv")]
-    log_b = [{k: v for k, v in r.items() if k not in drop} for r in read_log(tmp_path / "killed/metrics/train_log.csv")]
+    log_a = [{k: v for k, v in r.items() if k not in drop}
+             for r in read_log(tmp_path / "straight/metrics/train_log.csv")]
+    log_b = [{k: v for k, v in r.items() if k not in drop}
+             for r in read_log(tmp_path / "killed/metrics/train_log.csv")]
     assert [r["step"] for r in log_b] == [str(i) for i in range(1, 13)]
     assert log_a == log_b
 
 
-def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_and_the_run_ends_the_same(assets, tmp_path, caplog):
-    """Checkpoints at steps 1 and 2, then checkpoint-2's optimizer file halved (a crash while the disk filled, a
-    bad copy): resume verifies the manifest, names the file, restarts from checkpoint-1, and ends on the weights
-    and log of an uninterrupted run."""
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_and_the_run_ends_the_same(assets, tmp_path,
+                                                                                          caplog):
+    """Checkpoints at steps 1 and 2, then checkpoint-2's optimizer file halved (a crash while the disk filled,
+    a bad copy): resume verifies the manifest, names the file, restarts from checkpoint-1, and ends on the
+    weights and log of an uninterrupted run."""
     model_dir, data = assets
     knobs = {"save_steps": 1, "learning_rate": 1e-2}
-    whole = train(tiny_config(model_dir, data, DIGITS, max_steps=3, **knobs), root=tmp_path / "whole", progress=False)
-    first = train(tiny_config(model_dir, data, DIGITS, max_steps=2, **knobs), root=tmp_path / "split", progress=False)
+    whole = train(tiny_config(model_dir, data, DIGITS, max_steps=3, **knobs), root=tmp_path / "whole",
+                  progress=False)
+    first = train(tiny_config(model_dir, data, DIGITS, max_steps=2, **knobs), root=tmp_path / "split",
+                  progress=False)
     optimizer = first.checkpoint_dir / "checkpoint-2" / "optimizer.pt"
     optimizer.write_bytes(optimizer.read_bytes()[: optimizer.stat().st_size // 2])
-    split = train(tiny_config(model_dir, data, DIGITS, max_steps=3, **knobs), root=tmp_path / "split", progress=False)
+    split = train(tiny_config(model_dir, data, DIGITS, max_steps=3, **knobs), root=tmp_path / "split",
+                  progress=False)
     assert split.resumed_from.name == "checkpoint-1"
     assert "checkpoint-2 is corrupt, skipped" in caplog.text and "optimizer.pt has" in caplog.text
     a, b = load_file(whole.model_dir / "model.safetensors"), load_file(split.model_dir / "model.safetensors")

@@ -54,7 +54,9 @@ def test_skip_step_keeps_flagged_updates_out_of_the_weights(assets, tmp_path):
 
 def test_stop_raises_naming_the_guard_and_exports_nothing(assets, tmp_path):
     guards = {"entropy_min": {"threshold": 100.0, "action": "stop"}}
-    with pytest.raises(GuardStop, match=r"guard entropy_min stopped training: step 1: entropy=.* below the threshold 100"):
+    with pytest.raises(GuardStop,
+                       match=r"guard entropy_min stopped training: step 1: entropy=.* below the threshold "
+                             r"100"):
         train(cfg_with(assets, guards, max_steps=3), root=tmp_path, progress=False)
     assert not (tmp_path / "out/model").exists()
 
@@ -80,7 +82,8 @@ def test_rollback_limit_turns_into_a_stop(assets, tmp_path, monkeypatch):
 
 def test_nan_loss_is_never_trained_on(assets, tmp_path, monkeypatch):
     nan_loss_at(monkeypatch, {2})
-    res = train(cfg_with(assets, {"nonfinite": {"action": "skip_step"}}, max_steps=3), root=tmp_path, progress=False)
+    res = train(cfg_with(assets, {"nonfinite": {"action": "skip_step"}}, max_steps=3), root=tmp_path,
+                progress=False)
     weights = load_file(res.model_dir / "model.safetensors")
     assert all(torch.isfinite(v).all() for v in weights.values())
     assert [float(r["guard/skipped"]) for r in rows(tmp_path)] == [0, 1, 0]
@@ -90,7 +93,8 @@ def test_length_blow_up_guard_stops_on_completions_hitting_the_limit(assets, tmp
     # a random tiny model rarely emits EOS within 8 tokens: most completions hit max_completion_length
     guards = {"clipped_ratio_max": {"threshold": 0.5, "action": "stop"}}
     with pytest.raises(GuardStop, match=r"guard clipped_ratio_max stopped training: step 1: "
-                                        r"clipped_ratio=.* is above the threshold 0.5; no checkpoint had been written yet"):
+                                        r"clipped_ratio=.* is above the threshold 0.5; "
+                                        r"no checkpoint had been written yet"):
         train(cfg_with(assets, guards, max_steps=3), root=tmp_path, progress=False)
 
 
@@ -105,8 +109,9 @@ def test_reward_hacking_guard_fires_when_format_rises_while_correctness_falls(as
         "train": {"learning_rate": 3e-3, "num_generations": 4, "per_device_train_batch_size": 16,
                   "output_dir": "out", "save_steps": 100,
                   "max_steps": 10},
-        "guards": {"reward_hacking": {"format_reward": "format", "correctness_reward": "correctness", "window": 2,
-                                      "format_rise": 0.1, "correctness_drop": 0.1, "action": "stop"}},
+        "guards": {"reward_hacking": {"format_reward": "format", "correctness_reward": "correctness",
+                                      "window": 2, "format_rise": 0.1, "correctness_drop": 0.1,
+                                      "action": "stop"}},
     })
     # windows of 2 steps: steps 1-2 vs 3-4 -> format +0.2, correctness -0.2: fires at step 4
     with pytest.raises(GuardStop, match=r"guard reward_hacking stopped training: step 4: "):
@@ -115,8 +120,8 @@ def test_reward_hacking_guard_fires_when_format_rises_while_correctness_falls(as
 
 
 def test_a_reward_that_scores_nothing_stops_the_run_naming_it(assets, tmp_path):
-    """NaN for every row counts as "no score": without the guard training goes on with zero advantages from it.
-    The default guard stops at the 3rd such step in a row, before its update, naming the reward."""
+    """NaN for every row counts as "no score": without the guard training goes on with zero advantages from
+    it. The default guard stops at the 3rd such step in a row, before its update, naming the reward."""
     model_dir, data = assets
     cfg = config_from_dict({
         "data": {"train_files": [str(data)], "eval_files": [str(data)], "max_prompt_length": 48},
@@ -126,7 +131,7 @@ def test_a_reward_that_scores_nothing_stops_the_run_naming_it(assets, tmp_path):
         "train": {"learning_rate": 3e-3, "num_generations": 4, "per_device_train_batch_size": 16,
                   "output_dir": "out", "save_steps": 100, "max_steps": 5, "reward_weights": [1.0, 1.0]},
     })
-    with pytest.raises(GuardStop, match=r"guard reward_silent stopped training: step 3: reward 'broken' scored none "
-                                        r"of the completions .* for 3 steps in a row"):
+    with pytest.raises(GuardStop, match=r"guard reward_silent stopped training: step 3: reward 'broken' "
+                                        r"scored none of the completions .* for 3 steps in a row"):
         train(cfg, root=tmp_path, progress=False)
     assert [r["rewards/broken/mean"] for r in rows(tmp_path)] == ["nan", "nan"]

@@ -43,7 +43,7 @@ def test_the_oracle_is_trl_1_16():
     assert trl.__version__ == "1.16.0"
 
 
-# --- loss ------------------------------------------------------------------------------------------------------
+# --- loss ---------------------------------------------------------------------------------------------------
 
 
 # GRPOConfig 1.16's defaults for the SAPO and VESPO options
@@ -56,7 +56,8 @@ def test_the_shape_defaults_are_grpo_configs():
 
     from trl import GRPOConfig
 
-    assert {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.name in SHAPE_DEFAULTS} == SHAPE_DEFAULTS
+    assert ({f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.name in SHAPE_DEFAULTS}
+            == SHAPE_DEFAULTS)
 
 
 class SingleProcessAccelerator:
@@ -103,8 +104,9 @@ def trl_grpo_loss(
     **shape,
 ):
     """TRL's _compute_loss on a stand-in trainer; returns (loss, logged metrics). ``shape``: the SAPO / VESPO
-    options (GRPOConfig's names; its defaults when absent). ``entropies`` (B, T): what the log-prob pass returns
-    (zeros by default); ``trainer``: a stand-in from an earlier call, to carry the adaptive entropy state."""
+    options (GRPOConfig's names; its defaults when absent). ``entropies`` (B, T): what the log-prob pass
+    returns (zeros by default); ``trainer``: a stand-in from an earlier call, to carry the adaptive entropy
+    state."""
     if trainer is not None:
         return _trl_call(trainer, logps, old_logps, ref_logps, advantages, mask, num_items, entropies)
     extra_inputs = {}
@@ -200,8 +202,8 @@ LOSS_GRID = [
 
 
 def assert_matches_trl(base, old_logps, ref, advantages, mask, options, **inputs):
-    """grpo_loss and TRL's _compute_loss on the same inputs: value, gradient and every metric TRL logs (to 1e-6).
-    Returns our gradient."""
+    """grpo_loss and TRL's _compute_loss on the same inputs: value, gradient and every metric TRL logs
+    (to 1e-6). Returns our gradient."""
     ours_logps = base.clone().requires_grad_(True)
     trl_logps = base.clone().requires_grad_(True)
     ours, stats = grpo_loss(ours_logps, old_logps, ref, advantages, mask, **options, **inputs)
@@ -217,7 +219,8 @@ def assert_matches_trl(base, old_logps, ref, advantages, mask, options, **inputs
     return ours_logps.grad
 
 
-# The loss types with their own policy term, and OPSM over every family: levels, KL, on/off-policy, mask on/off.
+# The loss types with their own policy term, and OPSM over every family: levels, KL, on/off-policy,
+# mask on/off.
 NEW_LOSS_GRID = [
     (loss_type, level, beta, old_given, opsm)
     for loss_type, level, beta, old_given, opsm in itertools.product(
@@ -229,7 +232,8 @@ NEW_LOSS_GRID = [
     )
     if loss_type in ("cispo", "sapo", "luspo", "vespo") or opsm is not None
 ]
-SHAPES = {"sapo_temperature_pos": 1.3, "sapo_temperature_neg": 0.7, "vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5,
+SHAPES = {"sapo_temperature_pos": 1.3, "sapo_temperature_neg": 0.7, "vespo_k_pos": 1.5,
+          "vespo_lambda_pos": 2.5,
           "vespo_k_neg": 2.5, "vespo_lambda_neg": 1.5}  # off TRL's defaults, so a dropped option shows
 
 
@@ -250,7 +254,8 @@ def test_cispo_sapo_luspo_vespo_and_opsm_match_trl(loss_type, level, beta, old_g
 
 
 def test_opsm_drops_exactly_the_negative_far_off_policy_sequences():
-    """By hand: rows 0/1 drifted (mean KL 0.5), row 2 barely (0.01); A = -1, -1, +1 (row 2 kept by A > 0 too)."""
+    """By hand: rows 0/1 drifted (mean KL 0.5), row 2 barely (0.01); A = -1, -1, +1
+    (row 2 kept by A > 0 too)."""
     logps = torch.full((3, 4), -1.0, dtype=F64)
     sampling = logps + torch.tensor([[0.5], [0.5], [0.01]], dtype=F64)
     mask = torch.ones(3, 4, dtype=F64)
@@ -258,14 +263,17 @@ def test_opsm_drops_exactly_the_negative_far_off_policy_sequences():
     advantages_far_pos = torch.tensor([-1.0, 1.0, -1.0], dtype=F64)
     from grpo_core.loss import off_policy_mask
 
-    assert off_policy_mask(advantages.unsqueeze(1), logps, sampling, mask, 0.1).squeeze(1).tolist() == [0, 0, 1]
-    assert off_policy_mask(advantages_far_pos.unsqueeze(1), logps, sampling, mask, 0.1).squeeze(1).tolist() == [0, 1, 1]
-    assert off_policy_mask(advantages.unsqueeze(1), logps, sampling, mask, 0.6).squeeze(1).tolist() == [1, 1, 1]
+    assert (off_policy_mask(advantages.unsqueeze(1), logps, sampling, mask, 0.1).squeeze(1).tolist()
+            == [0, 0, 1])
+    assert (off_policy_mask(advantages_far_pos.unsqueeze(1), logps, sampling, mask, 0.1).squeeze(1).tolist()
+            == [0, 1, 1])
+    assert (off_policy_mask(advantages.unsqueeze(1), logps, sampling, mask, 0.6).squeeze(1).tolist()
+            == [1, 1, 1])
 
 
 def trl_sampler_ratio(old_per_token_logps, sampling_per_token_logps, mask, mode, clip_min, clip_max):
-    """TRL 1.16 GRPOTrainer._generate_and_score_completions, the vLLM importance-sampling block, copied verbatim
-    (from ``per_token_logps_diff = ...`` to the mode branches; self.* turned into arguments)."""
+    """TRL 1.16 GRPOTrainer._generate_and_score_completions, the vLLM importance-sampling block, copied
+    verbatim (from ``per_token_logps_diff = ...`` to the mode branches; self.* turned into arguments)."""
     per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps) * mask
     per_token_logps_diff = torch.nan_to_num(per_token_logps_diff, nan=0.0)
     sequence_level_is = mode in ["sequence_mask", "sequence_truncate"]
@@ -276,18 +284,21 @@ def trl_sampler_ratio(old_per_token_logps, sampling_per_token_logps, mask, mode,
         logps_diff = per_token_logps_diff
     vllm_importance_sampling_ratio = torch.exp(logps_diff)
     if mode in ["sequence_truncate", "token_truncate"]:
-        vllm_importance_sampling_ratio = torch.clamp(vllm_importance_sampling_ratio, min=clip_min, max=clip_max)
+        vllm_importance_sampling_ratio = torch.clamp(vllm_importance_sampling_ratio, min=clip_min,
+                                                     max=clip_max)
     elif mode in ["sequence_mask", "token_mask"]:
         min_val = clip_min if clip_min is not None else -math.inf
         max_val = clip_max if clip_max is not None else math.inf
-        invalid_mis_mask = (vllm_importance_sampling_ratio < min_val) | (vllm_importance_sampling_ratio > max_val)
-        vllm_importance_sampling_ratio = vllm_importance_sampling_ratio.masked_fill(invalid_mis_mask, value=0.0)
+        invalid_mis_mask = ((vllm_importance_sampling_ratio < min_val)
+                            | (vllm_importance_sampling_ratio > max_val))
+        vllm_importance_sampling_ratio = vllm_importance_sampling_ratio.masked_fill(invalid_mis_mask,
+                                                                                    value=0.0)
     return vllm_importance_sampling_ratio
 
 
 def sampler_logps_for(old, mask, seed):
-    """What a sampling engine reports: the trainer's log-probs off by kernel noise, some sequences far off, a NaN
-    where it could not score a token."""
+    """What a sampling engine reports: the trainer's log-probs off by kernel noise, some sequences far off, a
+    NaN where it could not score a token."""
     generator = torch.Generator().manual_seed(seed)
     sampling = old + 0.05 * torch.randn(old.shape, dtype=F64, generator=generator)
     sampling[0] -= 1.2  # a sequence the engine found much less likely: ratio e^1.2 > 3 per token
@@ -321,7 +332,8 @@ CORRECTED_GRID = list(itertools.product(["grpo", "dapo", "cispo", "sapo", "luspo
 def test_the_corrected_loss_and_opsm_on_sampler_logps_match_trl(loss_type, mode, opsm):
     if loss_type == "vespo" and mode.startswith("sequence"):
         pytest.skip("TRL refuses vespo with a sequence-level correction; so does grpo_loss (tested below)")
-    base, old, ref, advantages, mask = random_loss_inputs(6000 + CORRECTED_GRID.index((loss_type, mode, opsm)))
+    base, old, ref, advantages, mask = random_loss_inputs(
+        6000 + CORRECTED_GRID.index((loss_type, mode, opsm)))
     sampling = sampler_logps_for(old, mask, 2)
     ratio = sampler_correction(old, sampling, mask, mode, 0.5, 2.0)
     options = {"loss_type": loss_type, "beta": 0.05, "epsilon_low": 0.2,
@@ -330,8 +342,10 @@ def test_the_corrected_loss_and_opsm_on_sampler_logps_match_trl(loss_type, mode,
                "max_completion_length": base.shape[1] + 3,
                "num_items": mask.sum() + 11 if loss_type in ("dapo", "cispo", "vespo") else None,
                "off_policy_mask_threshold": opsm, **SHAPES}
-    assert_matches_trl(base, old, ref, advantages, mask, options, sampler_ratio=ratio, sampling_logps=sampling)
-    corrected, _ = grpo_loss(base, old, ref, advantages, mask, sampler_ratio=ratio, sampling_logps=sampling, **options)
+    assert_matches_trl(base, old, ref, advantages, mask, options, sampler_ratio=ratio,
+                       sampling_logps=sampling)
+    corrected, _ = grpo_loss(base, old, ref, advantages, mask, sampler_ratio=ratio, sampling_logps=sampling,
+                             **options)
     uncorrected, _ = grpo_loss(base, old, ref, advantages, mask, **options)
     assert abs(float(uncorrected) - float(corrected)) > 1e-6  # the correction moved the loss
 
@@ -339,19 +353,21 @@ def test_the_corrected_loss_and_opsm_on_sampler_logps_match_trl(loss_type, mode,
 def test_vespo_refuses_a_sequence_level_correction():
     base, old, ref, advantages, mask = random_loss_inputs(7)
     with pytest.raises(ValueError, match="vespo takes a token-level correction"):
-        grpo_loss(base, old, ref, advantages, mask, loss_type="vespo", sampler_ratio=torch.ones(base.shape[0], 1,
-                                                                                                  dtype=F64))
+        grpo_loss(base, old, ref, advantages, mask, loss_type="vespo",
+                  sampler_ratio=torch.ones(base.shape[0], 1, dtype=F64))
 
 
 def our_loss_with_entropy(logps, old, ref, advantages, mask, entropies, quantile, coef, **options):
-    """grpo_loss on the high-entropy tokens, minus the entropy bonus: what the trainer computes per micro-batch."""
+    """grpo_loss on the high-entropy tokens, minus the entropy bonus: what the trainer computes per
+    micro-batch."""
     trained = high_entropy_mask(entropies.detach(), mask, quantile) if quantile < 1 else mask.bool()
     loss, stats = grpo_loss(logps, old, ref, advantages, mask, entropy_mask=trained if quantile < 1 else None,
                             **options)
     return loss - coef * entropy_mean(entropies, trained), stats
 
 
-ENTROPY_GRID = list(itertools.product(["grpo", "dapo", "cispo", "sapo", "luspo"], [1.0, 0.5, 0.2], [0.0, 0.01]))
+ENTROPY_GRID = list(itertools.product(["grpo", "dapo", "cispo", "sapo", "luspo"], [1.0, 0.5, 0.2],
+                                      [0.0, 0.01]))
 
 
 @pytest.mark.parametrize(("loss_type", "quantile", "coef"), ENTROPY_GRID)
@@ -384,16 +400,19 @@ def test_top_entropy_quantile_and_the_entropy_bonus_match_trl(loss_type, quantil
 def test_adaptive_entropy_control_follows_trl_step_by_step():
     """Six optimizer steps (one micro-batch each) with entropies around the target: TRL's controller and ours
     give the same coefficient after every step and the same loss, the bonus gated on the previous step."""
-    knobs = {"entropy_target": 1.0, "entropy_coef_delta": 0.02, "entropy_coef_min": 0.0, "entropy_coef_max": 0.05}
+    knobs = {"entropy_target": 1.0, "entropy_coef_delta": 0.02, "entropy_coef_min": 0.0,
+             "entropy_coef_max": 0.05}
     coef, last, trainer = 0.01, float("inf"), None
     for step, level in enumerate([0.5, 0.7, 1.5, 0.4, 2.0, 0.9]):
         base, old, ref, advantages, mask = random_loss_inputs(4000 + step)
-        entropies = level * (0.5 + torch.rand(base.shape, dtype=F64, generator=torch.Generator().manual_seed(step)))
+        entropies = level * (0.5 + torch.rand(base.shape, dtype=F64,
+                                              generator=torch.Generator().manual_seed(step)))
         options = {"loss_type": "dapo", "beta": 0.0, "epsilon_low": 0.2, "epsilon_high": 0.28, "delta": None,
-                   "importance_sampling_level": "token", "kl_ratio_correction": True, "max_completion_length": None,
-                   "num_items": None}
-        theirs, _, trainer = trl_grpo_loss(base, old, ref, advantages, mask, entropies=entropies, entropy_coef=0.01,
-                                           use_adaptive_entropy=True, trainer=trainer, **knobs, **options)
+                   "importance_sampling_level": "token", "kl_ratio_correction": True,
+                   "max_completion_length": None, "num_items": None}
+        theirs, _, trainer = trl_grpo_loss(base, old, ref, advantages, mask, entropies=entropies,
+                                           entropy_coef=0.01, use_adaptive_entropy=True, trainer=trainer,
+                                           **knobs, **options)
         applied = applied_entropy_coef(coef, last, adaptive=True, target=knobs["entropy_target"])
         ours, _ = our_loss_with_entropy(base, old, ref, advantages, mask, entropies, 1.0, applied, **options)
         torch.testing.assert_close(ours, theirs, atol=TOL, rtol=0)
@@ -442,7 +461,7 @@ def test_dapo_default_num_items_is_the_micro_batch_token_count():
     torch.testing.assert_close(ours, theirs, atol=TOL, rtol=0)
 
 
-# --- advantages ------------------------------------------------------------------------------------------------
+# --- advantages ---------------------------------------------------------------------------------------------
 
 
 def trl_advantages(
@@ -517,7 +536,7 @@ def test_advantages_match_trl(aggregation, scale, seed):
     torch.testing.assert_close(ours, theirs, atol=TOL, rtol=0)
 
 
-# --- log-probs and entropies -----------------------------------------------------------------------------------
+# --- log-probs and entropies --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -574,13 +593,13 @@ def test_token_logprobs_and_entropy_match_trl_fused_head():
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
 
 
-# --- the sampler correction in training, through the stand-in vLLM engine --------------------------------------
+# --- the sampler correction in training, through the stand-in vLLM engine -----------------------------------
 
 
 def test_training_through_a_mismatched_sampler_corrects_the_loss_as_trl_does(tmp_path, monkeypatch):
-    """The stand-in engine reports log-probs off by a row-dependent shift (0 for some rows, large for others). The
-    trainer's step-1 loss equals TRL's _compute_loss fed TRL's own correction ratio for the same round, and
-    differs from the uncorrected loss."""
+    """The stand-in engine reports log-probs off by a row-dependent shift (0 for some rows, large for others).
+    The trainer's step-1 loss equals TRL's _compute_loss fed TRL's own correction ratio for the same round,
+    and differs from the uncorrected loss."""
     import sys
     from types import ModuleType
 
@@ -599,13 +618,16 @@ def test_training_through_a_mismatched_sampler_corrects_the_loss_as_trl_does(tmp
 
     def recording(self, logps, old, ref, advantages, mask, **kw):
         loss, stats = real(self, logps, old, ref, advantages, mask, **kw)
-        calls.append((logps.detach().double(), old.double(), advantages.double(), mask.double(), kw, loss.detach()))
+        calls.append((logps.detach().double(), old.double(), advantages.double(), mask.double(), kw,
+                      loss.detach()))
         return loss, stats
 
     monkeypatch.setattr(GRPOLoss, "__call__", recording)
     shift = lambda row, col: -0.3 * (row % 3)  # noqa: E731 - rows 0, 3, ...: exact; others: the engine is off
-    cfg = tiny_config(model_dir, data, [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}],
-                      max_steps=1, vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=1.5)
+    cfg = tiny_config(model_dir, data,
+                      [{"name": "digits", "function": "tests.reward_helpers:digit_fraction"}],
+                      max_steps=1, vllm_importance_sampling_mode="token_mask",
+                      vllm_importance_sampling_clip_max=1.5)
     engine = TrainHooks(backend_factory=lambda m, tok: VLLMBackend(
         m, tok, engine=StandInLLM(str(model_dir), logprob_shift=shift), return_logprobs=True))
     train(cfg, root=tmp_path / "run", progress=False, hooks=engine)
@@ -615,10 +637,10 @@ def test_training_through_a_mismatched_sampler_corrects_the_loss_as_trl_does(tmp
     assert (ratio == 0).any() and ((ratio - 1).abs() < 1e-3).any()  # masked tokens and (nearly) exact ones
     torch.testing.assert_close(kw["sampler_ratio"].double(), ratio, atol=1e-5, rtol=0)
     options = {"loss_type": "dapo", "beta": 0.0, "epsilon_low": 0.2, "epsilon_high": None, "delta": None,
-               "importance_sampling_level": "token", "kl_ratio_correction": True, "max_completion_length": None,
-               "num_items": kw["num_items"]}
-    theirs, _, _ = trl_grpo_loss(logps, old, None, advantages, mask, sampler_ratio=ratio, sampling_logps=sampling,
-                                 **options)
+               "importance_sampling_level": "token", "kl_ratio_correction": True,
+               "max_completion_length": None, "num_items": kw["num_items"]}
+    theirs, _, _ = trl_grpo_loss(logps, old, None, advantages, mask, sampler_ratio=ratio,
+                                 sampling_logps=sampling, **options)
     torch.testing.assert_close(loss.double(), theirs, atol=1e-5, rtol=0)
     uncorrected, _, _ = trl_grpo_loss(logps, old, None, advantages, mask, **options)
     assert abs(float(uncorrected) - float(theirs)) > 1e-4

@@ -1,15 +1,18 @@
-"""Agentic rollouts against TRL 1.16's own tool loop (``GRPOTrainer._tool_call_loop``) on one fixture: a tiny Qwen2
-model, a tokenizer with Qwen2.5's real chat template, two tools (``multiply`` and ``add``), the same seed.
+"""Agentic rollouts against TRL 1.16's own tool loop (``GRPOTrainer._tool_call_loop``) on one fixture: a tiny
+Qwen2 model, a tokenizer with Qwen2.5's real chat template, two tools (``multiply`` and ``add``), the same
+seed.
 
-Sampling is scripted (tests/tool_fixtures.py ``Script``): what the "model" writes is a function of the context it is
-given - a tool call, an answer using the tool's result, a call to a tool that does not exist, an answer without a
-tool - so both samplers, handed the same contexts, get the same tokens, and everything around the sampler is
-compared: the prompts rendered with the tools' schemas, the parsing of tool calls, running them, the tokens of the
-tool results (TRL's ``_get_tool_suffix_ids``), the budget, the tool mask, the messages rewards receive, the tools/*
-metrics - and then, training on them, the loss, the KL against a reference, and the optimizer's steps.
+Sampling is scripted (tests/tool_fixtures.py ``Script``): what the "model" writes is a function of the context
+it is given - a tool call, an answer using the tool's result, a call to a tool that does not exist, an answer
+without a tool - so both samplers, handed the same contexts, get the same tokens, and everything around the
+sampler is compared: the prompts rendered with the tools' schemas, the parsing of tool calls, running them,
+the tokens of the tool results (TRL's ``_get_tool_suffix_ids``), the budget, the tool mask, the messages
+rewards receive, the tools/* metrics - and then, training on them, the loss, the KL against a reference, and
+the optimizer's steps.
 
-Both sides parse with transformers' response parser: TRL with the template it sets for Qwen2.5's chat template, ours
-with the one it derives from the chat template itself (a fresh tokenizer, no response_template set).
+Both sides parse with transformers' response parser: TRL with the template it sets for Qwen2.5's chat
+template, ours with the one it derives from the chat template itself (a fresh tokenizer, no response_template
+set).
 """
 
 from __future__ import annotations
@@ -81,15 +84,20 @@ def trl_run(fixture):
     script = Script(tok, calculator_policy, BUDGET)
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
     torch.manual_seed(0)
-    args = GRPOConfig(output_dir=str(root / "trl"), num_generations=G, per_device_train_batch_size=G * len(rows),
-                      max_completion_length=BUDGET, learning_rate=LR, beta=BETA, loss_type="dapo", max_steps=STEPS,
+    args = GRPOConfig(output_dir=str(root / "trl"), num_generations=G,
+                      per_device_train_batch_size=G * len(rows), max_completion_length=BUDGET,
+                      learning_rate=LR, beta=BETA, loss_type="dapo", max_steps=STEPS,
                       adam_beta2=0.99, lr_scheduler_type="constant", max_grad_norm=1.0, bf16=False,
                       gradient_checkpointing=False, use_cpu=True, report_to="none", save_strategy="no",
                       logging_steps=1, disable_tqdm=True, seed=0)
     trainer = GRPOTrainer(model=model, reward_funcs=[right, used_tools], args=args, processing_class=tok,
                           train_dataset=datasets.Dataset.from_list(rows), tools=[multiply, add])
-    trainer._generate_single_turn = lambda prompt_ids, images, fields, num_generations, has_tool_images=False: (
-        [script.completion(list(p), i % num_generations) for i, p in enumerate(prompt_ids)], None)
+    trainer._generate_single_turn = (
+        lambda prompt_ids, images, fields, num_generations, has_tool_images=False: (
+            [script.completion(list(p), i % num_generations) for i, p in enumerate(prompt_ids)],
+            None,
+        )
+    )
     recorded = []
     generate = trainer._generate
 
@@ -108,17 +116,21 @@ def test_the_tokens_masks_and_messages_are_trls(fixture, trl_run):
     root, _ = fixture
     _, logged, recorded = trl_run
     prompts, (trl_prompt_ids, trl_completion_ids, trl_tool_mask, trl_completions, *_) = recorded[0]
-    rows = [{"prompt": prompts[i], "answer": str(eval(prompts[i][0]["content"].split("is ")[1].replace("times", "*")))}
+    rows = [{"prompt": prompts[i],
+             "answer": str(eval(prompts[i][0]["content"].split("is ")[1].replace("times", "*")))}
             for i in range(0, len(prompts), G)]  # TRL's (shuffled) order, each prompt once
     _, tok = _load(root)  # a fresh tokenizer: ours derives its parser, TRL set one on its own copy
     assert getattr(tok, "response_template", None) is None
     toolbox = build_toolbox(_tool_use())
     backend = ScriptedBackend(Script(tok, calculator_policy, BUDGET))
-    plan = SamplePlan(G, SamplingParams(max_new_tokens=BUDGET), batch_size=len(rows), keep_batches=True, tools=toolbox)
-    res = sample_and_score(None, tok, rows, PromptEncoder(tok, None), [right, used_tools], plan, backend=backend)
+    plan = SamplePlan(G, SamplingParams(max_new_tokens=BUDGET), batch_size=len(rows), keep_batches=True,
+                      tools=toolbox)
+    res = sample_and_score(None, tok, rows, PromptEncoder(tok, None), [right, used_tools], plan,
+                           backend=backend)
     (batch,) = res.batches
     for i in range(len(prompts)):
-        assert batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist() == list(trl_prompt_ids[i]), f"prompt {i}"
+        assert (batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()
+                == list(trl_prompt_ids[i])), f"prompt {i}"
         real = batch.completion_mask[i].bool()
         assert batch.completion_ids[i][real].tolist() == list(trl_completion_ids[i]), f"completion {i}"
         assert batch.tool_mask[i][real].tolist() == list(trl_tool_mask[i]), f"tool mask {i}"
@@ -135,8 +147,9 @@ def test_the_tokens_masks_and_messages_are_trls(fixture, trl_run):
 def _tool_use():
     from grpo_core.tools import ToolUseOptions as ToolUseConfig
 
-    return ToolUseConfig(tools=["tests.tool_fixtures:multiply", "tests.tool_fixtures:add"], environment_factory=None,
-                         max_tool_calling_iterations=None, tool_timeout_s=10.0, rollout_func=None)
+    return ToolUseConfig(tools=["tests.tool_fixtures:multiply", "tests.tool_fixtures:add"],
+                         environment_factory=None, max_tool_calling_iterations=None, tool_timeout_s=10.0,
+                         rollout_func=None)
 
 
 def run_ours(fixture):
@@ -185,22 +198,22 @@ def test_training_on_them_takes_trls_steps(fixture, trl_run):
         assert gap < 5e-3 * moved, f"{name}: ours and TRL's weights differ by {gap:.2e} after {STEPS} steps"
     assert len(our_log) == len(their_log) == STEPS
     for step, (mine, trls) in enumerate(zip(our_log, their_log), start=1):
-        for key in ("reward", "kl", "completions/mean_length", "completions/clipped_ratio", "tools/call_frequency",
-                    "tools/failure_frequency", "rewards/right/mean"):
+        for key in ("reward", "kl", "completions/mean_length", "completions/clipped_ratio",
+                    "tools/call_frequency", "tools/failure_frequency", "rewards/right/mean"):
             assert mine[key] == pytest.approx(trls[key], rel=1e-4, abs=1e-6), f"step {step}: {key}"
         assert mine["loss"] == pytest.approx(trls["loss"], rel=1e-3, abs=1e-6), f"step {step}: loss"
         assert mine["entropy"] == pytest.approx(trls["entropy"], rel=1e-4), f"step {step}: entropy"
 
 
-# -- rollout_func: the user's own rollout, through both trainers -------------------------------------------------
+# -- rollout_func: the user's own rollout, through both trainers ---------------------------------------------
 
 FEEDBACK = "\n<|im_start|>user\nwrong, try again<|im_end|>\n<|im_start|>assistant\n"
 
 
 def scripted_rollout(prompts, trainer):
     """A rollout function as TRL documents them, reading only ``processing_class`` and ``args``: an answer, an
-    environment's feedback (env_mask 0), a second answer - cut off (no EOS) for the last sample of a group - and an
-    extra field for the rewards."""
+    environment's feedback (env_mask 0), a second answer - cut off (no EOS) for the last sample of a
+    group - and an extra field for the rewards."""
     tok, G = trainer.processing_class, trainer.args.num_generations
     out = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "env_mask": [], "tries": []}
     for i, prompt in enumerate(prompts):
@@ -233,10 +246,11 @@ def test_a_rollout_func_trains_as_in_trl(fixture):
     root, rows = fixture
     model, tok = _load(root)
     torch.manual_seed(0)
-    args = GRPOConfig(output_dir=str(root / "trl-rf"), num_generations=G, per_device_train_batch_size=G * len(rows),
-                      max_completion_length=BUDGET, learning_rate=LR, beta=BETA, loss_type="dapo", max_steps=STEPS,
-                      adam_beta2=0.99, lr_scheduler_type="constant", bf16=False, use_cpu=True, report_to="none",
-                      save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0)
+    args = GRPOConfig(output_dir=str(root / "trl-rf"), num_generations=G,
+                      per_device_train_batch_size=G * len(rows), max_completion_length=BUDGET,
+                      learning_rate=LR, beta=BETA, loss_type="dapo", max_steps=STEPS,
+                      adam_beta2=0.99, lr_scheduler_type="constant", bf16=False, use_cpu=True,
+                      report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0)
     trainer = GRPOTrainer(model=model, reward_funcs=[said_seven], args=args, processing_class=tok,
                           train_dataset=datasets.Dataset.from_list(rows), rollout_func=scripted_rollout)
     trainer.train()
@@ -258,7 +272,8 @@ def test_a_rollout_func_trains_as_in_trl(fixture):
 
     result = train(cfg, reward_weights=[1.0], root=root, progress=False, log_path="ours-rf.csv",
                    hooks=TrainHooks(tracker=Tracker()))
-    ours = dict(AutoModelForCausalLM.from_pretrained(result.model_dir, dtype=torch.float32).named_parameters())
+    ours = dict(AutoModelForCausalLM.from_pretrained(result.model_dir,
+                                                     dtype=torch.float32).named_parameters())
     base = dict(_load(root)[0].named_parameters())
     moved = max(float((theirs[n] - base[n]).detach().abs().max()) for n in theirs)
     assert moved > LR

@@ -1,12 +1,12 @@
 """Our trainer and TRL 1.16's GRPOTrainer, given the same completions, take the same optimizer steps.
 
-Both trainers run on one tiny model, one set of prompts (every step takes all of them, so the order in which each
-side draws them does not matter), two reward functions with weights, beta > 0 (a reference model) and dapo. Their
-rollouts are scripted: the completion of prompt p, sample g, round r is a seeded function of (p, g, r), so the
-sampler's random stream is out of the comparison and everything after it is in - rewards, weighting, advantages,
-the completion mask, the log-prob forward (ours: the hand-written padding-free one and HF's), the KL term, loss
-normalisation, clipping, AdamW and the schedule. After 3 steps the weights, and every step's logged loss, reward
-and KL, must agree to float32 rounding.
+Both trainers run on one tiny model, one set of prompts (every step takes all of them, so the order in which
+each side draws them does not matter), two reward functions with weights, beta > 0 (a reference model) and
+dapo. Their rollouts are scripted: the completion of prompt p, sample g, round r is a seeded function of
+(p, g, r), so the sampler's random stream is out of the comparison and everything after it is in - rewards,
+weighting, advantages, the completion mask, the log-prob forward (ours: the hand-written padding-free one and
+HF's), the KL term, loss normalisation, clipping, AdamW and the schedule. After 3 steps the weights, and every
+step's logged loss, reward and KL, must agree to float32 rounding.
 
 Sampling itself is held to HF's distribution by tests/test_decode.py (chi-square against softmax, warpers
 against HF's). Together the two say: on the same recipe the trainers differ only in their random streams.
@@ -41,8 +41,8 @@ def even_length(prompts, completions, **columns) -> list[float]:
 
 
 class Script:
-    """Completion g of a prompt in round r: seeded random ids (no special token), an EOS at a seeded place or none
-    (truncated). Both trainers ask it for the same (prompt, g, round) and get the same ids."""
+    """Completion g of a prompt in round r: seeded random ids (no special token), an EOS at a seeded place or
+    none (truncated). Both trainers ask it for the same (prompt, g, round) and get the same ids."""
 
     def __init__(self, vocab_size: int, eos_id: int, specials: set[int]):
         self.vocab_size, self.eos_id, self.specials = vocab_size, eos_id, specials
@@ -129,8 +129,9 @@ def trl_run(setup):
     root, model_dir, data, tokenizer, script_args = setup
     script = Script(*script_args)
     torch.manual_seed(0)
-    args = GRPOConfig(output_dir=str(root / "trl"), num_generations=G, per_device_train_batch_size=G * PROMPTS,
-                      max_completion_length=COMPLETION, learning_rate=LR, beta=BETA, loss_type="dapo",
+    args = GRPOConfig(output_dir=str(root / "trl"), num_generations=G,
+                      per_device_train_batch_size=G * PROMPTS, max_completion_length=COMPLETION,
+                      learning_rate=LR, beta=BETA, loss_type="dapo",
                       max_steps=STEPS, adam_beta2=0.99, lr_scheduler_type="constant", reward_weights=WEIGHTS,
                       max_grad_norm=MAX_GRAD_NORM,
                       bf16=False, gradient_checkpointing=False, use_cpu=True, report_to="none",
@@ -161,8 +162,9 @@ def test_three_steps_on_the_same_completions_end_on_trls_weights(setup, trl_run,
     moved = max(float((theirs[n] - base[n]).detach().abs().max()) for n in theirs)
     assert moved > LR  # the steps did move the weights (3 AdamW steps of ~lr each)
     for name in theirs:
-        # float32 rounding (another summation order) amplified by Adam's 1/sqrt(v) stays under 1e-5 here; a real
-        # difference (a pad token trained on, a term dropped) moves weights by a share of lr: 1e-4 ... 1e-2
+        # float32 rounding (another summation order) amplified by Adam's 1/sqrt(v) stays under 1e-5 here; a
+        # real difference (a pad token trained on, a term dropped) moves weights by a share of lr:
+        # 1e-4 ... 1e-2
         gap = (ours[name] - theirs[name]).abs().max().item()
         assert gap < 5e-3 * moved, f"{name}: ours and TRL's weights differ by {gap:.2e} after {STEPS} steps"
     assert len(our_log) == len(their_log) == STEPS

@@ -137,8 +137,10 @@ def test_gold_reward_with_project_verifier():
 def test_gold_completion_text():
     parsed = SimpleNamespace(kind="number", value=Fraction(1, 4))
     assert gold_completion_text("0.25", parsed).endswith("<answer>\n0.25\n</answer>")
-    assert "<answer>\n1/3\n</answer>" in gold_completion_text("1/3", SimpleNamespace(kind="number", value=Fraction(1, 3)))
-    assert "<answer>\n\\boxed{C}\n</answer>" in gold_completion_text("C", SimpleNamespace(kind="choice", value="C"))
+    assert ("<answer>\n1/3\n</answer>"
+            in gold_completion_text("1/3", SimpleNamespace(kind="number", value=Fraction(1, 3))))
+    assert ("<answer>\n\\boxed{C}\n</answer>"
+            in gold_completion_text("C", SimpleNamespace(kind="choice", value="C")))
     assert gold_completion_text("x", None).startswith("<reasoning>\n")
 
 

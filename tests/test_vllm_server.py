@@ -1,11 +1,11 @@
 """The vLLM server mode (``generation.vllm_mode: server``): ``python -m flows.serve`` as a real second process
-on CPU, the trainer's client (grpo_core/rollout/vllm_server.py) sampling from it over HTTP and pushing weights to
-it over a gloo group.
+on CPU, the trainer's client (grpo_core/rollout/vllm_server.py) sampling from it over HTTP and pushing weights
+to it over a gloo group.
 
 One server serves the module (an engine start costs ~8 s here); the test that kills a server starts its own.
 Expected values are worked out without the server: HF generate and a plain forward of the same policy.
-Tolerance: float32 policy, float32 engine; the engine's kernels sum in another order than torch's (~1e-6 on this
-model, as tests/test_vllm_engine.py measures), 1e-4 leaves room for other CPUs.
+Tolerance: float32 policy, float32 engine; the engine's kernels sum in another order than torch's (~1e-6 on
+this model, as tests/test_vllm_engine.py measures), 1e-4 leaves room for other CPUs.
 
 Not tested here: the NCCL group (CUDA), FSDP2 (whose replica pushes as one process does).
 """
@@ -121,13 +121,15 @@ def policy_logps(model, batch) -> torch.Tensor:
         prompt = batch.prompt_ids[row][batch.prompt_mask[row].bool()].tolist()
         completion = batch.completion_ids[row][batch.completion_mask[row].bool()].tolist()
         logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].float()
-        out[row, :len(completion)] = torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+        out[row, :len(completion)] = torch.log_softmax(logits, -1).gather(1,
+                                                                          torch.tensor(completion)[:, None])[
+                                                                              :, 0]
     return out
 
 
 def test_pushed_weights_reach_the_server_greedy_and_sampled_logprobs(server, assets):
-    """After a push the server's greedy completions are HF generate's on the pushed policy (not the base's), and
-    its sampled-token log-probs are the policy's log-probs of those tokens."""
+    """After a push the server's greedy completions are HF generate's on the pushed policy (not the base's),
+    and its sampled-token log-probs are the policy's log-probs of those tokens."""
     model_dir = assets[0]
     tok = AutoTokenizer.from_pretrained(model_dir)
     base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -144,8 +146,9 @@ def test_pushed_weights_reach_the_server_greedy_and_sampled_logprobs(server, ass
         mask = sampled.completion_mask.bool()
         expected_logps = policy_logps(policy, sampled)
         gap = (sampled.sampling_logps - expected_logps)[mask].abs().max().item()
-        # float32 on both sides, summed in other orders: the perturbed policy's logits are large, and the gap of an
-        # unlikely token grows with them (measured 2e-5 to 1.3e-4 over runs); weights not pushed give gaps ~1
+        # float32 on both sides, summed in other orders: the perturbed policy's logits are large, and the gap
+        # of an unlikely token grows with them (measured 2e-5 to 1.3e-4 over runs); weights not pushed give
+        # gaps ~1
         assert gap < TOLERANCE * (1 + expected_logps[mask].abs().max().item()), gap
         assert sampled.sampling_logps[mask].isfinite().all()
         print(f"pushes of the tiny model ({sum(p.numel() for p in policy.parameters())} parameters): "
@@ -180,8 +183,9 @@ def test_weights_are_pushed_once_after_each_sync_and_only_then(server, assets):
 
 
 def test_clients_one_after_another_reuse_the_group_port(server, assets):
-    """evaluate samples the base, closes, then samples the trained policy; a crashed trainer never closes: either
-    way the next client forms its group on the same (configured) port and its weights are the ones served."""
+    """evaluate samples the base, closes, then samples the trained policy; a crashed trainer never closes:
+    either way the next client forms its group on the same (configured) port and its weights are the ones
+    served."""
     model_dir = assets[0]
     tok = AutoTokenizer.from_pretrained(model_dir)
     port = free_port()
@@ -196,12 +200,14 @@ def test_clients_one_after_another_reuse_the_group_port(server, assets):
 
 
 def test_other_ranks_sample_only_once_rank_0_pushed_the_weights_they_expect(server, assets):
-    """Two training processes, as two clients in this process: rank 1 never pushes; its rounds wait at the server
-    until rank 0 has pushed the weights version rank 1 expects (one per sync on every rank), then sample them."""
+    """Two training processes, as two clients in this process: rank 1 never pushes; its rounds wait at the
+    server until rank 0 has pushed the weights version rank 1 expects (one per sync on every rank), then
+    sample them."""
     model_dir = assets[0]
     tok = AutoTokenizer.from_pretrained(model_dir)
     policy = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    rank0 = server.backend(policy, tok, place=Placement(0, 0, 2))  # joins the group: the server's version restarts
+    # joins the group: the server's version restarts
+    rank0 = server.backend(policy, tok, place=Placement(0, 0, 2))
     rank1 = server.backend(policy, tok, place=Placement(1, 1, 2))
     rank1_thread = ThreadPoolExecutor(1)
     try:
@@ -239,7 +245,8 @@ def test_weights_of_another_model_are_refused_with_the_engines_reason_at_once(se
     backend = server.backend(other, tok, timeout=30.0)
     start = time.perf_counter()
     try:
-        with pytest.raises(VLLMServerRefused, match=rf"127\.0\.0\.1:{server.port} refused /update_weights .*HTTP 500") \
+        with pytest.raises(VLLMServerRefused,
+                           match=rf"127\.0\.0\.1:{server.port} refused /update_weights .*HTTP 500") \
                 as info:
             backend.generate(PROMPTS, 1, GREEDY)
         assert exit_code_for(info.value) == EXIT_CONFIG  # the same answer on every retry: permanent
@@ -259,22 +266,24 @@ def test_an_unreachable_server_is_an_error_naming_it_within_the_timeout(assets):
     port = free_port()  # nothing listens there
     tok = AutoTokenizer.from_pretrained(assets[0])
     start = time.perf_counter()
-    with pytest.raises(VLLMServerError, match=rf"127\.0\.0\.1:{port} within generation\.vllm_server_timeout = 3 s "
-                                              rf"\(waited for its /health\)"):
+    with pytest.raises(VLLMServerError, match=rf"127\.0\.0\.1:{port} within generation\.vllm_server_timeout "
+                                              r"= 3 s \(waited for its /health\)"):
         VLLMServerBackend(torch.nn.Linear(1, 1), tok, port=port, group_port=free_port(), timeout=3)
     assert time.perf_counter() - start < 10
 
 
 def test_a_weight_group_that_cannot_form_is_an_error_naming_its_port(server, assets):
-    """The group port is taken by a socket that never answers: the trainer's side gives up within the timeout."""
+    """The group port is taken by a socket that never answers: the trainer's side gives up within the
+    timeout."""
     tok = AutoTokenizer.from_pretrained(assets[0])
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
         port = squatter.getsockname()[1]
         start = time.perf_counter()
-        with pytest.raises(VLLMServerError, match=rf"weight-sync group .* did not form on 127\.0\.0\.1:{port} "
-                                                  rf"\(generation\.vllm_group_port\) within 3 s"):
+        with pytest.raises(VLLMServerError, match=r"weight-sync group .* did not form on "
+                                                  rf"127\.0\.0\.1:{port} \(generation\.vllm_group_port\) "
+                                                  r"within 3 s"):
             VLLMServerBackend(torch.nn.Linear(1, 1), tok, port=server.port, group_port=port, timeout=3)
         assert time.perf_counter() - start < 15
     assert server.health()["status"] == "ok"  # the server lives on for the next trainer
@@ -304,7 +313,8 @@ def test_a_server_killed_mid_run_is_a_clear_error_not_a_hang(assets):
 
 
 class KillServerAfter:
-    """A tracker that kills ``server`` once step ``step`` is logged (its checkpoint is written right after)."""
+    """A tracker that kills ``server`` once step ``step`` is logged
+    (its checkpoint is written right after)."""
 
     def __init__(self, server: Server, step: int):
         self.server, self.step, self.steps = server, step, []
@@ -317,15 +327,16 @@ class KillServerAfter:
 
 
 def test_a_server_killed_mid_training_and_started_again_resumes_with_every_step_once(assets, tmp_path):
-    """The server dies after step 2: training stops with the transient error (exit 1) naming it; started again on
-    the same ports, the re-run resumes from checkpoint-2 and train_log.csv holds steps 1-4 once each."""
+    """The server dies after step 2: training stops with the transient error (exit 1) naming it; started again
+    on the same ports, the re-run resumes from checkpoint-2 and train_log.csv holds steps 1-4 once each."""
     require_vllm()
     model_dir, data, d = assets
     doomed = Server(model_dir, d / "killed.log")
     cfg = tiny_config(model_dir, data, DIGITS, max_steps=4, save_steps=1, learning_rate=2e-2,
-                      generation_backend="vllm", temperature=0.7, vllm_mode="server", vllm_server_port=doomed.port,
-                      vllm_group_port=free_port(), vllm_server_timeout=30.0)
-    tracker = KillServerAfter(doomed, step=2)  # a dead server refuses at once: the timeout only bounds slow answers
+                      generation_backend="vllm", temperature=0.7, vllm_mode="server",
+                      vllm_server_port=doomed.port, vllm_group_port=free_port(), vllm_server_timeout=30.0)
+    # a dead server refuses at once: the timeout only bounds slow answers
+    tracker = KillServerAfter(doomed, step=2)
     try:
         with pytest.raises(VLLMServerError, match=rf"127\.0\.0\.1:{doomed.port}") as info:
             train(cfg, root=tmp_path, progress=False, hooks=TrainHooks(tracker=tracker))
@@ -356,13 +367,15 @@ def test_training_samples_from_the_server_and_pushes_after_each_step(server, ass
     log = read_log(result.log_path)
     assert len(log) == 2
     assert all(0 <= float(row["sampling/sampling_logp_difference/max"]) < TOLERANCE for row in log)
-    assert all(float(row["sampling/importance_sampling_ratio/mean"]) == pytest.approx(1.0, abs=1e-3) for row in log)
+    assert all(float(row["sampling/importance_sampling_ratio/mean"]) == pytest.approx(1.0, abs=1e-3)
+               for row in log)
     assert all(torch.isfinite(torch.tensor(float(row["loss"]))) for row in log)
 
 
 def test_evaluate_samples_base_and_trained_through_the_one_server(server, assets, tmp_path):
-    """The evaluate stage in server mode: both policies are sampled by the running server, each after its weights
-    were pushed (greedy completions equal HF generate's from each folder), and the pushes are counted there."""
+    """The evaluate stage in server mode: both policies are sampled by the running server, each after its
+    weights were pushed (greedy completions equal HF generate's from each folder), and the pushes are counted
+    there."""
     import dataclasses
     import json
     from types import SimpleNamespace
@@ -372,10 +385,12 @@ def test_evaluate_samples_base_and_trained_through_the_one_server(server, assets
     from grpo_core.rollout.types import decode_completions
 
     base = assets[0]
-    trained = make_tiny_model(tmp_path / "trained", hidden_size=64, heads=2, seed=1)  # other weights, same shape
+    # other weights, same shape
+    trained = make_tiny_model(tmp_path / "trained", hidden_size=64, heads=2, seed=1)
     data = make_prompts(tmp_path / "eval.jsonl", n=4)
     raw = tiny_config(base, data, DIGITS, generation_backend="vllm", vllm_mode="server",
-                      vllm_server_port=server.port, vllm_group_port=free_port(), vllm_server_timeout=30.0).to_dict()
+                      vllm_server_port=server.port, vllm_group_port=free_port(),
+                      vllm_server_timeout=30.0).to_dict()
     raw.pop("embedded")
     raw["evaluate"].update(num_generations=2, pass_k=[1, 2])
     inp = evaluate.stage_inputs(config_from_dict(raw))
@@ -383,9 +398,11 @@ def test_evaluate_samples_base_and_trained_through_the_one_server(server, assets
     before = server.health()["pushes"]
     for policy, folder in (("base", base), ("trained", trained)):
         model_cfg = dataclasses.replace(inp.model, name_or_path=str(folder))
-        records = evaluate.sample_policy(policy, model_cfg, inp, SimpleNamespace(root=tmp_path), rows, [0, 1, 2, 3])
+        records = evaluate.sample_policy(policy, model_cfg, inp, SimpleNamespace(root=tmp_path), rows,
+                                         [0, 1, 2, 3])
         greedy = [r["completion"] for r in records if r["mode"] == "greedy"]
-        model, tok = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+        model, tok = (AutoModelForCausalLM.from_pretrained(folder).eval(),
+                      AutoTokenizer.from_pretrained(folder))
         encoder = PromptEncoder.from_config(tok, inp.data)
         batch = HFGenerateBackend(model, tok).generate(
             [encoder.encode(row["prompt"]) for row in rows], 1,
@@ -395,8 +412,9 @@ def test_evaluate_samples_base_and_trained_through_the_one_server(server, assets
 
 
 def test_two_training_processes_sample_from_one_server_and_rank_0_alone_pushes(server, assets, tmp_path):
-    """DDP on two CPU processes (the train stage's launcher, gloo): both sample their own prompts from the server,
-    rank 0 pushes before each round (two steps: two pushes, not four), rank 1 waits for them at the server."""
+    """DDP on two CPU processes (the train stage's launcher, gloo): both sample their own prompts from the
+    server, rank 0 pushes before each round (two steps: two pushes, not four), rank 1 waits for them at the
+    server."""
     from tests.distributed_worker import launch
 
     model_dir, data, _ = assets
@@ -429,7 +447,8 @@ def test_backend_for_picks_the_server_client_in_server_mode(server, assets):
     ({"vllm_mode": "server", "vllm_server_port": 0}, r"generation.vllm_server_port: 0 is out of range"),
     ({"vllm_mode": "server", "vllm_group_port": 70000}, r"generation.vllm_group_port: 70000 is out of range"),
     ({"vllm_mode": "server", "vllm_server_port": 9000, "vllm_group_port": 9000}, "need two ports"),
-    ({"vllm_mode": "server", "vllm_server_timeout": 0}, r"generation.vllm_server_timeout: 0(\.0)? is out of range"),
+    ({"vllm_mode": "server", "vllm_server_timeout": 0},
+     r"generation.vllm_server_timeout: 0(\.0)? is out of range"),
 ])
 def test_server_keys_are_validated(assets, generation, message):
     raw = tiny_config(assets[0], assets[1], DIGITS, generation_backend="vllm").to_dict()
@@ -440,5 +459,6 @@ def test_server_keys_are_validated(assets, generation, message):
 
 def test_server_keys_defaults(assets):
     g = tiny_config(assets[0], assets[1], DIGITS).generation
-    assert (g.vllm_mode, g.vllm_server_host, g.vllm_server_port, g.vllm_group_port, g.vllm_server_timeout) == (
-        "colocate", "127.0.0.1", 8000, 51216, 240.0)
+    assert (g.vllm_mode, g.vllm_server_host, g.vllm_server_port, g.vllm_group_port,
+            g.vllm_server_timeout) == (
+                "colocate", "127.0.0.1", 8000, 51216, 240.0)

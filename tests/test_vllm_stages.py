@@ -1,7 +1,7 @@
-"""evaluate through the real vLLM engine (``generation.backend: vllm``): each policy - base, then trained - is sampled
-by an engine started for it from its own folder and stopped after it (``VLLMBackend.close``), greedy and sampled
-modes alike. A module of its own: the engines here start and stop while no other engine lives in the process
-(tests/test_vllm_engine.py's is stopped when its module ends)."""
+"""evaluate through the real vLLM engine (``generation.backend: vllm``): each policy - base, then trained - is
+sampled by an engine started for it from its own folder and stopped after it (``VLLMBackend.close``), greedy
+and sampled modes alike. A module of its own: the engines here start and stop while no other engine lives in
+the process (tests/test_vllm_engine.py's is stopped when its module ends)."""
 
 from __future__ import annotations
 
@@ -40,28 +40,32 @@ def test_evaluate_samples_base_and_trained_each_through_an_engine_of_its_own(tmp
     greedy = {}
     for policy, folder in (("base", base), ("trained", trained)):
         model_cfg = dataclasses.replace(inp.model, name_or_path=str(folder))
-        records = evaluate.sample_policy(policy, model_cfg, inp, SimpleNamespace(root=tmp_path), rows, [0, 1, 2, 3])
+        records = evaluate.sample_policy(policy, model_cfg, inp, SimpleNamespace(root=tmp_path), rows,
+                                         [0, 1, 2, 3])
         modes = [r["mode"] for r in records]
         assert modes.count("greedy") == 4 and modes.count("sampled") == 8
         greedy[policy] = [r["completion"] for r in records if r["mode"] == "greedy"]
         assert not torch.distributed.is_initialized()  # the policy's engine was stopped, its group with it
-    # each engine sampled its own policy: greedy completions equal HF generate's from that folder (that the engine's
-    # weights are the policy's, token for token, is tests/test_vllm_engine.py's)
+    # each engine sampled its own policy: greedy completions equal HF generate's from that folder (that the
+    # engine's weights are the policy's, token for token, is tests/test_vllm_engine.py's)
     for policy, folder in (("base", base), ("trained", trained)):
-        model, tok = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+        model, tok = (AutoModelForCausalLM.from_pretrained(folder).eval(),
+                      AutoTokenizer.from_pretrained(folder))
         encoder = PromptEncoder.from_config(tok, inp.data)
         prompt_ids = [encoder.encode(row["prompt"]) for row in rows]
         batch = HFGenerateBackend(model, tok).generate(
-            prompt_ids, 1, SamplingParams(max_new_tokens=inp.generation.max_completion_length, do_sample=False))
+            prompt_ids, 1,
+            SamplingParams(max_new_tokens=inp.generation.max_completion_length, do_sample=False))
         assert greedy[policy] == decode_completions(tok, batch)
 
 
 @pytest.mark.slow
 def test_embedded_vllm_recipe_runs_under_dvc_repro(tmp_path):
-    """README's `cp configs/embedded-vllm.yaml params.yaml && dvc repro` in a fresh clone, sizes scaled down as
-    tests/test_pipeline.py scales the default (its hidden size 32 over 1 head: head size 32, as the recipe's
-    96 over 3). Every stage that samples did so through the engine: training logged the sampler correction, which
-    only an engine's own log-probs give; calibrate's and evaluate's reports name the backend they sampled through."""
+    """README's `cp configs/embedded-vllm.yaml params.yaml && dvc repro` in a fresh clone, sizes scaled down
+    as tests/test_pipeline.py scales the default (its hidden size 32 over 1 head: head size 32, as the
+    recipe's 96 over 3). Every stage that samples did so through the engine: training logged the sampler
+    correction, which only an engine's own log-probs give; calibrate's and evaluate's reports name the backend
+    they sampled through."""
     require_vllm()
     from tests.test_pipeline import TINY, dvc, make_clone
 
@@ -87,8 +91,8 @@ def test_embedded_vllm_recipe_runs_under_dvc_repro(tmp_path):
 
 
 def test_the_engine_runs_in_model_dtype_from_float32_masters(tmp_path):
-    """The trainer's weights are float32 masters; the engine is built and fed in model.dtype (backend_for's dtype:
-    the trainer passes model.dtype), bfloat16 here, so sampling costs what a bf16 model costs."""
+    """The trainer's weights are float32 masters; the engine is built and fed in model.dtype (backend_for's
+    dtype: the trainer passes model.dtype), bfloat16 here, so sampling costs what a bf16 model costs."""
     require_vllm()
     from grpo_core.rollout import GenerationConfig, backend_for
     from grpo_core.rollout.vllm import engine_dtype, engine_weights

@@ -1,13 +1,15 @@
-"""The fused LM head (``train.fused_lm_head``) under every wrapper the trainer scores through: the model's own forward
-runs (accelerate's autocast wrapper, DDP's reducer, FSDP2's unsharding, the LoRA reference's adapters off) and its LM
-head scores chunk by chunk inside it, so the (B, K, V) logits never exist; the numbers are the full-logits path's.
+"""The fused LM head (``train.fused_lm_head``) under every wrapper the trainer scores through: the model's own
+forward runs (accelerate's autocast wrapper, DDP's reducer, FSDP2's unsharding, the LoRA reference's adapters
+off) and its LM head scores chunk by chunk inside it, so the (B, K, V) logits never exist; the numbers are the
+full-logits path's.
 
-Tolerances: float32, log-probs, entropies and gradients (of a loss on both) within 1e-5 of the full-logits path
-(measured: log-probs and entropies equal, gradients within 4.8e-7, the chunks summing the head's gradient in another
-order). bf16 (accelerate's autocast; FSDP2's MixedPrecisionPolicy) against the full-logits path under the same bf16:
-log-probs and entropies within 1e-2 (measured: equal, each chunk's bf16 logits are the full matmul's rows), gradients
-within 1.5% of the largest gradient (measured: 0.39% to 0.54%, one bf16 rounding of 2^-8: the full path rounds the
-head's weight gradient once over all rows, the fused one once per chunk).
+Tolerances: float32, log-probs, entropies and gradients (of a loss on both) within 1e-5 of the full-logits
+path (measured: log-probs and entropies equal, gradients within 4.8e-7, the chunks summing the head's gradient
+in another order). bf16 (accelerate's autocast; FSDP2's MixedPrecisionPolicy) against the full-logits path
+under the same bf16: log-probs and entropies within 1e-2 (measured: equal, each chunk's bf16 logits are the
+full matmul's rows), gradients within 1.5% of the largest gradient (measured: 0.39% to 0.54%, one bf16
+rounding of 2^-8: the full path rounds the head's weight gradient once over all rows, the fused one once per
+chunk).
 
 tests/scoring_parity.py runs the cases and prints these numbers (its docstring has the commands).
 """
@@ -47,8 +49,9 @@ def cases(tmp_path_factory) -> dict[str, dict]:
     return {**run_cases(d / "one", 1), **run_cases(d / "two", 2)}
 
 
-EXPECTED = ["plain", "plain-tied", "autocast-bf16", "lora-policy", "lora-reference", "lora-reference-autocast-bf16",
-            "ddp", "ddp-tied", "ddp-autocast-bf16", "fsdp2", "fsdp2-tied", "fsdp2-tied-bf16", "fsdp2-tied-keep-gathered"]
+EXPECTED = ["plain", "plain-tied", "autocast-bf16", "lora-policy", "lora-reference",
+            "lora-reference-autocast-bf16", "ddp", "ddp-tied", "ddp-autocast-bf16", "fsdp2", "fsdp2-tied",
+            "fsdp2-tied-bf16", "fsdp2-tied-keep-gathered"]
 
 
 def test_every_wrapper_is_run(cases):
@@ -59,8 +62,8 @@ def test_every_wrapper_is_run(cases):
 
 @pytest.mark.parametrize("name", EXPECTED)
 def test_the_lm_head_scores_inside_the_wrapped_forward(cases, name):
-    """The spy: on the fused path the head returned (B, K, 1 or 2) scores, never the vocabulary; on the logits path
-    it returned the (B, K + 1, V) logits (so the comparison below is of two different computations)."""
+    """The spy: on the fused path the head returned (B, K, 1 or 2) scores, never the vocabulary; on the logits
+    path it returned the (B, K + 1, V) logits (so the comparison below is of two different computations)."""
     for key, case in cases.items():
         if key.split("@")[0] == name:
             assert case["head_output_last_dim"] == {"fused": [1, 2], "full": [VOCAB]}, key
@@ -83,13 +86,14 @@ def test_log_probs_entropies_and_gradients_match_the_full_logits(cases, name):
 
 
 def test_the_recipes_log_prob_passes_never_hold_the_logits(tmp_path):
-    """Peak RSS of one step's log-prob passes as the GSM8K recipe runs them (the policy under accelerate's bf16
-    autocast wrapper, forward and backward; the bf16 reference without gradient) on a tiny body with a 65,536-token
-    vocabulary, 4 completions x 1,024 tokens: one float32 copy of the logits would be 1.0 GiB and the full-logits path
-    holds several (measured: 2.3 GiB above the process before the passes); the fused head holds one chunk of 256 rows
-    (measured: 0.38 GiB). Vocabulary 65,536 rather than 32,000: a 256-row chunk of float32 logits is then over glibc's
-    32 MiB mmap ceiling and goes back to the system when freed; at 32,000 it lands in the heap and how much of it the
-    heap keeps varies from run to run. benchmarks/logits_memory.py measures the full shape."""
+    """Peak RSS of one step's log-prob passes as the GSM8K recipe runs them (the policy under accelerate's
+    bf16 autocast wrapper, forward and backward; the bf16 reference without gradient) on a tiny body with a
+    65,536-token vocabulary, 4 completions x 1,024 tokens: one float32 copy of the logits would be 1.0 GiB and
+    the full-logits path holds several (measured: 2.3 GiB above the process before the passes); the fused head
+    holds one chunk of 256 rows (measured: 0.38 GiB). Vocabulary 65,536 rather than 32,000: a 256-row chunk of
+    float32 logits is then over glibc's 32 MiB mmap ceiling and goes back to the system when freed; at
+    32,000 it lands in the heap and how much of it the heap keeps varies from run to run.
+    benchmarks/logits_memory.py measures the full shape."""
     from benchmarks.logits_memory import measure
 
     spec = {"mode": "passes", "vocab": 65_536, "rows": 4, "tokens": 1024, "hidden": 64, "layers": 1,

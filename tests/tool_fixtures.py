@@ -1,7 +1,7 @@
-"""Stand-ins for tool-using chat models, built locally: tokenizers with the real Qwen2.5 / Qwen3 / Llama 3.1 chat
-templates (the bytes TRL 1.16 ships and recognises, trl/chat_templates/), tiny Qwen2 models, tools and
-environments, and a scripted backend whose completions are a function of the context - so two samplers (ours and
-TRL's tool loop) given the same script produce the same tokens."""
+"""Stand-ins for tool-using chat models, built locally: tokenizers with the real Qwen2.5 / Qwen3 / Llama
+3.1 chat templates (the bytes TRL 1.16 ships and recognises, trl/chat_templates/), tiny Qwen2 models, tools
+and environments, and a scripted backend whose completions are a function of the context - so two samplers
+(ours and TRL's tool loop) given the same script produce the same tokens."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from grpo_core.embedded.tokenizer import _to_symbols, byte_symbols, learn_merges
 from grpo_core.rollout.types import assemble_batch, left_pad, pad_and_eos_ids
 
 WORDS = ["what", "is", "times", "multiply", "The", "answer", "<tool_call>", "</tool_call>", "<tool_response>",
-         "</tool_response>", '{"name":', '"arguments":', '"a":', '"b":', "user", "assistant", "system", "ipython",
-         '"parameters":', "add", "increment", "count", "<think>", "</think>"]
+         "</tool_response>", '{"name":', '"arguments":', '"a":', '"b":', "user", "assistant", "system",
+         "ipython", '"parameters":', "add", "increment", "count", "<think>", "</think>"]
 
 
 def chat_template(name: str) -> str:
@@ -47,10 +47,11 @@ def tiny_model(tokenizer, seed: int = 0, hidden_size: int = 32, layers: int = 2)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=2048, tie_word_embeddings=True, use_sliding_window=False,
-                         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size,
+                         intermediate_size=2 * hidden_size, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+                         use_sliding_window=False, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
     return Qwen2ForCausalLM(config).eval()
 
 
@@ -116,8 +117,8 @@ def _chat_tokenizer(template: str, shape: dict, texts, tools):
     specials = shape.pop("specials")
     tok = _bpe_tokenizer([*WORDS, *texts], specials, **shape)
     tok.chat_template = chat_template(template)
-    preamble = tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=list(tools) or None, tokenize=False,
-                                       add_generation_prompt=True)
+    preamble = tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=list(tools) or None,
+                                       tokenize=False, add_generation_prompt=True)
     tok = _bpe_tokenizer([*WORDS, *texts, preamble], specials, **shape)
     tok.chat_template = chat_template(template)
     return tok
@@ -129,12 +130,13 @@ def qwen_tokenizer(template: str = "qwen2_5", texts: list[str] = (), tools=(mult
 
 
 def llama_tokenizer(template: str = "llama3_1", texts: list[str] = (), tools=(multiply, add)):
-    """Llama-3.1-Instruct-shaped: ``<|begin_of_text|>`` BOS, ``<|eot_id|>`` EOS (end of turn), header specials."""
+    """Llama-3.1-Instruct-shaped: ``<|begin_of_text|>`` BOS, ``<|eot_id|>`` EOS (end of turn),
+    header specials."""
     return _chat_tokenizer(template, LLAMA, texts, tools)
 
 
 
-# -- a scripted policy ----------------------------------------------------------------------------------------
+# -- a scripted policy ---------------------------------------------------------------------------------------
 
 
 def hermes_call(name: str, **arguments) -> str:
@@ -142,9 +144,10 @@ def hermes_call(name: str, **arguments) -> str:
 
 
 class Script:
-    """What the "model" writes after a context: a function of the context's text and a per-row seed, so any sampler
-    that hands it the same contexts gets the same tokens. ``policy(text, key) -> str`` writes the turn (an EOS is
-    appended unless it returns with ``truncate`` in the text: then the turn is cut at ``max_new``)."""
+    """What the "model" writes after a context: a function of the context's text and a per-row seed, so any
+    sampler that hands it the same contexts gets the same tokens. ``policy(text, key) -> str`` writes the turn
+    (an EOS is appended unless it returns with ``truncate`` in the text: then the turn is cut at
+    ``max_new``)."""
 
     def __init__(self, tokenizer, policy, max_new: int):
         self.tokenizer, self.policy, self.max_new = tokenizer, policy, max_new
@@ -189,8 +192,8 @@ class ScriptedBackend:
 
 
 def calculator_policy(text: str, key: int) -> str:
-    """Multiply the question's numbers with the tool, then answer with its result; every third row answers in its
-    head (no tool), every fifth calls an unknown tool first."""
+    """Multiply the question's numbers with the tool, then answer with its result; every third row answers in
+    its head (no tool), every fifth calls an unknown tool first."""
     results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text)
     question = re.findall(r"what is (\d+) times (\d+)", text)
     a, b = question[-1] if question else ("2", "3")
@@ -215,7 +218,8 @@ class ScriptedFactory:
 
 
 def counter_policy(text: str, key: int) -> str:
-    """Increment the counter by the row's key-chosen step until two results came back, then report the count."""
+    """Increment the counter by the row's key-chosen step until two results came back,
+    then report the count."""
     results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text)
     if len(results) >= 2 or key % 4 == 0:
         return f"The count is {results[-1] if results else 'unknown'}"

@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one stage of the GRPO pipeline (DVC runs these; see dvc.yaml).")
     parser.add_argument("stage", choices=STAGES, help="the stage to run")
     parser.add_argument("--params", default="params.yaml",
-                        help="parameters file, relative to the repo root unless absolute (default: params.yaml)")
+                        help="parameters file, relative to the repo root unless absolute (default: "
+                             "params.yaml)")
     return parser
 
 

@@ -3,7 +3,8 @@
 ``calibrate.num_prompts`` training prompts (seeded choice from data/validated/train.parquet) x
 ``calibrate.num_generations`` completions sampled as training samples (params.yaml ``generation``: backend,
 temperature, top_p, top_k, min_p, repetition_penalty, length, generation_kwargs), except for the
-``calibrate.temperature`` override when set -> reward matrix -> ``grpo_core.calibration.calibrate_weights`` (the rule is documented there).
+``calibrate.temperature`` override when set -> reward matrix -> ``grpo_core.calibration.calibrate_weights``
+(the rule is documented there).
 
 Outputs
   artifacts/calibration/reward_weights.json  weights (``weights``, ``weights_list``), the rule, target and
@@ -52,20 +53,22 @@ class CalibrateInputs:
     model: Any
     rewards: list
     data: Any
-    reward_calls: Any     # train.reward_errors, reward_timeout_s
-    tool_use: Any         # train.tools, environment_factory, ...: sampled with the tools training samples with
+    reward_calls: Any    # train.reward_errors, reward_timeout_s
+    tool_use: Any        # train.tools, environment_factory, ...: sampled with the tools training samples with
     generation_batch_size: int = field(metadata={"param": (  # as many sequences at once as a training round
-        "train.per_device_train_batch_size", "train.gradient_accumulation_steps", "train.steps_per_generation",
-        "train.num_processes")})
+        "train.per_device_train_batch_size", "train.gradient_accumulation_steps",
+        "train.steps_per_generation", "train.num_processes")})
 
 
 def stage_inputs(cfg) -> CalibrateInputs:
-    return CalibrateInputs(cfg.calibrate, cfg.generation, cfg.model, cfg.rewards, cfg.data, cfg.train.reward_calls,
-                           cfg.train.tool_use, cfg.train.batch_plan.generation_batch_size)
+    return CalibrateInputs(cfg.calibrate, cfg.generation, cfg.model, cfg.rewards, cfg.data,
+                           cfg.train.reward_calls, cfg.train.tool_use,
+                           cfg.train.batch_plan.generation_batch_size)
 
 
 def sampling_rows(inp: CalibrateInputs) -> list[tuple[str, Any, str]]:
-    """(setting, value, where it comes from) of how calibration samples: for the report and the weights file."""
+    """(setting, value, where it comes from) of how calibration samples: for the report and the weights
+    file."""
     g, c = inp.generation, inp.calibrate
     rows = [("backend", g.backend, "generation"),
             ("temperature", c.temperature if c.temperature is not None else g.temperature,
@@ -122,10 +125,13 @@ def report_markdown(out: dict, difficulty: dict, inp: CalibrateInputs, samples: 
     lines = ["# Reward calibration", "",
              f"Base policy `{inp.model.name_or_path}`: {cal['num_prompts']} training prompts x "
              f"{cal['num_generations']} completions (seed {c.seed}); mean completion "
-             f"length {_fmt(cal['mean_completion_length'], '.1f')}, truncated {_fmt(cal['truncated_ratio'], '.1%')}.",
-             "", "Sampling:", "", "| setting | value | from |", "| --- | --- | --- |",
-             *(f"| {k} | {json.dumps(v) if isinstance(v, dict) else v} | {src} |" for k, v, src in sampling_rows(inp)),
-             "", "| reward | weight | target share | realised share | mean | within-group std | None | flags |",
+             f"length {_fmt(cal['mean_completion_length'], '.1f')}, truncated "
+             f"{_fmt(cal['truncated_ratio'], '.1%')}.", "", "Sampling:", "", "| setting | value | from |",
+             "| --- | --- | --- |",
+             *(f"| {k} | {json.dumps(v) if isinstance(v, dict) else v} | {src} |"
+               for k, v, src in sampling_rows(inp)),
+             "",
+             "| reward | weight | target share | realised share | mean | within-group std | None | flags |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     per = out["stats"]["per_function"]
     for n in out["names"]:
@@ -146,8 +152,9 @@ def report_markdown(out: dict, difficulty: dict, inp: CalibrateInputs, samples: 
                   "| pass rate | prompts |", "| ---: | ---: |"]
         lines += [f"| {r:.3f} | {n} |" for r, n in zip(hist["pass_rate"], hist["count"])]
         if difficulty["kept_indices"] is not None:
-            lines += ["", f"Training keeps {difficulty['num_kept']} of {difficulty['num_train_prompts']} prompts "
-                          f"({difficulty['num_dropped']} dropped: drop_always_solved={c.drop_always_solved}, "
+            lines += ["", f"Training keeps {difficulty['num_kept']} of {difficulty['num_train_prompts']} "
+                          f"prompts ({difficulty['num_dropped']} dropped: "
+                          f"drop_always_solved={c.drop_always_solved}, "
                           f"drop_never_solved={c.drop_never_solved})."]
         lines.append("")
     if samples:
@@ -188,15 +195,16 @@ def run(ctx) -> int:
 
 
 def calibrate_base_policy(inp: CalibrateInputs, ctx, run) -> tuple[dict, dict, str]:
-    """Sample the base policy on calibrate.num_prompts training prompts and derive the weights: the weights file,
-    the difficulty file and the report (the samples and metrics go to the tracker)."""
+    """Sample the base policy on calibrate.num_prompts training prompts and derive the weights: the weights
+    file, the difficulty file and the report (the samples and metrics go to the tracker)."""
     from grpo_core.calibration import calibrate_weights
     from grpo_core.data.loading import load_split
 
     c, G, names = inp.calibrate, inp.calibrate.num_generations, [r.name for r in inp.rewards]
     dataset = load_split(inp.data, "train", ctx.root)
     rng = np.random.default_rng(c.seed)
-    indices = sorted(int(i) for i in rng.choice(len(dataset), size=min(c.num_prompts, len(dataset)), replace=False))
+    indices = sorted(int(i) for i in rng.choice(len(dataset), size=min(c.num_prompts, len(dataset)),
+                                                replace=False))
     rows = [dataset[i] for i in indices]
     res = sample_base_policy(inp, ctx, rows)
     out = calibrate_weights(res.rewards, G, names, [r.target_share for r in inp.rewards],
@@ -210,13 +218,14 @@ def calibrate_base_policy(inp: CalibrateInputs, ctx, run) -> tuple[dict, dict, s
         "reward_timeouts": res.timeout_counts}
     weights = jsonable(out)
     difficulty = jsonable(difficulty_doc(out, indices, len(dataset), c))
-    samples = [{"prompt_index": indices[res.prompt_of(r)], "sample": r % G, "prompt": rows[res.prompt_of(r)]["prompt"],
-                "completion": res.texts[r], "length": int(res.completion_lengths[r]),
-                "truncated": bool(res.truncated[r]),
+    samples = [{"prompt_index": indices[res.prompt_of(r)], "sample": r % G,
+                "prompt": rows[res.prompt_of(r)]["prompt"], "completion": res.texts[r],
+                "length": int(res.completion_lengths[r]), "truncated": bool(res.truncated[r]),
                 "rewards": {n: jsonable(float(res.rewards[r, k])) for k, n in enumerate(names)}}
                for r in range(len(res.texts))]
     report = report_markdown(weights, difficulty, inp, [s for s in samples if s["sample"] < 2][:6])
-    run.log_text("".join(json.dumps(jsonable(s)) + "\n" for s in samples), "calibration_samples.jsonl", "samples")
+    run.log_text("".join(json.dumps(jsonable(s)) + "\n" for s in samples), "calibration_samples.jsonl",
+                 "samples")
     run.log_metrics(calibration_metrics(weights, difficulty))
     for w in weights["warnings"]:
         print(f"calibrate: warning: {w}", file=sys.stderr)
@@ -240,7 +249,8 @@ def sample_base_policy(inp: CalibrateInputs, ctx, rows: list[dict]):
     # prompts per generate call: as many sequences at once as one training generation round
     batch_size = max(1, inp.generation_batch_size // G)
     plan = SamplePlan(G, sampling_params(inp.generation, temperature=c.temperature), batch_size, seed=c.seed,
-                      on_error=inp.reward_calls.reward_errors, reward_timeout_s=inp.reward_calls.reward_timeout_s,
+                      on_error=inp.reward_calls.reward_errors,
+                      reward_timeout_s=inp.reward_calls.reward_timeout_s,
                       tools=build_toolbox(inp.tool_use), rollout_func=load_rollout_func(inp.tool_use))
     return sample_and_score(model, tokenizer, rows, encoder, build_reward_functions(inp.rewards), plan,
                             backend=backend_for(model, tokenizer, inp.generation, seed=c.seed,
@@ -249,8 +259,8 @@ def sample_base_policy(inp: CalibrateInputs, ctx, rows: list[dict]):
 
 def calibration_metrics(weights: dict, difficulty: dict) -> dict[str, float]:
     metrics = {f"calibration/weight/{n}": w for n, w in weights["weights"].items()}
-    metrics.update({f"calibration/realised_share/{n}": v for n, v in weights["shares"]["realised_chosen"].items()
-                    if v is not None})
+    metrics.update({f"calibration/realised_share/{n}": v
+                    for n, v in weights["shares"]["realised_chosen"].items() if v is not None})
     metrics["calibration/mean_completion_length"] = weights["calibration"]["mean_completion_length"]
     if difficulty.get("mean_pass_rate") is not None:
         metrics.update({"calibration/mean_pass_rate": difficulty["mean_pass_rate"],

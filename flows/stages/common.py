@@ -25,13 +25,15 @@ from grpo_core.common.errors import ConfigurationError, InputUnreadable, Transie
 #: validate's outputs, the only data the downstream stages read (canonical `prompt` / `answer` columns).
 VALIDATED_TRAIN = "data/validated/train.parquet"
 VALIDATED_EVAL = "data/validated/eval.parquet"
-CALIBRATION_WEIGHTS = "artifacts/calibration/reward_weights.json"  # = grpo_core.train.reward_weights's (a test holds)
+# = grpo_core.train.reward_weights's (a test holds)
+CALIBRATION_WEIGHTS = "artifacts/calibration/reward_weights.json"
 CALIBRATION_DIFFICULTY = "artifacts/calibration/difficulty.json"
 TRAIN_LOG = "metrics/train_log.csv"
 
 
 class StageInputError(InputUnreadable, RuntimeError):
-    """An input a stage needs is missing or malformed; the message names the file and the stage that makes it."""
+    """An input a stage needs is missing or malformed; the message names the file and the stage that makes
+    it."""
 
 
 class StageConfigError(ConfigurationError, ValueError):
@@ -39,7 +41,8 @@ class StageConfigError(ConfigurationError, ValueError):
 
 
 class StageBusy(TransientFailure):
-    """Another stage process holds this repo's stage lock; the message names it. Exit 1: worth a later retry."""
+    """Another stage process holds this repo's stage lock; the message names it. Exit 1: worth a later
+    retry."""
 
 
 class FlowBusy(TransientFailure):
@@ -51,8 +54,8 @@ class FlowBusy(TransientFailure):
 
 
 def stage_lock_path(root: Path) -> Path:
-    """Where a repo's stage lock lives: DVC's own tmp folder (git-ignored, per work root: a ``dvc exp run --temp``
-    copy has its own), or the repo root without one."""
+    """Where a repo's stage lock lives: DVC's own tmp folder (git-ignored, per work root: a
+    ``dvc exp run --temp`` copy has its own), or the repo root without one."""
     tmp = root / ".dvc" / "tmp"
     return (tmp if tmp.parent.is_dir() else root) / "grpo-stage.lock"
 
@@ -63,10 +66,11 @@ def flow_lock_path(root: Path) -> Path:
 
 
 def is_launched_child(environ=None) -> bool:
-    """A process a launcher started (torchrun / accelerate ranks) or another machine's stage: the stage process
-    that launched them, on machine 0, holds the lock for all of them."""
+    """A process a launcher started (torchrun / accelerate ranks) or another machine's stage: the stage
+    process that launched them, on machine 0, holds the lock for all of them."""
     env = os.environ if environ is None else environ
-    return (int(env.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in env) or int(env.get("MACHINE_RANK", "0")) > 0
+    return ((int(env.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in env)
+            or int(env.get("MACHINE_RANK", "0")) > 0)
 
 
 @contextlib.contextmanager
@@ -74,8 +78,9 @@ def exclusive(path: Path, holder: str, refused: Callable[[str], Exception], reco
     """Hold the lock file ``path`` as ``holder`` or raise ``refused(<who holds it>)`` at once; yields what the
     previous holder left in ``<path>.holder`` (None if nothing readable).
 
-    filelock's lock is the kernel's (flock): it ends with its process, so the lock of a killed holder is free at
-    once and the file it leaves behind is reused. The holder's name, PID and ``record`` go into ``<path>.holder``."""
+    filelock's lock is the kernel's (flock): it ends with its process, so the lock of a killed holder is free
+    at once and the file it leaves behind is reused. The holder's name, PID and ``record`` go into
+    ``<path>.holder``."""
     from filelock import FileLock, Timeout
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -103,12 +108,13 @@ def exclusive(path: Path, holder: str, refused: Callable[[str], Exception], reco
 
 
 def stage_lock(root: Path, stage: str):
-    """Hold the repo's stage lock while a stage writes its outputs: a second stage process in the same work root
-    (two `python -m flows.stages train`, or evaluate while train runs) is refused at once, naming the holder."""
+    """Hold the repo's stage lock while a stage writes its outputs: a second stage process in the same work
+    root (two `python -m flows.stages train`, or evaluate while train runs) is refused at once, naming the
+    holder."""
     path = stage_lock_path(root)
     return exclusive(path, stage, lambda named: StageBusy(
-        f"{stage}: {named} is running in {root} and holds {path}; two stages writing one repo's outputs at once "
-        "would mix them. Wait for it to end, or stop it."))
+        f"{stage}: {named} is running in {root} and holds {path}; two stages writing one repo's outputs at "
+        "once would mix them. Wait for it to end, or stop it."))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -169,7 +175,8 @@ def find_repo_root(start: str | os.PathLike | None = None) -> Path:
 
 
 def store_root(work_root: Path, environ: dict | None = None) -> Path:
-    """Where the MLflow store lives: DVC_ROOT (the original repo, also for temp experiments) or the work root."""
+    """Where the MLflow store lives: DVC_ROOT (the original repo,
+    also for temp experiments) or the work root."""
     env = os.environ if environ is None else environ
     dvc_root = (env.get("DVC_ROOT") or "").strip()
     if dvc_root and Path(dvc_root).is_dir():
@@ -213,7 +220,8 @@ def load_params(path: Path):
 def with_validated_data(cfg):
     """``cfg`` with ``data`` pointing at validate's parquet files (canonical columns, local, no hub)."""
     data = dataclasses.replace(cfg.data, train_files=[VALIDATED_TRAIN], eval_files=[VALIDATED_EVAL],
-                               hub_dataset=None, hub_config=None, prompt_column="prompt", answer_column="answer")
+                               hub_dataset=None, hub_config=None, prompt_column="prompt",
+                               answer_column="answer")
     return dataclasses.replace(cfg, data=data)
 
 

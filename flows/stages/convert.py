@@ -33,7 +33,8 @@ def run(ctx) -> int:
     if not is_gguf(source):
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-        print(f"convert: model.name_or_path '{source}' is not a GGUF file; nothing to convert", file=sys.stderr)
+        print(f"convert: model.name_or_path '{source}' is not a GGUF file; nothing to convert",
+              file=sys.stderr)
         return 0
     from flows.stages.common import quiet_libraries
 

@@ -5,13 +5,13 @@ Prompts: the first ``evaluate.max_samples`` rows of data/validated/eval.parquet.
   greedy   one completion per prompt, no sampling -> ``accuracy`` (pass@1), per-reward means,
            ``format_compliance``, ``mean_completion_length``;
   sampled  ``evaluate.num_generations`` completions sampled as training samples (params.yaml ``generation``),
-           at ``evaluate.temperature`` when that override is set (seed ``evaluate.seed``) -> unbiased ``pass@k``
-           for ``evaluate.pass_k`` and ``sampled/...`` means.
-Both at most ``evaluate.max_completion_length`` new tokens when set, else ``generation.max_completion_length``.
-Batching: ``evaluate.batch_size`` prompts per generate call for greedy decoding, and
-``batch_size // num_generations`` prompts for sampling, so every call holds about ``batch_size`` sequences.
-``correct`` = the first configured correctness reward (correctness / numeric / multiple_choice) scores its
-``correct`` value (else the built-in ``correctness`` grader); ``format_ok`` = the first configured
+           at ``evaluate.temperature`` when that override is set (seed ``evaluate.seed``) -> unbiased
+           ``pass@k`` for ``evaluate.pass_k`` and ``sampled/...`` means.
+Both at most ``evaluate.max_completion_length`` new tokens when set, else
+``generation.max_completion_length``. Batching: ``evaluate.batch_size`` prompts per generate call for greedy
+decoding, and ``batch_size // num_generations`` prompts for sampling, so every call holds about ``batch_size``
+sequences. ``correct`` = the first configured correctness reward (correctness / numeric / multiple_choice)
+scores its ``correct`` value (else the built-in ``correctness`` grader); ``format_ok`` = the first configured
 soft/strict format reward is > 0 (else the built-in ``soft_format``).
 
 Outputs: ``metrics/eval.json`` = {"base": {...}, "trained": {...}, "delta": {trained - base}},
@@ -21,11 +21,12 @@ below, as data: what the Prefect flow reads) and ``reports/evaluation.md`` (rend
 same decision).
 
 Registry (``tracking.register_model``): the trained model directory is logged as the evaluate run's
-LoggedModel ``policy`` (HF files + an ``MLmodel`` with the prompt -> completion signature) and registered as a new version of ``tracking.registered_model_name``. Promotion gate:
-the alias ``champion`` moves to it only when its ``tracking.promotion_metric`` (higher is better) beats
-the current champion's by more than ``tracking.promotion_margin``; with no champion yet, it must beat the
-base policy by more than the margin. Load a version with
-``mlflow.artifacts.download_artifacts("models:/grpo-policy@champion")`` then ``from_pretrained``.
+LoggedModel ``policy`` (HF files + an ``MLmodel`` with the prompt -> completion signature) and registered as a
+new version of ``tracking.registered_model_name``. Promotion gate: the alias ``champion`` moves to it only
+when its ``tracking.promotion_metric`` (higher is better) beats the current champion's by more than
+``tracking.promotion_margin``; with no champion yet, it must beat the base policy by more than the margin.
+Load a version with ``mlflow.artifacts.download_artifacts("models:/grpo-policy@champion")`` then
+``from_pretrained``.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ class EvaluateInputs:
     rewards: list
     data: Any
     tracking: Any
-    reward_calls: Any     # train.reward_errors, reward_timeout_s
-    tool_use: Any         # train.tools, environment_factory, ...: both policies sampled with the training tools
+    reward_calls: Any   # train.reward_errors, reward_timeout_s
+    tool_use: Any       # train.tools, environment_factory, ...: both policies sampled with the training tools
     output_dir: str = field(metadata={"param": "train.output_dir"})   # where train wrote the model
 
 
@@ -89,7 +90,8 @@ def sampling_rows(inp) -> list[tuple[str, Any, str]]:
     rows = [("backend", g.backend, "generation")]
     for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length",
               "generation_kwargs"):
-        rows.append((k, own[k], "evaluate (override)") if own.get(k) is not None else (k, getattr(g, k), "generation"))
+        rows.append((k, own[k], "evaluate (override)") if own.get(k) is not None
+                    else (k, getattr(g, k), "generation"))
     return rows
 
 
@@ -131,8 +133,8 @@ def known_metric_names(cfg, tools: bool = False) -> list[str]:
 
 def sample_policy(policy: str, model_cfg, inp: EvaluateInputs, ctx, rows: list[dict], indices: list[int], *,
                   greedy_only: bool = False) -> list[dict]:
-    """Greedy and sampled completions of one policy as per-sample records (evaluation's frame layout), sampled as
-    training samples (``generation``) but for evaluate's overrides; greedy_only: the greedy ones alone."""
+    """Greedy and sampled completions of one policy as per-sample records (evaluation's frame layout), sampled
+    as training samples (``generation``) but for evaluate's overrides; greedy_only: the greedy ones alone."""
     import torch
 
     from grpo_core.data.loading import PromptEncoder
@@ -147,14 +149,16 @@ def sample_policy(policy: str, model_cfg, inp: EvaluateInputs, ctx, rows: list[d
     length = e.max_completion_length or g.max_completion_length
     model, tokenizer = load_for_inference(model_cfg, ctx.root)
     encoder = PromptEncoder.from_config(tokenizer, inp.data)
-    sized = dataclasses.replace(g, max_completion_length=length)  # the engine holds evaluate's longest completion
+    # the engine holds evaluate's longest completion
+    sized = dataclasses.replace(g, max_completion_length=length)
     backend = backend_for(model, tokenizer, sized, seed=e.seed, max_prompt_length=inp.data.max_prompt_length)
     modes = eval_modes(max_new_tokens=length, num_generations=0 if greedy_only else e.num_generations,
                        sampling=sampling_params(g, temperature=e.temperature, max_completion_length=length),
                        sequences_per_call=e.batch_size, seed=e.seed, tools=build_toolbox(inp.tool_use),
                        rollout_func=load_rollout_func(inp.tool_use))
-    grading = Grading(build_reward_functions(inp.rewards), [r.name for r in inp.rewards], build_judges(inp.rewards),
-                      inp.reward_calls.reward_errors, inp.reward_calls.reward_timeout_s)
+    grading = Grading(build_reward_functions(inp.rewards), [r.name for r in inp.rewards],
+                      build_judges(inp.rewards), inp.reward_calls.reward_errors,
+                      inp.reward_calls.reward_timeout_s)
     try:
         return score_policy(tokenizer, rows, indices, encoder, grading, modes, backend=backend, policy=policy)
     finally:
@@ -180,21 +184,23 @@ def policy_signature():
 
 
 def log_policy_model(client, run_id: str, model_dir: Path, trained: dict) -> str:
-    """The trained policy as an MLflow LoggedModel of the evaluate run (the runs table's Models column): the HF
-    folder as it is (``from_pretrained`` loads a download of ``models:/<name>@champion``) plus an ``MLmodel``
-    with the signature; its metrics are the trained evaluation. Returns the model id."""
+    """The trained policy as an MLflow LoggedModel of the evaluate run (the runs table's Models column): the
+    HF folder as it is (``from_pretrained`` loads a download of ``models:/<name>@champion``) plus an
+    ``MLmodel`` with the signature; its metrics are the trained evaluation. Returns the model id."""
     import tempfile
 
     from mlflow.entities import LoggedModelOutput
     from mlflow.models import Model
 
     experiment_id = client.get_run(run_id).info.experiment_id
-    logged = client.create_logged_model(experiment_id, name="policy", source_run_id=run_id, model_type="causal-lm",
+    logged = client.create_logged_model(experiment_id, name="policy", source_run_id=run_id,
+                                        model_type="causal-lm",
                                         tags={"format": "huggingface transformers (safetensors)"})
     client.log_model_artifacts(logged.model_id, str(model_dir))
     with tempfile.TemporaryDirectory(prefix="grpo-mlmodel-") as tmp:
         spec = Model(run_id=run_id, model_id=logged.model_id, signature=policy_signature())
-        spec.add_flavor("huggingface", format="transformers", load="AutoModelForCausalLM.from_pretrained(<folder>)")
+        spec.add_flavor("huggingface", format="transformers",
+                        load="AutoModelForCausalLM.from_pretrained(<folder>)")
         spec.save(str(Path(tmp) / "MLmodel"))
         client.log_model_artifacts(logged.model_id, tmp)
     client.finalize_logged_model(logged.model_id, "READY")
@@ -208,11 +214,13 @@ def not_registered(reason: str) -> dict[str, Any]:
     return {"registered": False, "promote": False, "alias": None, "reason": reason}
 
 
-MODEL_MD5_TAG = "model.files_md5"  # a registered version's model files, hashed whole: what makes it the same model
+# a registered version's model files, hashed whole: what makes it the same model
+MODEL_MD5_TAG = "model.files_md5"
 
 
 def model_files_md5(model_dir: Path) -> str:
-    """md5 over the model folder's files, every byte of each (a re-export writes new mtimes, not new bytes)."""
+    """md5 over the model folder's files, every byte of each (a re-export writes new mtimes,
+    not new bytes)."""
     from flows.stages.common import md5_path
 
     return md5_path(model_dir, max_full_bytes=1 << 62)
@@ -243,14 +251,15 @@ def register_and_gate(run, inp, model_dir, base: dict, trained: dict) -> dict[st
     files_md5 = model_files_md5(model_dir)
     existing = registered_version_of(client, name, files_md5)
     if existing is not None:  # evaluate re-run on the same trained model: one model, one version
-        return not_registered(f"this trained model (files md5 {files_md5[:12]}) is already version {existing} of "
-                              f"{name}; a re-run does not register it twice")
+        return not_registered(f"this trained model (files md5 {files_md5[:12]}) is already version "
+                              f"{existing} of {name}; a re-run does not register it twice")
     model_id = log_policy_model(client, run.run_id, model_dir, trained)
     try:
         client.get_registered_model(name)
     except Exception:  # noqa: BLE001 - RESOURCE_DOES_NOT_EXIST
         client.create_registered_model(name, description="GRPO-trained policies (HF format); alias "
-                                                          "`champion` = the one that passed the promotion gate")
+                                                          "`champion` = the one that passed the promotion "
+                                                          "gate")
     tags = {safe_key(f"metric.{k}"): str(v) for k, v in trained.items() if isinstance(v, int | float)}
     tags.update({"promotion_metric": metric, "promotion_metric_value": str(trained.get(metric)),
                  MODEL_MD5_TAG: files_md5})
@@ -277,7 +286,8 @@ def register_and_gate(run, inp, model_dir, base: dict, trained: dict) -> dict[st
     client.set_model_version_tag(name, version.version, "promotion",
                                  "champion" if decision["promote"] else "not promoted")
     return {"registered": True, "model_name": name, "version": int(version.version),
-            "alias": CHAMPION if decision["promote"] else None, "previous_champion": champion_version, **decision}
+            "alias": CHAMPION if decision["promote"] else None, "previous_champion": champion_version,
+            **decision}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -296,28 +306,32 @@ def _cell(text: str, limit: int = 160) -> str:
 
 
 def registry_markdown(registry: dict) -> str:
-    """The decision as text: the report's ``## Registry`` section and the Prefect flow's, from the same data."""
+    """The decision as text: the report's ``## Registry`` section and the Prefect flow's,
+    from the same data."""
     if not registry["registered"]:
         return f"Not registered: {registry['reason']}."
     text = (f"Registered `{registry['model_name']}` version {registry['version']}. "
-            f"{'Promoted to' if registry['promote'] else 'Not promoted to'} `@{CHAMPION}`: {registry['reason']}.")
+            f"{'Promoted to' if registry['promote'] else 'Not promoted to'} `@{CHAMPION}`: "
+            f"{registry['reason']}.")
     return text + (f"\n({registry['note']})" if registry.get("note") else "")
 
 
-def report_markdown(metrics: dict, registry: dict, inp: EvaluateInputs, n_prompts: int, examples: list[dict]) -> str:
+def report_markdown(metrics: dict, registry: dict, inp: EvaluateInputs, n_prompts: int,
+                    examples: list[dict]) -> str:
     e = inp.evaluate
     keys = [k for k in metrics["trained"] if k not in ("num_prompts", "num_samples_per_prompt")]
     lines = ["# Evaluation", "",
-             f"{n_prompts} held-out prompts; greedy decoding for accuracy, {e.num_generations} samples per prompt "
-             f"(seed {e.seed}) for pass@k, sampled with:", "", "| setting | value | from |", "| --- | --- | --- |",
-             *(f"| {k} | {v} | {src} |" for k, v, src in sampling_rows(inp)),
+             f"{n_prompts} held-out prompts; greedy decoding for accuracy, {e.num_generations} samples per "
+             f"prompt (seed {e.seed}) for pass@k, sampled with:", "", "| setting | value | from |",
+             "| --- | --- | --- |", *(f"| {k} | {v} | {src} |" for k, v, src in sampling_rows(inp)),
              "", "| metric | base | trained | delta |", "| --- | ---: | ---: | ---: |"]
     for k in keys:
         lines.append(f"| {k} | {_f(metrics['base'].get(k))} | {_f(metrics['trained'].get(k))} | "
                      f"{_f(metrics['delta'].get(k))} |")
     lines += ["", "## Registry", "", registry_markdown(registry)]
     if examples:
-        lines += ["", "## Examples (greedy)", "", "| prompt | gold | base | trained |", "| --- | --- | --- | --- |"]
+        lines += ["", "## Examples (greedy)", "", "| prompt | gold | base | trained |",
+                  "| --- | --- | --- | --- |"]
         for ex in examples:
             cells = [ex["prompt"], str(ex["answer"]), ex["base"], ex["trained"]]
             lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
@@ -339,8 +353,9 @@ def run(ctx) -> int:
     inp = stage_inputs(with_validated_data(ctx.cfg))
     e = inp.evaluate
     if inp.tracking.promotion_metric not in known_metric_names(inp, inp.tool_use.enabled):
-        raise StageConfigError(f"tracking.promotion_metric: '{inp.tracking.promotion_metric}' is not an evaluation "
-                               f"metric; choose one of {', '.join(known_metric_names(inp, inp.tool_use.enabled))}")
+        raise StageConfigError(f"tracking.promotion_metric: '{inp.tracking.promotion_metric}' is not an "
+                               "evaluation metric; choose one of "
+                               f"{', '.join(known_metric_names(inp, inp.tool_use.enabled))}")
     require_file(ctx.path(VALIDATED_EVAL), "validate")
     model_dir = require_file(ctx.path(inp.output_dir) / "model", "train")
     names = [r.name for r in inp.rewards]
@@ -355,7 +370,8 @@ def run(ctx) -> int:
         policies = {"base": dataclasses.replace(inp.model, lora=None),
                     "trained": dataclasses.replace(inp.model, name_or_path=str(model_dir), lora=None)}
         for policy, model_cfg in policies.items():
-            print(f"evaluate: {policy} policy ({model_cfg.name_or_path}) on {n} prompts", file=sys.stderr, flush=True)
+            print(f"evaluate: {policy} policy ({model_cfg.name_or_path}) on {n} prompts", file=sys.stderr,
+                  flush=True)
             records += sample_policy(policy, model_cfg, inp, ctx, rows, indices)
         frame = pd.DataFrame.from_records(records)
         summaries = {p: summarize_evaluation(frame[frame["policy"] == p], e.pass_k, names) for p in policies}
@@ -390,12 +406,13 @@ def run(ctx) -> int:
             examples.append({"prompt": g["prompt"].iloc[0], "answer": g["answer"].iloc[0],
                              "base": (by["base"] or [""])[0], "trained": (by["trained"] or [""])[0]})
         write_text_atomic(ctx.path(REPORT), report_markdown(metrics, registry, inp, n, examples))
-        for path, where in ((METRICS, "metrics"), (COMPLETIONS, "eval"), (PLOT, "plots"), (REGISTRY, "reports"),
-                            (REPORT, "reports")):
+        for path, where in ((METRICS, "metrics"), (COMPLETIONS, "eval"), (PLOT, "plots"),
+                            (REGISTRY, "reports"), (REPORT, "reports")):
             run.log_artifact(ctx.path(path), where)
         run.log_to_parent(pipeline_summary(ctx.root, eval_path=METRICS, train_log=TRAIN_LOG))
         b, t = metrics["base"].get("accuracy"), metrics["trained"].get("accuracy")
-        print(f"evaluate: accuracy base {_f(b)} -> trained {_f(t)}; "
-              f"{'registered v' + str(registry['version']) if registry.get('registered') else 'not registered'}"
-              f"{' (champion)' if registry.get('promote') else ''}", file=sys.stderr)
+        print(
+            f"evaluate: accuracy base {_f(b)} -> trained {_f(t)}; "
+            f"{'registered v' + str(registry['version']) if registry.get('registered') else 'not registered'}"
+            f"{' (champion)' if registry.get('promote') else ''}", file=sys.stderr)
     return 0

@@ -1,6 +1,7 @@
 """The pipeline's PNG figures (matplotlib, Agg), written atomically.
 
-plots/training.png    (train)    reward (+/- reward_std), KL, mean completion length over steps (and eval/accuracy)
+plots/training.png    (train)    reward (+/- reward_std), KL, mean completion length over steps
+                                 (and eval/accuracy)
 plots/evaluation.png  (evaluate) reward and KL over steps, base vs trained accuracy and pass@k
 """
 
@@ -58,8 +59,8 @@ def _save(fig, path: Path) -> Path:
 
 
 def training_figure(log, path: Path) -> Path:
-    """Reward, KL and length over steps; with evaluation during training, held-out greedy accuracy too; with tools,
-    tool calls per completion and the share of calls that failed."""
+    """Reward, KL and length over steps; with evaluation during training, held-out greedy accuracy too; with
+    tools, tool calls per completion and the share of calls that failed."""
     plt = _pyplot()
     evals = log.dropna(subset=["eval/accuracy"]) if "eval/accuracy" in log.columns else log.iloc[0:0]
     tools = "tools/call_frequency" in log.columns
@@ -72,7 +73,8 @@ def training_figure(log, path: Path) -> Path:
         _curve(axes[3], evals, "eval/accuracy", "held-out greedy accuracy (eval)", "tab:purple")
     if tools:
         _curve(axes[-1], log, "tools/call_frequency", "tool calls per completion", "tab:brown")
-        _curve(axes[-1], log, "tools/failure_frequency", "tool calls (brown) / failed share (olive)", "tab:olive")
+        _curve(axes[-1], log, "tools/failure_frequency", "tool calls (brown) / failed share (olive)",
+               "tab:olive")
     fig.suptitle("GRPO training")
     try:
         return _save(fig, path)
@@ -81,7 +83,8 @@ def training_figure(log, path: Path) -> Path:
 
 
 def _num(x: Any) -> float:
-    return float(x) if isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) else math.nan
+    return (float(x) if isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+            else math.nan)
 
 
 def evaluation_figure(log, metrics: Mapping[str, Any], pass_k: list[int], path: Path) -> Path:
@@ -93,7 +96,8 @@ def evaluation_figure(log, metrics: Mapping[str, Any], pass_k: list[int], path: 
     ax = axes[2]
     labels = ["accuracy\n(greedy)"] + [f"pass@{k}" for k in pass_k]
     keys = ["accuracy"] + [f"pass@{k}" for k in pass_k]
-    if "tool_success_rate" in metrics["trained"]:  # with tools: completions with a call that succeeded (greedy)
+    # with tools: completions with a call that succeeded (greedy)
+    if "tool_success_rate" in metrics["trained"]:
         labels, keys = labels + ["tool\nsuccess"], keys + ["tool_success_rate"]
     base = [_num(metrics["base"].get(k)) for k in keys]
     trained = [_num(metrics["trained"].get(k)) for k in keys]
@@ -105,7 +109,8 @@ def evaluation_figure(log, metrics: Mapping[str, Any], pass_k: list[int], path: 
         for bar in bars:
             h = bar.get_height()
             if math.isfinite(h):
-                ax.annotate(f"{h:.2f}", (bar.get_x() + bar.get_width() / 2, h), ha="center", va="bottom", fontsize=8)
+                ax.annotate(f"{h:.2f}", (bar.get_x() + bar.get_width() / 2, h), ha="center", va="bottom",
+                            fontsize=8)
     ax.set_xticks(xs, labels)
     ax.set_ylim(0, 1.08)
     ax.set_title(f"held-out accuracy ({metrics['trained'].get('num_prompts', '?')} prompts)")

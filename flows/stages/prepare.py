@@ -35,13 +35,16 @@ def run(ctx) -> int:
         for folder in (EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR):
             shutil.rmtree(ctx.path(folder), ignore_errors=True)
             ctx.path(folder).mkdir(parents=True)
-        print("prepare: embedded: null - the embedded default is not used; nothing to prepare", file=sys.stderr)
+        print("prepare: embedded: null - the embedded default is not used; nothing to prepare",
+              file=sys.stderr)
         return 0
     quiet_libraries()
-    cfg = dataclasses.replace(emb, data_dir=str(ctx.path(emb.data_dir)), model_dir=str(ctx.path(emb.model_dir)))
+    cfg = dataclasses.replace(emb, data_dir=str(ctx.path(emb.data_dir)),
+                              model_dir=str(ctx.path(emb.model_dir)))
     with StageRun(ctx) as run:
         summary = prepare(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))
-        run.log_metrics({k: v for k, v in summary.items() if isinstance(v, int | float) and not isinstance(v, bool)})
+        run.log_metrics({k: v for k, v in summary.items() if isinstance(v, int | float)
+                         and not isinstance(v, bool)})
         run.log_data_hashes([emb.data_dir])
         run.log_artifact(ctx.path(emb.model_dir) / "embedded.json")
     return 0

@@ -104,7 +104,8 @@ def dvc_invocation_id(max_depth: int = 8) -> str | None:
         if stat is None:
             return None
         try:
-            argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+            argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    if a]
         except OSError:
             return None
         if _is_dvc_command(argv):
@@ -131,7 +132,8 @@ def git_info(root: Path) -> dict[str, str]:
         return {"git.sha": "unknown"}
     dirty = git("status", "--porcelain", "--untracked-files=no")
     tags = {"git.sha": sha, "mlflow.source.git.commit": sha, "git.dirty": str(bool(dirty)).lower()}
-    # The runs table's Source column: the repository (a link when it is a git URL), else dvc.yaml; Version: the commit
+    # The runs table's Source column: the repository (a link when it is a git URL), else dvc.yaml;
+    # Version: the commit
     origin = git("remote", "get-url", "origin")
     tags.update({"mlflow.source.type": "PROJECT", "mlflow.source.name": origin or "dvc.yaml"})
     if origin:
@@ -148,13 +150,15 @@ def committed_params(root: Path, params_path: Path) -> dict | None:
 
     try:
         rel = params_path.resolve().relative_to(root.resolve()).as_posix()
-        out = subprocess.run(["git", "show", f"HEAD:{rel}"], cwd=root, capture_output=True, text=True, timeout=20)
+        out = subprocess.run(["git", "show", f"HEAD:{rel}"], cwd=root, capture_output=True, text=True,
+                             timeout=20)
     except (ValueError, OSError, subprocess.TimeoutExpired):
         return None
     return (YAML(typ="safe", pure=True).load(out.stdout) or {}) if out.returncode == 0 else None
 
 
-def run_name_and_diff(root: Path, params_path: Path, environ: Mapping[str, str] | None = None) -> tuple[str, dict]:
+def run_name_and_diff(root: Path, params_path: Path,
+                      environ: Mapping[str, str] | None = None) -> tuple[str, dict]:
     """The parent's name - the DVC experiment's name under `dvc exp run`, else the params that differ from
     the committed params.yaml (``learning_rate=0.002``), else ``baseline <commit>`` - and that diff."""
     from ruamel.yaml import YAML
@@ -224,8 +228,9 @@ def create_parent_run(uri: str, experiment: str, *, run_name: str, tags: Mapping
 
     First marks KILLED the runs a killed pipeline left RUNNING (``reap_killed_runs``), then creates the run
     (``diff``: the params that differ from the committed params.yaml, tag ``grpo.params_diff``; ``owner``: the
-    process whose death ends it; a color other than the previous pipeline's, ``flows.comparison.next_run_color``)
-    and refreshes the experiment's kind and saved view (``flows.comparison.prepare_experiment_view``).
+    process whose death ends it; a color other than the previous pipeline's,
+    ``flows.comparison.next_run_color``) and refreshes the experiment's kind and saved view
+    (``flows.comparison.prepare_experiment_view``).
     """
     from mlflow.entities import Param
 
@@ -253,14 +258,17 @@ def create_parent_run(uri: str, experiment: str, *, run_name: str, tags: Mapping
 
 
 def reap_killed_runs(client, experiment_id: str) -> list[str]:
-    """Mark KILLED every RUNNING run of the experiment whose owner process (tag ``grpo.owner``) is gone on this
-    host: what a SIGKILLed pipeline leaves behind. Runs of other hosts are left alone. Returns their ids."""
+    """Mark KILLED every RUNNING run of the experiment whose owner process (tag ``grpo.owner``) is gone on
+    this host: what a SIGKILLed pipeline leaves behind. Runs of other hosts are left alone. Returns their
+    ids."""
     reaped = []
-    for run in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=1000):
+    for run in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'",
+                                  max_results=1000):
         owner = run.data.tags.get(OWNER_TAG)
         if owner and owner_alive(owner) is False:
             client.set_terminated(run.info.run_id, "KILLED")
-            client.set_tag(run.info.run_id, "grpo.killed", "its process was gone when the next pipeline run started")
+            client.set_tag(run.info.run_id, "grpo.killed",
+                           "its process was gone when the next pipeline run started")
             reaped.append(run.info.run_id)
     return reaped
 
@@ -270,7 +278,9 @@ def find_group_parent(uri: str, experiment: str, group: str) -> str | None:
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return None
-    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_GROUP_TAG}` = '{group}' and tags.`{ROLE_TAG}` = 'pipeline'",
+    runs = client.search_runs([exp.experiment_id],
+                              filter_string=f"tags.`{RUN_GROUP_TAG}` = '{group}' and "
+                                            f"tags.`{ROLE_TAG}` = 'pipeline'",
                               max_results=1, order_by=["attribute.start_time ASC"])
     return runs[0].info.run_id if runs else None
 
@@ -285,12 +295,14 @@ def dataset_input(ctx, name: str, path: str, context: str, commit: str | None, d
         import pyarrow.parquet as pq
 
         meta = pq.ParquetFile(full)
-        schema = json.dumps({"mlflow_colspec": [{"name": f.name, "type": "string" if str(f.type) in ("string", "large_string")
-                                                 else str(f.type)} for f in meta.schema_arrow]})
+        schema = json.dumps(
+            {"mlflow_colspec": [{"name": f.name, "type": "string" if str(f.type) in ("string", "large_string")
+                                 else str(f.type)} for f in meta.schema_arrow]})
         profile = json.dumps({"num_rows": meta.metadata.num_rows})
     source = json.dumps({"path": path, "git_commit": commit, "dvc_md5": digest})
-    return DatasetInput(Dataset(name=name, digest=digest[:36], source_type="dvc", source=source, schema=schema,
-                                profile=profile), tags=[InputTag("mlflow.data.context", context)])
+    return DatasetInput(Dataset(name=name, digest=digest[:36], source_type="dvc", source=source,
+                                schema=schema, profile=profile),
+                        tags=[InputTag("mlflow.data.context", context)])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -302,7 +314,8 @@ OPEN_BACKOFF_S = 1.0   # ... 1, 2, 4 s apart: a store restarting as the stage st
 
 
 def mlflow_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """The keys a stage logs ``metrics`` under: MLflow-safe names, and ``reward`` / ``kl`` again in the overview."""
+    """The keys a stage logs ``metrics`` under: MLflow-safe names,
+    and ``reward`` / ``kl`` again in the overview."""
     values = {safe_key(k): v for k, v in metrics.items()}
     values.update({f"{HEADLINE_SECTION}/{k}": metrics[k] for k in HEADLINE_METRICS if k in metrics})
     return values
@@ -318,8 +331,8 @@ def _is_number(value: Any) -> bool:
 class StageRun:
     """Context manager around one stage's MLflow child run; a no-op (with a warning) if the store fails.
 
-    ``log_params / log_metrics / set_tags / log_artifact / log_table / log_text / log_data_hashes``; ``run_id``;
-    ``client`` (an MlflowClient for the registry, None when tracking is off).
+    ``log_params / log_metrics / set_tags / log_artifact / log_table / log_text / log_data_hashes``;
+    ``run_id``; ``client`` (an MlflowClient for the registry, None when tracking is off).
     """
 
     def __init__(self, ctx, continue_run_id: str | None = None) -> None:
@@ -344,7 +357,8 @@ class StageRun:
 
     @property
     def continued(self) -> bool:
-        """The run is ``continue_run_id``'s, reopened: a resumed stage logging on into its killed predecessor's run."""
+        """The run is ``continue_run_id``'s, reopened: a resumed stage logging on into its killed
+        predecessor's run."""
         return bool(getattr(self.tracker, "continued", False))
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -359,7 +373,8 @@ class StageRun:
                 self.untracked = f"{type(exc).__name__}: {exc}"
                 if attempt == OPEN_ATTEMPTS:
                     warnings.warn(f"{self.ctx.stage}: MLflow tracking is off for this run ({self.uri}), "
-                                  f"{OPEN_ATTEMPTS} attempts failed: {self.untracked}", RuntimeWarning, stacklevel=2)
+                                  f"{OPEN_ATTEMPTS} attempts failed: {self.untracked}", RuntimeWarning,
+                                  stacklevel=2)
                 else:
                     time.sleep(OPEN_BACKOFF_S * 2 ** (attempt - 1))
         return self
@@ -384,7 +399,8 @@ class StageRun:
                 self.parent_run_id = find_group_parent(self.uri, self.experiment, group)
             if self.parent_run_id is None:
                 # the parent ends with the dvc process that runs every stage (or with this one)
-                owner = group[len("dvc-"):] if group and group.startswith("dvc-") else None if group else process_owner()
+                owner = (group[len("dvc-"):] if group and group.startswith("dvc-") else None if group
+                         else process_owner())
                 name, diff = run_name_and_diff(ctx.root, ctx.params_path)
                 self.parent_run_id = create_parent_run(self.uri, self.experiment, run_name=name, tags=tags,
                                                        params=params, diff=diff, owner=owner)
@@ -394,7 +410,8 @@ class StageRun:
         owner = process_owner()
         self.tracker = MLflowTracker(self.uri, self.experiment, run_name=ctx.stage,
                                      parent_run_id=self.parent_run_id,
-                                     tags={"stage": ctx.stage, ROLE_TAG: "stage", "params_file": str(ctx.params_path),
+                                     tags={"stage": ctx.stage, ROLE_TAG: "stage",
+                                           "params_file": str(ctx.params_path),
                                            "mlflow.project.entryPoint": ctx.stage, **tags,
                                            **({OWNER_TAG: owner} if owner else {})},
                                      artifact_location=default_artifact_location(self.uri),
@@ -409,17 +426,18 @@ class StageRun:
         status = "FAILED" if failed else "FINISHED"
         try:
             if self.tracker is None:
-                print(f"{self.ctx.stage}: MLflow recorded nothing for this stage ({self.uri}: {self.untracked}); "
-                      f"a train stage's steps are in its train log and go to MLflow when the stage next runs",
-                      file=sys.stderr)
+                print(f"{self.ctx.stage}: MLflow recorded nothing for this stage ({self.uri}: "
+                      f"{self.untracked}); a train stage's steps are in its train log and go to MLflow when "
+                      "the stage next runs", file=sys.stderr)
             elif unsent := self.tracker.close(status):
                 print(f"{self.ctx.stage}: {unsent} value(s) did not reach MLflow ({self.uri}, run "
-                      f"{self.tracker.run_id or 'never created'}); a train stage's steps go there from its train "
-                      f"log when the stage next runs", file=sys.stderr)
+                      f"{self.tracker.run_id or 'never created'}); a train stage's steps go there from its "
+                      "train log when the stage next runs", file=sys.stderr)
             if self._owns_parent and self.client is not None and self.parent_run_id:
                 self.client.set_terminated(self.parent_run_id, status)
         except Exception as err:  # noqa: BLE001
-            warnings.warn(f"{self.ctx.stage}: could not close MLflow runs: {err}", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"{self.ctx.stage}: could not close MLflow runs: {err}", RuntimeWarning,
+                          stacklevel=2)
         finally:
             self._tmp.cleanup()
 
@@ -430,15 +448,16 @@ class StageRun:
             self.tracker.log_params({safe_key(k): v for k, v in params.items()})
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int = 0) -> None:
-        """Under their own names; ``reward`` and ``kl`` also as ``0_overview/<name>``, the section the run page
-        shows first (MLflow orders sections by name: prefixed ones alphabetically, unprefixed ones last)."""
+        """Under their own names; ``reward`` and ``kl`` also as ``0_overview/<name>``, the section the run
+        page shows first (MLflow orders sections by name: prefixed ones alphabetically, unprefixed ones
+        last)."""
         if self.tracker is not None:
             self._log_new(mlflow_metrics(metrics), step)
 
     def backfill(self, rows: Iterable[Mapping[str, Any]]) -> int:
-        """Send each row's metrics (a train log's rows: ``step`` and values) that this run neither holds nor has
-        queued at that step: what an outage's backlog lost when the stage was killed. Returns how many values went
-        out; a key is never logged twice at one step."""
+        """Send each row's metrics (a train log's rows: ``step`` and values) that this run neither holds nor
+        has queued at that step: what an outage's backlog lost when the stage was killed. Returns how many
+        values went out; a key is never logged twice at one step."""
         if self.tracker is None:
             return 0
         sent = 0
@@ -459,8 +478,9 @@ class StageRun:
         return len(new)
 
     def _steps_of(self, key: str) -> set[int]:
-        """The steps ``key`` is logged at in this run: queued by this process, and for a run it continues (a resumed
-        stage's) what MLflow held when first asked - the steps the killed process got through before."""
+        """The steps ``key`` is logged at in this run: queued by this process, and for a run it continues (a
+        resumed stage's) what MLflow held when first asked - the steps the killed process got through
+        before."""
         if key not in self._steps:
             held: set[int] = set()
             if self.continued:
@@ -473,8 +493,8 @@ class StageRun:
         return self._steps[key]
 
     def log_to_parent(self, summary: PipelineSummary) -> None:
-        """The learning curves and summary numbers (a ``flows.comparison.PipelineSummary``) on the pipeline's parent
-        run: what the experiment's chart view compares."""
+        """The learning curves and summary numbers (a ``flows.comparison.PipelineSummary``) on the pipeline's
+        parent run: what the experiment's chart view compares."""
         from flows.comparison import log_summary
 
         if self.client is not None and self.parent_run_id and summary:
@@ -486,7 +506,8 @@ class StageRun:
 
     def log_datasets(self, datasets: list[tuple[str, str, str]]) -> None:
         """MLflow dataset inputs of this run and of the parent: ``(name, path, context)`` each, the digest the
-        file's DVC md5, the source its path and commit, the schema its parquet columns, the profile its row count."""
+        file's DVC md5, the source its path and commit, the schema its parquet columns, the profile its row
+        count."""
         if self.client is None or self.run_id is None:
             return
         try:
@@ -496,7 +517,8 @@ class StageRun:
                 if run_id and inputs:
                     self.client.log_inputs(run_id, datasets=inputs)
         except Exception as exc:  # noqa: BLE001
-            warnings.warn(f"{self.ctx.stage}: could not log dataset inputs: {exc}", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"{self.ctx.stage}: could not log dataset inputs: {exc}", RuntimeWarning,
+                          stacklevel=2)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if self.tracker is not None:
@@ -507,8 +529,8 @@ class StageRun:
             self.tracker.log_artifact(str(path), artifact_path)
 
     def log_table(self, columns: Mapping[str, list], artifact_file: str) -> None:
-        """A table artifact as ``mlflow.log_table`` writes one (pandas' split-oriented JSON), listed in the run's
-        ``mlflow.loggedArtifacts`` tag so the UI shows it as a table; queued like every artifact."""
+        """A table artifact as ``mlflow.log_table`` writes one (pandas' split-oriented JSON), listed in the
+        run's ``mlflow.loggedArtifacts`` tag so the UI shows it as a table; queued like every artifact."""
         if self.tracker is None or not columns:
             return
         import pandas as pd

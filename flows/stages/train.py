@@ -57,8 +57,9 @@ PLOT = "plots/training.png"
 
 @dataclass(frozen=True)
 class TrainInputs:
-    """Everything train reads of params.yaml (tests/test_dvc_params.py checks dvc.yaml lists each): the sections the
-    trainer is handed - it gets a config holding only those (``only_sections``) - and calibration's drop flags."""
+    """Everything train reads of params.yaml (tests/test_dvc_params.py checks dvc.yaml lists each): the
+    sections the trainer is handed - it gets a config holding only those (``only_sections``) - and
+    calibration's drop flags."""
 
     train: Any
     generation: Any
@@ -80,15 +81,17 @@ def stage_inputs(cfg) -> TrainInputs:
 
 
 def reward_weights(ctx, cfg) -> tuple[list[float], str]:
-    """(weights, where they came from): grpo_core's own rule (the one train() applies), calibration required."""
+    """(weights, where they came from): grpo_core's own rule (the one train() applies),
+    calibration required."""
     from grpo_core.train.reward_weights import training_reward_weights
 
-    return training_reward_weights([r.name for r in cfg.rewards], cfg.train.advantage.reward_weights, ctx.root,
-                                   calibration_required=True)
+    return training_reward_weights([r.name for r in cfg.rewards], cfg.train.advantage.reward_weights,
+                                   ctx.root, calibration_required=True)
 
 
 def allowed_prompts(ctx, drop_prompts: tuple[bool, bool]) -> list[int] | None:
-    """calibrate.drop_always_solved / drop_never_solved: the training prompts calibration kept (None = all)."""
+    """calibrate.drop_always_solved / drop_never_solved: the training prompts calibration kept
+    (None = all)."""
     if not any(drop_prompts):
         return None
     doc = read_json(ctx.path(CALIBRATION_DIFFICULTY), "calibrate")
@@ -126,9 +129,9 @@ def previous_run_id(run_file: Path) -> str | None:
 
 
 def first_logged_step(run_file: Path, run, action: str) -> int:
-    """The step the MLflow run's curve starts after: 0 for a fresh run; for a new run that resumed from checkpoint-k
-    (an extended run, or one whose old run had finished), k - the steps before it are the earlier run's; a continued
-    run keeps what its first process recorded."""
+    """The step the MLflow run's curve starts after: 0 for a fresh run; for a new run that resumed from
+    checkpoint-k (an extended run, or one whose old run had finished), k - the steps before it are the earlier
+    run's; a continued run keeps what its first process recorded."""
     from grpo_core.train.checkpoint import checkpoint_step
 
     if run.continued:
@@ -168,7 +171,8 @@ def prepare_checkpoints(ctx, cfg, fp: dict) -> str:
     elif reason or latest is None:
         action = "fresh"
     else:  # the newest whose files match its manifest (a corrupt newer one is named and skipped)
-        latest = latest_valid_checkpoint(ckpt_dir, warn=lambda msg: print(f"train: warning: {msg}", file=sys.stderr))
+        latest = latest_valid_checkpoint(ckpt_dir,
+                                         warn=lambda msg: print(f"train: warning: {msg}", file=sys.stderr))
         print(f"train: resuming from {latest}", file=sys.stderr)
         action = f"resume:{latest.name}"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -182,7 +186,8 @@ def _launched() -> bool:
 
 @dataclass(frozen=True)
 class Machine:
-    """Where this machine stands among ``train.num_machines`` (read from the environment the scheduler sets)."""
+    """Where this machine stands among ``train.num_machines``
+    (read from the environment the scheduler sets)."""
 
     rank: int = 0
     main_address: str | None = None  # the IP or host name of machine 0, where the rendezvous listens
@@ -197,7 +202,8 @@ class Machine:
         if missing:
             raise StageConfigError(f"train.num_machines: {machines} machines, but {' and '.join(missing)} "
                                    "not set: each machine runs the stage with MACHINE_RANK (0.."
-                                   f"{machines - 1}) and MAIN_PROCESS_IP (machine 0's address); see docs/scaling.md")
+                                   f"{machines - 1}) and MAIN_PROCESS_IP (machine 0's address); "
+                                   "see docs/scaling.md")
         rank = int(env["MACHINE_RANK"])
         if not 0 <= rank < machines:
             raise StageConfigError(f"MACHINE_RANK={rank}: must be in 0..{machines - 1} (train.num_machines)")
@@ -209,17 +215,19 @@ def _launch_marker(ctx, cfg) -> Path:
 
 
 def announce_launch(ctx, cfg, environ=None) -> None:
-    """Machine 0, about to launch: tell the other machines (waiting in ``wait_for_machine_zero``) to follow."""
+    """Machine 0, about to launch: tell the other machines (waiting in ``wait_for_machine_zero``) to
+    follow."""
     env = os.environ if environ is None else environ
     write_json_atomic(_launch_marker(ctx, cfg), {"launch_id": env.get("LAUNCH_ID", ""),
-                                                 "machines": cfg.train.parallel.num_machines, "time": time.time()})
+                                                 "machines": cfg.train.parallel.num_machines,
+                                                 "time": time.time()})
 
 
 def wait_for_machine_zero(ctx, cfg, environ=None, poll_s: float = 2.0) -> None:
-    """Machines 1..M-1 started together with machine 0 (one Kubernetes Indexed Job, docs/scaling.md) wait until
-    machine 0's train stage announces launch ``LAUNCH_ID`` (the Job's name): until then the stages before train
-    are still writing what this stage reads. No LAUNCH_ID: started by hand once machine 0 is training, no wait.
-    Gives up after MACHINE_WAIT_S seconds (default a day)."""
+    """Machines 1..M-1 started together with machine 0 (one Kubernetes Indexed Job, docs/scaling.md) wait
+    until machine 0's train stage announces launch ``LAUNCH_ID`` (the Job's name): until then the stages
+    before train are still writing what this stage reads. No LAUNCH_ID: started by hand once machine 0 is
+    training, no wait. Gives up after MACHINE_WAIT_S seconds (default a day)."""
     env = os.environ if environ is None else environ
     launch_id = env.get("LAUNCH_ID")
     if not launch_id:
@@ -242,8 +250,8 @@ def wait_for_machine_zero(ctx, cfg, environ=None, poll_s: float = 2.0) -> None:
 
 def launch_command(n: int, *, cuda: bool, accelerate_config: str | Path | None = None, machines: int = 1,
                    machine: Machine = Machine()) -> list[str]:
-    """The launcher prefix for ``n`` processes over ``machines`` machines, as run on ``machine`` (the module and
-    its arguments follow).
+    """The launcher prefix for ``n`` processes over ``machines`` machines, as run on ``machine`` (the module
+    and its arguments follow).
 
     GPUs: ``accelerate launch`` with ``train.accelerate_config`` (infra/accelerate/: DDP, or FSDP2, which the
     trainer applies itself), or plain multi-GPU DDP without one. CPU: ``torch.distributed.run`` (gloo);
@@ -265,8 +273,9 @@ def launch_command(n: int, *, cuda: bool, accelerate_config: str | Path | None =
 
 
 def launch_plan(ctx, cfg, *, cuda: bool, environ=None) -> list[str]:
-    """The whole command this machine runs for ``train.num_processes`` > 1: the accelerate config checked (what
-    the trainer would refuse is refused here, before any process starts), the launcher, then this stage."""
+    """The whole command this machine runs for ``train.num_processes`` > 1: the accelerate config checked
+    (what the trainer would refuse is refused here, before any process starts), the launcher, then this
+    stage."""
     from grpo_core.train.parallel import check_parallelism, read_parallelism
 
     p = cfg.train.parallel
@@ -276,7 +285,8 @@ def launch_plan(ctx, cfg, *, cuda: bool, environ=None) -> list[str]:
         if not config.is_file():
             raise StageConfigError(f"train.accelerate_config: {config} is not a file (see infra/accelerate/)")
     check_parallelism(read_parallelism(config), lora=cfg.model.lora is not None,
-                      mixed_precision=cfg.train.forward.mixed_precision, quantized=cfg.model.quantization is not None)
+                      mixed_precision=cfg.train.forward.mixed_precision,
+                      quantized=cfg.model.quantization is not None)
     machine = Machine.from_environment(p.num_machines, environ)
     cmd = launch_command(p.num_processes, cuda=cuda, accelerate_config=config, machines=p.num_machines,
                          machine=machine)
@@ -324,7 +334,9 @@ def run(ctx) -> int:
     run_file = ctx.path(cfg.train.checkpoints.output_dir) / "checkpoints" / MLFLOW_RUN_FILE
     worker = _spawn_sampler(cfg)
     try:
-        with StageRun(ctx, continue_run_id=previous_run_id(run_file) if action.startswith("resume:") else None) as run:
+        with StageRun(ctx,
+                      continue_run_id=previous_run_id(run_file) if action.startswith("resume:")
+                                      else None) as run:
             first = first_logged_step(run_file, run, action)
             if run.run_id:  # a resume after a crash logs on into this run: one continuous curve
                 write_json_atomic(run_file, {"run_id": run.run_id, "first_step": first})
@@ -340,7 +352,8 @@ def run(ctx) -> int:
             log = read_train_log(ctx.path(TRAIN_LOG))
             # what an outage or a killed run's backlog lost, of the steps this MLflow run owns
             if sent := run.backfill(r for r in log.to_dict("records") if r["step"] > first):
-                print(f"train: {sent} metric value(s) from {TRAIN_LOG} that MLflow lacked were sent", file=sys.stderr)
+                print(f"train: {sent} metric value(s) from {TRAIN_LOG} that MLflow lacked were sent",
+                      file=sys.stderr)
             run.log_to_parent(pipeline_summary(ctx.root, eval_path=None, train_log=TRAIN_LOG))
             training_figure(log, ctx.path(PLOT))
             run.set_tags({"train.final_step": str(result.final_step),
@@ -355,9 +368,10 @@ def run(ctx) -> int:
                 run.log_artifact(ctx.path(CALIBRATION_WEIGHTS), "calibration")
             last = result.last_metrics
             if last:
+                best = (f" (from the best step, {result.exported_step})"
+                        if result.exported_step != result.final_step else "")
                 print(f"train: step {result.final_step}: reward {last.get('reward', float('nan')):.4f}, "
-                      f"kl {last.get('kl', float('nan')):.5f}; model in {result.model_dir}"
-                      f"{f' (from the best step, {result.exported_step})' if result.exported_step != result.final_step else ''}",
+                      f"kl {last.get('kl', float('nan')):.5f}; model in {result.model_dir}{best}",
                       file=sys.stderr)
     finally:
         if worker is not None:
@@ -366,8 +380,8 @@ def run(ctx) -> int:
 
 
 def _spawn_sampler(cfg):
-    """train.async_rollouts: the sampler worker, spawned before the MLflow run and the trainer's set-up, which its
-    imports (seconds) then overlap; None otherwise."""
+    """train.async_rollouts: the sampler worker, spawned before the MLflow run and the trainer's set-up, which
+    its imports (seconds) then overlap; None otherwise."""
     if not cfg.train.rollouts.async_rollouts:
         return None
     from grpo_core.train.sampler_worker import SamplerWorker

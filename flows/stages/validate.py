@@ -1,10 +1,10 @@
 """`validate`: check the train and eval splits before anything samples or trains on them.
 
-Reads ``data.train_files`` / ``data.eval_files`` (files, folders, globs or lists of them, each split inside the path
-``data.train_dir`` / ``data.eval_dir`` that DVC hashes; or ``data.hub_dataset``), renames the configured
-prompt/answer columns to ``prompt`` / ``answer``, and runs ``grpo_core.data.validation.validate_frames``
-with the policy's tokenizer as token counter and the configured correctness rewards for the gold-answer
-smoke test.
+Reads ``data.train_files`` / ``data.eval_files`` (files, folders, globs or lists of them, each split inside
+the path ``data.train_dir`` / ``data.eval_dir`` that DVC hashes; or ``data.hub_dataset``), renames the
+configured prompt/answer columns to ``prompt`` / ``answer``, and runs
+``grpo_core.data.validation.validate_frames`` with the policy's tokenizer as token counter and the configured
+correctness rewards for the gold-answer smoke test.
 
 Always writes ``reports/validation.json`` and ``reports/validation.txt`` (rows named by split and row:
 the 0-based record number for a single file, ``<file>:<record>`` across several files).
@@ -34,8 +34,8 @@ from grpo_core.common.errors import ValidationFailure
 from grpo_core.common.files import atomic_path, write_json_atomic, write_text_atomic
 from grpo_core.rewards.judges import CORRECTNESS_FUNCTIONS
 
-#: what validate reads of params.yaml (tests/test_dvc_params.py checks dvc.yaml lists each); its code is handed a
-#: config holding only these sections, and the tool keys of train: (ToolUseOptions)
+#: what validate reads of params.yaml (tests/test_dvc_params.py checks dvc.yaml lists each); its code is
+#: handed a config holding only these sections, and the tool keys of train: (ToolUseOptions)
 VALIDATE_SECTIONS = ("data", "rewards", "validate", "model")
 
 
@@ -77,8 +77,8 @@ def local_sources(ctx) -> dict[str, list[str]]:
 
 def _check_tracked(ctx, split: str, files: list[str]) -> None:
     """Every file of the split lies in data.<split>_dir: dvc.yaml can hand DVC only one path per split as
-    validate's dependency (it cannot interpolate a list, and knows no globs), so a file outside it would be read
-    but not hashed, and editing it would not re-run validate."""
+    validate's dependency (it cannot interpolate a list, and knows no globs), so a file outside it would be
+    read but not hashed, and editing it would not re-run validate."""
     key, tracked = f"data.{split}_dir", getattr(ctx.cfg.data, f"{split}_dir")
     if tracked is None:
         return  # no DVC (library use, tests): nothing hashes the files anyway
@@ -87,17 +87,19 @@ def _check_tracked(ctx, split: str, files: list[str]) -> None:
         raise StageConfigError(f"{key}: {tracked}: no such file or folder; name the folder holding "
                                f"data.{split}_files")
     if _holds_outputs(ctx, dep):
-        raise StageConfigError(f"{key}: {tracked} holds validate's own outputs ({VALIDATED_TRAIN}, {REPORT_JSON}), "
-                               f"so DVC cannot depend on it; keep the data in a folder of its own, e.g. data/raw")
+        raise StageConfigError(f"{key}: {tracked} holds validate's own outputs ({VALIDATED_TRAIN}, "
+                               f"{REPORT_JSON}), so DVC cannot depend on it; keep the data in a folder of "
+                               "its own, e.g. data/raw")
     outside = [f for f in files if not _within(_abs(ctx, f), dep)]
     if outside:
         common = Path(os.path.commonpath([_abs(ctx, f).parent for f in files]))
         hint = (f"; {_shown(ctx, common)} holds them all" if not _holds_outputs(ctx, common) else
-                "; the folder holding them all also holds validate's outputs: move them to a folder of their own")
+                "; the folder holding them all also holds validate's outputs: move them to a folder of their "
+                "own")
         raise StageConfigError(
-            f"{key}: {tracked} does not hold {_shown(ctx, outside[0])} (named by data.{split}_files); DVC hashes "
-            f"{key} as validate's dependency (it cannot take a list or a glob), so set it to a folder holding every "
-            f"{split} file{hint}")
+            f"{key}: {tracked} does not hold {_shown(ctx, outside[0])} (named by data.{split}_files); DVC "
+            f"hashes {key} as validate's dependency (it cannot take a list or a glob), so set it to a folder "
+            f"holding every {split} file{hint}")
 
 
 def _abs(ctx, path: str | Path) -> Path:
@@ -110,7 +112,8 @@ def _within(path: Path, folder: Path) -> bool:
 
 
 def _holds_outputs(ctx, folder: Path) -> bool:
-    return any(_within(_abs(ctx, out), folder) for out in (VALIDATED_TRAIN, VALIDATED_EVAL, REPORT_JSON, REPORT_TXT))
+    return any(_within(_abs(ctx, out), folder)
+               for out in (VALIDATED_TRAIN, VALIDATED_EVAL, REPORT_JSON, REPORT_TXT))
 
 
 def _local_frame(ctx, paths: list[str]):
@@ -136,8 +139,8 @@ def _shown(ctx, path: str | Path) -> str:
 
 
 def load_frames(ctx, sources: dict[str, list[str]] | None):
-    """(train_df, eval_df): the raw splits with canonical ``prompt`` / ``answer`` column names; ``sources`` from
-    ``local_sources`` (None: data.hub_dataset)."""
+    """(train_df, eval_df): the raw splits with canonical ``prompt`` / ``answer`` column names; ``sources``
+    from ``local_sources`` (None: data.hub_dataset)."""
     d = ctx.cfg.data
     if sources is None:
         from grpo_core.data.loading import load_split
@@ -152,8 +155,10 @@ def load_frames(ctx, sources: dict[str, list[str]] | None):
     if d.answer_column != "answer":
         rename[d.answer_column] = "answer"
     if rename:
-        train_df = train_df.drop(columns=[c for c in rename.values() if c in train_df.columns]).rename(columns=rename)
-        eval_df = eval_df.drop(columns=[c for c in rename.values() if c in eval_df.columns]).rename(columns=rename)
+        train_df = train_df.drop(columns=[c for c in rename.values()
+                                          if c in train_df.columns]).rename(columns=rename)
+        eval_df = eval_df.drop(columns=[c for c in rename.values()
+                                        if c in eval_df.columns]).rename(columns=rename)
     return train_df, eval_df
 
 
@@ -175,9 +180,9 @@ def _to_parquet(df, path: Path) -> None:
 
 
 def check_prompts_render(encoder, train_df, cfg, tools: list | None = None) -> None:
-    """The first train prompt through the encoder every stage uses (with the tools' schemas when there are tools):
-    a chat-format prompt with a tokenizer that has no chat template, or a plain-text prompt with tools, fails here,
-    naming the keys, instead of at calibrate."""
+    """The first train prompt through the encoder every stage uses (with the tools' schemas when there are
+    tools): a chat-format prompt with a tokenizer that has no chat template, or a plain-text prompt with
+    tools, fails here, naming the keys, instead of at calibrate."""
     from grpo_core.data.loading import DataError
 
     if train_df.empty or "prompt" not in train_df.columns:
@@ -190,9 +195,9 @@ def check_prompts_render(encoder, train_df, cfg, tools: list | None = None) -> N
 
 
 def smoke_environments(toolbox, train_df) -> list:
-    """With environments, one reset for each train row the reward smoke test calls the rewards on (so rewards that
-    read ``environments`` are called as training calls them); none when a row names no known environment (the
-    report lists it)."""
+    """With environments, one reset for each train row the reward smoke test calls the rewards on (so rewards
+    that read ``environments`` are called as training calls them); none when a row names no known environment
+    (the report lists it)."""
     from grpo_core.data.validation import SMOKE_ROWS
     from grpo_core.tools import EnvironmentFailure
 
@@ -206,10 +211,11 @@ def smoke_environments(toolbox, train_df) -> list:
 
 
 def check_tools(toolbox, tokenizer, train_df, cfg) -> list | None:
-    """Tools against the model and the data, before anything samples: the chat template can show tool calls and
-    their results and writes calls in a format with a parser (``ToolChat``), and each environment resets on a
-    train row of its own (its columns taken, None or text returned). Returns every tool a prompt may show (for
-    the prompt-length checks); None without tools. Raises ToolConfigError (exit 2) naming what is wrong."""
+    """Tools against the model and the data, before anything samples: the chat template can show tool calls
+    and their results and writes calls in a format with a parser (``ToolChat``), and each environment resets
+    on a train row of its own (its columns taken, None or text returned). Returns every tool a prompt may show
+    (for the prompt-length checks); None without tools. Raises ToolConfigError (exit 2) naming what is
+    wrong."""
     from grpo_core.tools import ToolChat, ToolConfigError
 
     if toolbox is None:
@@ -253,11 +259,13 @@ def run(ctx) -> int:
 
     tool_use = ctx.cfg.train.tool_use
     cfg = only_sections(ctx.cfg, VALIDATE_SECTIONS)
-    # fail fast on what would fail later: every reward and tool must import (exit 2), the model folder must load (5)
+    # fail fast on what would fail later: every reward and tool must import (exit 2),
+    # the model folder must load (5)
     reward_fns = build_reward_functions(cfg.rewards)
     toolbox = build_toolbox(tool_use)
     load_rollout_func(tool_use)  # imports, and takes (prompts, trainer)
-    sources = None if cfg.data.hub_dataset else local_sources(ctx)  # and every data path resolves (exit 2 / 5)
+    sources = None if cfg.data.hub_dataset else local_sources(ctx)  # and every data path resolves
+                                                                    # (exit 2 / 5)
     names = source_names(ctx, sources)
     with StageRun(ctx) as run:
         model_checked = check_model_folder(cfg.model, ctx.root)
@@ -266,7 +274,8 @@ def run(ctx) -> int:
         encoder = PromptEncoder.from_config(tokenizer, cfg.data, truncate=False)
         tools = check_tools(toolbox, tokenizer, train_df, cfg)
         check_prompts_render(encoder, train_df, cfg, tools)
-        correctness = [fn for fn, spec in zip(reward_fns, cfg.rewards) if spec.function in CORRECTNESS_FUNCTIONS]
+        correctness = [fn for fn, spec in zip(reward_fns, cfg.rewards)
+                       if spec.function in CORRECTNESS_FUNCTIONS]
         gold_fns = correctness if cfg.validate.check_gold_reward and correctness else None
         smoke_envs = smoke_environments(toolbox, train_df)
         try:
@@ -301,7 +310,8 @@ def run(ctx) -> int:
             print(text, file=sys.stderr)
             raise ValidationFailed(
                 f"{summary.get('total_failures', 0)} validation failure(s); report in {REPORT_TXT} and "
-                f"{REPORT_JSON}. No validated data was written, so no later stage runs until the data is fixed.")
+                f"{REPORT_JSON}. No validated data was written, "
+                "so no later stage runs until the data is fixed.")
         _to_parquet(train_df, ctx.path(VALIDATED_TRAIN))
         _to_parquet(eval_df, ctx.path(VALIDATED_EVAL))
         run.log_data_hashes([VALIDATED_TRAIN, VALIDATED_EVAL])

@@ -35,9 +35,9 @@ class PipelineError(Exception):
 
 
 class TransientFailure(PipelineError, RuntimeError):
-    """A component the stage depends on died, went silent or ran out of room (a vLLM server, the sampler worker, a
-    full disk): re-running once it is back resumes from the last checkpoint. The message names the component and
-    what to check."""
+    """A component the stage depends on died, went silent or ran out of room (a vLLM server, the sampler
+    worker, a full disk): re-running once it is back resumes from the last checkpoint. The message names the
+    component and what to check."""
 
     exit_code = EXIT_ERROR
 
@@ -66,14 +66,15 @@ class InputUnreadable(PipelineError):
     exit_code = EXIT_DATA
 
 
-NEARLY_FULL_BYTES = 1 << 20  # less free than this where a write failed: the disk was full (torch's writer says only
-                             # "iostream error", with no errno)
+NEARLY_FULL_BYTES = 1 << 20  # less free than this where a write failed: the disk was full (torch's writer
+                             # says only "iostream error", with no errno)
 
 
 def disk_full(exc: BaseException, path: str | os.PathLike | None = None) -> TransientFailure | None:
-    """A TransientFailure naming the path and its filesystem's free space when ``exc`` comes from a full disk or
-    quota: ENOSPC / EDQUOT anywhere in its chain, or (``path`` given: where the write went) less than a MiB left
-    there. None otherwise. Call it before removing what the failed write left, which frees the space again."""
+    """A TransientFailure naming the path and its filesystem's free space when ``exc`` comes from a full disk
+    or quota: ENOSPC / EDQUOT anywhere in its chain, or (``path`` given: where the write went) less than a MiB
+    left there. None otherwise. Call it before removing what the failed write left, which frees the space
+    again."""
     chain, seen = [], exc
     while seen is not None and len(chain) < 10:
         chain.append(seen)
@@ -85,8 +86,8 @@ def disk_full(exc: BaseException, path: str | os.PathLike | None = None) -> Tran
         return None
     named = f" writing {where}" if where else ""
     left = f" ({free / 2**20:.1f} MiB free on its filesystem)" if free is not None else ""
-    return TransientFailure(f"disk full{named}{left}: {type(exc).__name__}: {exc}; free space and run the stage "
-                            f"again: training resumes from its last complete checkpoint")
+    return TransientFailure(f"disk full{named}{left}: {type(exc).__name__}: {exc}; free space and run the "
+                            "stage again: training resumes from its last complete checkpoint")
 
 
 def _free_bytes(path: str | os.PathLike) -> int | None:

@@ -10,8 +10,8 @@ import ast
 
 
 def parse_expression(expression: str, max_length: int) -> ast.expr:
-    """The expression's tree; ValueError for a non-string or one longer than ``max_length`` characters (which bounds
-    the numbers and the nesting depth), SyntaxError as Python raises it."""
+    """The expression's tree; ValueError for a non-string or one longer than ``max_length`` characters (which
+    bounds the numbers and the nesting depth), SyntaxError as Python raises it."""
     if not isinstance(expression, str):
         raise ValueError(f"expression must be a string, got {type(expression).__name__}")
     if len(expression) > max_length:
@@ -20,8 +20,8 @@ def parse_expression(expression: str, max_length: int) -> ast.expr:
 
 
 def construct_name(node: ast.AST) -> str:
-    """What a node outside arithmetic is, for an error message: its operator (``Pow``, ``Div``), ``a str literal``,
-    or its node type (``Name``, ``Call``, ``Attribute``)."""
+    """What a node outside arithmetic is, for an error message: its operator (``Pow``, ``Div``),
+    ``a str literal``, or its node type (``Name``, ``Call``, ``Attribute``)."""
     if isinstance(node, ast.BinOp | ast.UnaryOp):
         return type(node.op).__name__
     if isinstance(node, ast.Constant):

@@ -23,7 +23,8 @@ from grpo_core.common.errors import disk_full
 
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp path beside ``path``; on success it replaces ``path`` atomically, on error it is removed."""
+    """Yield a temp path beside ``path``; on success it replaces ``path`` atomically,
+    on error it is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -43,7 +44,8 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
     """Indented strict JSON (a NaN is an error here: pass the object through ``jsonable`` first)."""
-    return write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, allow_nan=False, default=str) + "\n")
+    return write_text_atomic(path,
+                             json.dumps(obj, indent=2, sort_keys=False, allow_nan=False, default=str) + "\n")
 
 
 def write_jsonl_atomic(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> int:
@@ -86,8 +88,8 @@ def write_dir_atomic(path: str | Path, fill: Callable[[Path], None]) -> None:
 
 
 def discard_partial(tmp: Path, target: Path, err: BaseException) -> None:
-    """Remove a failed write's partial folder ``tmp``; raise a TransientFailure naming ``target`` and the free space
-    (from ``err``) when a full disk is why, else return so the caller re-raises ``err``."""
+    """Remove a failed write's partial folder ``tmp``; raise a TransientFailure naming ``target`` and the free
+    space (from ``err``) when a full disk is why, else return so the caller re-raises ``err``."""
     full = disk_full(err, target)  # measured before the partial folder goes, which frees its space again
     shutil.rmtree(tmp, ignore_errors=True)
     if full is not None:

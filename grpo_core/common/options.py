@@ -27,7 +27,8 @@ class ConfigError(ConfigurationError, ValueError):
 
 def option(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
            le: float | None = None, lt: float | None = None, expected: str | None = None) -> Any:
-    """A dataclass field with its meaning, an optional range, and (``expected``) the forms a wrong type is told."""
+    """A dataclass field with its meaning, an optional range, and
+    (``expected``) the forms a wrong type is told."""
     meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "expected": expected}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
@@ -60,7 +61,8 @@ def convert(value: Any, tp: Any, key: str) -> Any:
         return _convert_literal(value, typing.get_args(tp), key)
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list ({type_name(tp)}), got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{key}: expected a list ({type_name(tp)}), "
+                              f"got {type(value).__name__} {value!r}")
         (inner,) = typing.get_args(tp) or (Any,)
         return [convert(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
@@ -93,7 +95,8 @@ def _convert_union(value: Any, args: tuple, key: str, tp: Any) -> Any:
 
 
 def _convert_literal(value: Any, allowed: tuple, key: str) -> Any:
-    if value is False and "no" in allowed:  # YAML 1.1 (PyYAML, `-S key=no` through some tools) reads a bare no as false
+    # YAML 1.1 (PyYAML, `-S key=no` through some tools) reads a bare no as false
+    if value is False and "no" in allowed:
         return "no"
     if value not in allowed or isinstance(value, bool):
         raise ConfigError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")

@@ -1,6 +1,6 @@
-"""Every random number generator a process draws from, as one JSON-safe state: saved in checkpoints (each process
-its own), restored on resume, and kept around anything that reseeds them (an in-process vLLM engine seeds the
-global generators with its own seed)."""
+"""Every random number generator a process draws from, as one JSON-safe state: saved in checkpoints (each
+process its own), restored on resume, and kept around anything that reseeds them (an in-process vLLM engine
+seeds the global generators with its own seed)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 
 
 def rng_state() -> dict:
-    """Every RNG this process draws from, in JSON-safe form: python, numpy, torch's CPU generator and, on a GPU,
-    the generator of this process's own device (not every device's: on 8 GPUs each rank owns one)."""
+    """Every RNG this process draws from, in JSON-safe form: python, numpy, torch's CPU generator and, on a
+    GPU, the generator of this process's own device (not every device's: on 8 GPUs each rank owns one)."""
     np_state = np.random.get_state()
     state = {
         "python": _to_json(random.getstate()),

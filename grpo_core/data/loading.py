@@ -1,5 +1,5 @@
-"""Prompts: reading (the one reader of local jsonl / json / parquet / csv files, or a hub dataset) and encoding
-(chat templates, truncation).
+"""Prompts: reading (the one reader of local jsonl / json / parquet / csv files, or a hub dataset) and
+encoding (chat templates, truncation).
 
 Rows keep every column: the ones other than ``prompt`` reach reward functions as keyword arguments.
 The configured ``prompt_column`` / ``answer_column`` are renamed to ``prompt`` / ``answer`` so rewards
@@ -23,9 +23,9 @@ from grpo_core.common.options import ConfigError, Options, option
 log = logging.getLogger(__name__)
 
 #: What data.train_files / data.eval_files accept; every error about their values repeats it.
-DATA_FILES_FORMS = ("a path or a list of paths, each a file, a folder (its jsonl / json / parquet / csv files, "
-                    "recursively, in name order) or a glob such as data/raw/train-*.parquet (its matches in name "
-                    "order); relative to the repo root")
+DATA_FILES_FORMS = ("a path or a list of paths, each a file, a folder (its jsonl / json / parquet / csv "
+                    "files, recursively, in name order) or a glob such as data/raw/train-*.parquet (its "
+                    "matches in name order); relative to the repo root")
 
 
 def _files_field(help: str) -> Any:
@@ -41,9 +41,9 @@ class DataConfig(Options):
     eval_files: str | list[str] = _files_field("local held-out data, as train_files")
     # DVC cannot take a list or a glob as a dependency (dvc.yaml can only interpolate one path), so validate's
     # dependency is one path per split that holds the files; validate refuses files outside it.
-    train_dir: str | None = option(None, "the folder (or the one file) DVC hashes as validate's dependency for "
-                               "train_files: it must hold every file they name, so editing, adding or removing one "
-                               "re-runs validate; null: not checked (no DVC)")
+    train_dir: str | None = option(None, "the folder (or the one file) DVC hashes as validate's dependency "
+                               "for train_files: it must hold every file they name, so editing, adding or "
+                               "removing one re-runs validate; null: not checked (no DVC)")
     eval_dir: str | None = option(None, "as train_dir, for eval_files (may be the same folder)")
     hub_dataset: str | None = option(None, "a dataset id for datasets.load_dataset (e.g. openai/gsm8k)")
     hub_config: str | None = option(None, "the dataset's configuration name (e.g. main)")
@@ -52,12 +52,14 @@ class DataConfig(Options):
     prompt_column: str = option("prompt", "column holding the prompt (a string or chat messages)")
     answer_column: str = option("answer", "column holding the gold answer, passed to rewards as `answer`")
     system_prompt: str | None = option(None, "system message prepended to every prompt (chat template)")
-    chat_template_kwargs: dict = option({}, "extra keyword arguments for the tokenizer's chat template (TRL's name), "
-                                    "e.g. {enable_thinking: false}")
+    chat_template_kwargs: dict = option({}, "extra keyword arguments for the tokenizer's chat template "
+                                    "(TRL's name), e.g. {enable_thinking: false}")
     prompt_format: Literal["auto", "chat"] = option(
-        "auto", "auto: chat messages use the chat template, strings stay plain text; chat: wrap strings as a user message")
-    max_prompt_length: int | None = option(512, "prompt tokens kept (left-truncated, as overlong_prompt says) or "
-                                       "allowed; None = any length (TRL's name)", ge=1)
+        "auto",
+        "auto: chat messages use the chat template, strings stay plain text; "
+        "chat: wrap strings as a user message")
+    max_prompt_length: int | None = option(512, "prompt tokens kept (left-truncated, as overlong_prompt "
+                                       "says) or allowed; None = any length (TRL's name)", ge=1)
     overlong_prompt: Literal["truncate", "error"] = option(
         "truncate", "a prompt over max_prompt_length: left-truncate with a counted warning, or error")
 
@@ -94,7 +96,8 @@ def _expand(entry: str, key: str, root: str | Path) -> list[str]:
     """The files one entry names: a file; a folder's data files; a glob's matching files. Sorted, so the row
     order (which calibration's prompt indices refer to) is the same on every machine."""
     path = Path(entry) if Path(entry).is_absolute() else Path(root, entry)
-    if is_glob(entry) and not path.exists():  # a path that exists is itself, even with [ in its name; root_dir:
+    # a path that exists is itself, even with [ in its name; root_dir:
+    if is_glob(entry) and not path.exists():
         # the root's own name is never read as a pattern
         base = None if Path(entry).is_absolute() else root
         matches = (Path(base or "", m) for m in glob.glob(entry, root_dir=base, recursive=True))
@@ -115,15 +118,16 @@ def _expand(entry: str, key: str, root: str | Path) -> list[str]:
 
 
 def resolve_data_paths(spec: list[str], key: str, root: str | Path = ".") -> list[str]:
-    """The files one split names, in order: each entry a file, a folder (its jsonl / json / parquet / csv files in
-    name order, recursively) or a glob (its matches in name order). Relative entries resolve against ``root``.
-    A file named twice (say, by a glob and by name) is an error: its rows would count twice. Errors name ``key``,
-    the entry and the accepted forms."""
+    """The files one split names, in order: each entry a file, a folder (its jsonl / json / parquet / csv
+    files in name order, recursively) or a glob (its matches in name order). Relative entries resolve against
+    ``root``. A file named twice (say, by a glob and by name) is an error: its rows would count twice. Errors
+    name ``key``, the entry and the accepted forms."""
     out: dict[str, None] = {}  # ordered, with O(1) membership
     for entry in spec:
         for path in _expand(entry, key, root):
             if path in out:
-                raise DataError(f"{key}: {path} is named twice (again by {entry!r}); each file may appear once")
+                raise DataError(f"{key}: {path} is named twice (again by {entry!r}); "
+                                "each file may appear once")
             out[path] = None
     return list(out)
 
@@ -149,9 +153,11 @@ def _read_jsonl(path: Path) -> pd.DataFrame:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataFileError(f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
+                raise DataFileError(f"{path}:{lineno}: invalid JSON ({exc.msg} at column "
+                                    f"{exc.colno})") from exc
             if not isinstance(obj, dict):
-                raise DataFileError(f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
+                raise DataFileError(f"{path}:{lineno}: expected a JSON object per line, got "
+                                    f"{type(obj).__name__}")
             records.append(obj)
     # object dtype keeps strings, lists and numbers as written (no dtype inference on answers)
     return pd.DataFrame.from_records(records).astype(object) if records else pd.DataFrame()
@@ -194,8 +200,8 @@ def load_split(cfg: DataConfig, split: Literal["train", "eval"], root: str | Pat
     """Load one split as a ``datasets.Dataset`` with ``prompt`` (and ``answer`` if present) columns.
 
     Local files are read by ``read_table`` (the reader validate uses too, so both see the same rows and
-    types) into a ``datasets.Dataset``; a hub dataset through ``datasets.load_dataset``. Relative paths resolve
-    against ``root`` (the repo root), so
+    types) into a ``datasets.Dataset``; a hub dataset through ``datasets.load_dataset``. Relative paths
+    resolve against ``root`` (the repo root), so
     the stage works from any working directory (``dvc exp run --temp`` runs elsewhere).
     """
     import datasets
@@ -263,15 +269,15 @@ class PromptEncoder:
 
     @classmethod
     def from_config(cls, tokenizer, data: DataConfig, *, truncate: bool = True) -> PromptEncoder:
-        """The one way every stage builds its encoder: ``data.*`` says how a row becomes a prompt, and how long
-        it may be (``data.max_prompt_length``). truncate=False: whole prompts (validate counts them and judges
-        the lengths itself)."""
-        return cls(tokenizer, data.max_prompt_length if truncate else None, data.system_prompt, data.overlong_prompt, data.prompt_format,
-                   dict(data.chat_template_kwargs))
+        """The one way every stage builds its encoder: ``data.*`` says how a row becomes a prompt, and how
+        long it may be (``data.max_prompt_length``). truncate=False: whole prompts (validate counts them and
+        judges the lengths itself)."""
+        return cls(tokenizer, data.max_prompt_length if truncate else None, data.system_prompt,
+                   data.overlong_prompt, data.prompt_format, dict(data.chat_template_kwargs))
 
     def messages(self, prompt: Any) -> Any:
-        """The prompt as the chat template gets it (a string under prompt_format chat becomes a user message), or
-        the plain string."""
+        """The prompt as the chat template gets it (a string under prompt_format chat becomes a user message),
+        or the plain string."""
         if self.prompt_format == "chat" and isinstance(prompt, str):
             return [{"role": "user", "content": prompt}]
         return prompt
@@ -287,14 +293,16 @@ class PromptEncoder:
                 raise DataError("a chat-format prompt needs a tokenizer with a chat template "
                                 f"({type(self.tokenizer).__name__} has none)")
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                      tools=tools or None,  # None: Llama renders tool text for []
+                                                      # None: Llama renders tool text for []
+                                                      tools=tools or None,
                                                       **self.chat_template_kwargs)
         if not isinstance(prompt, str):
-            raise DataError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+            raise DataError("prompt must be a string or a list of chat messages, got "
+                            f"{type(prompt).__name__}")
         if tools:
-            raise DataError("tools (train.tools / environment_factory) need chat prompts, rendered with the chat "
-                            "template that shows the tools: this prompt is plain text; set data.prompt_format: chat "
-                            "or give chat messages")
+            raise DataError("tools (train.tools / environment_factory) need chat prompts, rendered with the "
+                            "chat template that shows the tools: this prompt is plain text; set "
+                            "data.prompt_format: chat or give chat messages")
         if self.system_prompt:
             return self.system_prompt + "\n" + prompt
         return prompt
@@ -306,8 +314,9 @@ class PromptEncoder:
         ids = self.tokenizer(text, add_special_tokens=not templated)["input_ids"]
         if self.max_prompt_length is not None and len(ids) > self.max_prompt_length:
             if self.overlong == "error":
-                raise DataError(f"prompt{'' if row is None else f' in row {row}'} has {len(ids)} tokens, over "
-                                f"data.max_prompt_length={self.max_prompt_length} (data.overlong_prompt: error)")
+                raise DataError(f"prompt{'' if row is None else f' in row {row}'} has {len(ids)} tokens, "
+                                f"over data.max_prompt_length={self.max_prompt_length} "
+                                "(data.overlong_prompt: error)")
             self.truncated_count += 1
             if self.truncated_count in (1, 10, 100, 1000):
                 log.warning("%d prompt(s) left-truncated to max_prompt_length=%d so far",

@@ -54,7 +54,8 @@ GOLD_REASONING = "Reasoning omitted: validating the gold answer."
 
 @dataclass
 class ValidateConfig(Options):
-    check_gold_reward: bool = option(True, "the gold answer must score the maximum under each correctness reward")
+    check_gold_reward: bool = option(True,
+                                     "the gold answer must score the maximum under each correctness reward")
     max_report_rows: int = option(1000, "failures listed in the report at most", ge=1)
 
 
@@ -212,10 +213,11 @@ class ValidationReport:
 
     def to_text(self) -> str:
         s = self.summary
-        lines = [f"data validation: {'OK' if self.ok else 'FAILED'} - {s.get('total_failures', 0)} failure(s), "
-                 f"{s.get('total_warnings', 0)} warning(s)"]
+        lines = [f"data validation: {'OK' if self.ok else 'FAILED'} - {s.get('total_failures', 0)} "
+                 f"failure(s), {s.get('total_warnings', 0)} warning(s)"]
         for split, info in s.get("splits", {}).items():
-            lines.append(f"  {split}: {info['rows']} rows, {info['failures']} failures, {info['warnings']} warnings")
+            lines.append(f"  {split}: {info['rows']} rows, {info['failures']} failures, "
+                         f"{info['warnings']} warnings")
             for check, n in info.get("failures_by_check", {}).items():
                 lines.append(f"    failure {check}: {n}")
             for check, n in info.get("warnings_by_check", {}).items():
@@ -227,7 +229,8 @@ class ValidationReport:
             shown = f" (first {len(rows)} of {total})" if len(rows) < total else ""
             lines.append(f"{title}{shown}:")
             for r in rows:
-                lines.append(f"  [{r['split']}] row={r['row']} column={r['column']} check={r['check']}: {r['value']}")
+                lines.append(f"  [{r['split']}] row={r['row']} column={r['column']} check={r['check']}: "
+                             f"{r['value']}")
         for note in s.get("notes", []):
             lines.append(f"note: {note}")
         return "\n".join(lines)
@@ -303,7 +306,8 @@ def _gold_reward_checks(df: pd.DataFrame, split: str, rows: list[Any], parsed: d
             if len(values) != len(rows):
                 raise ValueError(f"returned {len(values)} values for {len(rows)} completions")
         except Exception as exc:  # noqa: BLE001 - a reward that crashes on gold data is a finding
-            failures.append(_row(split, None, answer_column, check, f"reward raised {type(exc).__name__}: {exc}"))
+            failures.append(_row(split, None, answer_column, check,
+                                 f"reward raised {type(exc).__name__}: {exc}"))
             continue
         for r, v, text in zip(rows, values, texts):
             if v is None or (isinstance(v, float) and math.isnan(v)):
@@ -318,8 +322,9 @@ def _gold_reward_checks(df: pd.DataFrame, split: str, rows: list[Any], parsed: d
 SMOKE_ROWS = 4  # train rows every reward is called on once (reward_smoke_failures)
 
 
-def reward_smoke_failures(df: pd.DataFrame, reward_fns: Sequence[Callable[..., list]], num_rows: int = SMOKE_ROWS,
-                          prompt_column: str = "prompt", answer_column: str = "answer",
+def reward_smoke_failures(df: pd.DataFrame, reward_fns: Sequence[Callable[..., list]],
+                          num_rows: int = SMOKE_ROWS, prompt_column: str = "prompt",
+                          answer_column: str = "answer",
                           extra_columns: Mapping[str, list] | None = None) -> list[dict]:
     """Call every reward function once on the first ``num_rows`` rows, the way training will (the TRL
     signature, every other column as a keyword list), with a gold-style completion; a reward that raises,
@@ -349,7 +354,8 @@ def reward_smoke_failures(df: pd.DataFrame, reward_fns: Sequence[Callable[..., l
                 raise TypeError(f"returned {type(bad[0]).__name__} {bad[0]!r}; expected float or None")
         except Exception as exc:  # noqa: BLE001 - any error of the reward is the finding
             failures.append(_row("train", None, "rewards", f"reward_smoke:{name}",
-                                 f"reward {name!r} failed on the first {len(texts)} rows: {type(exc).__name__}: {exc}"))
+                                 f"reward {name!r} failed on the first {len(texts)} rows: "
+                                 f"{type(exc).__name__}: {exc}"))
     return failures
 
 
@@ -456,8 +462,8 @@ def environment_failures(df: pd.DataFrame, split: str, names: Sequence[str]) -> 
     (TRL's routing column): a row naming none would stop sampling midway."""
     if "environment" not in df.columns:
         return [_row(split, None, "environment", "environment_column",
-                     f"column missing: train.environment_factory maps {sorted(names)}, and each row must name its "
-                     f"environment")]
+                     f"column missing: train.environment_factory maps {sorted(names)}, and each row must "
+                     "name its environment")]
     return [_row(split, idx, "environment", "environment_unknown",
                  f"{value!r} is not one of train.environment_factory's {sorted(names)}")
             for idx, value in df["environment"].items() if value not in names]
@@ -487,7 +493,8 @@ def validate_frames(train_df: pd.DataFrame, eval_df: pd.DataFrame | None, rules:
     notes: list[str] = []
     for split, df in splits.items():
         if not isinstance(df, pd.DataFrame):
-            raise TypeError(f"validate_frames: {split}_df must be a pandas DataFrame, got {type(df).__name__}")
+            raise TypeError(f"validate_frames: {split}_df must be a pandas DataFrame, "
+                            f"got {type(df).__name__}")
         failures += schema_failures(df, split, require_answer)
         f, w, n = _split_checks(df, split, split_rules)
         failures += f

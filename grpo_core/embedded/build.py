@@ -26,8 +26,8 @@ from grpo_core.embedded.warm_start import build_demonstrations, warm_start
 METADATA_FILE = "embedded.json"
 
 
-# Where the outputs go is not what they are: kept out of the metadata, so the folder's bytes (and DVC's hash of it)
-# are the same in every clone, wherever it lives.
+# Where the outputs go is not what they are: kept out of the metadata, so the folder's bytes (and DVC's hash
+# of it) are the same in every clone, wherever it lives.
 _LOCATION_KEYS = ("data_dir", "model_dir")
 
 
@@ -66,15 +66,16 @@ class TaskSuite:
 
 
 def task_suite(cfg: EmbeddedConfig) -> TaskSuite:
-    """The word problems (arithmetic, multiple_choice; text prompts), or the calculator task (chat prompts and a
-    tool-calling chat template)."""
+    """The word problems (arithmetic, multiple_choice; text prompts), or the calculator task (chat prompts and
+    a tool-calling chat template)."""
     if TOOL_TASK in cfg.tasks:
         if len(cfg.tasks) > 1:
-            raise ValueError(f"embedded.tasks: {cfg.tasks}; {TOOL_TASK} has chat prompts and a tool, the word "
-                             f"problems neither: it cannot be mixed with them")
+            raise ValueError(f"embedded.tasks: {cfg.tasks}; {TOOL_TASK} has chat prompts and a tool, the "
+                             "word problems neither: it cannot be mixed with them")
         train, evaluation = tool_tasks.generate_splits(cfg.num_train, cfg.num_eval, cfg.max_operand, cfg.seed)
         tools: list[Callable] = [calculator]
-        tokenizer = build_tool_tokenizer(tool_tasks.vocabulary_words(), tool_tasks.scaffold_conversations(), tools)
+        tokenizer = build_tool_tokenizer(tool_tasks.vocabulary_words(), tool_tasks.scaffold_conversations(),
+                                         tools)
         return TaskSuite(train, evaluation, tokenizer, tools, len(tool_tasks.TEMPLATES))
     train, evaluation = generate_splits(
         cfg.num_train, cfg.num_eval, cfg.tasks, cfg.max_operand, cfg.seed, cfg.shuffle_options

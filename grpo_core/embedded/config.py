@@ -29,8 +29,8 @@ class EmbeddedConfig(Options):
     num_eval: int = option(500, "held-out prompts (no prompt shared with train)", ge=1)
     tasks: list[TaskName] = option(
         ["arithmetic", "multiple_choice"],
-        "task variants, mixed in equal shares; or [calculator] alone: chat prompts answered with the calculator "
-        "tool (grpo_core/embedded/tools.py; configs/embedded-tools.yaml)",
+        "task variants, mixed in equal shares; or [calculator] alone: chat prompts answered with the "
+        "calculator tool (grpo_core/embedded/tools.py; configs/embedded-tools.yaml)",
     )
     max_operand: int = option(
         9,
@@ -43,9 +43,12 @@ class EmbeddedConfig(Options):
         False, "shuffle multiple-choice options (else A = sum, B = difference, C/D near misses)"
     )
     # dvc.yaml names these two folders as prepare's outputs, so under `dvc repro` they stay at their defaults
-    # (grpo_core.config refuses other values in params.yaml); other callers of the builder may point them anywhere.
-    model_dir: str = option(EMBEDDED_MODEL_DIR, "where the base model and tokenizer are written (fixed under DVC)")
-    data_dir: str = option(EMBEDDED_DATA_DIR, "where train.jsonl and eval.jsonl are written (fixed under DVC)")
+    # (grpo_core.config refuses other values in params.yaml); other callers of the builder may point them
+    # anywhere.
+    model_dir: str = option(EMBEDDED_MODEL_DIR,
+                            "where the base model and tokenizer are written (fixed under DVC)")
+    data_dir: str = option(EMBEDDED_DATA_DIR,
+                           "where train.jsonl and eval.jsonl are written (fixed under DVC)")
     hidden_size: int = option(96, "model width", ge=8)
     num_hidden_layers: int = option(3, "transformer blocks", ge=1)
     num_attention_heads: int = option(4, "attention heads (hidden_size must divide by it)", ge=1)
@@ -64,15 +67,14 @@ class EmbeddedConfig(Options):
     )
     label_noise_spread: float = option(
         0.3,
-        "per-template wrong-operation (calculator: guess) share spans label_noise ± this (heterogeneous headroom)",
-        ge=0,
+        "per-template wrong-operation (calculator: guess) share spans label_noise ± this (heterogeneous "
+        "headroom)", ge=0,
         le=0.5,
     )
     format_noise: float = option(
         0.1,
-        "share of demonstrations with a broken tag layout (calculator: of tool calls with a broken expression, "
-        "which the tool rejects)",
-        ge=0,
+        "share of demonstrations with a broken tag layout (calculator: of tool calls with a broken "
+        "expression, which the tool rejects)", ge=0,
         le=1,
     )
     num_threads: int = option(
@@ -84,8 +86,8 @@ class EmbeddedConfig(Options):
     def check(self) -> None:
         """The calculator task (chat prompts, a tool) stands alone and needs multi-digit numbers."""
         if TOOL_TASK in self.tasks and len(self.tasks) > 1:
-            raise ConfigError(f"tasks: {self.tasks}; {TOOL_TASK} has chat prompts and a tool, the word problems "
-                              f"neither: it cannot be mixed with them (tasks: [{TOOL_TASK}])")
+            raise ConfigError(f"tasks: {self.tasks}; {TOOL_TASK} has chat prompts and a tool, the word "
+                              f"problems neither: it cannot be mixed with them (tasks: [{TOOL_TASK}])")
         if TOOL_TASK in self.tasks and self.max_operand < MIN_MAX_OPERAND:
             raise ConfigError(f"max_operand: {self.max_operand}; the {TOOL_TASK} task's numbers are "
                               f"{MIN_MAX_OPERAND}..max_operand, so it needs >= {MIN_MAX_OPERAND} (e.g. 99)")

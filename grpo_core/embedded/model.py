@@ -24,7 +24,8 @@ def build_model(
     """
     if hidden_size % num_attention_heads:
         raise ValueError(
-            f"embedded.hidden_size ({hidden_size}) must be divisible by num_attention_heads ({num_attention_heads})"
+            f"embedded.hidden_size ({hidden_size}) must be divisible by num_attention_heads "
+            f"({num_attention_heads})"
         )
     config = Qwen2Config(
         vocab_size=len(tokenizer),

@@ -20,9 +20,9 @@ template for tool calling in Qwen2.5's Hermes layout with compact role markers (
     <tool_call>\n{"name": "calculator", "arguments": {"expression": "123*45"}}\n</tool_call><|eos|>
     <|user|><tool_response>\n5535\n</tool_response><|assistant|><answer>\n5535\n</answer><|eos|>
 
-(line breaks between turns added here for reading), merges learnt from that scaffolding too (`"name":` is a few
-tokens, not one per byte), and a `response_template` (transformers' response parsing, which TRL 1.16's tool loop
-and grpo_core's use) that reads the assistant turn back into `{"content", "tool_calls"}`.
+(line breaks between turns added here for reading), merges learnt from that scaffolding too (`"name":` is a
+few tokens, not one per byte), and a `response_template` (transformers' response parsing, which TRL 1.16's
+tool loop and grpo_core's use) that reads the assistant turn back into `{"content", "tool_calls"}`.
 """
 
 from __future__ import annotations
@@ -43,15 +43,16 @@ MAX_LENGTH = 128
 # messages gives the warm-started model the text it was trained on.
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
-# The tool-calling chat (build_tool_tokenizer). Role markers are special tokens, as Qwen's <|im_start|> is; the
-# tool tags are not (decode(..., skip_special_tokens=True) keeps them, as Qwen2.5's tokenizer does).
+# The tool-calling chat (build_tool_tokenizer). Role markers are special tokens, as Qwen's <|im_start|> is;
+# the tool tags are not (decode(..., skip_special_tokens=True) keeps them, as Qwen2.5's tokenizer does).
 ROLES = ("<|system|>", "<|user|>", "<|assistant|>")
 TOOL_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
-# Qwen2.5's template with <|im_start|>role\n ... <|im_end|>\n as one marker token per turn; an assistant turn ends
-# with EOS (the model's stop token), the user and system turns at the next marker. `tools` is one line of
+# Qwen2.5's template with <|im_start|>role\n ... <|im_end|>\n as one marker token per turn; an assistant turn
+# ends with EOS (the model's stop token), the user and system turns at the next marker. `tools` is one line of
 # signatures, not the JSON schemas: the model is ours, trained on this line. {% generation %} marks what the
-# assistant writes (the warm start's loss mask: return_assistant_tokens_mask). Prefix-preserving: a conversation
-# renders as the concatenation of its turns, so a rollout that appends tokens sees what the template would render.
+# assistant writes (the warm start's loss mask: return_assistant_tokens_mask). Prefix-preserving: a
+# conversation renders as the concatenation of its turns, so a rollout that appends tokens sees what the
+# template would render.
 TOOL_CHAT_TEMPLATE = (
     "{%- if tools %}<|system|>"
     "{%- if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif -%}"
@@ -65,10 +66,10 @@ TOOL_CHAT_TEMPLATE = (
     "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message['role'] == 'user' %}<|user|>{{ message['content'] }}"
-    "{%- elif message['role'] == 'system' %}{% if not loop.first %}<|system|>{{ message['content'] }}{% endif %}"
-    "{%- elif message['role'] == 'assistant' %}<|assistant|>{% generation %}{{ message['content'] or '' }}"
-    "{%- for call in message['tool_calls'] or [] %}{% set call = call['function'] if call['function'] is defined "
-    "else call %}<tool_call>\n{\"name\": \"{{ call['name'] }}\", \"arguments\": "
+    "{%- elif message['role'] == 'system' %}{% if not loop.first %}<|system|>{{ message['content'] }}{% "
+    "endif %}{%- elif message['role'] == 'assistant' %}<|assistant|>{% generation %}{{ message['content'] or "
+    "'' }}{%- for call in message['tool_calls'] or [] %}{% set call = call['function'] if call['function'] "
+    "is defined else call %}<tool_call>\n{\"name\": \"{{ call['name'] }}\", \"arguments\": "
     "{{ call['arguments'] if call['arguments'] is string else call['arguments'] | tojson }}}\n</tool_call>"
     "{%- endfor %}<|eos|>{% endgeneration %}"
     "{%- elif message['role'] == 'tool' %}"
@@ -79,8 +80,8 @@ TOOL_CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-# transformers' response parsing of one assistant turn (TRL 1.16's qwen3_template with these markers): the calls
-# between <tool_call> tags as JSON, the rest content up to EOS.
+# transformers' response parsing of one assistant turn (TRL 1.16's qwen3_template with these markers): the
+# calls between <tool_call> tags as JSON, the rest content up to EOS.
 RESPONSE_TEMPLATE = {
     "defaults": {"role": "assistant"},
     "start_anchor": "<|assistant|>",
@@ -157,10 +158,11 @@ def build_tokenizer(words: Sequence[str]) -> PreTrainedTokenizerBase:
 def build_tool_tokenizer(
     words: Sequence[str], conversations: Sequence[list[dict]], tools: Sequence[Callable]
 ) -> PreTrainedTokenizerBase:
-    """`build_tokenizer` for tool calling: TAGS + TOOL_TAGS added, ROLES as special tokens (ids in that order after
-    the merges), TOOL_CHAT_TEMPLATE and RESPONSE_TEMPLATE (saved with the tokenizer's files). The merges are also
-    learnt from `conversations` as the template renders them with `tools`, so the scaffolding they share with
-    every transcript (`{"name":`, `(expression`, an error's `{'error':`) is a few tokens, not one per byte."""
+    """`build_tokenizer` for tool calling: TAGS + TOOL_TAGS added, ROLES as special tokens (ids in that order
+    after the merges), TOOL_CHAT_TEMPLATE and RESPONSE_TEMPLATE (saved with the tokenizer's files). The merges
+    are also learnt from `conversations` as the template renders them with `tools`, so the scaffolding they
+    share with every transcript (`{"name":`, `(expression`, an error's `{'error':`) is a few tokens, not one
+    per byte."""
     tags, specials = TAGS + TOOL_TAGS, ROLES
     bare = _build([], [], tags, specials, TOOL_CHAT_TEMPLATE)  # bytes only: renders the texts
     texts = [bare.apply_chat_template(c, tools=list(tools), tokenize=False) for c in conversations]
@@ -204,7 +206,9 @@ def _build(
     specials: Sequence[str],
     chat_template: str,
 ) -> PreTrainedTokenizerBase:
-    pieces = [_to_symbols(p) for w in words for p in (w, " " + w)] + text_pieces(texts, (*SPECIAL_TOKENS, *tags, *specials))
+    pieces = [_to_symbols(p) for w in words for p in (w, " " + w)] + text_pieces(texts,
+                                                                                 (*SPECIAL_TOKENS, *tags,
+                                                                                  *specials))
     merges = learn_merges(pieces)
     vocab = _byte_vocab()
     for token in (a + b for a, b in merges):

@@ -8,13 +8,14 @@ r"""The calculator task: arithmetic the tiny model cannot do in its head, which 
     bad call   assistant  ... {"expression": "47 times 86"} ...;  tool  {'error': 'invalid expression'};
                assistant  <answer>\n7315\n</answer>                     (the call failed: a guess again)
 
-Products of a 10..max_operand number and a 2..99 one, and sums of three 10..max_operand numbers: a 0.4M-parameter
-model learns to copy numbers, into the call and from the result, but not to multiply or carry. Each template's
-demonstrations guess instead of calling the tool at a rate spread around `label_noise` (tasks.template_noise), and
-a `format_noise` share of the calls are broken (the operator written as a word, which the calculator rejects):
-greedy decoding calls the tool on the templates below 0.5 and guesses on the others, so greedy accuracy starts low
-while sampling finds the tool path on every template - the headroom GRPO closes by calling the tool, with a
-well-formed call, every time. The guess is fixed per problem: a random number as long as the result, never it.
+Products of a 10..max_operand number and a 2..99 one, and sums of three 10..max_operand numbers: a
+0.4M-parameter model learns to copy numbers, into the call and from the result, but not to multiply or carry.
+Each template's demonstrations guess instead of calling the tool at a rate spread around `label_noise`
+(tasks.template_noise), and a `format_noise` share of the calls are broken (the operator written as a word,
+which the calculator rejects): greedy decoding calls the tool on the templates below 0.5 and guesses on the
+others, so greedy accuracy starts low while sampling finds the tool path on every template - the headroom GRPO
+closes by calling the tool, with a well-formed call, every time. The guess is fixed per problem: a random
+number as long as the result, never it.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ class ToolTemplate:
     op: str  # "*" (two operands) or "+" (three)
 
 
-# The operations alternate, so the low- and high-rate ends of template_noise hold both. Numbers appear in the order
-# the expression writes them: copying them in order is what a model this small learns in the warm-start budget.
+# The operations alternate, so the low- and high-rate ends of template_noise hold both. Numbers appear in the
+# order the expression writes them: copying them in order is what a model this small learns in the warm-start
+# budget.
 TEMPLATES = (
     ToolTemplate("What is {a} times {b}?", "*"),
     ToolTemplate("What is {a} plus {b} plus {c}?", "+"),
@@ -56,7 +58,8 @@ _OP_WORDS = {"*": " times ", "+": " plus "}
 
 def tool_call(expression: str) -> dict:
     """An assistant message's tool call (transformers' / TRL's shape)."""
-    return {"type": "function", "function": {"name": calculator.__name__, "arguments": {"expression": expression}}}
+    return {"type": "function",
+            "function": {"name": calculator.__name__, "arguments": {"expression": expression}}}
 
 
 @dataclass(frozen=True)
@@ -96,8 +99,8 @@ class CalculatorProblem:
         return str(self.result)
 
     def completion(self, guess: bool = False, format_break: int = 0) -> list[dict]:
-        """A demonstration's messages after the prompt: the tool path; with `guess`, a direct wrong answer; with
-        format_break 1 (CALL_BREAKS), a call the calculator rejects, its error, then the guess."""
+        """A demonstration's messages after the prompt: the tool path; with `guess`, a direct wrong answer;
+        with format_break 1 (CALL_BREAKS), a call the calculator rejects, its error, then the guess."""
         if guess:
             return [_answer(self.guess)]
         expression = self.expression
@@ -127,9 +130,10 @@ def _answer(value: int) -> dict:
 
 
 def _guess(rng: random.Random, result: int) -> int:
-    """A number with as many digits as the result, drawn uniformly, never the result: plausible, and unrelated to
-    the operands. (A guess near the result - off by a few percent - taught the model to approximate the product in
-    the answer, which fought copying the tool's result there: the warm start then copied it half as often.)"""
+    """A number with as many digits as the result, drawn uniformly, never the result: plausible, and unrelated
+    to the operands. (A guess near the result - off by a few percent - taught the model to approximate the
+    product in the answer, which fought copying the tool's result there: the warm start then copied it half as
+    often.)"""
     digits = len(str(result))
     while True:
         guess = rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1)
@@ -152,9 +156,11 @@ def generate_splits(
 ) -> tuple[list[CalculatorProblem], list[CalculatorProblem]]:
     """(train, eval) calculator problems, deterministic in `seed`, no prompt in both nor twice in one."""
     if max_operand < MIN_MAX_OPERAND:
-        raise ValueError(f"embedded.max_operand: {max_operand}; the calculator task needs >= {MIN_MAX_OPERAND}")
+        raise ValueError(f"embedded.max_operand: {max_operand}; the calculator task "
+                         f"needs >= {MIN_MAX_OPERAND}")
     rng = random.Random(seed)
-    return distinct_splits(lambda i: sample_problem(rng, max_operand), num_train, num_eval, key=lambda p: p.text)
+    return distinct_splits(lambda i: sample_problem(rng, max_operand), num_train, num_eval,
+                           key=lambda p: p.text)
 
 
 def vocabulary_words() -> list[str]:
@@ -173,5 +179,6 @@ def scaffold_conversations() -> list[list[dict]]:
     for template, t in enumerate(TEMPLATES):
         operands = (123, 45) if t.op == "*" else (123, 456, 789)
         p = CalculatorProblem(template, NAMES[0], OBJECTS[0], operands, guess=1)
-        conversations += [p.prompt + p.completion(g, f) for g in (False, True) for f in range(len(CALL_BREAKS))]
+        conversations += [p.prompt + p.completion(g, f) for g in (False, True)
+                          for f in range(len(CALL_BREAKS))]
     return conversations

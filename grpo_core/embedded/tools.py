@@ -1,7 +1,9 @@
-"""The embedded agentic recipe's tool: a calculator for integer + - * expressions (configs/embedded-tools.yaml).
+"""The embedded agentic recipe's tool: a calculator for integer + - * expressions
+(configs/embedded-tools.yaml).
 
-A plain function with type hints and a docstring, TRL's tool convention: transformers' ``get_json_schema`` reads
-its schema from them, the chat template shows it, and a rollout calls it with the arguments the model wrote.
+A plain function with type hints and a docstring, TRL's tool convention: transformers' ``get_json_schema``
+reads its schema from them, the chat template shows it, and a rollout calls it with the arguments the model
+wrote.
 
 The expression is parsed with ``ast`` and walked, never ``eval``-ed: only integer literals, parentheses, unary
 +/- and binary + - * are allowed, so nothing the model writes can name, call, import or exhaust anything (a

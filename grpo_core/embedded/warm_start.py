@@ -7,10 +7,10 @@ broken format (a broken tag layout; a broken tool call) with probability `format
 probability on each reading — the mixed-outcome groups GRPO needs.
 
 A demonstration is either text after a text prompt (the word problems: every completion token is learnt), or
-chat messages after a chat prompt (the calculator task: assistant turns, tool calls, tool results), rendered with
-the tokenizer's chat template and learnt on the assistant's tokens only (the template's `{% generation %}`
-spans, transformers' assistant mask) — the tool results and role markers between turns are context, as they
-are for GRPO's loss (the rollouts' tool mask).
+chat messages after a chat prompt (the calculator task: assistant turns, tool calls, tool results), rendered
+with the tokenizer's chat template and learnt on the assistant's tokens only (the template's
+`{% generation %}` spans, transformers' assistant mask) — the tool results and role markers between turns are
+context, as they are for GRPO's loss (the rollouts' tool mask).
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ class Demonstrable(Protocol):
 class Demonstrations:
     """Pre-tokenised demonstrations for P prompts and V = 2 × num_breaks variants each.
 
-    prompt_ids: P lists of ids; variant_ids: P × V lists of ids after the prompt, the last one EOS; variant_mask:
-    the same shape, 1 on the tokens learnt (the model's), 0 on context (tool results, role markers); variant v =
-    wrong * num_breaks + format_break; wrong_rate: (P,) probability of the wrong variant.
+    prompt_ids: P lists of ids; variant_ids: P × V lists of ids after the prompt, the last one EOS;
+    variant_mask: the same shape, 1 on the tokens learnt (the model's), 0 on context (tool results, role
+    markers); variant v = wrong * num_breaks + format_break; wrong_rate: (P,) probability of the wrong
+    variant.
     """
 
     prompt_ids: list[list[int]]
@@ -76,7 +77,8 @@ def demonstration_tokens(
         prompt, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
     )
     full = tokenizer.apply_chat_template(
-        [*prompt, *completion], tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        [*prompt, *completion], tools=tools, tokenize=True, return_dict=True,
+        return_assistant_tokens_mask=True
     )
     if full["input_ids"][: len(prompt_ids)] != prompt_ids:
         raise RuntimeError("chat template: a conversation does not start with its prompt's rendering")
@@ -105,14 +107,16 @@ def build_demonstrations(
         variant_ids.append([ids for _, ids, _ in variants])
         variant_mask.append([mask for _, _, mask in variants])
     wrong_rate = torch.tensor([rates[p.template] for p in problems], dtype=torch.float64)
-    return Demonstrations(prompt_ids, variant_ids, variant_mask, wrong_rate, tokenizer.pad_token_id, num_breaks)
+    return Demonstrations(prompt_ids, variant_ids, variant_mask, wrong_rate, tokenizer.pad_token_id,
+                          num_breaks)
 
 
 def sample_batch(
     demos: Demonstrations, batch_size: int, format_noise: float, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One batch: (input_ids, attention_mask, labels), each (B, L) right-padded; labels are -100 on the
-    prompt, the padding and the variant's context tokens, so only the model's tokens (EOS included) are learnt."""
+    prompt, the padding and the variant's context tokens, so only the model's tokens (EOS included) are
+    learnt."""
     num_breaks = demos.num_breaks
     idx = torch.randint(len(demos.prompt_ids), (batch_size,), generator=generator)
     wrong = torch.rand(batch_size, generator=generator, dtype=torch.float64) < demos.wrong_rate[idx]

@@ -1,7 +1,8 @@
-"""The embedded word problems as plain data files for a chat model: ``python -m grpo_core.embedded.word_problems``.
+"""The embedded word problems as plain data files for a chat model:
+``python -m grpo_core.embedded.word_problems``.
 
-Writes ``train.jsonl`` and ``eval.jsonl`` ({"prompt", "answer", "task"} rows, no prompt in both) into a folder,
-deterministic in its arguments; configs/smollm2-135m-word-problems.yaml trains on the committed
+Writes ``train.jsonl`` and ``eval.jsonl`` ({"prompt", "answer", "task"} rows, no prompt in both) into a
+folder, deterministic in its arguments; configs/smollm2-135m-word-problems.yaml trains on the committed
 data/word-problems/ this wrote with its defaults.
 """
 

@@ -2,8 +2,8 @@
 
 ATen's vectorized ops, oneDNN and MKL each pick their code path from the CPU; an AVX-512 path sums in another
 order than an AVX2 one, and the weights a run writes differ in their last bits - then every figure after them.
-Capping all three at one level (``model.cpu_kernels``) makes every x86-64 CPU that has that level compute alike.
-What it costs and what it gives: benchmarks/results/cpu-kernels.json.
+Capping all three at one level (``model.cpu_kernels``) makes every x86-64 CPU that has that level compute
+alike. What it costs and what it gives: benchmarks/results/cpu-kernels.json.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def pin_cpu_kernels(level: str) -> str | None:
 
     running = torch.backends.cpu.get_cpu_capability().lower()
     if running != aten:
-        log.warning("model.cpu_kernels: %s asked, torch's CPU kernels run at %s (this CPU lacks %s, or a tensor op "
-                    "ran before the pin): results will not be byte-identical to a %s run on another CPU",
-                    level, running, level, level)
+        log.warning("model.cpu_kernels: %s asked, torch's CPU kernels run at %s (this CPU lacks %s, or a "
+                    "tensor op ran before the pin): results will not be byte-identical to a %s run on "
+                    "another CPU", level, running, level, level)
     return running

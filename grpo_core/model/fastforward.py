@@ -18,9 +18,9 @@ The forward, per layer (x: (N, D) rows, d = head_dim, g = num_heads / num_kv_hea
     x = x + Wdown (silu(RMSNorm(x) Wgateᵀ) ⊙ RMSNorm(x) Wupᵀ)
 
 then the final RMSNorm (and the LM head). Positions are cumsum(attention_mask) - 1 (left padding), as HF's.
-``run_layers`` is the stack; the caller supplies the attention over its keys (``rollout/manual.py``: a KV buffer;
-``hidden_states`` here: whole sequences at once with a causal + padding mask, a prompt shared by several rows
-computed once).
+``run_layers`` is the stack; the caller supplies the attention over its keys (``rollout/manual.py``: a KV
+buffer; ``hidden_states`` here: whole sequences at once with a causal + padding mask, a prompt shared by
+several rows computed once).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         return f"rope type {rope.get('rope_type', rope.get('type'))!r}"
-    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None) or []):
+    if (getattr(config, "use_sliding_window", False)
+            or "sliding_attention" in (getattr(config, "layer_types", None) or [])):
         return "sliding-window attention"
     if (getattr(config, "pretraining_tp", 1) or 1) > 1:
         return "pretraining_tp > 1"
@@ -66,15 +67,16 @@ def unsupported_reason(model: nn.Module) -> str | None:
                 return f"{type(lin).__name__} projection (not nn.Linear)"
     if type(model.lm_head) is Float32Head and model.lm_head.weight.dtype != torch.float32:
         return "a float32 LM head over a tied half-precision embedding (cast_lm_head_to_fp32)"
-    if type(model.lm_head) not in (nn.Linear, Float32Head):  # a float32 Float32Head computes as its Linear does
+    # a float32 Float32Head computes as its Linear does
+    if type(model.lm_head) not in (nn.Linear, Float32Head):
         return f"{type(model.lm_head).__name__} LM head"
     return None
 
 
 def use_manual_forward(model: nn.Module, choice: str = "auto") -> bool:
-    """Whether token scoring runs ``hidden_states`` (``train.forward_backend``): "hf" never; "auto" for a plain
-    Qwen2/Llama model on CPU, called directly (no accelerate autocast wrapper or patched forward), without
-    gradient checkpointing; "manual" always, a ValueError for a model it cannot run."""
+    """Whether token scoring runs ``hidden_states`` (``train.forward_backend``): "hf" never; "auto" for a
+    plain Qwen2/Llama model on CPU, called directly (no accelerate autocast wrapper or patched forward),
+    without gradient checkpointing; "manual" always, a ValueError for a model it cannot run."""
     if choice not in FORWARD_BACKENDS:
         raise ValueError(f"forward backend must be one of {FORWARD_BACKENDS}, got {choice!r}")
     if choice == "hf":
@@ -148,7 +150,8 @@ def prepare(model: nn.Module, head: bool = True) -> tuple[list[dict], dict]:
 
 def rope(model: nn.Module, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin± (``pos.shape`` + (1, d)) of integer positions, as HF's rotary embedding computes them
-    (float32, times its attention scaling, then cast); sin± has the first half negated (see the module doc)."""
+    (float32, times its attention scaling, then cast); sin± has the first half negated (see the module
+    doc)."""
     rotary = model.model.rotary_emb
     freqs = pos[..., None].float() * rotary.inv_freq.float().to(pos.device)
     emb = torch.cat([freqs, freqs], dim=-1)
@@ -191,7 +194,8 @@ def causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     L = attention_mask.shape[1]
     ones = torch.ones(L, L, dtype=torch.bool, device=attention_mask.device)
     return ((ones.tril() & attention_mask.bool()[:, None, :]) | torch.eye(L, dtype=torch.bool,
-                                                                         device=attention_mask.device))[:, None]
+                                                                         device=attention_mask.device))[:,
+                                                                                                        None]
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -202,10 +206,10 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                   position_ids: torch.Tensor | None = None, prefix: int = 1,
                   rows: torch.Tensor | None = None, padding_free: bool = True) -> torch.Tensor:
-    """Final hidden states (after the last RMSNorm, before the LM head) of positions [prefix - 1, L): the values
-    of ``model.model(input_ids, attention_mask, position_ids=...).last_hidden_state[:, prefix - 1:]``, (B, L -
-    prefix + 1, D), 0 at padding positions. Differentiable: under autograd the gradients reach the model's
-    parameters.
+    """Final hidden states (after the last RMSNorm, before the LM head) of positions [prefix - 1, L): the
+    values of ``model.model(input_ids, attention_mask, position_ids=...).last_hidden_state[:, prefix - 1:]``,
+    (B, L - prefix + 1, D), 0 at padding positions. Differentiable: under autograd the gradients reach the
+    model's parameters.
 
     input_ids, attention_mask: (B, L), left padding allowed; position_ids: (B, L), default cumsum(mask) - 1.
     prefix (≥ 1): the first ``prefix`` columns are a prompt that rows may share (the G completions of a GRPO
@@ -220,8 +224,8 @@ def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     output gathered back. A padding position costs attention work, not the matmuls'. ``padding_free=False``
     runs every column through them (the same numbers, slower; kept to measure what the saving is worth).
 
-    Phases: the layout (shared prompts, real tokens: ``_Layout``), the packed ids and RoPE, the attention masks,
-    the decoder stack over the packed rows, then each output position's row through the final norm.
+    Phases: the layout (shared prompts, real tokens: ``_Layout``), the packed ids and RoPE, the attention
+    masks, the decoder stack over the packed rows, then each output position's row through the final norm.
     """
     B, L = input_ids.shape
     if not 1 <= prefix <= L:
@@ -239,7 +243,8 @@ def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     x = run_layers(embed(layout.packed(input_ids), final), layers, cos, sin, attend)  # (n_p + n_s, D)
     if rows is None:
         x = torch.cat([x, x.new_zeros(1, x.shape[1])])                    # the row padding positions point at
-    return final["norm_w"] * _normalize(x.index_select(0, where.reshape(-1)), final["eps"]).view(*where.shape, -1)
+    return final["norm_w"] * _normalize(x.index_select(0, where.reshape(-1)), final["eps"]).view(*where.shape,
+                                                                                                 -1)
 
 
 @dataclass
@@ -259,12 +264,14 @@ class _Layout:
     @classmethod
     def of(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, P: int,
            padding_free: bool) -> _Layout:
-        # Runs of adjacent rows with the same prompt (ids, mask, positions) share it: GRPO's G rows of a group.
+        # Runs of adjacent rows with the same prompt (ids, mask,
+        # positions) share it: GRPO's G rows of a group.
         key = torch.cat([input_ids[:, :P], attention_mask[:, :P].long(), position_ids[:, :P]], dim=1)
         new_prompt = torch.cat([key.new_ones(1, dtype=torch.bool), (key[1:] != key[:-1]).any(1)])
         first = new_prompt.nonzero().squeeze(1)                                   # (U,)
         inverse = new_prompt.long().cumsum(0) - 1                                 # (B,)
-        real_p, real_s = attention_mask[first, :P].reshape(-1).bool(), attention_mask[:, P:].reshape(-1).bool()
+        real_p, real_s = (attention_mask[first, :P].reshape(-1).bool(),
+                          attention_mask[:, P:].reshape(-1).bool())
         if not padding_free:
             real_p, real_s = torch.ones_like(real_p), torch.ones_like(real_s)
         counts = torch.bincount(inverse, minlength=first.shape[0])
@@ -294,24 +301,28 @@ class _Layout:
 
     def packed(self, t: torch.Tensor) -> torch.Tensor:
         """(B, L) per column -> (N,) per packed row."""
-        return torch.cat([t[self.first, :self.P].reshape(-1)[self.idx_p], t[:, self.P:].reshape(-1)[self.idx_s]])
+        return torch.cat([t[self.first, :self.P].reshape(-1)[self.idx_p],
+                          t[:, self.P:].reshape(-1)[self.idx_s]])
 
     def per_row(self, t: torch.Tensor) -> torch.Tensor:
-        """(U, ...) per prompt -> (B, ...) per row. Equal groups (GRPO's G rows each): an expand, whose backward
-        is a sum over G; otherwise index_select (an index_add backward; ``t[inverse]``'s is a slower index_put)."""
+        """(U, ...) per prompt -> (B, ...) per row. Equal groups (GRPO's G rows each): an expand, whose
+        backward is a sum over G; otherwise index_select (an index_add backward; ``t[inverse]``'s is a slower
+        index_put)."""
         if self.group is not None:
             return t[:, None].expand(self.U, self.group, *t.shape[1:]).reshape(self.B, *t.shape[1:])
         return t.index_select(0, self.inverse)
 
     def output_rows(self, rows: torch.Tensor | None) -> torch.Tensor:
         """Where each output position's row is among the N packed rows: a row's last prompt column, then its
-        later columns, (B, S + 1); padding points at N (an extra zero row). With ``rows``: the wanted ones only."""
+        later columns, (B, S + 1); padding points at N (an extra zero row). With ``rows``: the wanted ones
+        only."""
         n, device = self.n_p + self.n_s, self.idx_p.device
         where_p = torch.full((self.U * self.P,), n, dtype=torch.long, device=device).index_copy_(
             0, self.idx_p, torch.arange(self.n_p, device=device))
         where_s = torch.full((self.B * self.S,), n, dtype=torch.long, device=device).index_copy_(
             0, self.idx_s, torch.arange(self.n_p, n, device=device))
-        where = torch.cat([where_p.view(self.U, self.P)[self.inverse, -1:], where_s.view(self.B, self.S)], dim=1)
+        where = torch.cat([where_p.view(self.U, self.P)[self.inverse, -1:], where_s.view(self.B, self.S)],
+                          dim=1)
         if rows is None:
             return where
         where = where[rows.bool()]
@@ -350,8 +361,8 @@ def _unpadded(t: torch.Tensor, idx: torch.Tensor, full: bool) -> torch.Tensor:
 
 def _shared_prompt_attention(layers: list[dict], layout: _Layout, mask_p: torch.Tensor,
                              mask_s: torch.Tensor) -> Attend:
-    """``run_layers``' attend over the packed rows: the prompts' queries attend within their prompt; each row's
-    later queries attend its prompt's keys and values (shared by the group's rows), then its own."""
+    """``run_layers``' attend over the packed rows: the prompts' queries attend within their prompt; each
+    row's later queries attend its prompt's keys and values (shared by the group's rows), then its own."""
     lo = layout
 
     def attend(i, q, k, v):
@@ -363,8 +374,10 @@ def _shared_prompt_attention(layers: list[dict], layout: _Layout, mask_p: torch.
         if lo.S == 0:
             return out
         qs, ks, vs = (_padded(t, lo.idx_s, lo.full_s, lo.B, lo.S) for t in (qs, ks, vs))  # (B, h, S, d)
-        ks, vs = torch.cat([lo.per_row(kp), ks], dim=2), torch.cat([lo.per_row(vp), vs], dim=2)  # (B, h, P + S, d)
-        later_out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask_s, scale=scale, enable_gqa=n_kv != H)
+        ks, vs = torch.cat([lo.per_row(kp), ks], dim=2), torch.cat([lo.per_row(vp), vs],
+                                                                   dim=2)  # (B, h, P + S, d)
+        later_out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask_s, scale=scale,
+                                                   enable_gqa=n_kv != H)
         return torch.cat([out, _unpadded(later_out, lo.idx_s, lo.full_s)])
 
     return attend

@@ -33,13 +33,14 @@ def is_gguf(name_or_path: str) -> bool:
 def read_architecture(path: Path) -> str:
     """The GGUF header's ``general.architecture``, after checking the file is a whole, readable GGUF.
 
-    ``gguf.GGUFReader`` parses the header and maps every tensor's bytes, so a truncated file or a damaged header
-    fails here, before transformers spends seconds on it."""
+    ``gguf.GGUFReader`` parses the header and maps every tensor's bytes, so a truncated file or a damaged
+    header fails here, before transformers spends seconds on it."""
     if not path.is_file():
         raise GGUFError(f"model.name_or_path: GGUF file {path} does not exist")
     with open(path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
-            raise GGUFError(f"model.name_or_path: {path} is not a GGUF file (no GGUF magic bytes at its start)")
+            raise GGUFError(f"model.name_or_path: {path} is not a GGUF file (no GGUF magic bytes at its "
+                            "start)")
     try:
         from gguf import GGUFReader
     except ImportError as err:
@@ -56,7 +57,8 @@ def read_architecture(path: Path) -> str:
 
 
 def convert_gguf(path: str | Path, out_dir: str | Path) -> dict:
-    """Write ``path``'s model as a float32 safetensors folder at ``out_dir`` (atomically); returns its summary."""
+    """Write ``path``'s model as a float32 safetensors folder at ``out_dir`` (atomically);
+    returns its summary."""
     path = Path(path)
     arch = read_architecture(path)
     model, tokenizer = load_dequantized(path, arch)
@@ -84,8 +86,8 @@ def load_dequantized(path: Path, arch: str):
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise GGUFError(f"model.name_or_path: transformers cannot load the '{arch}' model in {path}: "
                         f"{type(err).__name__}: {err}") from err
-    # The loaded model is flagged GGUF-quantized and will not save: a fresh one of the same config, without the
-    # quantization entry (the saved folder is plain float32), takes its weights.
+    # The loaded model is flagged GGUF-quantized and will not save: a fresh one of the same config, without
+    # the quantization entry (the saved folder is plain float32), takes its weights.
     config = copy.deepcopy(loaded.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -104,8 +106,8 @@ def converted_model_dir(gguf_name_or_path: str, root: str | Path = ".") -> Path:
     marker = folder / SOURCE_FILE
     name = Path(gguf_name_or_path).name
     if not marker.is_file():
-        raise GGUFError(f"model.name_or_path: {gguf_name_or_path} is a GGUF file and {folder} holds no converted "
-                        "model; run the `convert` stage (dvc repro) first")
+        raise GGUFError(f"model.name_or_path: {gguf_name_or_path} is a GGUF file and {folder} holds no "
+                        "converted model; run the `convert` stage (dvc repro) first")
     made_from = json.loads(marker.read_text(encoding="utf-8")).get("gguf_file")
     if made_from != name:
         raise GGUFError(f"model.name_or_path: {folder} was converted from {made_from}, not {name}; "

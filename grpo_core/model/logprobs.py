@@ -115,10 +115,11 @@ def token_logprobs_and_entropy(
         does the same), otherwise in the logits' dtype. 0 where attention_mask is 0, as TRL 1.16.
     """
     _check_scoring_arguments(input_ids, attention_mask, logits_to_keep, position_ids, temperature)
-    if isinstance(model, AdapterDisabledReference):  # the LoRA reference: the policy, adapters off, scored the
-        with model.adapters_off():                   # policy's way (fused head, logits_to_keep), not full logits
-            return token_logprobs_and_entropy(model.policy, input_ids, attention_mask, logits_to_keep, temperature,
-                                              compute_entropy, position_ids, path)
+    if isinstance(model, AdapterDisabledReference):  # the LoRA reference: the policy, adapters off,
+                                                     # scored the
+        with model.adapters_off():                # policy's way (fused head, logits_to_keep), not full logits
+            return token_logprobs_and_entropy(model.policy, input_ids, attention_mask, logits_to_keep,
+                                              temperature, compute_entropy, position_ids, path)
     model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
     if position_ids is not None:
         model_inputs["position_ids"] = position_ids
@@ -126,8 +127,8 @@ def token_logprobs_and_entropy(
     scoring = (temperature, compute_entropy, path.chunk_size)
     head = scoring_head(model) if path.fused_head else None
     if path.forward != "hf" and use_manual_forward(model, path.forward):
-        logps, entropies = _manual_forward_logps(model, input_ids, attention_mask, position_ids, logits_to_keep,
-                                                 scoring, path.padding_free)
+        logps, entropies = _manual_forward_logps(model, input_ids, attention_mask, position_ids,
+                                                 logits_to_keep, scoring, path.padding_free)
     elif head is not None:
         logps, entropies = _head_scored_logps(model, head, model_inputs, completion_ids, scoring)
     else:
@@ -150,18 +151,21 @@ def _check_scoring_arguments(input_ids, attention_mask, logits_to_keep, position
         )
     if tuple(attention_mask.shape) != tuple(input_ids.shape):
         raise ValueError(
-            f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
+            f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got "
+            f"{tuple(attention_mask.shape)}"
         )
     if position_ids is not None and tuple(position_ids.shape) != tuple(input_ids.shape):
         raise ValueError(
-            f"position_ids must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(position_ids.shape)}"
+            f"position_ids must have the shape of input_ids {tuple(input_ids.shape)}, got "
+            f"{tuple(position_ids.shape)}"
         )
     _check_positive("temperature", temperature)
 
 
 def _manual_forward_logps(model, input_ids, attention_mask, position_ids, logits_to_keep: int, scoring: tuple,
                           padding_free: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The hand-written forward's final hidden states through the LM head, chunk by chunk (``_head_scored_logps``).
+    """The hand-written forward's final hidden states through the LM head, chunk by chunk
+    (``_head_scored_logps``).
 
     The last token only predicts beyond the sequence: it is left out. The prompt columns are computed once per
     distinct prompt (the G rows of a group share them). Padding-free: only the real completion positions are
@@ -172,7 +176,7 @@ def _manual_forward_logps(model, input_ids, attention_mask, position_ids, logits
     real = attention_mask[:, -logits_to_keep:].bool() if padding_free else None  # (B, K)
     hidden = hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1],
                            None if position_ids is None else position_ids[:, :-1], prefix=L - logits_to_keep,
-                           rows=real, padding_free=padding_free)                # (B, K, D), or (real.sum(), D)
+                           rows=real, padding_free=padding_free)               # (B, K, D), or (real.sum(), D)
     logps, entropies = _chunked_head_logps_and_entropy(
         hidden, model.lm_head, completion_ids if real is None else completion_ids[real], *scoring
     )
@@ -183,20 +187,22 @@ def _manual_forward_logps(model, input_ids, attention_mask, position_ids, logits
 
 
 def _head_scored_logps(model: torch.nn.Module, head: torch.nn.Linear, model_inputs: dict,
-                       completion_ids: torch.Tensor, scoring: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       completion_ids: torch.Tensor,
+                       scoring: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fused LM head inside the model's own forward: the (B, K, V) logits never exist, forward or backward.
 
     The model's forward runs as it is (accelerate's autocast and fp32-output wrapper, DDP's reducer, FSDP2's
-    unsharding of the root's weights, a LoRA policy's adapters), with ``logits_to_keep = K + 1``; only for this call
-    its LM head (the same module, so hooks, parameters and their identity are untouched) scores instead of
-    projecting: it takes the last K + 1 hidden states and returns (B, K, 2) log-probs and entropies ((B, K, 1)
-    without entropy), the head's weight read inside the forward (FSDP2: the gathered one) and applied chunk by
-    chunk, each chunk recomputed in backward (``_chunked_head_logps_and_entropy``). The head's own forward is
-    restored however the call ends.
+    unsharding of the root's weights, a LoRA policy's adapters), with ``logits_to_keep = K + 1``; only for
+    this call its LM head (the same module, so hooks, parameters and their identity are untouched) scores
+    instead of projecting: it takes the last K + 1 hidden states and returns (B, K, 2) log-probs and entropies
+    ((B, K, 1) without entropy), the head's weight read inside the forward (FSDP2: the gathered one) and
+    applied chunk by chunk, each chunk recomputed in backward (``_chunked_head_logps_and_entropy``). The
+    head's own forward is restored however the call ends.
     """
     temperature, compute_entropy, chunk_size = scoring
 
-    def score(hidden: torch.Tensor) -> torch.Tensor:  # (B, K + 1, H); the last position predicts past the sequence
+    # (B, K + 1, H); the last position predicts past the sequence
+    def score(hidden: torch.Tensor) -> torch.Tensor:
         logps, entropies = _chunked_head_logps_and_entropy(hidden[:, :-1], head, completion_ids, *scoring)
         return torch.stack((logps, entropies), dim=-1) if compute_entropy else logps.unsqueeze(-1)
 
@@ -232,29 +238,31 @@ def _chunked_logps_and_entropy(
 
 
 def _chunked_head_logps_and_entropy(
-    hidden: torch.Tensor, head: torch.nn.Linear, index: torch.Tensor, temperature: float, compute_entropy: bool,
-    chunk_size: int,
+    hidden: torch.Tensor, head: torch.nn.Linear, index: torch.Tensor, temperature: float,
+    compute_entropy: bool, chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(B, K, H) hidden states through the LM head chunk by chunk -> log-probs (B, K), entropies (B, K) or None."""
+    """(B, K, H) hidden states through the LM head chunk by chunk -> log-probs (B, K), entropies
+    (B, K) or None."""
     kernel = _head_logps_and_entropy if compute_entropy else _head_logps
     if isinstance(head, Float32Head):  # train.cast_lm_head_to_fp32: the logits in float32, outside autocast
         kernel = _in_float32(kernel)
-    return _by_chunks(kernel, hidden, index, (head.weight, head.bias, temperature), compute_entropy, chunk_size,
-                      empty_like=hidden.new_zeros(0, 1))
+    return _by_chunks(kernel, hidden, index, (head.weight, head.bias, temperature), compute_entropy,
+                      chunk_size, empty_like=hidden.new_zeros(0, 1))
 
 
 def _in_float32(kernel: Callable) -> Callable:
     def float32_kernel(hidden, index, weight, bias, temperature):
         with torch.autocast(hidden.device.type, enabled=False):
-            return kernel(hidden.float(), index, weight.float(), None if bias is None else bias.float(), temperature)
+            return kernel(hidden.float(), index, weight.float(), None if bias is None else bias.float(),
+                          temperature)
     return float32_kernel
 
 
 def _by_chunks(kernel: Callable, rows: torch.Tensor, index: torch.Tensor, args: tuple, compute_entropy: bool,
                chunk_size: int, empty_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``kernel(rows_chunk, index_chunk, *args)`` over (B, K, D) rows ``chunk_size`` at a time (checkpointed under
-    autograd) -> log-probs (B, K) and, with ``compute_entropy``, entropies (B, K); ``empty_like`` sets the dtype
-    of an empty result."""
+    """``kernel(rows_chunk, index_chunk, *args)`` over (B, K, D) rows ``chunk_size`` at a time (checkpointed
+    under autograd) -> log-probs (B, K) and, with ``compute_entropy``, entropies (B, K); ``empty_like`` sets
+    the dtype of an empty result."""
     _check_chunk_size(chunk_size)
     flat_rows, flat_index = rows.reshape(-1, rows.shape[-1]), index.reshape(-1)
     logps_chunks, entropy_chunks = [], []
@@ -266,7 +274,8 @@ def _by_chunks(kernel: Callable, rows: torch.Tensor, index: torch.Tensor, args: 
         else:
             logps_chunks.append(result)
     logps = _concat_rows(logps_chunks, empty_like, upcast=True).reshape(index.shape)
-    entropies = _concat_rows(entropy_chunks, empty_like, upcast=True).reshape(index.shape) if compute_entropy else None
+    entropies = (_concat_rows(entropy_chunks, empty_like, upcast=True).reshape(index.shape) if compute_entropy
+                 else None)
     return logps, entropies
 
 
@@ -278,18 +287,19 @@ def _head_logps_and_entropy(hidden, index, weight, bias, temperature):
     return _logps_and_entropy_upcast(F.linear(hidden, weight, bias), index, temperature)
 
 
-# Causal LMs whose forward is exactly lm_head(backbone(...).last_hidden_state): no logit scaling or soft-capping.
+# Causal LMs whose forward is exactly lm_head(backbone(...).last_hidden_state): no logit scaling or
+# soft-capping.
 _PLAIN_HEAD_MODEL_TYPES = {"qwen2", "qwen3", "llama", "mistral"}
 
 
 def scoring_head(model: torch.nn.Module) -> torch.nn.Linear | None:
-    """The LM head whose forward ``token_logprobs_and_entropy`` replaces by chunked scoring for one call, or None
-    (the logits path).
+    """The LM head whose forward ``token_logprobs_and_entropy`` replaces by chunked scoring for one call, or
+    None (the logits path).
 
-    Only for the plain architectures above (their forward returns ``lm_head(hidden[:, -logits_to_keep:])`` as the
-    logits, untouched), looked up through DDP and PEFT wrappers, with a plain ``nn.Linear`` or ``Float32Head`` head
-    (no adapter on it, no patched forward of its own), and no patched model forward other than accelerate's
-    autocast wrapper (which only casts the output to float32: the scores already are).
+    Only for the plain architectures above (their forward returns ``lm_head(hidden[:, -logits_to_keep:])`` as
+    the logits, untouched), looked up through DDP and PEFT wrappers, with a plain ``nn.Linear`` or
+    ``Float32Head`` head (no adapter on it, no patched forward of its own), and no patched model forward other
+    than accelerate's autocast wrapper (which only casts the output to float32: the scores already are).
     """
     inner = model.module if isinstance(model, DistributedDataParallel) else model
     base = _unwrapped(model)
@@ -297,7 +307,8 @@ def scoring_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     if getattr(config, "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES:
         return None
     for m in {id(m): m for m in (model, inner, base)}.values():
-        if "forward" in vars(m) and getattr(m, "_original_forward", None) is None:  # patched, not by accelerate
+        # patched, not by accelerate
+        if "forward" in vars(m) and getattr(m, "_original_forward", None) is None:
             return None
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if type(head) not in (torch.nn.Linear, Float32Head) or "forward" in vars(head):
@@ -349,7 +360,7 @@ def _logps_and_entropy_upcast(
     return logps, -(log_probs.exp() * log_probs).sum(-1)
 
 
-# --- helpers -------------------------------------------------------------------------------------------------
+# --- helpers ------------------------------------------------------------------------------------------------
 
 
 def _upcast(logits: torch.Tensor) -> torch.Tensor:
@@ -375,8 +386,8 @@ def _concat_rows(chunks: list[torch.Tensor], logits: torch.Tensor, upcast: bool 
 
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    """Whether the model's forward takes ``logits_to_keep`` (HF causal LMs do); looks through DDP and PEFT wrappers
-    and a patched forward (its class's forward)."""
+    """Whether the model's forward takes ``logits_to_keep`` (HF causal LMs do); looks through DDP and PEFT
+    wrappers and a patched forward (its class's forward)."""
     return "logits_to_keep" in inspect.signature(type(_unwrapped(model)).forward).parameters
 
 

@@ -32,16 +32,17 @@ class RewardFunction(Protocol):
 
 @dataclass
 class RewardSpec(Options):
-    """One params.yaml `rewards:` entry: which function, its arguments, and how calibration and scoring treat it."""
+    """One params.yaml `rewards:` entry: which function, its arguments,
+    and how calibration and scoring treat it."""
 
     name: str = option("", "metric name: logged as rewards/<name>/mean")
     function: str = option("", "built-in reward name, or package.module:function (trusted code)")
     kwargs: dict = option({}, "keyword arguments for the built-in factory or bound to the function")
     target_share: float = option(1.0, "share of within-group advantage variance calibration aims for", ge=0)
     clip: list[float] | None = option(None, "[low, high]: clip this reward to the range")
-    isolated: bool = option(False, "run it in a worker process of its own: a call past train.reward_timeout_s "
-                            "kills the worker (the work ends) instead of abandoning a thread "
-                            "(grpo_core/rewards/isolated.py)")
+    isolated: bool = option(False, "run it in a worker process of its own: a call past "
+                            "train.reward_timeout_s kills the worker (the work ends) instead of abandoning a "
+                            "thread (grpo_core/rewards/isolated.py)")
 
     def check(self) -> None:
         if not self.name or not self.function:
@@ -52,8 +53,8 @@ class RewardSpec(Options):
 
 def completion_text(completion: Any) -> str:
     """The text of one completion: a string as is; a chat completion (list of messages) as the
-    concatenated `content` of the model's messages (tool results, ``role: tool``, left out: a conversation with tool
-    calls is scored on what the model wrote); a single message dict as its `content`.
+    concatenated `content` of the model's messages (tool results, ``role: tool``, left out: a conversation
+    with tool calls is scored on what the model wrote); a single message dict as its `content`.
 
     Multimodal content lists (`[{"type": "text", "text": ...}, ...]`) contribute their text parts.
     """
@@ -84,7 +85,8 @@ def _content_text(content: Any) -> str:
 
 
 def named(fn: Callable[..., list[RewardValue]], name: str) -> RewardFunction:
-    """`fn` under the metric name `name` (TRL and the trainer read `__name__`); the original is `__wrapped__`."""
+    """`fn` under the metric name `name` (TRL and the trainer read `__name__`);
+    the original is `__wrapped__`."""
 
     @functools.wraps(fn)
     def reward(prompts: list, completions: list, **kwargs: Any) -> list[RewardValue]:
@@ -96,8 +98,8 @@ def named(fn: Callable[..., list[RewardValue]], name: str) -> RewardFunction:
 
 
 def is_async_reward(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` (through ``named``/``functools.wraps`` wrappers and ``functools.partial``) is ``async def``:
-    such rewards are awaited, all of a batch's concurrently (``score_completions``)."""
+    """Whether ``fn`` (through ``named``/``functools.wraps`` wrappers and ``functools.partial``) is
+    ``async def``: such rewards are awaited, all of a batch's concurrently (``score_completions``)."""
     target = inspect.unwrap(fn)
     target = getattr(target, "func", target)
     return inspect.iscoroutinefunction(target)

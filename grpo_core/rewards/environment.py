@@ -1,7 +1,8 @@
 """The environment's own reward (TRL 1.16: an environment with ``get_reward()`` owns a reward).
 
-TRL adds it as an extra reward column by itself; here it is listed in ``rewards:`` like any other, so its name,
-weight (calibrated or pinned) and clip are as explicit as the rest: ``{name: solved, function: environment_reward}``.
+TRL adds it as an extra reward column by itself; here it is listed in ``rewards:`` like any other, so its
+name, weight (calibrated or pinned) and clip are as explicit as the rest:
+``{name: solved, function: environment_reward}``.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from grpo_core.rewards.base import RewardFunction, RewardValue, named
 
 
 def environment_reward() -> RewardFunction:
-    """Each rollout's ``environment.get_reward()`` (awaited when ``async``), read after its conversation ended;
-    None where the rollout's environment defines no ``get_reward`` (a mapping of environments may mix them)."""
+    """Each rollout's ``environment.get_reward()`` (awaited when ``async``), read after its conversation
+    ended; None where the rollout's environment defines no ``get_reward`` (a mapping of environments may mix
+    them)."""
 
     def environment_reward(prompts: list, completions: list, environments: Sequence[Any] | None = None,
                            **kwargs: Any) -> list[RewardValue]:

@@ -1,5 +1,6 @@
-"""Rewards run in a worker process of their own (``isolated: true`` in a ``rewards:`` entry): a call that outlives
-``train.reward_timeout_s`` is ended by killing its worker, not abandoned in a thread that keeps running.
+"""Rewards run in a worker process of their own (``isolated: true`` in a ``rewards:`` entry): a call that
+outlives ``train.reward_timeout_s`` is ended by killing its worker, not abandoned in a thread that keeps
+running.
 
     trainer process                                worker process (spawned: no torch state is forked)
       IsolatedReward.call_with_timeout(...)  --->    resolve the reward (import path or built-in), then
@@ -17,11 +18,13 @@ from grpo_core.common.errors import TrainingFailure
 from grpo_core.rewards.scoring import RewardTimeout
 from grpo_core.rewards.wrappers import clip_reward
 
-_START_TIMEOUT_S = 300.0  # a fresh worker imports the reward's modules (torch included) before its first answer
+# a fresh worker imports the reward's modules (torch included) before its first answer
+_START_TIMEOUT_S = 300.0
 
 
 class IsolatedRewardError(TrainingFailure, RuntimeError):
-    """The isolated reward raised in its worker, or its worker could not start or died; the message says which."""
+    """The isolated reward raised in its worker, or its worker could not start or died;
+    the message says which."""
 
 
 def _serve(conn, resolve, function: str, kwargs: dict, name: str, clip: list[float] | None) -> None:
@@ -45,8 +48,8 @@ def _serve(conn, resolve, function: str, kwargs: dict, name: str, clip: list[flo
 
 class IsolatedReward:
     """A reward function (by import path or built-in name, with kwargs and clip) answered by a worker process.
-    resolve: ``(function, kwargs, name) -> reward function``, run in the worker (a module-level function, so the
-    spawned worker can import it: ``registry.resolve_reward_function``)."""
+    resolve: ``(function, kwargs, name) -> reward function``, run in the worker (a module-level function, so
+    the spawned worker can import it: ``registry.resolve_reward_function``)."""
 
     def __init__(self, function: str, kwargs: dict[str, Any], name: str, clip: list[float] | None, resolve):
         self.function, self.kwargs, self.clip, self.__name__ = function, dict(kwargs), clip, name
@@ -56,33 +59,39 @@ class IsolatedReward:
     def __call__(self, prompts: list, completions: list, **columns: Any) -> list:
         return self.call_with_timeout(prompts, completions, columns, None)
 
-    def call_with_timeout(self, prompts: list, completions: list, columns: dict, timeout_s: float | None) -> list:
-        """The worker's values for one batch; RewardTimeout (the worker killed) when none came within timeout_s."""
+    def call_with_timeout(self, prompts: list, completions: list, columns: dict,
+                          timeout_s: float | None) -> list:
+        """The worker's values for one batch; RewardTimeout (the worker killed) when none came within
+        timeout_s."""
         self.start()
         self._conn.send((list(prompts), list(completions), {k: list(v) for k, v in columns.items()}))
         if not self._conn.poll(timeout_s):
             self.stop()
-            raise RewardTimeout(f"reward function {self.__name__!r} did not return within {timeout_s:g}s on a batch "
-                                f"of {len(completions)}; its worker process was killed")
+            raise RewardTimeout(f"reward function {self.__name__!r} did not return within {timeout_s:g}s on "
+                                f"a batch of {len(completions)}; its worker process was killed")
         status, value = self._receive()
         if status == "error":
             raise IsolatedRewardError(f"reward {self.__name__!r} (isolated) raised {value}")
         return value
 
     def start(self) -> None:
-        """Start the worker (it imports the reward) unless it is running; the first call does this by itself."""
+        """Start the worker (it imports the reward) unless it is running;
+        the first call does this by itself."""
         if self._process is not None and self._process.is_alive():
             return
         self.stop()
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=_serve, args=(child, self.resolve, self.function, self.kwargs, self.__name__, self.clip),
+        self._process = ctx.Process(target=_serve,
+                                    args=(child, self.resolve, self.function, self.kwargs, self.__name__,
+                                          self.clip),
                                     name=f"reward-{self.__name__}", daemon=True)
         self._process.start()
         child.close()
         if not self._conn.poll(_START_TIMEOUT_S):
             self.stop()
-            raise IsolatedRewardError(f"reward {self.__name__!r}: its worker did not start in {_START_TIMEOUT_S:g}s")
+            raise IsolatedRewardError(f"reward {self.__name__!r}: its worker did not start in "
+                                      f"{_START_TIMEOUT_S:g}s")
         status, value = self._receive()
         if status != "ready":
             self.stop()

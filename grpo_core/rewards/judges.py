@@ -2,9 +2,9 @@
 evaluation during training) and calibration.
 
 The first configured reward whose built-in function checks the answer (``correctness``, ``numeric``,
-``multiple_choice``, ``math_verify``) judges correctness: a sample is correct when it scores that reward's ``correct`` value.
-The first configured ``soft_format`` / ``strict_format`` judges the format: > 0 is well formed. With none
-configured, the built-in ``correctness`` and ``soft_format`` judge.
+``multiple_choice``, ``math_verify``) judges correctness: a sample is correct when it scores that reward's
+``correct`` value. The first configured ``soft_format`` / ``strict_format`` judges the format: > 0 is well
+formed. With none configured, the built-in ``correctness`` and ``soft_format`` judge.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def build_judges(specs: Sequence[RewardSpec]) -> Judges:
     """The configured correctness and format rewards when present, else the built-ins."""
     ci, fi = reward_index(specs, CORRECTNESS_FUNCTIONS), reward_index(specs, FORMAT_FUNCTIONS)
     if ci is not None:
-        correct_fn, correct_value = build_reward_functions([specs[ci]])[0], float(specs[ci].kwargs.get("correct", 1.0))
+        correct_fn, correct_value = (build_reward_functions([specs[ci]])[0],
+                                     float(specs[ci].kwargs.get("correct", 1.0)))
     else:
         correct_fn, correct_value = correctness(), 1.0
     format_fn = build_reward_functions([specs[fi]])[0] if fi is not None else soft_format()

@@ -1,11 +1,11 @@
-"""Math answers checked by Hugging Face's ``math-verify`` (the verifier of TRL's ``accuracy_reward`` and open-r1):
-LaTeX (``\\frac``, ``\\sqrt``, ``\\boxed{}``), sets and intervals, percentages, units, ``#### N`` and thousands
-separators, compared symbolically with sympy.
+"""Math answers checked by Hugging Face's ``math-verify`` (the verifier of TRL's ``accuracy_reward`` and
+open-r1): LaTeX (``\\frac``, ``\\sqrt``, ``\\boxed{}``), sets and intervals, percentages, units, ``#### N``
+and thousands separators, compared symbolically with sympy.
 
-The gold is parsed as it is; the model's answer is read from its answer section (``<answer>…</answer>``, where any
-expression counts) or, with ``answer_tag=None``, from the whole completion, where only an anchored answer counts
-(``\\boxed{}`` first, then "the final answer is …", as TRL's ``accuracy_reward``). A gold that does not parse gives
-None ("does not apply"), as in TRL.
+The gold is parsed as it is; the model's answer is read from its answer section (``<answer>…</answer>``, where
+any expression counts) or, with ``answer_tag=None``, from the whole completion, where only an anchored answer
+counts (``\\boxed{}`` first, then "the final answer is …", as TRL's ``accuracy_reward``). A gold that does not
+parse gives None ("does not apply"), as in TRL.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ def _require_math_verify():
 
 
 def _timeouts(seconds: float) -> dict[str, int | None]:
-    """math-verify times out with SIGALRM (whole seconds), which only the main thread may set: elsewhere (a reward
-    timed out by the trainer runs in a worker thread) its own limit is off and the trainer's reward_timeout_s
-    bounds the call."""
-    limit = math.ceil(seconds) if threading.current_thread() is threading.main_thread() and seconds > 0 else None
+    """math-verify times out with SIGALRM (whole seconds), which only the main thread may set: elsewhere (a
+    reward timed out by the trainer runs in a worker thread) its own limit is off and the trainer's
+    reward_timeout_s bounds the call."""
+    limit = (math.ceil(seconds) if threading.current_thread() is threading.main_thread() and seconds > 0
+             else None)
     return {"parsing_timeout": limit}
 
 
@@ -44,8 +45,8 @@ def parse_math_gold(raw: Any, timeout_s: float = 5.0) -> list | None:
 
 
 def _first_parse(text: str, parse_one) -> list:
-    """Bare LaTeX (``\\sqrt{2}``, ``2^{10}`` with no ``$``) parses only between math delimiters, so such text is
-    tried as ``$text$`` first; otherwise, and when that finds nothing, the text as it is."""
+    """Bare LaTeX (``\\sqrt{2}``, ``2^{10}`` with no ``$``) parses only between math delimiters, so such text
+    is tried as ``$text$`` first; otherwise, and when that finds nothing, the text as it is."""
     if "$" not in text and any(mark in text for mark in ("\\", "^", "{")):
         parsed = parse_one(f"${text.strip()}$")
         if parsed:
@@ -57,11 +58,12 @@ def _parse_answer(text: str, anchored: bool, timeout_s: float) -> list:
     from latex2sympy2_extended import NormalizationConfig
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
-    config = [LatexExtractionConfig(normalization_config=NormalizationConfig(units=True), boxed_match_priority=0,
-                                    try_extract_without_anchor=not anchored),
+    config = [LatexExtractionConfig(normalization_config=NormalizationConfig(units=True),
+                                    boxed_match_priority=0, try_extract_without_anchor=not anchored),
               ExprExtractionConfig(try_extract_without_anchor=not anchored)]
     def parse_one(candidate: str) -> list:
-        return parse(candidate, extraction_config=config, extraction_mode="first_match", **_timeouts(timeout_s))
+        return parse(candidate, extraction_config=config, extraction_mode="first_match",
+                     **_timeouts(timeout_s))
 
     return parse_one(text) if anchored else _first_parse(text, parse_one)
 
@@ -77,7 +79,8 @@ def math_verify(gold_column: str = "answer", answer_tag: str | None = "answer", 
         from math_verify import verify
 
         if gold_column not in kwargs:
-            raise KeyError(f"math_verify: no gold column {gold_column!r} among the reward columns {sorted(kwargs)}")
+            raise KeyError(f"math_verify: no gold column {gold_column!r} among the reward columns "
+                           f"{sorted(kwargs)}")
         golds: dict[tuple[str, str], list | None] = {}  # a prompt's G completions share one gold: parsed once
         limit = _timeouts(timeout_s)["parsing_timeout"]
         out: list[RewardValue] = []

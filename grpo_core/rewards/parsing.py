@@ -104,7 +104,8 @@ def extract_number(text: str) -> Fraction | None:
 
 def extract_choice(text: str, letters: str = DEFAULT_LETTERS, *, require_boxed: bool = True) -> str | None:
     """The letter a model chose: `\\boxed{X}` (last box) with X in `letters`; with `require_boxed=False`
-    also a bare letter such as "B", "(B)" or "B)". Case-sensitive (a lowercase "a" is a word, not a choice)."""
+    also a bare letter such as "B", "(B)" or "B)". Case-sensitive (a lowercase "a" is a word, not a
+    choice)."""
     boxed = extract_boxed(text)
     candidate = boxed if boxed is not None else (None if require_boxed else text)
     if candidate is None:

@@ -84,7 +84,8 @@ def _unknown_builtin(function: str, reward: str) -> RewardConfigError:
     if "." in function:
         hint += " An import path is written 'package.module:function'."
     return RewardConfigError(
-        f"reward {reward!r}: unknown reward function {function!r}.{hint} Built-ins: {', '.join(sorted(BUILTINS))}"
+        f"reward {reward!r}: unknown reward function {function!r}.{hint} Built-ins: "
+        f"{', '.join(sorted(BUILTINS))}"
     )
 
 

@@ -1,11 +1,11 @@
-"""A learned reward model as a reward function: a sequence-classification model (a local folder or a hub id) scores
-prompt + completion as TRL's ``reward_funcs=<model>`` does.
+"""A learned reward model as a reward function: a sequence-classification model (a local folder or a hub id)
+scores prompt + completion as TRL's ``reward_funcs=<model>`` does.
 
     chat prompts    the model's own chat template over prompt messages + the completion message (no generation
                     prompt); plain prompts: prompt + completion as text
-    tokenized       by the model's own tokenizer, right-padded, no special tokens added (the template has them);
-                    the pad token is EOS when the tokenizer has none, and the model's config is told which it is,
-                    since a classifier reads the last non-pad token
+    tokenized       by the model's own tokenizer, right-padded, no special tokens added (the template has
+                    them); the pad token is EOS when the tokenizer has none, and the model's config is told
+                    which it is, since a classifier reads the last non-pad token
     reward          logits[:, 0], batch_size texts per forward, under inference mode
 """
 
@@ -20,7 +20,8 @@ def _texts(tokenizer, prompts: list, completions: list) -> list[str]:
     texts = []
     for prompt, completion in zip(prompts, completions, strict=True):
         if isinstance(prompt, list):  # chat messages: the completion is one assistant message (or its text)
-            reply = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+            reply = (completion if isinstance(completion, list)
+                     else [{"role": "assistant", "content": completion}])
             texts.append(tokenizer.apply_chat_template(prompt + reply, tokenize=False))
         else:
             texts.append(prompt + (completion if isinstance(completion, str) else completion[0]["content"]))
@@ -50,8 +51,8 @@ def reward_model(model: str, batch_size: int = 16, max_length: int | None = None
         out: list[RewardValue] = []
         for start in range(0, len(texts), batch_size):
             inputs = tokenizer(text=texts[start:start + batch_size], return_tensors="pt", padding=True,
-                               padding_side="right", add_special_tokens=False, truncation=max_length is not None,
-                               max_length=max_length).to(classifier.device)
+                               padding_side="right", add_special_tokens=False,
+                               truncation=max_length is not None, max_length=max_length).to(classifier.device)
             with torch.inference_mode():
                 out += classifier(**inputs).logits[:, 0].float().tolist()
         return out

@@ -22,12 +22,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RewardCallOptions(Options):
-    """params.yaml `train:` keys of how reward functions are called, in every stage that scores (calibrate, train,
-    evaluate)."""
+    """params.yaml `train:` keys of how reward functions are called, in every stage that scores (calibrate,
+    train, evaluate)."""
 
-    reward_errors: Literal["raise", "none"] = option("raise", "a raising reward function: stop, or count as None")
-    reward_timeout_s: float = option(60.0, "seconds one reward-function call may take; a call past it scores None "
-                                     "for its samples and is counted (0 = no limit)", ge=0)
+    reward_errors: Literal["raise", "none"] = option("raise",
+                                                     "a raising reward function: stop, or count as None")
+    reward_timeout_s: float = option(60.0, "seconds one reward-function call may take; a call past it scores "
+                                     "None for its samples and is counted (0 = no limit)", ge=0)
 
 
 class RewardFunctionError(TrainingFailure, RuntimeError):
@@ -65,7 +66,8 @@ def _check_output(values: Any, n: int, name: str) -> list[float]:
         values = values.tolist()
     if not isinstance(values, list | tuple):
         raise RewardFunctionError(
-            f"reward function {name!r} returned {type(values).__name__}, expected a list of {n} float|int|None"
+            f"reward function {name!r} returned {type(values).__name__}, "
+            f"expected a list of {n} float|int|None"
         )
     if len(values) != n:
         raise RewardFunctionError(
@@ -87,7 +89,8 @@ def _check_output(values: Any, n: int, name: str) -> list[float]:
 
 def _call(fn: RewardFunction, prompts: list, completions: list, columns: Mapping[str, Sequence[Any]],
           timeout_s: float | None = None) -> Any:
-    """``fn(prompts, completions, **columns)``; with ``timeout_s``, in a daemon thread joined for at most that long.
+    """``fn(prompts, completions, **columns)``; with ``timeout_s``,
+    in a daemon thread joined for at most that long.
 
     Python cannot kill a thread: a call that times out is abandoned (its thread is a daemon, so it never
     holds the process open) and RewardTimeout is raised here; a reward marked ``isolated`` runs in a worker
@@ -126,12 +129,14 @@ def call_reward(fn: RewardFunction, prompts: list, completions: list, **columns:
     return _call(fn, list(prompts), list(completions), columns)
 
 
-async def _awaited(fn: RewardFunction, prompts: list, completions: list, kwargs: dict, timeout_s: float | None) -> Any:
+async def _awaited(fn: RewardFunction, prompts: list, completions: list, kwargs: dict,
+                   timeout_s: float | None) -> Any:
     try:
-        return await asyncio.wait_for(fn(prompts=prompts, completions=completions, **kwargs), timeout_s or None)
+        return await asyncio.wait_for(fn(prompts=prompts, completions=completions, **kwargs),
+                                      timeout_s or None)
     except TimeoutError:
-        raise RewardTimeout(f"reward function {_name(fn)!r} did not return within {timeout_s:g}s on a batch of "
-                            f"{len(completions)}; it was cancelled") from None
+        raise RewardTimeout(f"reward function {_name(fn)!r} did not return within {timeout_s:g}s on a batch "
+                            f"of {len(completions)}; it was cancelled") from None
 
 
 async def _gather_async(fns: dict[int, RewardFunction], prompts: list, completions: list,
@@ -192,8 +197,8 @@ def score_completions(
         on_error: "raise" → a raising function raises RewardFunctionError naming it and the first failing
             sample; "none" → its failing samples score None (NaN) and are counted.
         timeout_s: seconds a call may take (None or 0 = no limit). ``async def`` rewards are awaited together,
-            each cancelled at its timeout (the work ends at its next await). A batch call that times out scores
-            None (NaN) for all N samples of that function, in both modes, is counted in
+            each cancelled at its timeout (the work ends at its next await). A batch call that times out
+            scores None (NaN) for all N samples of that function, in both modes, is counted in
             ``timeout_counts`` and logged as a warning; it is not retried sample by sample (that could
             wait N times as long). Samples of a per-sample retry (after the batch call raised) time out
             one by one.
@@ -218,7 +223,8 @@ def score_completions(
     error_counts: dict[str, int] = {}
     timeout_counts: dict[str, int] = {}
     concurrent = {k: fn for k, fn in enumerate(reward_fns) if is_async_reward(fn)}
-    awaited = asyncio.run(_gather_async(concurrent, prompts, completions, columns, timeout_s)) if concurrent else {}
+    awaited = (asyncio.run(_gather_async(concurrent, prompts, completions, columns, timeout_s)) if concurrent
+               else {})
     for k, fn in enumerate(reward_fns):
         name = _name(fn)
         failures = timeouts = 0
@@ -235,7 +241,8 @@ def score_completions(
         except Exception as batch_error:
             values, failures, timeouts = _per_sample(fn, prompts, completions, columns, on_error, timeout_s)
             if timeouts:
-                log.warning("reward function %r timed out on %d single samples (%gs each)", name, timeouts, timeout_s)
+                log.warning("reward function %r timed out on %d single samples (%gs each)", name, timeouts,
+                            timeout_s)
             if failures == 0 and timeouts == 0 and on_error == "raise":
                 # Every sample passes alone, yet the batch call failed: report the batch, not a sample.
                 raise RewardFunctionError(

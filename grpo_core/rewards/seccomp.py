@@ -1,16 +1,18 @@
-"""The jail's seccomp policy (``grpo_core/rewards/sandbox.py``): system calls a program scored by a reward has no use
-for, denied with EPERM, compiled to the BPF program bubblewrap loads (``bwrap --seccomp FD``).
+"""The jail's seccomp policy (``grpo_core/rewards/sandbox.py``): system calls a program scored by a reward has
+no use for, denied with EPERM, compiled to the BPF program bubblewrap loads (``bwrap --seccomp FD``).
 
-The filter is compiled by libseccomp, the library Flatpak, Docker and systemd build theirs with: it also handles what a
-hand-assembled filter tends to miss (a foreign architecture's system calls, x32 numbers on x86_64: the process is
-killed). libseccomp's own Python bindings are not on PyPI, so the five calls needed go through ctypes; the library
-itself is the system's (Debian's ``libseccomp2``, which apt and systemd depend on).
+The filter is compiled by libseccomp, the library Flatpak, Docker and systemd build theirs with: it also
+handles what a hand-assembled filter tends to miss (a foreign architecture's system calls, x32 numbers on
+x86_64: the process is killed). libseccomp's own Python bindings are not on PyPI, so the five calls needed go
+through ctypes; the library itself is the system's (Debian's ``libseccomp2``, which apt and systemd depend
+on).
 
-The list follows Docker's default profile: what changes the machine rather than the process (modules, kexec, clocks,
-swap, quotas, reboot), what reaches other processes (ptrace, process_vm_*, pidfd_getfd), what builds namespaces or
-mounts (the jail has built its own and forbids nested user namespaces as well), and the kernel interfaces most
-exploits of recent years went through (io_uring, bpf, userfaultfd, perf_event_open, keyrings). A deny list cannot
-name system calls a newer kernel adds; the namespaces, not this list, are what keep the program in.
+The list follows Docker's default profile: what changes the machine rather than the process (modules, kexec,
+clocks, swap, quotas, reboot), what reaches other processes (ptrace, process_vm_*, pidfd_getfd), what builds
+namespaces or mounts (the jail has built its own and forbids nested user namespaces as well), and the kernel
+interfaces most exploits of recent years went through (io_uring, bpf, userfaultfd, perf_event_open, keyrings).
+A deny list cannot name system calls a newer kernel adds; the namespaces, not this list, are what keep the
+program in.
 """
 
 from __future__ import annotations
@@ -26,14 +28,15 @@ from grpo_core.common.errors import ConfigurationError
 DENIED = (
     # the machine: modules, kexec, clocks, swap, quotas, accounting, reboot, the kernel log
     "init_module", "finit_module", "delete_module", "create_module", "query_module", "get_kernel_syms",
-    "kexec_load", "kexec_file_load", "reboot", "swapon", "swapoff", "acct", "quotactl", "quotactl_fd", "syslog",
-    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "stime", "iopl", "ioperm", "vhangup",
-    "_sysctl", "sysfs", "uselib", "ustat", "nfsservctl", "lookup_dcookie", "vm86", "vm86old", "modify_ldt",
+    "kexec_load", "kexec_file_load", "reboot", "swapon", "swapoff", "acct", "quotactl", "quotactl_fd",
+    "syslog", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "stime", "iopl", "ioperm",
+    "vhangup", "_sysctl", "sysfs", "uselib", "ustat", "nfsservctl", "lookup_dcookie", "vm86", "vm86old",
+    "modify_ldt",
     # other processes
     "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "process_madvise", "kcmp",
     # namespaces and mounts
-    "unshare", "setns", "mount", "umount", "umount2", "pivot_root", "chroot", "open_tree", "move_mount", "fsopen",
-    "fsconfig", "fsmount", "fspick", "mount_setattr", "name_to_handle_at", "open_by_handle_at",
+    "unshare", "setns", "mount", "umount", "umount2", "pivot_root", "chroot", "open_tree", "move_mount",
+    "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "name_to_handle_at", "open_by_handle_at",
     # kernel interfaces with a record of exploits
     "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
     "keyctl", "add_key", "request_key", "fanotify_init", "personality",
@@ -63,7 +66,8 @@ def deny_filter() -> bytes:
         for name in DENIED:
             nr = lib.seccomp_syscall_resolve_name(name.encode())
             if nr != _NR_UNKNOWN:  # unknown to this libseccomp: not a call of this architecture
-                _check(lib.seccomp_rule_add(ctx, _ACT_ERRNO | errno.EPERM, nr, 0), f"seccomp_rule_add({name})")
+                _check(lib.seccomp_rule_add(ctx, _ACT_ERRNO | errno.EPERM, nr, 0),
+                       f"seccomp_rule_add({name})")
         return _export(lib, ctx)
     finally:
         lib.seccomp_release(ctx)
@@ -87,8 +91,9 @@ def _libseccomp() -> ctypes.CDLL:
     try:
         lib = ctypes.CDLL(name, use_errno=True)
     except OSError as exc:
-        raise SeccompUnavailable(f"libseccomp is not installed ({exc}); it compiles the jail's seccomp policy: "
-                                 "apt-get install libseccomp2 (Debian, Ubuntu) or dnf install libseccomp") from exc
+        raise SeccompUnavailable(f"libseccomp is not installed ({exc}); it compiles the jail's seccomp "
+                                 "policy: apt-get install libseccomp2 (Debian, "
+                                 "Ubuntu) or dnf install libseccomp") from exc
     lib.seccomp_init.restype = ctypes.c_void_p
     lib.seccomp_init.argtypes = [ctypes.c_uint32]
     lib.seccomp_attr_set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]

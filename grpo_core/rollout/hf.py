@@ -16,7 +16,8 @@ class HFGenerateBackend:
     """Sampling with ``model.generate``: KV cache, batched, left padding, stops when all rows end."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, eos_token_ids: list[int] | None = None,
-                 max_batch_size: int | None = None, static_cache: bool | None = None, prompt_multiple: int = 64):
+                 max_batch_size: int | None = None, static_cache: bool | None = None,
+                 prompt_multiple: int = 64):
         """static_cache: a static KV cache, with which ``generate`` compiles the decode step (CUDA graphs);
         None = on CUDA only (on CPU compiling does not pay). Prompts are then left-padded to a multiple of
         ``prompt_multiple`` so the cache — and the compiled graph — keeps its shape from round to round."""

@@ -10,8 +10,8 @@ cumsum(attention_mask) - 1 (left padding), as HF's.
 
 Sampling follows HF ``generate`` step by step: float32 logits; EOS masked while fewer than
 ``generation_config.min_new_tokens`` tokens exist (and while the row is shorter than ``min_length``);
-the repetition penalty over the prompt's real tokens and those sampled so far (HF's processor); then temperature,
-top-k, top-p, min-p (HF's warpers, same order and tie rules); a draw from softmax (inverse CDF,
+the repetition penalty over the prompt's real tokens and those sampled so far (HF's processor); then
+temperature, top-k, top-p, min-p (HF's warpers, same order and tie rules); a draw from softmax (inverse CDF,
 ``sample``: the same distribution as HF's ``torch.multinomial``, another random stream) or ``argmax`` when
 greedy; a finished row gets the pad token; the loop stops once every row has an EOS.
 """
@@ -27,9 +27,10 @@ from grpo_core.model.fastforward import unsupported_reason as forward_unsupporte
 from grpo_core.rollout.types import RolloutBatch, SamplingParams, assemble_batch, left_pad, pad_and_eos_ids
 
 # generation_config fields that add a logits processor this loop does not reproduce (HF backend parity).
-_UNSUPPORTED_GENERATION = ("no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens",
-                           "forced_bos_token_id", "forced_eos_token_id", "sequence_bias", "watermarking_config",
-                           "exponential_decay_length_penalty", "renormalize_logits", "top_h")
+_UNSUPPORTED_GENERATION = ("no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
+                           "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
+                           "sequence_bias", "watermarking_config", "exponential_decay_length_penalty",
+                           "renormalize_logits", "top_h")
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -64,8 +65,9 @@ class ManualDecodeBackend:
         self.model = model
         self.pad_id, self.eos_ids = pad_and_eos_ids(tokenizer, eos_token_ids)
         self.max_batch_size = max_batch_size
-        # batches carry each sampled token's log-prob under the sampling weights, log softmax(logits / T) as the
-        # training forward computes it (no top-k/top-p/penalty): the old log-probs of a round sampled ahead
+        # batches carry each sampled token's log-prob under the sampling weights, log softmax(logits / T) as
+        # the training forward computes it (no top-k/top-p/penalty): the old log-probs of a round sampled
+        # ahead
         self.return_logprobs = return_logprobs
         self.record_logits: list[torch.Tensor] | None = None  # a list: each step's (B, V) logits (tests)
 
@@ -80,18 +82,21 @@ class ManualDecodeBackend:
         """Logits (B, V) float32 of the last of S new tokens, written at buffer columns [start, start + S).
 
         ids: (B, S); weights: ``fastforward.prepare``'s; cache: per layer (K, V), each (B·Hkv, T, d); cos/sin:
-        (B·S, 1, d) of the new tokens' positions; mask: prefill (B, 1, S, S) bool, True where a query may attend
-        a key; decode (B·Hkv, 1, start + 1) float, 0 or -inf, added to the scores. Rows are kept 2-D, (B·S, D).
+        (B·S, 1, d) of the new tokens' positions; mask: prefill (B, 1, S, S) bool, True where a query may
+        attend a key; decode (B·Hkv, 1, start + 1) float, 0 or -inf, added to the scores. Rows are kept 2-D,
+        (B·S, D).
         """
         layers, final = weights
         (B, S), stop = ids.shape, start + ids.shape[1]
 
-        def attend(i, q, k, v):  # K/V of the new tokens into the buffer, then attention over columns [0, stop)
+        # K/V of the new tokens into the buffer, then attention over columns [0, stop)
+        def attend(i, q, k, v):
             (k_buf, v_buf), (H, n_kv, d) = cache[i], layers[i]["heads"]
             T = k_buf.shape[1]
             k_buf.view(B, n_kv, T, d)[:, :, start:stop] = k.view(B, S, n_kv, d).transpose(1, 2)
             v_buf.view(B, n_kv, T, d)[:, :, start:stop] = v.view(B, S, n_kv, d).transpose(1, 2)
-            if S == 1:  # decode: (B·Hkv, g, d) queries against (B·Hkv, stop, d) keys (GQA without a KV repeat)
+            # decode: (B·Hkv, g, d) queries against (B·Hkv, stop, d) keys (GQA without a KV repeat)
+            if S == 1:
                 scores = torch.baddbmm(mask, q.reshape(B * n_kv, -1, d), k_buf[:, :stop].transpose(1, 2),
                                        alpha=layers[i]["scale"])                # (B·Hkv, g, stop)
                 return torch.bmm(scores.softmax(dim=-1), v_buf[:, :stop]).view(B, H * d)
@@ -108,7 +113,8 @@ class ManualDecodeBackend:
 
     @staticmethod
     def warp(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-        """HF's sampling warpers in HF's order: temperature, top-k, top-p, min-p (min_tokens_to_keep = 1). (B, V)."""
+        """HF's sampling warpers in HF's order: temperature, top-k, top-p, min-p (min_tokens_to_keep = 1).
+        (B, V)."""
         if sampling.temperature is not None and sampling.temperature != 1.0:
             logits = logits / sampling.temperature
         if sampling.top_k:
@@ -121,28 +127,30 @@ class ManualDecodeBackend:
             logits = logits.masked_fill(remove.scatter(1, order, remove), -float("inf"))
         if sampling.min_p > 0:  # the top token always stays (its probability is the threshold's scale)
             probs = logits.softmax(dim=-1)
-            logits = logits.masked_fill(probs < sampling.min_p * probs.amax(dim=-1, keepdim=True), -float("inf"))
+            logits = logits.masked_fill(probs < sampling.min_p * probs.amax(dim=-1, keepdim=True),
+                                        -float("inf"))
         return logits
 
     @staticmethod
     def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-        """HF's repetition penalty: each token already seen (B, V) bool has its logit divided by ``penalty``, or
-        multiplied when negative. (B, V)."""
+        """HF's repetition penalty: each token already seen (B, V) bool has its logit divided by ``penalty``,
+        or multiplied when negative. (B, V)."""
         return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
 
     @staticmethod
     def sample(logits: torch.Tensor) -> torch.Tensor:
         """One token per row from softmax(logits) (B, V) by inverse CDF: the first index whose cumulative
         probability exceeds u ~ U[0, 1). One uniform per row (``torch.multinomial`` draws V exponentials,
-        ~0.4 ms a step here); a zero-probability token never has a cumulative sum above u, so is never picked."""
+        ~0.4 ms a step here); a zero-probability token never has a cumulative sum above u, so is never
+        picked."""
         cdf = logits.softmax(dim=-1).cumsum(dim=-1)
         u = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
         return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
 
     @staticmethod
     def _prompt_tokens(ids: torch.Tensor, mask: torch.Tensor, vocab: int) -> torch.Tensor:
-        """(B, V) bool: the tokens among each row's real prompt ids (ids past the LM head's V cannot be sampled,
-        so carry no penalty: HF's rule)."""
+        """(B, V) bool: the tokens among each row's real prompt ids (ids past the LM head's V cannot be
+        sampled, so carry no penalty: HF's rule)."""
         seen = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.bool, device=ids.device)
         seen.scatter_(1, torch.where(mask.bool(), ids.clamp(max=vocab), vocab), True)
         return seen[:, :vocab]
@@ -150,8 +158,8 @@ class ManualDecodeBackend:
     @torch.no_grad()
     def _generate_chunk(self, ids: torch.Tensor, mask: torch.Tensor,
                         sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, P) left-padded ids and mask -> (B, n) sampled ids, n ≤ max_new_tokens (pad after a row's EOS), and
-        with ``return_logprobs`` their (B, n) float32 log-probs (else None)."""
+        """(B, P) left-padded ids and mask -> (B, n) sampled ids, n ≤ max_new_tokens (pad after a row's EOS),
+        and with ``return_logprobs`` their (B, n) float32 log-probs (else None)."""
         model, (B, P), n_new = self.model, ids.shape, sampling.max_new_tokens
         cfg, device, dtype = model.config, ids.device, model.model.embed_tokens.weight.dtype
         T, n_kv = P + n_new, cfg.num_key_value_heads or cfg.num_attention_heads
@@ -177,24 +185,28 @@ class ManualDecodeBackend:
         # Prefill each distinct prompt once (the G rows of a group share it), then copy its K/V to its rows.
         _, inverse = torch.unique(torch.cat([ids, mask], dim=1), dim=0, return_inverse=True)
         first = torch.full((int(inverse.max()) + 1,), B, device=device).scatter_reduce_(
-            0, inverse, torch.arange(B, device=device), "amin")                                # (U,) a row of each
+            0, inverse, torch.arange(B, device=device), "amin")                           # (U,) a row of each
         U = first.shape[0]
         prompt_cache = [(torch.empty(U * n_kv, P, d, device=device, dtype=dtype),
                          torch.empty(U * n_kv, P, d, device=device, dtype=dtype)) for _ in cache]
         logits = self._forward(ids[first], 0, weights, prompt_cache,
                                cos[:P, first].transpose(0, 1).reshape(U * P, 1, d),
-                               sin[:P, first].transpose(0, 1).reshape(U * P, 1, d), prefill_mask[first])[inverse]
+                               sin[:P, first].transpose(0, 1).reshape(U * P, 1, d),
+                               prefill_mask[first])[inverse]
         for (k_buf, v_buf), (k, v) in zip(cache, prompt_cache):
             k_buf.view(B, n_kv, T, d)[:, :, :P] = k.view(U, n_kv, P, d)[inverse]
             v_buf.view(B, n_kv, T, d)[:, :, :P] = v.view(U, n_kv, P, d)[inverse]
-        seen = self._prompt_tokens(ids, mask, logits.shape[-1]) if sampling.repetition_penalty != 1.0 else None
+        seen = (self._prompt_tokens(ids, mask, logits.shape[-1]) if sampling.repetition_penalty != 1.0
+                else None)
         for t in range(n_new):
             if t > 0:  # feed the previous token: its K/V go to column P + t - 1
                 c = P + t - 1
-                logits = self._forward(out[:, t - 1:t], c, weights, cache, cos[c], sin[c], step_mask[..., :c + 1])
+                logits = self._forward(out[:, t - 1:t], c, weights, cache, cos[c], sin[c],
+                                       step_mask[..., :c + 1])
             if self.record_logits is not None:
                 self.record_logits.append(logits.clone())
-            step_logps = (logits / temperature).log_softmax(dim=-1) if logps is not None else None  # before masks
+            step_logps = ((logits / temperature).log_softmax(dim=-1) if logps is not None
+                          else None)  # before masks
             if t < min_new:
                 logits.index_fill_(1, eos, -float("inf"))
             if seen is not None:
@@ -216,8 +228,9 @@ class ManualDecodeBackend:
     def generate(self, prompt_ids: list[list[int]], num_generations: int,
                  sampling: SamplingParams) -> RolloutBatch:
         if sampling.generation_kwargs:
-            raise ValueError(f"the hand-written decode loop takes no generation_kwargs ({sorted(sampling.generation_kwargs)}); "
-                             "sample with generation.backend hf (auto picks it when generation_kwargs are set)")
+            raise ValueError("the hand-written decode loop takes no generation_kwargs "
+                             f"({sorted(sampling.generation_kwargs)}); sample with generation.backend hf "
+                             "(auto picks it when generation_kwargs are set)")
         repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
         device = self.model.model.embed_tokens.weight.device
         ids, mask = left_pad(repeated, self.pad_id)

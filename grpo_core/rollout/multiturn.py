@@ -1,18 +1,21 @@
 """Multi-turn rollouts with tool calls (TRL 1.16's ``_tool_call_loop``), above any backend: it only asks
-``backend.generate`` for completions of token ids, so HF generate, the hand-written decode loop and vLLM all run it.
+``backend.generate`` for completions of token ids, so HF generate, the hand-written decode loop and vLLM all
+run it.
 
     turn 1      backend.generate(prompts, G)                         -> each row's model tokens (EOS included)
     per turn    parse the row's last assistant turn (grpo_core/tools/chat.py) -> its tool calls
                 run every row's calls (grpo_core/tools/calls.py: concurrently across rows, timeout per call)
                 suffix = the template's tokens for the results + the next generation prompt  (tool mask 0)
                 a row whose suffix would pass max_completion_length stops here, results dropped (as TRL)
-                backend.generate(prompt + completion + suffix, 1), cut to the row's remaining budget (tool mask 1)
+                backend.generate(prompt + completion + suffix, 1), cut to the row's remaining budget
+                (tool mask 1)
     until no row calls a tool, or max_iterations turns ran
 
-One token sequence per completion: ``completion_ids`` is every token after the prompt - model turns and the tool
-blocks between them - and ``tool_mask`` is 1 on the model's tokens, 0 on the tool/template tokens, which the loss,
-the log-prob passes' statistics and the length metrics leave out (``Round.loss_mask``). The sequence is built by
-concatenating token ids, never by re-rendering the conversation, so the tokens trained on are the tokens sampled.
+One token sequence per completion: ``completion_ids`` is every token after the prompt - model turns and the
+tool blocks between them - and ``tool_mask`` is 1 on the model's tokens, 0 on the tool/template tokens, which
+the loss, the log-prob passes' statistics and the length metrics leave out (``Round.loss_mask``). The sequence
+is built by concatenating token ids, never by re-rendering the conversation, so the tokens trained on are the
+tokens sampled.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class Conversation:
     messages: list[dict] = field(default_factory=list)       # assistant and tool messages (TRL's completion)
     pending: list = field(default_factory=list)              # the tool calls of the last assistant turn
     turns: int = 0
-    calls: int = 0                                           # tool calls made, and those answered with an error
+    calls: int = 0                                         # tool calls made, and those answered with an error
     failures: int = 0
 
     def extend(self, ids: list[int], model: bool, logps: list[float] | None = None) -> None:
@@ -51,8 +54,10 @@ class Conversation:
 class ToolRollouts:
     """N completions (rows grouped G at a time) with their conversations.
 
-    batch:        token tensors; ``batch.tool_mask`` (N, C) 1 on model tokens, 0 on tool/template tokens and padding
-    completions:  per row, the completion's messages: assistant, tool results, assistant, ... (what rewards get)
+    batch:        token tensors; ``batch.tool_mask`` (N, C) 1 on model tokens,
+                  0 on tool/template tokens and padding
+    completions:  per row, the completion's messages: assistant, tool results,
+                  assistant, ... (what rewards get)
     calls, failures: per row, the tool calls the model made and those answered with an error (TRL's counts)
     turns:        assistant turns per row
     """
@@ -80,11 +85,12 @@ class TurnLimits:
     timeout_s: float | None = None     # per tool call
 
 
-def generate_with_tools(backend: RolloutBackend, chat: ToolChat, prompt_ids: list[list[int]], num_generations: int,
-                        tools: list[RolloutTools], sampling: SamplingParams, limits: TurnLimits) -> ToolRollouts:
-    """Sample ``num_generations`` conversations per prompt; ``prompt_ids`` and ``tools`` have one entry per row
-    (N = P * G, rows of a prompt consecutive; an environment's reset may give a rollout a prompt of its own).
-    The completion budget is ``sampling.max_new_tokens`` over every turn and tool block.
+def generate_with_tools(backend: RolloutBackend, chat: ToolChat, prompt_ids: list[list[int]],
+                        num_generations: int, tools: list[RolloutTools], sampling: SamplingParams,
+                        limits: TurnLimits) -> ToolRollouts:
+    """Sample ``num_generations`` conversations per prompt; ``prompt_ids`` and ``tools`` have one entry per
+    row (N = P * G, rows of a prompt consecutive; an environment's reset may give a rollout a prompt of its
+    own). The completion budget is ``sampling.max_new_tokens`` over every turn and tool block.
     """
     budget, max_iterations = sampling.max_new_tokens, limits.max_iterations
     rows = [Conversation(list(p), t) for p, t in zip(prompt_ids, tools, strict=True)]
@@ -122,8 +128,8 @@ def generate_with_tools(backend: RolloutBackend, chat: ToolChat, prompt_ids: lis
         iteration += 1
     pad_id, eos_ids = pad_and_eos_ids(chat.tokenizer)
     batch = _assemble(rows, pad_id, eos_ids, with_logps=first.sampling_logps is not None)
-    return ToolRollouts(batch, [r.messages for r in rows], [r.calls for r in rows], [r.failures for r in rows],
-                        [r.turns for r in rows])
+    return ToolRollouts(batch, [r.messages for r in rows], [r.calls for r in rows],
+                        [r.failures for r in rows], [r.turns for r in rows])
 
 
 def _take_turn(chat: ToolChat, row: Conversation, ids: list[int], prefix: list[int]) -> None:
@@ -133,7 +139,8 @@ def _take_turn(chat: ToolChat, row: Conversation, ids: list[int], prefix: list[i
     row.turns += 1
 
 
-def _first_turn(backend: RolloutBackend, prompt_ids: list[list[int]], G: int, sampling: SamplingParams) -> RolloutBatch:
+def _first_turn(backend: RolloutBackend, prompt_ids: list[list[int]], G: int,
+                sampling: SamplingParams) -> RolloutBatch:
     """The first turn of every row: G samples of each prompt when a group's rows share their prompt (the
     backends' grouped path, as without tools), else one sample of each row's own prompt."""
     groups = [prompt_ids[g:g + G] for g in range(0, len(prompt_ids), G)]
@@ -158,7 +165,8 @@ def _continue(backend: RolloutBackend, contexts: list[list[int]], room: list[int
     if not asked:
         return out
     longest = max(room[j] for j in asked)
-    batch = backend.generate([contexts[j] for j in asked], 1, dataclasses.replace(sampling, max_new_tokens=longest))
+    batch = backend.generate([contexts[j] for j in asked], 1,
+                             dataclasses.replace(sampling, max_new_tokens=longest))
     for k, j in enumerate(asked):
         ids, logps = _row(batch, k)
         out[j] = (ids[:room[j]], None if logps is None else logps[:room[j]])
@@ -167,8 +175,8 @@ def _continue(backend: RolloutBackend, contexts: list[list[int]], room: list[int
 
 def _assemble(rows: list[Conversation], pad_id: int, eos_ids: list[int], with_logps: bool) -> RolloutBatch:
     """The conversations as one right-padded completion per row. completion_mask is 1 on every token after the
-    prompt (the forward passes attend to all of them), tool_mask on the model's only. A row is truncated when its
-    last token ends no turn (TRL: the last id is neither an EOS nor the pad)."""
+    prompt (the forward passes attend to all of them), tool_mask on the model's only. A row is truncated when
+    its last token ends no turn (TRL: the last id is neither an EOS nor the pad)."""
     prompt_ids, prompt_mask = left_pad([r.prompt_ids for r in rows], pad_id)
     width = max(1, max(len(r.completion_ids) for r in rows))
     completion_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -184,4 +192,5 @@ def _assemble(rows: list[Conversation], pad_id: int, eos_ids: list[int], with_lo
         if logps is not None:
             logps[i, :n] = torch.tensor(row.logps, dtype=torch.float32)
     is_truncated = torch.tensor([not r.completion_ids or r.completion_ids[-1] not in ends for r in rows])
-    return RolloutBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated, logps, tool_mask)
+    return RolloutBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated, logps,
+                        tool_mask)

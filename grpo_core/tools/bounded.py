@@ -1,6 +1,6 @@
-"""User code (a tool, an environment's constructor, ``reset`` or ``close``) run in a daemon thread, so that waiting
-for it has a bound: past it the caller goes on (a tool's error for the model) or fails naming what hung, and the
-thread is left behind (a daemon: it does not keep the process alive)."""
+"""User code (a tool, an environment's constructor, ``reset`` or ``close``) run in a daemon thread, so that
+waiting for it has a bound: past it the caller goes on (a tool's error for the model) or fails naming what
+hung, and the thread is left behind (a daemon: it does not keep the process alive)."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ class Running:
 
 
 def call_within(fn: Callable, arguments: dict, timeout_s: float | None) -> Any:
-    """``fn(**arguments)``'s value, or its exception; TimeoutError when it has not returned within ``timeout_s``
-    seconds (None or 0: no bound)."""
+    """``fn(**arguments)``'s value, or its exception; TimeoutError when it has not returned within
+    ``timeout_s`` seconds (None or 0: no bound)."""
     run = Running(fn, arguments)
     run.thread.join(timeout_s or None)
     if run.thread.is_alive():

@@ -5,15 +5,16 @@
     calculator("10 / 3")        -> "3.333333"   (rounded to DECIMALS places, trailing zeros dropped)
     calculator("(5 - 8) % 4")   -> "1"
 
-A plain function with type hints and a docstring (TRL's tool convention): ``get_json_schema`` reads its schema, the
-chat template shows it to the model, a rollout calls it with the arguments the model wrote.
+A plain function with type hints and a docstring (TRL's tool convention): ``get_json_schema`` reads its
+schema, the chat template shows it to the model, a rollout calls it with the arguments the model wrote.
 
-Why not ``eval`` or a float evaluator: the expression is parsed with ``ast`` and walked over ``fractions.Fraction``,
-so nothing the model writes can name, call, import or exhaust anything, and money sums come out exact (a float
-evaluator such as simpleeval answers 0.1 + 0.2 with 0.30000000000000004, and by default also takes strings,
-comparisons and a few functions). Bounds: 200 characters (nesting depth 100), ``**`` with an integer exponent of
-at most MAX_EXPONENT in size and a result of at most MAX_POWER_BITS bits. A bad expression raises ValueError naming what is wrong; a
-rollout answers the model with that text and counts a failed call.
+Why not ``eval`` or a float evaluator: the expression is parsed with ``ast`` and walked over
+``fractions.Fraction``, so nothing the model writes can name, call, import or exhaust anything, and money sums
+come out exact (a float evaluator such as simpleeval answers 0.1 + 0.2 with 0.30000000000000004, and by
+default also takes strings, comparisons and a few functions). Bounds: 200 characters (nesting depth 100),
+``**`` with an integer exponent of at most MAX_EXPONENT in size and a result of at most MAX_POWER_BITS bits. A
+bad expression raises ValueError naming what is wrong; a rollout answers the model with that text and counts a
+failed call.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression exactly.
 
     Args:
-        expression: numbers (decimals allowed) joined by +, -, *, /, //, % or ** with parentheses, e.g. "48/2 + 7"
+        expression: numbers (decimals allowed) joined by +, -, *, /, //, % or ** with parentheses,
+        e.g. "48/2 + 7"
             or "(12.5 * 4) - 3". Thousands separators are not allowed: write 1200, not 1,200.
 
     Returns:
@@ -67,8 +69,10 @@ def decimal_text(value: Fraction) -> str:
 
 
 def _value(node: ast.AST) -> Fraction:
-    """The number ``node`` denotes; ValueError naming the first construct outside numbers and the operators."""
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):  # bool is an int subclass: refused
+    """The number ``node`` denotes; ValueError naming the first construct outside numbers and the
+    operators."""
+    # bool is an int subclass: refused
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
         if node.value in (math.inf, -math.inf):
             raise ValueError(f"{ast.unparse(node)} is too large a number")
         return Fraction(str(node.value)) if isinstance(node.value, float) else Fraction(node.value)
@@ -87,7 +91,8 @@ def _value(node: ast.AST) -> Fraction:
 
 def _power(base: Fraction, exponent: Fraction) -> Fraction:
     if exponent.denominator != 1 or abs(exponent) > MAX_EXPONENT:
-        raise ValueError(f"** takes an integer exponent of at most {MAX_EXPONENT}, not {decimal_text(exponent)}")
+        raise ValueError(f"** takes an integer exponent of at most {MAX_EXPONENT}, not "
+                         f"{decimal_text(exponent)}")
     if base == 0 and exponent < 0:
         raise ValueError("division by zero")
     if max(base.numerator.bit_length(), base.denominator.bit_length()) * abs(int(exponent)) > MAX_POWER_BITS:

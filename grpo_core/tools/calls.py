@@ -1,12 +1,13 @@
-"""Running one turn's tool calls for a batch of rollouts: rollouts concurrently, each rollout's calls in the order
-the model wrote them (its environment's state is the rollout's), every call limited to ``timeout_s``.
+"""Running one turn's tool calls for a batch of rollouts: rollouts concurrently, each rollout's calls in the
+order the model wrote them (its environment's state is the rollout's), every call limited to ``timeout_s``.
 
     wave k = the k-th call of every rollout -> one daemon thread per call -> joined until the wave's deadline
 
 A call that raises, runs past its time, names no tool of its rollout, was malformed, or returns what the model
-cannot be shown is answered with the error - written as TRL writes it, ``{'error': '...'}`` - and counted as failed;
-sampling goes on. Python cannot stop a thread: a call past its time is abandoned (a daemon thread never holds the
-process open), and the rollout's later calls of that turn are not run (its environment may still be in use).
+cannot be shown is answered with the error - written as TRL writes it, ``{'error': '...'}`` - and counted as
+failed; sampling goes on. Python cannot stop a thread: a call past its time is abandoned (a daemon thread
+never holds the process open), and the rollout's later calls of that turn are not run (its environment may
+still be in use).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from grpo_core.tools.registry import RESULT_TYPES
 
 @dataclass
 class CallResult:
-    """What the model is answered for one call: the tool message's name and content; failed calls are counted."""
+    """What the model is answered for one call: the tool message's name and content;
+    failed calls are counted."""
 
     name: str
     content: str
@@ -35,14 +37,14 @@ class CallResult:
 
 
 def render_result(name: str, value: Any) -> CallResult:
-    """A tool's return value as the model sees it: a string as is, numbers, lists, dicts and None with ``str()``
-    (TRL's rendering); anything else is a failed call."""
+    """A tool's return value as the model sees it: a string as is, numbers, lists, dicts and None with
+    ``str()`` (TRL's rendering); anything else is a failed call."""
     if isinstance(value, str):
         return CallResult(name, value, False)
     if isinstance(value, RESULT_TYPES):
         return CallResult(name, str(value), False)
-    return failure(name, f"Tool {name} returned {type(value).__name__}; a tool returns a string (numbers, lists, "
-                         f"dicts and None are shown with str())")
+    return failure(name, f"Tool {name} returned {type(value).__name__}; a tool returns a string (numbers, "
+                         "lists, dicts and None are shown with str())")
 
 
 def failure(name: str, message: str) -> CallResult:
@@ -51,8 +53,8 @@ def failure(name: str, message: str) -> CallResult:
 
 def run_calls(batch: Sequence[tuple[dict[str, Callable], Sequence[ToolCall]]],
               timeout_s: float | None) -> list[list[CallResult]]:
-    """``batch``: per rollout, its tools by name and the calls of its turn. Returns per rollout one CallResult per
-    call, in order. timeout_s: seconds each call may take (None or 0 = no limit)."""
+    """``batch``: per rollout, its tools by name and the calls of its turn. Returns per rollout one CallResult
+    per call, in order. timeout_s: seconds each call may take (None or 0 = no limit)."""
     results: list[list[CallResult | None]] = [[None] * len(calls) for _, calls in batch]
     timed_out = [False] * len(batch)
     for k in range(max((len(calls) for _, calls in batch), default=0)):
@@ -62,7 +64,8 @@ def run_calls(batch: Sequence[tuple[dict[str, Callable], Sequence[ToolCall]]],
                 continue
             call = calls[k]
             if timed_out[r]:
-                results[r][k] = failure(call.name, f"Tool {call.name} not run: an earlier call of this turn timed out")
+                results[r][k] = failure(call.name,
+                                        f"Tool {call.name} not run: an earlier call of this turn timed out")
             elif call.error is not None:
                 results[r][k] = failure(call.name, call.error)
             elif call.name not in functions:

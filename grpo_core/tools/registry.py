@@ -4,11 +4,12 @@
     train.environment_factory  "package.module:Class" | {name: "..."}    -> one environment per rollout
 
 A tool is TRL's: a plain function (``async def`` too) whose type hints and docstring are its JSON schema -
-transformers' ``get_json_schema``, the schema ``apply_chat_template(tools=...)`` shows the model. An environment is
-a class (or any callable returning an instance) with ``reset(**row)``; its public methods are its tools, and it keeps
-its state across the turns of one rollout. ``get_reward`` (read by the ``environment_reward`` reward) and ``close``
-(called once the rollout is scored) are not tools. With a mapping, each row's ``environment`` column names its
-environment, and only that environment's methods are offered in its prompt (TRL's semantics).
+transformers' ``get_json_schema``, the schema ``apply_chat_template(tools=...)`` shows the model. An
+environment is a class (or any callable returning an instance) with ``reset(**row)``; its public methods are
+its tools, and it keeps its state across the turns of one rollout. ``get_reward`` (read by the
+``environment_reward`` reward) and ``close`` (called once the rollout is scored) are not tools. With a
+mapping, each row's ``environment`` column names its environment, and only that environment's methods are
+offered in its prompt (TRL's semantics).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from grpo_core.tools.bounded import call_within
 
 #: an environment's methods that are not tools
 NOT_TOOLS = ("reset", "get_reward", "close")
-#: what a tool may return: a string is shown as is, the rest as ``str(result)`` (TRL's rendering); anything else is
-#: a failed call whose error the model is shown
+#: what a tool may return: a string is shown as is, the rest as ``str(result)`` (TRL's rendering); anything
+#: else is a failed call whose error the model is shown
 RESULT_TYPES: tuple[type, ...] = (str, numbers.Number, type(None), list, tuple, dict)
 #: the row column that picks an environment when ``environment_factory`` is a mapping (TRL's name)
 ENVIRONMENT_COLUMN = "environment"
@@ -46,29 +47,30 @@ def is_import_path(value: Any) -> bool:
 
 @dataclass
 class ToolUseOptions(Options):
-    """params.yaml `train:` keys of agentic rollouts (TRL's names and semantics; docs/agentic.md): the tools and
-    environments calibrate, train and evaluate sample with. Whether they import and have usable signatures is
-    validate's to check (``build_toolbox``), before anything samples; here only their shapes."""
+    """params.yaml `train:` keys of agentic rollouts (TRL's names and semantics; docs/agentic.md): the tools
+    and environments calibrate, train and evaluate sample with. Whether they import and have usable signatures
+    is validate's to check (``build_toolbox``), before anything samples; here only their shapes."""
 
-    tools: list[str] = option([], "functions the model may call, each `package.module:function` (TRL's tools): "
-                              "type hints on every argument and a docstring (Args: section) make the schema its "
-                              "chat template shows; a completion then runs tool calls turn by turn, tool output "
-                              "masked from the loss. Needs chat prompts")
+    tools: list[str] = option([], "functions the model may call, each `package.module:function` (TRL's "
+                              "tools): type hints on every argument and a docstring (Args: section) make the "
+                              "schema its chat template shows; a completion then runs tool calls turn by "
+                              "turn, tool output masked from the loss. Needs chat prompts")
     environment_factory: str | dict | None = option(
         None, "`package.module:Class` built per rollout: reset(**row) at its start (a string it returns is "
-        "appended to the prompt), its public methods are tools, close() (when defined) after scoring; or {name: "
-        "package.module:Class}, chosen per row by its `environment` column (TRL's environment_factory)")
+        "appended to the prompt), its public methods are tools, close() (when defined) after scoring; or "
+        "{name: package.module:Class}, chosen per row by its `environment` column (TRL's "
+        "environment_factory)")
     max_tool_calling_iterations: int | None = option(
         None, "tool-calling turns per completion at most (None = until the model stops calling tools or "
         "max_completion_length is reached; TRL's)", ge=0)
     tool_timeout_s: float = option(
-        30.0, "seconds one tool call may take; past it the model is answered with the error and the call counts as "
-        "a failure (0 = no limit). It also bounds an environment's constructor, reset and close: past it the "
-        "stage fails naming the one that hung", ge=0)
+        30.0, "seconds one tool call may take; past it the model is answered with the error and the call "
+        "counts as a failure (0 = no limit). It also bounds an environment's constructor, reset and close: "
+        "past it the stage fails naming the one that hung", ge=0)
     rollout_func: str | None = option(
         None, "`package.module:function` that samples a round itself (TRL's rollout_func): called as "
-        "fn(prompts, trainer) and returning {prompt_ids, completion_ids, logprobs[, env_mask]}; not with tools "
-        "or environment_factory")
+        "fn(prompts, trainer) and returning {prompt_ids, completion_ids, logprobs[, env_mask]}; not with "
+        "tools or environment_factory")
 
     @property
     def enabled(self) -> bool:
@@ -87,46 +89,48 @@ class ToolUseOptions(Options):
                 raise ConfigError(f"rollout_func: {self.rollout_func!r} is not an import path; write "
                                   f"{IMPORT_PATH_FORM}")
             if self.enabled:
-                raise ConfigError("rollout_func: not with train.tools or train.environment_factory; a rollout "
-                                  "function samples the whole conversation itself (return env_mask to mask what "
-                                  "it inserted), the tool loop is for the built-in rollout")
+                raise ConfigError("rollout_func: not with train.tools or train.environment_factory; a "
+                                  "rollout function samples the whole conversation itself (return env_mask "
+                                  "to mask what it inserted), the tool loop is for the built-in rollout")
 
     def _check_environment_factory(self) -> None:
         factory = self.environment_factory
         if isinstance(factory, str) and not is_import_path(factory):
-            raise ConfigError(f"environment_factory: {factory!r} is not an import path; write {IMPORT_PATH_FORM} "
-                              f"or a mapping name -> {IMPORT_PATH_FORM}")
+            raise ConfigError(f"environment_factory: {factory!r} is not an import path; write "
+                              f"{IMPORT_PATH_FORM} or a mapping name -> {IMPORT_PATH_FORM}")
         if not isinstance(factory, dict):
             return
         if not factory:
             raise ConfigError("environment_factory: an empty mapping; name at least one environment, or null")
         for name, path in factory.items():
             if not isinstance(name, str) or not name.strip():
-                raise ConfigError(f"environment_factory: {name!r} is not an environment name (the values of the "
-                                  f"rows' `environment` column)")
+                raise ConfigError(f"environment_factory: {name!r} is not an environment name (the values of "
+                                  "the rows' `environment` column)")
             if not is_import_path(path):
                 raise ConfigError(f"environment_factory.{name}: {path!r} is not an import path; write "
                                   f"{IMPORT_PATH_FORM}")
 
 
 class ToolConfigError(ConfigurationError, ValueError):
-    """A tool or environment that cannot be used: it does not import, lacks type hints or a docstring, ...; the
-    message names the params.yaml key and the import path."""
+    """A tool or environment that cannot be used: it does not import, lacks type hints or a docstring, ...;
+    the message names the params.yaml key and the import path."""
 
 
 class EnvironmentFailure(TrainingFailure, RuntimeError):
-    """An environment misbehaved while sampling (a reset that returned neither None nor a string, a row naming no
-    configured environment, a constructor, reset or close that did not return within train.tool_timeout_s); the
-    message names the environment and the row."""
+    """An environment misbehaved while sampling (a reset that returned neither None nor a string, a row naming
+    no configured environment, a constructor, reset or close that did not return within train.tool_timeout_s);
+    the message names the environment and the row."""
 
 
 def bounded(fn: Callable, timeout_s: float | None, what: str, arguments: Mapping | None = None) -> Any:
-    """``fn(**arguments)`` within ``timeout_s`` (train.tool_timeout_s), else EnvironmentFailure naming ``what``."""
+    """``fn(**arguments)`` within ``timeout_s`` (train.tool_timeout_s),
+    else EnvironmentFailure naming ``what``."""
     try:
         return call_within(fn, dict(arguments or {}), timeout_s)
     except TimeoutError:
         raise EnvironmentFailure(f"{what} did not return within train.tool_timeout_s = {timeout_s:g} s; an "
-                                 f"environment's constructor, reset and close are bounded as its tools are") from None
+                                 "environment's constructor, reset and close are bounded as its tools "
+                                 "are") from None
 
 
 def import_path(path: str, key: str) -> Any:
@@ -146,22 +150,24 @@ def import_path(path: str, key: str) -> Any:
 
 
 def tool_schema(fn: Callable, where: str) -> dict:
-    """The JSON schema of a tool (what its chat template shows the model), or a ToolConfigError naming ``where``:
-    every argument needs a type hint and a line in the docstring's Args section; a return annotation, when given,
-    must be a type the model can be shown."""
+    """The JSON schema of a tool (what its chat template shows the model), or a ToolConfigError naming
+    ``where``: every argument needs a type hint and a line in the docstring's Args section; a return
+    annotation, when given, must be a type the model can be shown."""
     from transformers.utils import get_json_schema
 
     if not callable(fn):
         raise ToolConfigError(f"{where}: {fn!r} is not callable; a tool is a function")
     try:
         schema = get_json_schema(fn)
-    except Exception as exc:  # transformers' TypeHintParsingException / DocstringParsingException (not ValueErrors)
-        raise ToolConfigError(f"{where}: {exc}. A tool needs a type hint on every argument and a docstring: a "
-                              f"description, then an Args: section with a line per argument (docs/agentic.md)") from exc
+    except Exception as exc:
+        # transformers' TypeHintParsingException / DocstringParsingException (not ValueErrors)
+        raise ToolConfigError(f"{where}: {exc}. A tool needs a type hint on every argument and a docstring: "
+                              "a description, then an Args: section with a line per argument "
+                              "(docs/agentic.md)") from exc
     returns = _return_annotation(fn)
     if returns is not None and not _renderable(returns):
-        raise ToolConfigError(f"{where}: returns {returns!r}; a tool returns a string (numbers, lists, dicts and None "
-                              f"are shown to the model with str())")
+        raise ToolConfigError(f"{where}: returns {returns!r}; a tool returns a string (numbers, lists, dicts "
+                              "and None are shown to the model with str())")
     return schema
 
 
@@ -185,8 +191,8 @@ def _renderable(annotation: Any) -> bool:
 
 
 def environment_tools(environment: Any) -> dict[str, Callable]:
-    """An environment's tools: the bound public methods of its class (not ``reset``, ``get_reward``, ``close``),
-    listed on the class so properties are never evaluated (as TRL lists them)."""
+    """An environment's tools: the bound public methods of its class (not ``reset``, ``get_reward``,
+    ``close``), listed on the class so properties are never evaluated (as TRL lists them)."""
     return {name: getattr(environment, name)
             for name, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction)
             if not name.startswith("_") and name not in NOT_TOOLS}
@@ -203,7 +209,8 @@ class RolloutTools:
 
     @property
     def schemas(self) -> list[Callable]:
-        """For ``apply_chat_template(tools=...)`` and ``parse_response(tools=...)`` (None when there are none)."""
+        """For ``apply_chat_template(tools=...)`` and ``parse_response(tools=...)``
+        (None when there are none)."""
         return list(self.functions.values())
 
     def close(self) -> None:
@@ -245,17 +252,18 @@ class Toolbox:
         return tools
 
     def check_reset(self, rows: Sequence[Mapping], where: Sequence[str]) -> None:
-        """Validate's check: each row (one per environment it picks) resets a new environment, ``reset(**row)``
-        taking the row's columns and returning None or a string; a ToolConfigError naming the row otherwise."""
+        """Validate's check: each row (one per environment it picks) resets a new environment,
+        ``reset(**row)`` taking the row's columns and returning None or a string; a ToolConfigError naming the
+        row otherwise."""
         for row, label in zip(rows, where):
             try:
                 close_all(self.open([row], [label]))
             except EnvironmentFailure as exc:
                 raise ToolConfigError(str(exc)) from exc
             except TypeError as exc:
-                raise ToolConfigError(f"{label}: reset(**row) cannot take the row's columns {sorted(row)}: {exc}; "
-                                      f"an environment's reset receives every column of its row (accept **kwargs "
-                                      f"for those it does not use)") from exc
+                raise ToolConfigError(f"{label}: reset(**row) cannot take the row's columns {sorted(row)}: "
+                                      f"{exc}; an environment's reset receives every column of its row "
+                                      "(accept **kwargs for those it does not use)") from exc
 
     def environment_of(self, row: Mapping, where: str = "a row") -> str | None:
         """The environment a row selects (None: the single one, or none at all)."""
@@ -263,8 +271,8 @@ class Toolbox:
             return None
         name = row.get(ENVIRONMENT_COLUMN)
         if name not in self.factories:
-            raise EnvironmentFailure(f"{where}: environment {name!r} (its {ENVIRONMENT_COLUMN!r} column) is not one "
-                                    f"of train.environment_factory's: {sorted(self.factories)}")
+            raise EnvironmentFailure(f"{where}: environment {name!r} (its {ENVIRONMENT_COLUMN!r} column) is "
+                                    f"not one of train.environment_factory's: {sorted(self.factories)}")
         return name
 
     def open(self, rows: Sequence[Mapping], where: Sequence[str] | None = None) -> list[RolloutTools]:
@@ -288,19 +296,21 @@ class Toolbox:
         name = self.environment_of(row, where)
         factory = self.factories[name]
         environment = bounded(factory, self.timeout_s, f"{where}: {getattr(factory, '__name__', factory)}()")
-        kwargs = {k: v for k, v in row.items() if k != ENVIRONMENT_COLUMN} if self.multi_environment else dict(row)
-        tools = RolloutTools({**functions, **environment_tools(environment)}, environment, timeout_s=self.timeout_s)
+        kwargs = ({k: v for k, v in row.items() if k != ENVIRONMENT_COLUMN} if self.multi_environment
+                  else dict(row))
+        tools = RolloutTools({**functions, **environment_tools(environment)}, environment,
+                             timeout_s=self.timeout_s)
         try:
-            observation = bounded(environment.reset, self.timeout_s, f"{where}: {type(environment).__name__}.reset()",
-                                  kwargs)
+            observation = bounded(environment.reset, self.timeout_s,
+                                  f"{where}: {type(environment).__name__}.reset()", kwargs)
         except BaseException:
             tools.close()
             raise
         if observation is not None and not isinstance(observation, str):
             tools.close()
             raise EnvironmentFailure(f"{where}: {type(environment).__name__}.reset() returned "
-                                    f"{type(observation).__name__}; it returns None or a string (appended to the "
-                                    f"prompt)")
+                                    f"{type(observation).__name__}; it returns None or a string (appended to "
+                                    "the prompt)")
         tools.observation = observation
         return tools
 
@@ -318,9 +328,9 @@ def close_all(opened: Sequence[RolloutTools]) -> None:
 
 
 def build_toolbox(u: ToolUseOptions) -> Toolbox | None:
-    """The tools and environment factories of ``train.*`` imported and checked (None when there are none): each
-    tool's schema; each environment built once (as TRL probes it), with a ``reset`` and schemas for its methods,
-    no method named like a standalone tool, then closed."""
+    """The tools and environment factories of ``train.*`` imported and checked (None when there are none):
+    each tool's schema; each environment built once (as TRL probes it), with a ``reset`` and schemas for its
+    methods, no method named like a standalone tool, then closed."""
     if not u.enabled:
         return None
     tools = []
@@ -337,12 +347,13 @@ def build_toolbox(u: ToolUseOptions) -> Toolbox | None:
         for name, path in named.items():
             key = "train.environment_factory" + ("" if name is None else f".{name}")
             factories[name] = import_path(path, key)
-            probe_environment(factories[name], f"{key} ({path})", [getattr(fn, "__name__", "") for fn in tools],
-                              u.tool_timeout_s)
+            probe_environment(factories[name], f"{key} ({path})",
+                              [getattr(fn, "__name__", "") for fn in tools], u.tool_timeout_s)
     return Toolbox(tools, factories, u.max_tool_calling_iterations, u.tool_timeout_s)
 
 
-def probe_environment(factory: Callable, where: str, standalone: Sequence[str], timeout_s: float | None = None) -> None:
+def probe_environment(factory: Callable, where: str, standalone: Sequence[str],
+                      timeout_s: float | None = None) -> None:
     """Build one environment and check it: a callable ``reset``, a schema for every tool method, no tool name
     taken twice; then close it. Building and closing are bounded by ``timeout_s``."""
     if not callable(factory):
@@ -352,20 +363,20 @@ def probe_environment(factory: Callable, where: str, standalone: Sequence[str], 
     except EnvironmentFailure:
         raise
     except Exception as exc:
-        raise ToolConfigError(f"{where}: building the environment raised {type(exc).__name__}: {exc} (it is built "
-                              f"with no arguments, once per rollout)") from exc
+        raise ToolConfigError(f"{where}: building the environment raised {type(exc).__name__}: {exc} (it is "
+                              "built with no arguments, once per rollout)") from exc
     try:
         if not callable(getattr(environment, "reset", None)):
-            raise ToolConfigError(f"{where}: {type(environment).__name__} has no reset() method; an environment "
-                                  f"defines reset(**row), called at the start of each rollout")
+            raise ToolConfigError(f"{where}: {type(environment).__name__} has no reset() method; an "
+                                  "environment defines reset(**row), called at the start of each rollout")
         methods = environment_tools(environment)
         if not methods and not standalone:
-            raise ToolConfigError(f"{where}: {type(environment).__name__} has no public method, so the model has "
-                                  f"no tool to call (and train.tools is empty)")
+            raise ToolConfigError(f"{where}: {type(environment).__name__} has no public method, so the model "
+                                  "has no tool to call (and train.tools is empty)")
         for name, method in methods.items():
             if name in standalone:
-                raise ToolConfigError(f"{where}: its method {name}() has the name of a tool in train.tools; a tool "
-                                      f"name must be unique")
+                raise ToolConfigError(f"{where}: its method {name}() has the name of a tool in train.tools; "
+                                      "a tool name must be unique")
             tool_schema(method, f"{where}, method {name}")
     finally:
         RolloutTools({}, environment, timeout_s=timeout_s).close()
@@ -380,8 +391,8 @@ def load_rollout_func(u: ToolUseOptions) -> Callable | None:
     try:
         inspect.signature(fn).bind(None, None)
     except TypeError as exc:
-        raise ToolConfigError(f"train.rollout_func ({u.rollout_func}): cannot be called as fn(prompts, trainer): "
-                              f"{exc}") from exc
+        raise ToolConfigError(f"train.rollout_func ({u.rollout_func}): cannot be called as fn(prompts, "
+                              f"trainer): {exc}") from exc
     except ValueError:  # a builtin without a signature: nothing to check
         pass
     return fn

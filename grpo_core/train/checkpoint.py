@@ -14,9 +14,9 @@
   step is in ``trainer_state.json``);
 - ``trainer_state.json`` — step, data-sampler position, the RNG states of every process (python, numpy,
   torch, and the process's own GPU), the params hash, and the metrics of the last step;
-- ``manifest.json`` — written last: each other file's size and sha256. Resume verifies it and falls back to the
-  newest checkpoint that matches (``latest_valid_checkpoint``): a file truncated, changed or lost since it was
-  written is named, never loaded.
+- ``manifest.json`` — written last: each other file's size and sha256. Resume verifies it and falls back to
+  the newest checkpoint that matches (``latest_valid_checkpoint``): a file truncated, changed or lost since it
+  was written is named, never loaded.
 
 A checkpoint is written into ``checkpoint-<step>.tmp-<pid>`` and renamed into place only once every
 file is flushed, so a crash never leaves a partial checkpoint under a valid name: a checkpoint is
@@ -62,11 +62,12 @@ class CheckpointOptions(Options):
     output_dir: str = option("artifacts", "checkpoints go to <output_dir>/checkpoints, the model to "
                              "<output_dir>/model")
     save_strategy: Literal["steps", "no"] = option(
-        "steps", "steps = a checkpoint every save_steps and at the end; no = none (nothing to resume or roll back "
-        "to)")
+        "steps", "steps = a checkpoint every save_steps and at the end; no = none (nothing to resume or roll "
+        "back to)")
     save_steps: int = option(50, "checkpoint every N optimizer steps (and at the end)", ge=1)
     save_total_limit: int = option(2, "checkpoints kept (oldest deleted first)", ge=1)
-    resume: Literal["auto", "never"] = option("auto", "resume from the latest valid checkpoint, or start fresh")
+    resume: Literal["auto", "never"] = option("auto",
+                                              "resume from the latest valid checkpoint, or start fresh")
 
 
 class CheckpointError(TrainingFailure, RuntimeError):
@@ -115,7 +116,8 @@ def save_checkpoint(directory: str | Path, step: int, contents: CheckpointConten
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"checkpoint-{step}"
-    for stale in directory.glob("checkpoint-*.tmp-*"):  # a killed or failed earlier write's (one writer: the lock)
+    # a killed or failed earlier write's (one writer: the lock)
+    for stale in directory.glob("checkpoint-*.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = directory / f"checkpoint-{step}.tmp-{os.getpid()}"
     tmp.mkdir()
@@ -154,7 +156,8 @@ def save_checkpoint(directory: str | Path, step: int, contents: CheckpointConten
 
 
 def write_manifest(folder: Path) -> None:
-    """``manifest.json``: every file of the checkpoint folder (relative path -> bytes, sha256), written last."""
+    """``manifest.json``: every file of the checkpoint folder (relative path -> bytes, sha256),
+    written last."""
     files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE}
     (folder / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=1))
@@ -167,7 +170,8 @@ def checkpoint_problem(path: str | Path) -> str | None:
     path = Path(path)
     manifest = path / MANIFEST_FILE
     if not manifest.is_file():
-        log.warning("%s has no %s (written by an older version): its files are not verified", path, MANIFEST_FILE)
+        log.warning("%s has no %s (written by an older version): its files are not verified", path,
+                    MANIFEST_FILE)
         return None
     try:
         files = json.loads(manifest.read_text())["files"]
@@ -203,8 +207,8 @@ def latest_valid_checkpoint(directory: str | Path, warn: Callable[[str], None] =
 
 
 def untie(weights: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
-    """Whole weights without the tied copies (``lm_head.weight`` when it is the embedding): gathered weights come
-    once per name, and the file must hold what an unsharded save holds (loading re-ties)."""
+    """Whole weights without the tied copies (``lm_head.weight`` when it is the embedding): gathered weights
+    come once per name, and the file must hold what an unsharded save holds (loading re-ties)."""
     tied = getattr(model, "all_tied_weights_keys", None) or {}
     return {k: v for k, v in weights.items() if not (k in tied and tied[k] in weights)}
 
@@ -279,7 +283,8 @@ def load_checkpoint(path: str | Path, expected_hash: str | None = None,
             f"now {expected_hash[:12]}). Resuming would mix two runs. Start fresh with train.resume: never "
             f"(or delete {path.parent}), or restore the params it was written with.")
     device = torch.device(device)
-    device = torch.device("cpu") if device.type == "cpu" else device  # (torch.load knows no "cpu:0", accelerate's)
+    # (torch.load knows no "cpu:0", accelerate's)
+    device = torch.device("cpu") if device.type == "cpu" else device
     buffer_file = path / "rollout_buffer.pt"
     ref_file = path / REFERENCE_FILE
     pending_file = path / PENDING_FILE
@@ -310,16 +315,16 @@ def load_weights(model, path: Path) -> None:
 
         adapter = path / "adapter_model.safetensors"
         if not adapter.is_file():
-            raise CheckpointError(f"{path}: no adapter_model.safetensors; the checkpoint was not written by a LoRA "
-                                "run (model.lora is set now)")
+            raise CheckpointError(f"{path}: no adapter_model.safetensors; the checkpoint was not written by "
+                                "a LoRA run (model.lora is set now)")
         state = load_file(adapter)
         result = set_peft_model_state_dict(model, state)
         lora_keys = [k for k, _ in model.named_parameters() if "lora_" in k]
         missing = [k for k in result.missing_keys if "lora_" in k]
         if result.unexpected_keys or missing or len(state) != len(lora_keys):
-            raise CheckpointError(f"{path}: checkpoint adapters do not match the model (missing {missing[:5]}, "
-                                f"unexpected {list(result.unexpected_keys)[:5]}; {len(state)} tensors saved, "
-                                f"{len(lora_keys)} adapter weights in the model)")
+            raise CheckpointError(f"{path}: checkpoint adapters do not match the model (missing "
+                                f"{missing[:5]}, unexpected {list(result.unexpected_keys)[:5]}; {len(state)} "
+                                f"tensors saved, {len(lora_keys)} adapter weights in the model)")
         return
     files = sorted(path.glob("*.safetensors"))
     files = [f for f in files if f.name != REFERENCE_FILE]
@@ -344,12 +349,13 @@ def load_reference(model: torch.nn.Module, path: Path) -> None:
     else:
         missing, unexpected = load_model(model, path, strict=False)
     if missing or unexpected:
-        raise CheckpointError(f"{path}: reference weights do not match the model (missing {sorted(missing)[:5]}, "
-                              f"unexpected {sorted(unexpected)[:5]})")
+        raise CheckpointError(f"{path}: reference weights do not match the model (missing "
+                              f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
 
 
 def _load_whole(model, weights: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
-    """Whole weights into ``model`` (into its shards when it is sharded: collective); (missing, unexpected)."""
+    """Whole weights into ``model`` (into its shards when it is sharded: collective); (missing,
+    unexpected)."""
     if is_sharded(model):
         return load_full_weights(model, weights)
     missing, unexpected = model.load_state_dict(weights, strict=False)

@@ -1,9 +1,9 @@
-"""Completions you can read: every ``train.log_completions_steps`` steps, the round's samples - prompt, completion,
-each reward, advantage - as lines of ``<step log>.completions.jsonl`` (beside the step log) and as a table of the
-tracker (MLflow ``log_table`` format, ``completions/step_<n>.json``).
+"""Completions you can read: every ``train.log_completions_steps`` steps, the round's samples - prompt,
+completion, each reward, advantage - as lines of ``<step log>.completions.jsonl`` (beside the step log) and as
+a table of the tracker (MLflow ``log_table`` format, ``completions/step_<n>.json``).
 
-The file is append-only like the step log, and cut back to the resume step when a run resumes, so a resumed run
-never shows a step twice.
+The file is append-only like the step log, and cut back to the resume step when a run resumes, so a resumed
+run never shows a step twice.
 """
 
 from __future__ import annotations
@@ -23,16 +23,18 @@ class CompletionLogOptions(Options):
     """params.yaml `train:` keys of the completions log."""
 
     log_completions_steps: int = option(
-        0, "every this many steps, the round's samples (prompt, completion, each reward, advantage) go to <step "
-        "log>.completions.jsonl and the tracker's tables (0 = never)", ge=0)
+        0, "every this many steps, the round's samples (prompt, completion, each reward, advantage) go to "
+        "<step log>.completions.jsonl and the tracker's tables (0 = never)", ge=0)
     num_completions_to_log: int | None = option(
         None, "log_completions_steps: rows per table (None = the whole round)", ge=1)
 
 
-def completion_rows(round_: Round, tokenizer, reward_names: list[str], step: int, limit: int | None) -> list[dict]:
+def completion_rows(round_: Round, tokenizer, reward_names: list[str], step: int,
+                    limit: int | None) -> list[dict]:
     """One dict per row of the round (the first ``limit``): step, prompt and completion text (special tokens
-    kept out; with tools the completion holds the tool results between the model's turns), each reward (None where
-    the function gave none), advantage; with tools the row's tool calls, failed calls and assistant turns."""
+    kept out; with tools the completion holds the tool results between the model's turns), each reward (None
+    where the function gave none), advantage; with tools the row's tool calls, failed calls and assistant
+    turns."""
     n = len(round_) if limit is None else min(limit, len(round_))
     rows = []
     for i in range(n):

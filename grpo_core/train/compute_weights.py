@@ -1,21 +1,22 @@
 """bf16 compute weights over float32 master weights: mixed precision as Megatron keeps it.
 
-The policy (``run.policy``) holds the float32 master weights: the optimizer updates them and checkpoints, exports,
-the reference's TR-DPO mix and the async sampler read them. A copy of it in bf16 (``ComputeWeights.model``,
-``run.model``) runs every forward and backward of training, and every rollout:
+The policy (``run.policy``) holds the float32 master weights: the optimizer updates them and checkpoints,
+exports, the reference's TR-DPO mix and the async sampler read them. A copy of it in bf16
+(``ComputeWeights.model``, ``run.model``) runs every forward and backward of training, and every rollout:
 
     forward, backward   on the bf16 copy: bf16 weights and activations, a bf16 residual stream, no autocast
     each gradient       moved, as soon as autograd has accumulated it, into a float32 gradient on its master
                         (a post-accumulate-grad hook per parameter): micro-batches sum in float32 and no bf16
                         gradient outlives its backward
-    N processes         the float32 gradients all-reduced (averaged) once, after the step's last micro-batch: the
-                        reduction in float32, as FSDP2's ``reduce_dtype``; the copy is not DDP-wrapped
+    N processes         the float32 gradients all-reduced (averaged) once, after the step's last micro-batch:
+                        the reduction in float32, as FSDP2's ``reduce_dtype``; the copy is not DDP-wrapped
     optimizer step      on the float32 masters (AdamW state float32): an lr-1e-6 update survives
-    after the step      the masters cast into the copy (``sync_weights``), which is also what rollouts sample from
+    after the step      the masters cast into the copy (``sync_weights``), which is also what rollouts sample
+                        from
 
-Bytes per parameter: masters 4 + gradients 4 + AdamW 8 + the copy 2 = 18, what the float32 masters plus the bf16
-rollout copy cost before; the copy now does both jobs. Under autocast (the previous way) every op cast its float32
-weight again and the residual stream stayed float32.
+Bytes per parameter: masters 4 + gradients 4 + AdamW 8 + the copy 2 = 18, what the float32 masters plus the
+bf16 rollout copy cost before; the copy now does both jobs. Under autocast (the previous way) every op cast
+its float32 weight again and the residual stream stayed float32.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ ALL_REDUCE_BUCKET_NUMEL = 2 ** 27
 
 
 class ComputeWeights:
-    """A rollout backend (``grpo_core.rollout.RolloutBackend``) over the bf16 compute copy of the policy, which
-    training also runs its forward and backward on.
+    """A rollout backend (``grpo_core.rollout.RolloutBackend``) over the bf16 compute copy of the policy,
+    which training also runs its forward and backward on.
 
     masters: the float32 policy (unwrapped); make_backend: compute model -> the backend that samples from it.
-    ``sync_weights(masters)`` casts the masters into the copy (after every optimizer step, restore and rollback).
+    ``sync_weights(masters)`` casts the masters into the copy (after every optimizer step, restore and
+    rollback).
     """
 
     def __init__(self, masters: torch.nn.Module, make_backend, dtype: torch.dtype = torch.bfloat16):
@@ -60,8 +62,8 @@ class ComputeWeights:
 
     def all_reduce_gradients(self, world_size: int) -> None:
         """Average the masters' float32 gradients over processes (what DDP does), in buckets of at most
-        ``ALL_REDUCE_BUCKET_NUMEL`` elements. A parameter without a gradient on this process contributes zeros, so every
-        process flattens the same tensors in the same order."""
+        ``ALL_REDUCE_BUCKET_NUMEL`` elements. A parameter without a gradient on this process contributes
+        zeros, so every process flattens the same tensors in the same order."""
         if world_size == 1:
             return
         masters = [m for _, m in self._pairs]
@@ -103,7 +105,8 @@ def _buckets(params: list[torch.Tensor]):
 
 
 def uses_compute_weights(mixed_precision: str, *, lora: bool, quantized: bool, sharded: bool) -> bool:
-    """Whether training runs on a bf16 compute copy: full fine-tuning with ``train.mixed_precision: bf16`` and no
-    FSDP2 (which keeps its own bf16 compute weights: ``MixedPrecisionPolicy(param_dtype=bf16)``). LoRA trains float32
-    adapters over a base already in model.dtype; fp16 keeps autocast with accelerate's loss scaler."""
+    """Whether training runs on a bf16 compute copy: full fine-tuning with ``train.mixed_precision: bf16`` and
+    no FSDP2 (which keeps its own bf16 compute weights: ``MixedPrecisionPolicy(param_dtype=bf16)``). LoRA
+    trains float32 adapters over a base already in model.dtype; fp16 keeps autocast with accelerate's loss
+    scaler."""
     return mixed_precision == "bf16" and not (lora or quantized or sharded)

@@ -1,8 +1,8 @@
 """Dynamic sampling (DAPO, Yu et al. 2025): a round trains only on groups whose rewards differ.
 
-A group whose G completions all score the same has zero advantage everywhere: it adds no policy gradient, yet it
-takes a slot of the batch and dilutes the token normalisers. With ``train.dynamic_sampling`` a round is filled like
-this, on each process:
+A group whose G completions all score the same has zero advantage everywhere: it adds no policy gradient, yet
+it takes a slot of the batch and dilutes the token normalisers. With ``train.dynamic_sampling`` a round is
+filled like this, on each process:
 
     pending (groups kept earlier, not yet trained on)
     while some process holds fewer than its quota of groups and the round has sampled < max rounds:
@@ -32,11 +32,13 @@ from grpo_core.train.round import (
 )
 
 
-def tied_groups(rewards: torch.Tensor, weights: torch.Tensor, group_size: int, aggregation: str) -> torch.Tensor:
+def tied_groups(rewards: torch.Tensor, weights: torch.Tensor, group_size: int,
+                aggregation: str) -> torch.Tensor:
     """(N / G,) bool: the groups whose advantages are all zero. rewards (N, K), NaN = None.
 
-    sum_then_normalize: the weighted totals tie within the group. normalize_then_sum: every reward function ties
-    within the group (each is normalised on its own first). A function that is None for the whole group ties.
+    sum_then_normalize: the weighted totals tie within the group. normalize_then_sum: every reward function
+    ties within the group (each is normalised on its own first). A function that is None for the whole group
+    ties.
     """
     if aggregation == "sum_then_normalize":
         totals = torch.nansum(rewards * weights.to(rewards.dtype), dim=1).view(-1, group_size)
@@ -51,7 +53,8 @@ def tied_groups(rewards: torch.Tensor, weights: torch.Tensor, group_size: int, a
 class Filled:
     round: Round               # quota groups, with advantages
     pending: Round | None      # kept groups beyond the quota, for later rounds
-    metrics: dict[str, float]  # the round's metrics: rewards over everything sampled, and the dynamic/* counts
+    metrics: dict[str, float]  # the round's metrics: rewards over everything sampled,
+                               # and the dynamic/* counts
 
 
 def fill_round(sample, pending: Round | None, *, quota: int, scoring: Scoring, a: AdvantageOptions,
@@ -72,20 +75,24 @@ def fill_round(sample, pending: Round | None, *, quota: int, scoring: Scoring, a
     short = max(quota - have, 0)
     pool = Round.concat(kept + ([Round.concat(tied).rows(slice(0, short * G))] if short else []))
     round_, rest = pool.rows(slice(0, quota * G)), None
-    if have > quota:  # the kept groups beyond the quota wait for the next round; tied ones are dropped for good
+    # the kept groups beyond the quota wait for the next round; tied ones are dropped for good
+    if have > quota:
         rest = pool.rows(slice(quota * G, None))
     metrics = _round_metrics(accelerator, attempts, round_, weights, G, scoring.reward_names)
     metrics.update(_counts(accelerator, dropped=sum(len(r) for r in tied) // G, rounds=len(attempts),
                            filled_with_tied=short))
-    return Filled(assign_advantages(replace(round_, metrics=metrics), weights, a, G, accelerator), rest, metrics)
+    return Filled(assign_advantages(replace(round_, metrics=metrics), weights, a, G, accelerator), rest,
+                  metrics)
 
 
 def _round_metrics(accelerator, attempts: list[Round], round_: Round, weights: torch.Tensor, G: int,
                    reward_names: list[str]) -> dict[str, float]:
     """Rewards over everything sampled for the round (what the policy did, comparable with dynamic sampling
     off); lengths over the rows trained on; times and reward errors summed over the samplings."""
-    sampled = [a.rewards for a in attempts] or [round_.rewards]  # no sampling: the pending groups it trains on
-    metrics = reward_metrics(torch.cat([gather_rows(accelerator, r) for r in sampled]), weights, G, reward_names)
+    # no sampling: the pending groups it trains on
+    sampled = [a.rewards for a in attempts] or [round_.rewards]
+    metrics = reward_metrics(torch.cat([gather_rows(accelerator, r) for r in sampled]), weights, G,
+                             reward_names)
     for key in ("generation_time", "reward_errors", "reward_timeouts"):
         metrics[key] = float(sum(a.metrics[key] for a in attempts))
     metrics.update(length_metrics(accelerator, round_.model_mask(), round_.is_truncated))

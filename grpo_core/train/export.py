@@ -14,13 +14,13 @@ from grpo_core.model.sharding import gather_weights, is_sharded
 def export_model(policy, tokenizer, model_dir, dtype: torch.dtype,
                  full_precision_base: Callable[[], torch.nn.Module] | None = None) -> None:
     """The policy in ``dtype`` (``model.dtype``), HF format, written to a temp folder then renamed into place.
-    Under LoRA: the merged model (base + adapters) with the adapters themselves in ``adapter/``. Casts and, under
-    LoRA, merges ``policy`` itself: call it when training is over.
+    Under LoRA: the merged model (base + adapters) with the adapters themselves in ``adapter/``. Casts and,
+    under LoRA, merges ``policy`` itself: call it when training is over.
 
-    Under QLoRA (a 4-bit base) the adapters are merged into the base as it was before quantization, not into its
-    4-bit rounding: ``full_precision_base()`` loads it (``model.dtype``, no quantization config), the saved adapters
-    go onto it and are merged. The export is thus what the adapters were trained for plus the NF4 rounding error
-    given back, and a plain model anyone can load without bitsandbytes."""
+    Under QLoRA (a 4-bit base) the adapters are merged into the base as it was before quantization, not into
+    its 4-bit rounding: ``full_precision_base()`` loads it (``model.dtype``, no quantization config), the
+    saved adapters go onto it and are merged. The export is thus what the adapters were trained for plus the
+    NF4 rounding error given back, and a plain model anyone can load without bitsandbytes."""
 
     def fill(tmp):
         model = policy
@@ -29,7 +29,8 @@ def export_model(policy, tokenizer, model_dir, dtype: torch.dtype,
             tokenizer.save_pretrained(tmp / "adapter")
             if is_quantized(model):
                 if full_precision_base is None:
-                    raise ValueError("export_model: a 4-bit (QLoRA) policy needs full_precision_base to merge into")
+                    raise ValueError("export_model: a 4-bit (QLoRA) policy needs full_precision_base to "
+                                     "merge into")
                 from peft import PeftModel
 
                 model = PeftModel.from_pretrained(full_precision_base(), tmp / "adapter").merge_and_unload()

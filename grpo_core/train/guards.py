@@ -34,9 +34,9 @@ Action = Literal["warn", "skip_step", "stop", "rollback"]
 class ThresholdGuard(Options):
     threshold: float | None = option(None, "trigger level (null = guard off)")
     action: Action = option("warn", "warn | skip_step | stop | rollback")
-    window: int = option(1, "the median of the last `window` steps' values is compared with the threshold (1 = "
-                         "each step alone): a single step's outlier, e.g. the heavy-tailed KL estimate, does not "
-                         "act", ge=1)
+    window: int = option(1, "the median of the last `window` steps' values is compared with the threshold "
+                         "(1 = each step alone): a single step's outlier, e.g. the heavy-tailed KL estimate, "
+                         "does not act", ge=1)
 
 
 @dataclass
@@ -57,8 +57,9 @@ class RewardHackingGuard(Options):
 
 @dataclass
 class RewardSilentGuard(Options):
-    steps: int | None = option(3, "consecutive steps in which a reward scored no completion (every value None or "
-                               "NaN: its advantages are zero) before the guard acts (null = off)", ge=1)
+    steps: int | None = option(3, "consecutive steps in which a reward scored no completion (every value "
+                               "None or NaN: its advantages are zero) before the guard acts (null = off)",
+                               ge=1)
     action: Action = option("stop", "warn | skip_step | stop | rollback")
 
 
@@ -71,13 +72,15 @@ class GuardsConfig(Options):
                                         metadata={"help": "entropy below threshold"})
     clipped_ratio_max: ThresholdGuard = field(
         default_factory=ThresholdGuard,
-        metadata={"help": "share of completions hitting max_completion_length above threshold (length blow-up)"})
+        metadata={"help": "share of completions hitting max_completion_length above threshold (length "
+                          "blow-up)"})
     nonfinite: NonFiniteGuard = field(default_factory=NonFiniteGuard,
                                       metadata={"help": "NaN/inf loss or gradients"})
     reward_hacking: RewardHackingGuard = field(default_factory=RewardHackingGuard,
                                                metadata={"help": "format saturating while correctness falls"})
     reward_silent: RewardSilentGuard = field(default_factory=RewardSilentGuard,
-                                             metadata={"help": "a reward that scores nothing, step after step"})
+                                             metadata={"help": "a reward that scores nothing, step after "
+                                                               "step"})
     rollback_lr_factor: float = option(0.5, "learning rate x this after a rollback", gt=0, le=1)
     max_rollbacks: int = option(2, "rollbacks allowed before a rollback becomes a stop", ge=0)
 
@@ -111,10 +114,12 @@ class GuardMonitor:
         """Events for this step (empty if all is well). ``metrics`` uses the trainer's metric names."""
         cfg, events = self.cfg, []
         loss, grad_norm = metrics.get("loss"), metrics.get("grad_norm")
-        bad = [name for name, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None and not math.isfinite(v)]
+        bad = [name for name, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None
+               and not math.isfinite(v)]
         if bad:
             events.append(GuardEvent("nonfinite", cfg.nonfinite.action,
-                                     f"step {step}: {' and '.join(f'{b}={metrics[b]}' for b in bad)} is not finite"))
+                                     f"step {step}: {' and '.join(f'{b}={metrics[b]}' for b in bad)} is not "
+                                     "finite"))
         self._threshold(events, "kl_max", cfg.kl_max, metrics.get("kl"), step, above=True)
         self._threshold(events, "entropy_min", cfg.entropy_min, metrics.get("entropy"), step, above=False)
         self._threshold(events, "clipped_ratio_max", cfg.clipped_ratio_max,
@@ -141,16 +146,17 @@ class GuardMonitor:
             self._silent_steps[name] = self._silent_steps.get(name, 0) + 1 if silent else 0
             if self._silent_steps[name] >= g.steps:
                 events.append(GuardEvent("reward_silent", g.action, (
-                    f"step {step}: reward '{name}' scored none of the completions (every value None or NaN) for "
-                    f"{self._silent_steps[name]} steps in a row: it gives no advantage, nothing is learnt from it; "
-                    "check the function, its gold column and train.reward_errors")))
+                    f"step {step}: reward '{name}' scored none of the completions (every value None or NaN) "
+                    f"for {self._silent_steps[name]} steps in a row: it gives no advantage, nothing is "
+                    "learnt from it; check the function, its gold column and train.reward_errors")))
         return events
 
     def _threshold(self, events, name, guard: ThresholdGuard, value, step, above: bool) -> None:
         """The guard acts when the median of its last ``window`` finite values (a full window) crosses the
-        threshold. Why a median: GRPO's KL estimate exp(r) - r - 1 is heavy-tailed - one sampled token the policy
-        has made far less likely than the reference did gives a one-step spike (measured on the embedded default:
-        2.7 and 4.1 in runs whose KL otherwise stays under 0.45), while a run that is really drifting stays high."""
+        threshold. Why a median: GRPO's KL estimate exp(r) - r - 1 is heavy-tailed - one sampled token the
+        policy has made far less likely than the reference did gives a one-step spike (measured on the
+        embedded default: 2.7 and 4.1 in runs whose KL otherwise stays under 0.45), while a run that is really
+        drifting stays high."""
         if guard.threshold is None or value is None or not math.isfinite(value):
             return
         recent = self._recent[name]
@@ -183,7 +189,8 @@ class GuardMonitor:
         if fmt_now - fmt_before >= g.format_rise and cor_before - cor_now >= g.correctness_drop:
             return GuardEvent("reward_hacking", g.action,
                               f"step {step}: {g.format_reward} rose {fmt_before:.3f} -> {fmt_now:.3f} while "
-                              f"{g.correctness_reward} fell {cor_before:.3f} -> {cor_now:.3f} over {n}-step windows")
+                              f"{g.correctness_reward} fell {cor_before:.3f} -> {cor_now:.3f} over {n}-step "
+                              "windows")
         return None
 
     def reset_history(self) -> None:

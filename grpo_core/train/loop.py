@@ -16,7 +16,8 @@
     export      the final policy (load_best_model_at_end: the best checkpoint's), HF format
 
 The math is in ``grpo_core/advantages.py``, ``loss.py`` and ``model/logprobs.py``; this file only wires it.
-Shapes: N rows of a round on this process (prompts × G), P/C prompt/completion widths, B = per_device_train_batch_size.
+Shapes: N rows of a round on this process (prompts × G), P/C prompt/completion widths,
+B = per_device_train_batch_size.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ class TrainResult:
     last_metrics: dict
     best_step: int | None = None          # the best checkpoint by metric_for_best_model (None: not tracked)
     best_value: float | None = None
-    exported_step: int | None = None      # the step whose weights were exported (load_best_model_at_end: the best)
+    # the step whose weights were exported (load_best_model_at_end: the best)
+    exported_step: int | None = None
 
 
 @dataclass
@@ -113,9 +115,9 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, roo
           hooks: TrainHooks | None = None) -> TrainResult:
     """Run GRPO per ``cfg.train``; write checkpoints, the final model and the per-step log.
 
-    reward_weights: one per reward function (None = what ``dvc repro`` uses: train.reward_weights when pinned, else
-    calibrate's <root>/artifacts/calibration/reward_weights.json, else 1 each; ``train.reward_weights`` module).
-    allowed_prompts: dataset indices to train on (calibration may drop always/never-solved prompts).
+    reward_weights: one per reward function (None = what ``dvc repro`` uses: train.reward_weights when pinned,
+    else calibrate's <root>/artifacts/calibration/reward_weights.json, else 1 each; ``train.reward_weights``
+    module). allowed_prompts: dataset indices to train on (calibration may drop always/never-solved prompts).
     export: write the final model (benchmarks leave it out). hooks: the caller's tracker, rollout backend and
     sampler worker (``TrainHooks``); the sampler worker is stopped at train()'s end, whoever spawned it.
     Resumes from the newest complete checkpoint unless train.resume=never.
@@ -125,7 +127,8 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, roo
     worker = hooks.sampler_worker or (SamplerWorker() if t.rollouts.async_rollouts else None)
     with worker or contextlib.nullcontext():  # the worker is spawned first: its imports overlap the set-up
         run, prompts = set_up(cfg, root, reward_weights, hooks.backend_factory)
-        sampler = PromptSampler(len(prompts.dataset), t.seed, allowed_prompts, shuffle=t.batch.shuffle_dataset)
+        sampler = PromptSampler(len(prompts.dataset), t.seed, allowed_prompts,
+                                shuffle=t.batch.shuffle_dataset)
         state, resumed_from = resume_or_start(run, sampler)
         step_log = open_step_log(run, log_path, prompts.scoring.reward_names, state.step)
         samples_log = open_completion_log(run, log_path, state.step)
@@ -134,7 +137,8 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, roo
 
         metrics: dict[str, Any] = {}
         run.model.train()
-        run.policy.train()  # the masters (a bf16 compute copy is run.model): the sampler worker copies the mode
+        # the masters (a bf16 compute copy is run.model): the sampler worker copies the mode
+        run.policy.train()
         if worker is not None:
             start_sampler(run, cfg.rewards, prompts, worker, hooks.backend_factory)
         while state.step < t.max_steps:
@@ -162,7 +166,8 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, roo
             metrics.update({"guard/skipped": float(skipped),
                             "learning_rate": run.scheduler.get_last_lr()[0],
                             "num_tokens": grads.num_items * run.accelerator.num_processes,
-                            "step_time": time.perf_counter() - step_start})  # generation included when it sampled
+                            # generation included when it sampled
+                            "step_time": time.perf_counter() - step_start})
             if prompts.held_out is not None and evaluation_due(run.evaluation, state.step, run.max_steps):
                 with record_function("grpo/evaluate"):
                     metrics.update(evaluate_held_out(run, prompts.held_out))
@@ -174,7 +179,8 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, roo
 
     best = load_best_weights(run, state)
     if best is not None:
-        log.info("load_best_model_at_end: exporting %s (%s %.4g)", best, run.evaluation.best_metric, state.best_value)
+        log.info("load_best_model_at_end: exporting %s (%s %.4g)", best, run.evaluation.best_metric,
+                 state.best_value)
     if export:
         with record_function("grpo/export"):
             final = whole_model(run.policy, run.replica)  # collective when sharded without a replica
@@ -219,9 +225,10 @@ def open_step_log(run: TrainingRun, path: Path, reward_names: list[str], step: i
 
 
 def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
-    """This process's share of the next global batch of prompts, sampled and scored (with dynamic sampling: its
-    quota of groups whose rewards differ, ``grpo_core/train/dynamic.py``, the surplus left in ``state.pending``);
-    rows length-grouped within each step's span; the frozen log-probs the round's steps need.
+    """This process's share of the next global batch of prompts, sampled and scored (with dynamic sampling:
+    its quota of groups whose rewards differ, ``grpo_core/train/dynamic.py``, the surplus left in
+    ``state.pending``); rows length-grouped within each step's span; the frozen log-probs the round's steps
+    need.
 
     One global prompt order: each sampling takes the global batch and every process its own slice of it, so N
     processes train on exactly the prompts one process would.
@@ -231,7 +238,8 @@ def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
     rank = acc.process_index
 
     def sample() -> Round:
-        indices = state.sampler.take(per_process * acc.num_processes)[rank * per_process:(rank + 1) * per_process]
+        indices = state.sampler.take(per_process * acc.num_processes)[
+            rank * per_process:(rank + 1) * per_process]
         rows = [prompts.dataset[i] for i in indices]
         return sample_round(backend=run.backend, tokenizer=run.tokenizer, rows=rows, row_ids=indices,
                             encoder=prompts.encoder, scoring=prompts.scoring, spec=run.round_spec,
@@ -251,19 +259,22 @@ def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
             round_ = assign_advantages(sample(), weights, run.advantage, plan.group_size, acc)
     ga = plan.micro_batches_per_step
     if run.batch.group_by_length and ga > 1:  # one micro-batch per step: nothing to regroup
-        order = length_grouped_order(round_.prompt_mask.sum(1), round_.completion_mask.sum(1), plan.group_size,
-                                     span=ga * plan.micro_batch_size,
-                                     keep_groups=use_manual_forward(run.model, run.logprobs.forward.forward_backend))
+        order = length_grouped_order(round_.prompt_mask.sum(1), round_.completion_mask.sum(1),
+                                     plan.group_size, span=ga * plan.micro_batch_size,
+                                     keep_groups=use_manual_forward(run.model,
+                                                                    run.logprobs.forward.forward_backend))
         round_ = round_.rows(order)
     sc = run.sampler_correction
     corrected = round_.sampling_logps is not None and sc.vllm_importance_sampling_correction
     outlives = plan.passes_per_round > 1 or plan.micro_batches_per_round > ga or corrected
-    if outlives and round_.old_logps is None:  # the round outlives this policy, or the sampler is not it (a round
-        with record_function("grpo/old_logprobs"):  # sampled ahead brings the sampling weights' own)
+    # the round outlives this policy, or the sampler is not it (a round sampled ahead brings the sampling
+    # weights' own)
+    if outlives and round_.old_logps is None:
+        with record_function("grpo/old_logprobs"):
             round_.old_logps = frozen_logprobs(run.model, round_, run.logprobs)
     if corrected:
-        round_.sampler_ratio = sampler_correction(round_.old_logps, round_.sampling_logps, round_.model_mask(),
-                                                  sc.vllm_importance_sampling_mode,
+        round_.sampler_ratio = sampler_correction(round_.old_logps, round_.sampling_logps,
+                                                  round_.model_mask(), sc.vllm_importance_sampling_mode,
                                                   sc.vllm_importance_sampling_clip_min,
                                                   sc.vllm_importance_sampling_clip_max)
         round_.metrics.update(sampler_metrics(acc, round_))
@@ -279,8 +290,11 @@ def sampler_metrics(accelerator, round_: Round) -> dict[str, float]:
     mask = round_.model_mask().bool()
     gap = (round_.old_logps - round_.sampling_logps).abs()
     gap = gap[mask & ~torch.isnan(gap)]
-    ratio = round_.sampler_ratio.flatten() if round_.sampler_ratio.shape[1] == 1 else round_.sampler_ratio[mask]
-    gap, ratio = (gather_values(accelerator, v.float()) if accelerator.num_processes > 1 else v for v in (gap, ratio))
+    ratio = (round_.sampler_ratio.flatten() if round_.sampler_ratio.shape[1] == 1
+             else round_.sampler_ratio[mask])
+    gap, ratio = (gather_values(accelerator, v.float()) if accelerator.num_processes > 1 else v for v in (
+        gap,
+        ratio))
 
     def stat(values, fn):
         return float(fn(values)) if values.numel() else 0.0
@@ -293,7 +307,8 @@ def sampler_metrics(accelerator, round_: Round) -> dict[str, float]:
 
 
 def step_micro_batches(state: TrainState, plan: BatchPlan) -> list[Round]:
-    """The ga micro-batches (B rows each) of this optimizer step: slices (micro_step + j) % spg of the round."""
+    """The ga micro-batches (B rows each) of this optimizer step: slices
+    (micro_step + j) % spg of the round."""
     spg, bs = plan.micro_batches_per_round, plan.micro_batch_size
     slices = [(state.micro_step + j) % spg for j in range(plan.micro_batches_per_step)]
     return [state.round.rows(slice(s * bs, (s + 1) * bs)) for s in slices]
@@ -303,7 +318,8 @@ def step_micro_batches(state: TrainState, plan: BatchPlan) -> list[Round]:
 # Gradients and metrics
 
 
-def accumulate_gradients(run: TrainingRun, micro_batches: list[Round], entropy_coef: float = 0.0) -> StepGradients:
+def accumulate_gradients(run: TrainingRun, micro_batches: list[Round],
+                         entropy_coef: float = 0.0) -> StepGradients:
     """Forward, loss and backward of each micro-batch (gradients summed over them), then clip.
 
     A non-finite loss never reaches the gradients; the nonfinite guard acts on it. entropy_coef: the entropy
@@ -322,7 +338,8 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[Round], entropy_c
         with acc.no_sync(run.model) if defer_sync else contextlib.nullcontext():
             with record_function("grpo/policy_forward"):
                 part = micro_batch_loss(run, mb, loss_mask, num_items=num_items, entropy_coef=entropy_coef)
-            if finite_everywhere(acc, part.loss):  # one answer on every process, or their backward passes part ways
+            # one answer on every process, or their backward passes part ways
+            if finite_everywhere(acc, part.loss):
                 with record_function("grpo/backward"):
                     acc.backward(part.loss)
         losses.append(part.loss.detach())
@@ -330,7 +347,8 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[Round], entropy_c
         entropies.append(part.mean_entropy)
         if part.trained_entropy is not None:
             window = part.trained_entropy if window is None else window + part.trained_entropy
-    if run.compute_weights is not None:  # the masters' float32 gradients, averaged over processes as DDP would
+    # the masters' float32 gradients, averaged over processes as DDP would
+    if run.compute_weights is not None:
         run.compute_weights.all_reduce_gradients(acc.num_processes)
     max_norm = run.optim.max_grad_norm if run.optim.max_grad_norm > 0 else float("inf")
     grad_norm = (clip_gradients(run.policy.parameters(), max_norm) if is_sharded(run.model)
@@ -340,8 +358,8 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[Round], entropy_c
 
 _ALWAYS_LOGGED = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 _PROCESS_MEAN_METRICS = ("loss", "vespo/phi_seq_mean")
-_TOKEN_MEAN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                       "cispo_clip_ratio")
+_TOKEN_MEAN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                       "clip_ratio/region_mean", "cispo_clip_ratio")
 
 
 def step_metrics(run: TrainingRun, state: TrainState, grads: StepGradients) -> dict[str, Any]:
@@ -349,8 +367,8 @@ def step_metrics(run: TrainingRun, state: TrainState, grads: StepGradients) -> d
     entropy, grad norm. On N processes every rank gets the numbers one process would (one all-reduce)."""
     metrics = {"step": state.step + 1, **state.round.metrics}
     metrics["loss"] = torch.stack(grads.losses).sum().item()
-    for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio",
-                "vespo/phi_seq_mean"):
+    for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                "cispo_clip_ratio", "vespo/phi_seq_mean"):
         vals = [float(s[key]) for s in grads.stats if key in s]
         if vals:
             metrics[key] = sum(vals) / len(vals)
@@ -384,9 +402,11 @@ def guard_decision(run: TrainingRun, guards: GuardsConfig, monitor: GuardMonitor
     kept = latest_valid_checkpoint(run.checkpoint_dir)
     if event.action == "stop":
         raise GuardStop(f"guard {event.guard} stopped training: {event.message}; "
-                        + (f"the last good checkpoint is {kept}" if kept else "no checkpoint had been written yet"))
+                        + (f"the last good checkpoint is {kept}" if kept else "no checkpoint had been "
+                                                                              "written yet"))
     if event.action == "rollback" and kept is None:
-        raise GuardStop(f"guard {event.guard} asked for a rollback but there is no checkpoint yet: {event.message}")
+        raise GuardStop(f"guard {event.guard} asked for a rollback but there is no checkpoint yet: "
+                        f"{event.message}")
     return event
 
 
@@ -395,7 +415,8 @@ def roll_back(run: TrainingRun, state: TrainState, lr_factor: float) -> TrainSta
     last = latest_valid_checkpoint(run.checkpoint_dir)
     run.optimizer.zero_grad(set_to_none=True)
     if run.sampler is not None and run.sampler.in_flight:
-        run.sampler.receive()  # sampled by the abandoned weights: dropped (the checkpoint has its own round ahead)
+        # sampled by the abandoned weights: dropped (the checkpoint has its own round ahead)
+        run.sampler.receive()
     restored = restore_state(run, last, state.sampler)
     restored.rollbacks = state.rollbacks + 1
     run.backend.sync_weights(run.policy)  # an external engine must not sample with the abandoned weights
@@ -428,8 +449,8 @@ def open_completion_log(run: TrainingRun, step_log_path: Path, step: int) -> Com
     return CompletionLog(step_log_path.with_suffix(".completions.jsonl"), step)
 
 
-def log_completions(run: TrainingRun, state: TrainState, reward_names: list[str], samples_log: CompletionLog | None,
-                    tracker) -> None:
+def log_completions(run: TrainingRun, state: TrainState, reward_names: list[str],
+                    samples_log: CompletionLog | None, tracker) -> None:
     """Every log_completions_steps: the round's rows as text, rewards and advantages (gathered from every
     process) into the completions file and, as a table, the tracker."""
     c, acc = run.completions, run.accelerator
@@ -448,8 +469,9 @@ def log_completions(run: TrainingRun, state: TrainState, reward_names: list[str]
 
 
 def adapt_entropy_coef(run: TrainingRun, state: TrainState, grads: StepGradients) -> None:
-    """Adaptive entropy control (``use_adaptive_entropy``): the step's entropy over the trained tokens of every
-    process moves the coefficient for the next step. Its state is in TrainState, so checkpoints carry it."""
+    """Adaptive entropy control (``use_adaptive_entropy``): the step's entropy over the trained tokens of
+    every process moves the coefficient for the next step. Its state is in TrainState, so checkpoints carry
+    it."""
     e = run.entropy
     if not e.use_adaptive_entropy:
         return
@@ -459,11 +481,13 @@ def adapt_entropy_coef(run: TrainingRun, state: TrainState, grads: StepGradients
     total = total.cpu()
     entropy = float(total[0] / total[1].clamp(min=1.0))
     state.entropy_coef = next_entropy_coef(state.entropy_coef, entropy, target=e.entropy_target,
-                                           delta=e.entropy_coef_delta, low=e.entropy_coef_min, high=e.entropy_coef_max)
+                                           delta=e.entropy_coef_delta, low=e.entropy_coef_min,
+                                           high=e.entropy_coef_max)
     state.last_entropy = entropy
 
 
-def log_step(run: TrainingRun, state: TrainState, metrics: dict, step_log: StepLog | None, tracker, bar) -> None:
+def log_step(run: TrainingRun, state: TrainState, metrics: dict, step_log: StepLog | None, tracker,
+             bar) -> None:
     """Every logging_steps (and the last step): a line of the step log and the tracker's metrics; the bar."""
     if not run.accelerator.is_main_process:
         return
@@ -479,8 +503,8 @@ def log_step(run: TrainingRun, state: TrainState, metrics: dict, step_log: StepL
 
 def save_if_due(run: TrainingRun, state: TrainState, metrics: dict) -> None:
     """A checkpoint every save_steps and at max_steps (save_strategy "no": never). Mid-round steps keep the
-    round in the checkpoint; on N processes, where each holds its own slice of it, a save falling inside a round
-    waits for the round's end."""
+    round in the checkpoint; on N processes, where each holds its own slice of it, a save falling inside a
+    round waits for the round's end."""
     c = run.checkpoints
     if c.save_strategy == "no":
         return
@@ -514,8 +538,10 @@ def _reduce_metrics(accelerator, metrics: dict, local_tokens: float) -> dict:
     by each process's loss tokens."""
     plain = [k for k in _PROCESS_MEAN_METRICS if k in metrics]
     weighted = [k for k in _TOKEN_MEAN_METRICS if k in metrics]
-    local = [float(metrics[k]) for k in plain] + [local_tokens] + [float(metrics[k]) * local_tokens for k in weighted]
-    total = accelerator.reduce(torch.tensor(local, dtype=torch.float64, device=accelerator.device), "sum").tolist()
+    local = [float(metrics[k]) for k in plain] + [local_tokens] + [float(metrics[k]) * local_tokens
+                                                                   for k in weighted]
+    total = accelerator.reduce(torch.tensor(local, dtype=torch.float64, device=accelerator.device),
+                               "sum").tolist()
     out = {k: v / accelerator.num_processes for k, v in zip(plain, total)}
     tokens = max(total[len(plain)], 1.0)
     out.update({k: v / tokens for k, v in zip(weighted, total[len(plain) + 1:])})

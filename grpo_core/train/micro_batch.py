@@ -1,5 +1,5 @@
-"""One micro-batch's share of the step's loss: the policy's forward pass with entropies, the high-entropy token
-mask (over every process's tokens), then the run's ``GRPOLoss``."""
+"""One micro-batch's share of the step's loss: the policy's forward pass with entropies, the high-entropy
+token mask (over every process's tokens), then the run's ``GRPOLoss``."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ class MicroBatchLoss:
 
 def micro_batch_loss(run: TrainingRun, mb: Round, loss_mask: torch.Tensor, *, num_items: float,
                      entropy_coef: float) -> MicroBatchLoss:
-    """One micro-batch's share of the step's loss (``run.loss_fn``): logps (B, C') with grad, old/ref logps cut to
-    C', advantages (B,), loss mask (B, C'); the high-entropy token mask (``top_entropy_quantile``) and the
-    entropy bonus (``entropy_coef``)."""
+    """One micro-batch's share of the step's loss (``run.loss_fn``): logps (B, C') with grad, old/ref logps
+    cut to C', advantages (B,), loss mask (B, C'); the high-entropy token mask (``top_entropy_quantile``) and
+    the entropy bonus (``entropy_coef``)."""
     e, acc = run.entropy, run.accelerator
     logps, entropy, _ = policy_logprobs(run.model, mb, run.logprobs, compute_entropy=True)
     width, device = logps.shape[1], logps.device
@@ -37,8 +37,9 @@ def micro_batch_loss(run: TrainingRun, mb: Round, loss_mask: torch.Tensor, *, nu
         every = gather_values(acc, entropy.detach()[mask.bool()].float()) if acc.num_processes > 1 else None
         trained = high_entropy_mask(entropy.detach(), mask, e.top_entropy_quantile, all_entropies=every)
     loss, stats = run.loss_fn(
-        logps, _cut(mb.old_logps, width, device), _cut(mb.ref_logps, width, device), mb.advantages.to(device), mask,
-        num_items=max(num_items, 1.0), entropy_mask=trained, sampling_logps=_cut(mb.sampling_logps, width, device),
+        logps, _cut(mb.old_logps, width, device), _cut(mb.ref_logps, width, device), mb.advantages.to(device),
+        mask, num_items=max(num_items, 1.0), entropy_mask=trained,
+        sampling_logps=_cut(mb.sampling_logps, width, device),
         sampler_ratio=_cut(mb.sampler_ratio, width, device),  # (B, 1) at sequence level stays (B, 1)
         entropies=entropy, entropy_coef=entropy_coef)
     effective = mask.bool() if trained is None else trained

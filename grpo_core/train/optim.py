@@ -20,7 +20,8 @@ class OptimizerOptions(Options):
     adam_beta1: float = option(0.9, "AdamW beta1", ge=0, lt=1)
     adam_beta2: float = option(0.999, "AdamW beta2", ge=0, lt=1)
     max_grad_norm: float = option(1.0, "clip the global gradient norm (0 = off)", ge=0)
-    fused_adamw: bool = option(True, "torch's fused AdamW (one kernel per step) instead of the per-tensor one")
+    fused_adamw: bool = option(True,
+                               "torch's fused AdamW (one kernel per step) instead of the per-tensor one")
     warmup_ratio: float = option(0.0, "share of max_steps spent warming the learning rate up", ge=0, le=1)
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = option(
         "constant", "learning-rate schedule after warmup")
@@ -41,7 +42,8 @@ def build_optimizer_and_scheduler(model: torch.nn.Module, o: OptimizerOptions, m
 
 
 def scale_learning_rate(optimizer, scheduler, factor: float) -> None:
-    """Multiply the schedule's base rates (and the current rate) by ``factor``: the rollback's cooler restart."""
+    """Multiply the schedule's base rates (and the current rate) by ``factor``: the rollback's cooler
+    restart."""
     scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
     for group in optimizer.param_groups:
         group["lr"] *= factor

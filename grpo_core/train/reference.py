@@ -13,7 +13,8 @@ from grpo_core.common.options import Options, option
 class ReferenceOptions(Options):
     """params.yaml `train:` keys of TR-DPO's reference syncing (the reference itself exists when beta > 0)."""
 
-    sync_ref_model: bool = option(False, "TR-DPO: mix the policy into the reference every ref_model_sync_steps")
+    sync_ref_model: bool = option(False,
+                                  "TR-DPO: mix the policy into the reference every ref_model_sync_steps")
     ref_model_mixup_alpha: float = option(0.6, "TR-DPO alpha: ref = alpha * policy + (1 - alpha) * ref",
                                           ge=0, le=1)
     ref_model_sync_steps: int = option(512, "steps between reference syncs", ge=1)

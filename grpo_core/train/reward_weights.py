@@ -1,5 +1,5 @@
-"""The reward weights a training run uses: one code path for `dvc repro` (flows/stages/train.py) and for a Python
-user calling ``grpo_core.train.loop.train(cfg)`` without weights."""
+"""The reward weights a training run uses: one code path for `dvc repro` (flows/stages/train.py) and for a
+Python user calling ``grpo_core.train.loop.train(cfg)`` without weights."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def training_reward_weights(reward_names: Sequence[str], pinned: Sequence[float]
     path = Path(root) / CALIBRATION_WEIGHTS
     if not path.is_file():
         if calibration_required:
-            raise InputUnreadable(f"{CALIBRATION_WEIGHTS}: missing; it is written by the `calibrate` stage (run "
-                                  f"`dvc repro calibrate`), or pin train.reward_weights")
+            raise InputUnreadable(f"{CALIBRATION_WEIGHTS}: missing; it is written by the `calibrate` stage "
+                                  "(run `dvc repro calibrate`), or pin train.reward_weights")
         return [1.0] * len(names), "equal (no calibration file, train.reward_weights null)"
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
@@ -39,6 +39,6 @@ def training_reward_weights(reward_names: Sequence[str], pinned: Sequence[float]
         raise InputUnreadable(f"{CALIBRATION_WEIGHTS}: unreadable calibration weights ({err}); re-run "
                               f"`dvc repro calibrate`") from err
     if doc.get("names") != names:
-        raise CalibrationMismatch(f"{CALIBRATION_WEIGHTS}: calibrated for rewards {doc.get('names')}, but params.yaml "
-                                  f"names {names}; re-run `dvc repro calibrate`")
+        raise CalibrationMismatch(f"{CALIBRATION_WEIGHTS}: calibrated for rewards {doc.get('names')}, but "
+                                  f"params.yaml names {names}; re-run `dvc repro calibrate`")
     return weights, CALIBRATION_WEIGHTS

@@ -1,5 +1,5 @@
-"""``train.async_rollouts``: a sampler worker process samples the next generation round while the trainer trains on
-the current one: one-step off-policy GRPO (verl's one-step-off-policy, AReaL, prime-rl).
+"""``train.async_rollouts``: a sampler worker process samples the next generation round while the trainer
+trains on the current one: one-step off-policy GRPO (verl's one-step-off-policy, AReaL, prime-rl).
 
     trainer (grpo_core/train/loop.py)                  sampler worker (spawned; its own copy of the policy in
                                                        shared memory, as many torch threads as the trainer)
@@ -12,8 +12,8 @@ the current one: one-step off-policy GRPO (verl's one-step-off-policy, AReaL, pr
                                                        under the reference (ref_logps, beta > 0)
     round r+1 starts: receive it  <------------------  round r+1 and the RNG state after sampling it
 
-A step then costs about the larger of sampling and training instead of their sum; the reference pass moves to the
-worker too, so that the two sides carry about equal work. The trainer writes the new
+A step then costs about the larger of sampling and training instead of their sum; the reference pass moves to
+the worker too, so that the two sides carry about equal work. The trainer writes the new
 weights into the worker's copy only while the worker is idle (between receiving a round and submitting the
 next), so the copy needs no lock.
 
@@ -49,7 +49,8 @@ ADAPTERS_OFF = "adapters-off"  # the reference a LoRA worker builds from its own
 _START_TIMEOUT_S = 300.0  # a spawned worker imports torch and transformers before it answers
 _POLL_S = 1.0             # how often a waiting trainer checks that the worker is still alive
 _BEAT_S = 1.0             # how often the worker's heartbeat thread stamps the shared clock
-SILENT_LIMIT_S = 120.0    # a worker whose heartbeat is older than this is stopped or starved: the trainer gives up
+SILENT_LIMIT_S = 120.0    # a worker whose heartbeat is older than this is stopped or starved: the trainer
+                          # gives up
 LOST_HINT = ("the run resumes from its last checkpoint when the stage runs again; if it recurs, check memory "
              "(an OOM kill shows in `dmesg`) and what else runs on the machine")
 
@@ -100,20 +101,21 @@ class _OneProcess:
 
 
 def _pack(sampled: SampledRound) -> dict[str, Any]:
-    """Numpy arrays and plain values: pickled by value (torch's own reductions would pass each small tensor through
-    a shared-memory file of its own)."""
+    """Numpy arrays and plain values: pickled by value (torch's own reductions would pass each small tensor
+    through a shared-memory file of its own)."""
     buffer = {k: v.numpy() for k, v in sampled.round.to_buffer().items()}
     return {"round": buffer, "rng_state": sampled.rng_state.numpy(), "policy_step": sampled.policy_step}
 
 
 def _unpack(packed: dict[str, Any]) -> SampledRound:
     buffer = {k: torch.from_numpy(v) for k, v in packed["round"].items()}
-    return SampledRound(Round.from_buffer(buffer), torch.from_numpy(packed["rng_state"]), packed["policy_step"])
+    return SampledRound(Round.from_buffer(buffer), torch.from_numpy(packed["rng_state"]),
+                        packed["policy_step"])
 
 
 def _heartbeat(beat) -> None:
-    """Stamp ``beat`` with the (system-wide) monotonic clock every second, for the life of the process: a worker
-    that is stopped (SIGSTOP) or starved stops stamping, however long its rounds take."""
+    """Stamp ``beat`` with the (system-wide) monotonic clock every second, for the life of the process: a
+    worker that is stopped (SIGSTOP) or starved stops stamping, however long its rounds take."""
     while True:
         beat.value = time.monotonic()
         time.sleep(_BEAT_S)
@@ -121,8 +123,8 @@ def _heartbeat(beat) -> None:
 
 def _serve(conn, beat) -> None:
     """The worker's life: import what unpickling a model needs while the trainer sets up, take the set-up (the
-    policy copy, the reference, tokenizer, config, rewards), build the backend and rewards, then answer requests
-    until the trainer says stop (None) or goes away (EOF)."""
+    policy copy, the reference, tokenizer, config, rewards), build the backend and rewards, then answer
+    requests until the trainer says stop (None) or goes away (EOF)."""
     threading.Thread(target=_heartbeat, args=(beat,), name="grpo-sampler-heartbeat", daemon=True).start()
     import transformers.modeling_utils  # noqa: F401 - the bulk of a model class's import, done ahead
     try:
@@ -140,7 +142,8 @@ def _serve(conn, beat) -> None:
         if make_backend is None:
             from grpo_core.rollout import backend_for
 
-            # generation.backend auto / hf / manual (vllm is refused with async rollouts): no engine seed or size
+            # generation.backend auto / hf / manual (vllm is refused with async rollouts): no engine seed or
+            # size
             backend = backend_for(model, tokenizer, recipe.generation, seed=0, max_prompt_length=None)
         else:
             backend = make_backend(model, tokenizer)
@@ -173,7 +176,8 @@ def _sample(request: SampleRequest, model, reference, backend, tokenizer, scorin
     """One round: sampled and scored, with the sampling weights' and the reference's log-probs when asked."""
     model.train(request.training)
     torch.set_rng_state(request.rng_state)
-    reports_logps = hasattr(backend, "return_logprobs")  # the decode loop scores its tokens as it samples them
+    # the decode loop scores its tokens as it samples them
+    reports_logps = hasattr(backend, "return_logprobs")
     if reports_logps:
         backend.return_logprobs = request.old_logps
     round_ = sample_round(backend=backend, tokenizer=tokenizer, rows=request.rows, row_ids=request.row_ids,
@@ -181,7 +185,8 @@ def _sample(request: SampleRequest, model, reference, backend, tokenizer, scorin
                           accelerator=_OneProcess())
     if request.old_logps:  # the sampler's own log-probs: the importance ratio's denominator
         reported = round_.sampling_logps
-        round_.old_logps = reported if reported is not None else frozen_logprobs(model, round_, recipe.logprobs)
+        round_.old_logps = (reported if reported is not None
+                            else frozen_logprobs(model, round_, recipe.logprobs))
     round_.sampling_logps = None  # not an engine's to correct for (train.vllm_importance_sampling_correction)
     if request.ref_logps:
         round_.ref_logps = frozen_logprobs(reference, round_, recipe.logprobs)
@@ -189,7 +194,8 @@ def _sample(request: SampleRequest, model, reference, backend, tokenizer, scorin
 
 
 def _send_error(conn, exc: BaseException) -> None:
-    """The exception itself when it pickles (so the trainer raises the same type), and the worker's traceback."""
+    """The exception itself when it pickles (so the trainer raises the same type),
+    and the worker's traceback."""
     text = "".join(traceback.format_exception(exc))
     try:
         conn.send(("error", (exc, text)))
@@ -198,15 +204,16 @@ def _send_error(conn, exc: BaseException) -> None:
 
 
 class SamplerWorker:
-    """The trainer's handle on the sampler worker: ``start``, ``load_weights``, ``submit``, ``receive``, ``close``.
+    """The trainer's handle on the sampler worker: ``start``, ``load_weights``, ``submit``, ``receive``,
+    ``close``.
 
-    ``start``'s policy: the unwrapped policy (CPU); its copy lives in shared memory, so ``load_weights`` copies the
-    trainable tensors, no transfer. reference: the frozen reference the worker scores rounds sampled ahead with
-    (shared in place), ``ADAPTERS_OFF`` under LoRA, or None (the trainer scores them). make_backend: ``(model,
-    tokenizer) -> RolloutBackend`` (a module-level callable: the worker is spawned), else
-    ``generation.backend``'s. The constructor spawns the process and ``start`` sets it up, so its imports
-    (seconds) overlap whatever the caller does in between. On GPUs the same calls would front a second device or an
-    inference engine; only the CPU worker exists so far.
+    ``start``'s policy: the unwrapped policy (CPU); its copy lives in shared memory, so ``load_weights``
+    copies the trainable tensors, no transfer. reference: the frozen reference the worker scores rounds
+    sampled ahead with (shared in place), ``ADAPTERS_OFF`` under LoRA, or None (the trainer scores them).
+    make_backend: ``(model, tokenizer) -> RolloutBackend`` (a module-level callable: the worker is spawned),
+    else ``generation.backend``'s. The constructor spawns the process and ``start`` sets it up, so its imports
+    (seconds) overlap whatever the caller does in between. On GPUs the same calls would front a second device
+    or an inference engine; only the CPU worker exists so far.
     """
 
     def __init__(self, silent_limit_s: float = SILENT_LIMIT_S):
@@ -214,10 +221,12 @@ class SamplerWorker:
         silent_limit_s: how old its heartbeat may get while the trainer waits for it (seconds)."""
         ctx = torch.multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._beat = ctx.Value("d", 0.0, lock=False)  # monotonic seconds of its last heartbeat; 0 before the first
+        # monotonic seconds of its last heartbeat; 0 before the first
+        self._beat = ctx.Value("d", 0.0, lock=False)
         self.silent_limit_s = silent_limit_s
         self._process = ctx.Process(target=_serve, args=(child, self._beat), name="grpo-sampler",
-                                    daemon=False)  # not daemonic: isolated rewards start processes of their own
+                                    # not daemonic: isolated rewards start processes of their own
+                                    daemon=False)
         self._process.start()
         child.close()
         self.copy, self._trained, self.scores_reference = None, {}, False
@@ -230,14 +239,17 @@ class SamplerWorker:
         """Hand the worker its copy of ``policy`` (in shared memory) and what it samples and scores with."""
         device = next(policy.parameters()).device
         if device.type != "cpu":
-            raise SamplerWorkerError(f"train.async_rollouts: the sampler worker samples on the CPU; the policy is on "
-                                     f"{device} (a second device or an engine behind the same interface is not built)")
+            raise SamplerWorkerError("train.async_rollouts: the sampler worker samples on the CPU; the "
+                                     f"policy is on {device} (a second device or an engine behind the same "
+                                     "interface is not built)")
         self.copy = copy.deepcopy(policy).share_memory()
-        if isinstance(reference, torch.nn.Module):  # frozen: shared in place, never written while the worker runs
+        # frozen: shared in place, never written while the worker runs
+        if isinstance(reference, torch.nn.Module):
             reference.share_memory()
         self.scores_reference = reference is not None
         trained = {name for name, p in policy.named_parameters() if p.requires_grad}
-        self._trained = {name: p for name, p in self.copy.named_parameters() if name in trained}  # name -> copy's
+        self._trained = {name: p for name, p in self.copy.named_parameters()
+                         if name in trained}  # name -> copy's
         self._conn.send((self.copy, reference, tokenizer, recipe, reward_specs, list(reward_names), weights,
                          torch.get_num_threads(), make_backend))
 
@@ -263,7 +275,8 @@ class SamplerWorker:
         self.in_flight = True
 
     def receive(self) -> SampledRound:
-        """The round in flight (waiting for it); raises the worker's exception, or SamplerWorkerError if it died."""
+        """The round in flight (waiting for it); raises the worker's exception,
+        or SamplerWorkerError if it died."""
         if not self.in_flight:
             raise SamplerWorkerError("no round is in flight to receive")
         self._await(None)
@@ -301,8 +314,8 @@ class SamplerWorker:
         return self._lost(f"died (exit code {self._process.exitcode}){when}")
 
     def _await(self, timeout_s: float | None) -> None:
-        """Until the worker answers; SamplerWorkerLost when it dies first, takes longer than ``timeout_s``, or its
-        heartbeat is older than ``silent_limit_s``."""
+        """Until the worker answers; SamplerWorkerLost when it dies first, takes longer than ``timeout_s``, or
+        its heartbeat is older than ``silent_limit_s``."""
         waited = 0.0
         while not self._conn.poll(_POLL_S):
             waited += _POLL_S
@@ -312,8 +325,9 @@ class SamplerWorker:
                 raise self._lost(f"did not start within {timeout_s:g} s")
             silent = time.monotonic() - self._beat.value
             if self._beat.value and silent > self.silent_limit_s:
-                raise self._lost(f"has sent no heartbeat for {silent:.0f} s (train.async_rollouts; the limit is "
-                                 f"{self.silent_limit_s:g} s): it is stopped (SIGSTOP, a debugger) or starved")
+                raise self._lost(f"has sent no heartbeat for {silent:.0f} s (train.async_rollouts; the limit "
+                                 f"is {self.silent_limit_s:g} s): it is stopped (SIGSTOP, "
+                                 "a debugger) or starved")
 
     def _answer(self) -> tuple[str, Any]:
         try:
@@ -335,11 +349,11 @@ class SamplerWorker:
 def take_round_ahead(run: TrainingRun, prompts: Prompts, state: TrainState, per_process: int) -> Round:
     """async_rollouts: the round to train on now (advantages still zero), and the next one submitted.
 
-    The round in hand is the one sampled ahead: received at a checkpoint (``state.ahead``), or in flight (received
-    now, waiting for it), or else - the first round, or max_staleness 0 - sampled now with the current weights.
-    Then, max_staleness 1, the next round's prompts go to the worker with the current weights, and this process
-    trains while it samples: that round is one round older than the weights that will train on it, and comes
-    with the sampling weights' log-probs as its old log-probs.
+    The round in hand is the one sampled ahead: received at a checkpoint (``state.ahead``), or in flight
+    (received now, waiting for it), or else - the first round, or max_staleness 0 - sampled now with the
+    current weights. Then, max_staleness 1, the next round's prompts go to the worker with the current
+    weights, and this process trains while it samples: that round is one round older than the weights that
+    will train on it, and comes with the sampling weights' log-probs as its old log-probs.
     """
     wait_start = time.perf_counter()
     if state.ahead is None:
@@ -355,21 +369,22 @@ def take_round_ahead(run: TrainingRun, prompts: Prompts, state: TrainState, per_
     return round_
 
 
-def submit_round(run: TrainingRun, prompts: Prompts, state: TrainState, per_process: int, *, ahead: bool) -> None:
-    """The next prompts, the current weights and RNG state to the sampler worker. ahead: later weights will train
-    on it, so the worker also scores its tokens under these (the old log-probs) and, off this process's critical
-    path, under the reference."""
+def submit_round(run: TrainingRun, prompts: Prompts, state: TrainState, per_process: int, *,
+                 ahead: bool) -> None:
+    """The next prompts, the current weights and RNG state to the sampler worker. ahead: later weights will
+    train on it, so the worker also scores its tokens under these (the old log-probs) and, off this process's
+    critical path, under the reference."""
     indices = state.sampler.take(per_process)
     run.sampler.load_weights(run.policy)
     run.sampler.submit(SampleRequest(row_ids=indices, rows=[prompts.dataset[i] for i in indices],
                                      rng_state=torch.get_rng_state(), old_logps=ahead,
-                                     ref_logps=ahead and run.sampler.scores_reference, training=run.policy.training,
-                                     policy_step=state.step))
+                                     ref_logps=ahead and run.sampler.scores_reference,
+                                     training=run.policy.training, policy_step=state.step))
 
 
 def receive_round(run: TrainingRun, state: TrainState) -> None:
-    """The round in flight into ``state.ahead``; the RNG continues from the worker's state after sampling it (so
-    the stream does not depend on when the round arrived)."""
+    """The round in flight into ``state.ahead``; the RNG continues from the worker's state after sampling it
+    (so the stream does not depend on when the round arrived)."""
     with record_function("grpo/wait_for_sampler"):
         sampled = run.sampler.receive()
     torch.set_rng_state(sampled.rng_state)

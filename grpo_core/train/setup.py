@@ -1,5 +1,5 @@
-"""The set-up phase of a training run: from a PipelineConfig to the objects a run holds (``TrainingRun``) and what
-it samples from (``Prompts``).
+"""The set-up phase of a training run: from a PipelineConfig to the objects a run holds (``TrainingRun``) and
+what it samples from (``Prompts``).
 
     accelerator, seeds -> policy (float32 masters; LoRA, QLoRA) and reference -> data, rewards, reward weights
       -> placement (DDP, FSDP2 shards, the bf16 compute copy, a cast copy to sample from), optimizer, schedule
@@ -57,9 +57,10 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
     """Accelerator, seed, policy (fp32 masters), reference, data, rewards, optimizer, rollout backend.
 
     On N processes the policy is DDP-wrapped, or under FSDP2 (``train.accelerate_config`` with fsdp_config)
-    sharded, as is the reference; a sharded run samples from a whole copy of the policy (``ReplicaRollouts``), or
-    with vLLM straight from the shards (``EngineFromShards``); an unsharded one with a half-precision model.dtype
-    samples from a copy in that dtype (``samples_from_a_cast_copy``). On CUDA, float32 matmuls run in TF32.
+    sharded, as is the reference; a sharded run samples from a whole copy of the policy (``ReplicaRollouts``),
+    or with vLLM straight from the shards (``EngineFromShards``); an unsharded one with a half-precision
+    model.dtype samples from a copy in that dtype (``samples_from_a_cast_copy``). On CUDA, float32 matmuls run
+    in TF32.
     """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -72,14 +73,15 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
     compute_copy = uses_compute_weights(f.mixed_precision, lora=cfg.model.lora is not None,
                                         quantized=cfg.model.quantization is not None,
                                         sharded=parallelism.fsdp is not None and launched_processes() > 1)
-    accelerator = Accelerator(mixed_precision="no" if compute_copy else f.mixed_precision,  # bf16 weights: no autocast
+    # bf16 weights: no autocast
+    accelerator = Accelerator(mixed_precision="no" if compute_copy else f.mixed_precision,
                               cpu=not torch.cuda.is_available())
     if accelerator.device.type == "cuda":
         allow_tf32()
     if accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
-        raise ParallelConfigError(f"accelerate was launched with distributed_type {accelerator.distributed_type.value}"
-                                  "; this trainer shards by itself: launch with infra/accelerate/fsdp2.yaml "
-                                  "(train.accelerate_config)")
+        raise ParallelConfigError("accelerate was launched with distributed_type "
+                                  f"{accelerator.distributed_type.value}; this trainer shards by itself: "
+                                  "launch with infra/accelerate/fsdp2.yaml (train.accelerate_config)")
     set_seed(t.seed)
     model, tokenizer = load_policy(cfg.model, root, gradient_checkpointing=f.gradient_checkpointing)
     ref_model = load_reference(cfg.model, root, model) if t.loss.beta > 0 else None
@@ -97,29 +99,32 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
         log.info("reward weights %s from %s", reward_weights, source)
     weights = torch.tensor(reward_weights, dtype=torch.float32)
     if len(weights) != len(reward_fns):
-        raise TrainingError(f"{len(weights)} reward weights for {len(reward_fns)} reward functions {reward_names}")
+        raise TrainingError(f"{len(weights)} reward weights for {len(reward_fns)} reward functions "
+                            f"{reward_names}")
     make_backend = backend_factory or (lambda m, tok: backend_for(
         m, tok, cfg.generation, seed=t.seed, max_prompt_length=cfg.data.max_prompt_length,
         return_logprobs=(t.sampler_correction.vllm_importance_sampling_correction
                          or t.loss.off_policy_mask_threshold is not None),
-        place=Placement(accelerator.process_index, accelerator.local_process_index, accelerator.num_processes),
+        place=Placement(accelerator.process_index, accelerator.local_process_index,
+                        accelerator.num_processes),
         dtype=DTYPES[cfg.model.dtype]))
-    placed = place_policy(cfg, accelerator, parallelism, model, ref_model, lambda m: make_backend(m, tokenizer),
-                          compute_copy=compute_copy)
+    placed = place_policy(cfg, accelerator, parallelism, model, ref_model,
+                          lambda m: make_backend(m, tokenizer), compute_copy=compute_copy)
     if accelerator.num_processes > 1:
-        # each process samples a stream of its own, as TRL seeds them (device_specific: seed + rank); only now, once
-        # the weights exist: every process must build the same initial weights (FSDP2 shards are not broadcast from
-        # rank 0). One process keeps its stream as it was.
+        # each process samples a stream of its own, as TRL seeds them (device_specific: seed + rank); only
+        # now, once the weights exist: every process must build the same initial weights (FSDP2 shards are not
+        # broadcast from rank 0). One process keeps its stream as it was.
         set_seed(t.seed, device_specific=True)
     round_spec = RoundSpec.from_config(cfg.generation, t.batch.num_generations, t.reward_calls, t.tool_use)
     loss_fn = GRPOLoss(t.loss, max_completion_length=cfg.generation.max_completion_length,
                        gradient_accumulation_steps=t.batch.gradient_accumulation_steps)
     run = TrainingRun(seed=t.seed, max_steps=t.max_steps, logging_steps=t.logging_steps, plan=t.batch_plan,
-                      batch=t.batch, optim=t.optim, entropy=t.entropy, sampler_correction=t.sampler_correction,
-                      advantage=t.advantage, reference=t.reference, checkpoints=t.checkpoints,
-                      evaluation=t.eval_plan, rollouts=t.rollouts, completions=t.completions,
-                      generation=cfg.generation, round_spec=round_spec,
-                      logprobs=LogprobOptions(f, cfg.generation.temperature, t.batch.per_device_train_batch_size),
+                      batch=t.batch, optim=t.optim, entropy=t.entropy,
+                      sampler_correction=t.sampler_correction, advantage=t.advantage, reference=t.reference,
+                      checkpoints=t.checkpoints, evaluation=t.eval_plan, rollouts=t.rollouts,
+                      completions=t.completions, generation=cfg.generation, round_spec=round_spec,
+                      logprobs=LogprobOptions(f, cfg.generation.temperature,
+                                              t.batch.per_device_train_batch_size),
                       loss_fn=loss_fn, accelerator=accelerator, model=placed.model, policy=placed.policy,
                       ref_model=ref_model, tokenizer=tokenizer, optimizer=placed.optimizer,
                       scheduler=placed.scheduler, backend=placed.backend,
@@ -133,7 +138,8 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
 
 @dataclass
 class PlacedPolicy:
-    """The policy as training holds it: what trains, what the optimizer steps, and what rollouts sample from."""
+    """The policy as training holds it: what trains, what the optimizer steps,
+    and what rollouts sample from."""
 
     model: Any        # forward and backward: DDP-wrapped, sharded, or the bf16 compute copy
     policy: Any       # the weights the optimizer steps (unwrapped)
@@ -145,16 +151,18 @@ class PlacedPolicy:
 
 def place_policy(cfg: PipelineConfig, accelerator, parallelism, model, ref_model, make_sampler, *,
                  compute_copy: bool) -> PlacedPolicy:
-    """Shard, wrap or copy the float32 policy (and move or shard the reference) for this run's strategy; build the
-    optimizer over the weights it steps and the rollout backend (``make_sampler``: module -> backend) over the
-    module that samples."""
+    """Shard, wrap or copy the float32 policy (and move or shard the reference) for this run's strategy; build
+    the optimizer over the weights it steps and the rollout backend (``make_sampler``: module -> backend) over
+    the module that samples."""
     t = cfg.train
     replica = None
     if parallelism.fsdp is not None and accelerator.num_processes > 1:
-        # a colocated engine holds the whole copy: no replica beside it (a server's client pushes from the replica)
+        # a colocated engine holds the whole copy: no replica beside it
+        # (a server's client pushes from the replica)
         engine = cfg.generation.backend == "vllm" and cfg.generation.vllm_mode == "colocate"
         if not engine:
-            replica = copy.deepcopy(model).to(accelerator.device, DTYPES[cfg.model.dtype])  # whole, before sharding
+            # whole, before sharding
+            replica = copy.deepcopy(model).to(accelerator.device, DTYPES[cfg.model.dtype])
         shard_model(model.to(accelerator.device), parallelism.fsdp, t.forward.mixed_precision)
         if ref_model is not None:
             shard_model(ref_model.to(accelerator.device), parallelism.fsdp)
@@ -173,19 +181,20 @@ def place_policy(cfg: PipelineConfig, accelerator, parallelism, model, ref_model
     policy = accelerator.unwrap_model(model)
     if samples_from_a_cast_copy(cfg, policy):
         replica = copy.deepcopy(policy).to(DTYPES[cfg.model.dtype]).eval()  # refreshed after every step
-        return PlacedPolicy(model, policy, optimizer, scheduler, ReplicaRollouts(replica, make_sampler), replica)
+        return PlacedPolicy(model, policy, optimizer, scheduler, ReplicaRollouts(replica, make_sampler),
+                            replica)
     return PlacedPolicy(model, policy, optimizer, scheduler, make_sampler(policy), None)
 
 
 def launched_processes() -> int:
-    """The processes this run was launched with (accelerate launch / torchrun set WORLD_SIZE), known before the
-    Accelerator exists: its mixed precision depends on whether the policy will be sharded."""
+    """The processes this run was launched with (accelerate launch / torchrun set WORLD_SIZE), known before
+    the Accelerator exists: its mixed precision depends on whether the policy will be sharded."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def allow_tf32() -> None:
-    """TF32 for the float32 matmuls and convolutions that remain on CUDA (the float32 head, float32 compute): 10
-    mantissa bits in the products, float32 accumulation - what Megatron, TRL's examples and PyTorch's own
+    """TF32 for the float32 matmuls and convolutions that remain on CUDA (the float32 head, float32 compute):
+    10 mantissa bits in the products, float32 accumulation - what Megatron, TRL's examples and PyTorch's own
     recommendation for Ampere and later use; CPU numerics are left as they are."""
     torch.backends.cuda.matmul.fp32_precision = "tf32"
     torch.backends.cudnn.conv.fp32_precision = "tf32"
@@ -193,10 +202,11 @@ def allow_tf32() -> None:
 
 def samples_from_a_cast_copy(cfg: PipelineConfig, policy: torch.nn.Module) -> bool:
     """Whether rollouts sample from a copy of the policy in ``model.dtype`` (e.g. bf16) instead of the float32
-    masters: full fine-tuning with a half-precision model.dtype, sampled by HF generate or the decode loop. The
-    masters under autocast would run every decode step on float32 weights (a cast of each weight per op, a float32
-    residual stream) and HF's static KV cache would get K and V in two dtypes; a bf16 copy runs as a bf16 model does.
-    Not under LoRA (the frozen base is in model.dtype already) nor vLLM (its engine is in model.dtype)."""
+    masters: full fine-tuning with a half-precision model.dtype, sampled by HF generate or the decode loop.
+    The masters under autocast would run every decode step on float32 weights (a cast of each weight per op, a
+    float32 residual stream) and HF's static KV cache would get K and V in two dtypes; a bf16 copy runs as a
+    bf16 model does. Not under LoRA (the frozen base is in model.dtype already) nor vLLM (its engine is in
+    model.dtype)."""
     dtype = DTYPES[cfg.model.dtype]
     return (cfg.model.lora is None and cfg.generation.backend != "vllm" and dtype != torch.float32
             and any(p.dtype != dtype for p in policy.parameters()))
@@ -204,10 +214,11 @@ def samples_from_a_cast_copy(cfg: PipelineConfig, policy: torch.nn.Module) -> bo
 
 def start_sampler(run: TrainingRun, reward_specs: list, prompts: Prompts, worker: SamplerWorker,
                   backend_factory) -> None:
-    """train.async_rollouts: set the sampler worker up with a copy of the policy and the reference it scores rounds
-    sampled ahead with (``run.sampler``)."""
+    """train.async_rollouts: set the sampler worker up with a copy of the policy and the reference it scores
+    rounds sampled ahead with (``run.sampler``)."""
     reference = run.ref_model
-    if reference is None or run.reference.sync_ref_model:  # none, or one that moves (TR-DPO): the trainer scores it
+    # none, or one that moves (TR-DPO): the trainer scores it
+    if reference is None or run.reference.sync_ref_model:
         reference = None
     elif not owns_weights(reference):
         reference = ADAPTERS_OFF

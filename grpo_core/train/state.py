@@ -1,9 +1,9 @@
 """What a training run holds: the long-lived objects (``TrainingRun``) and the state a checkpoint saves
 (``TrainState``), with the two functions that write and read the latter.
 
-A checkpoint (grpo_core/train/checkpoint.py) = weights + optimizer + scheduler + ``TrainState`` (step, micro-step,
-rollbacks, the data order, the in-flight round, the round sampled ahead under async rollouts, whether the reference
-was synced) + every RNG. Restoring it and
+A checkpoint (grpo_core/train/checkpoint.py) = weights + optimizer + scheduler + ``TrainState`` (step,
+micro-step, rollbacks, the data order, the in-flight round, the round sampled ahead under async rollouts,
+whether the reference was synced) + every RNG. Restoring it and
 running on gives the run that was never interrupted, bit for bit on CPU.
 """
 
@@ -116,12 +116,14 @@ class TrainState:
     rollbacks: int = 0           # guard rollbacks so far (bounded by guards.max_rollbacks)
     round: Round | None = None   # the generation round in use (saved when a checkpoint falls inside it)
     reference_synced: bool = False  # the reference has moved off the base weights (TR-DPO): it is saved too
-    entropy_coef: float = 0.0    # the entropy bonus's coefficient (moves each step under use_adaptive_entropy)
-    last_entropy: float = float("inf")  # the previous step's entropy over the trained tokens (adaptive control)
+    entropy_coef: float = 0.0   # the entropy bonus's coefficient (moves each step under use_adaptive_entropy)
+    last_entropy: float = float("inf")  # the previous step's entropy over the trained tokens
+                                        # (adaptive control)
     pending: Round | None = None  # dynamic sampling: kept groups beyond a round's quota, for the next rounds
     best_step: int | None = None  # the checkpoint with the best metric_for_best_model so far (never pruned)
     best_value: float | None = None  # its value
-    ahead: Round | None = None   # async rollouts: the next round, sampled ahead and received (saved when in hand)
+    ahead: Round | None = None   # async rollouts: the next round, sampled ahead and received
+                                 # (saved when in hand)
     ahead_step: int | None = None  # the optimizer steps behind the weights that sampled ``ahead``
 
 
@@ -146,14 +148,15 @@ class TrainingRun:
     completions: CompletionLogOptions
     generation: GenerationConfig   # params.yaml generation: how rounds are sampled
     round_spec: RoundSpec          # sampling, G and reward calls of a round
-    logprobs: LogprobOptions       # the trainer's log-prob passes (train's forward keys, generation.temperature)
+    logprobs: LogprobOptions       # the trainer's log-prob passes (train's forward keys,
+                                   # generation.temperature)
     loss_fn: GRPOLoss              # the objective, built once (grpo_core/loss.py), called per micro-batch
     accelerator: Any
-    model: Any               # what trains (forward, backward): DDP-wrapped on N processes, fully_shard-ed under
-                             # FSDP2, or the bf16 compute copy of the masters (compute_weights)
-    policy: Any              # the weights the optimizer steps, unwrapped (under FSDP2 the sharded model itself;
-                             # the float32 masters under compute_weights): save and sync this
-    ref_model: Any           # frozen reference (beta > 0), the LoRA adapter-off view, or None (sharded as the policy)
+    model: Any       # what trains (forward, backward): DDP-wrapped on N processes, fully_shard-ed under
+                     # FSDP2, or the bf16 compute copy of the masters (compute_weights)
+    policy: Any      # the weights the optimizer steps, unwrapped (under FSDP2 the sharded model itself;
+                     # the float32 masters under compute_weights): save and sync this
+    ref_model: Any   # frozen reference (beta > 0), the LoRA adapter-off view, or None (sharded as the policy)
     tokenizer: Any
     optimizer: Any
     scheduler: Any
@@ -162,15 +165,16 @@ class TrainingRun:
     checkpoint_dir: Path
     replica: Any = None      # sharded runs: the whole copy of the policy that samples and is exported
     sampler: Any = None      # train.async_rollouts: the SamplerWorker (grpo_core/train/sampler_worker.py)
-    compute_weights: Any = None  # mixed_precision bf16, unsharded full fine-tuning: the bf16 copy that is run.model
-                                 # and the rollout backend (grpo_core/train/compute_weights.py); None otherwise
+    compute_weights: Any = None  # mixed_precision bf16, unsharded full fine-tuning: the bf16 copy that is
+                                 # run.model and the rollout backend (grpo_core/train/compute_weights.py);
+                                 # None otherwise
 
 
 def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round: bool) -> None:
     """checkpoint-<step> from the main process; the others wait until it is in place (so a rollback on any
-    process finds it). keep_round: the step ends inside its generation round, so the round is saved and a resume
-    trains on it instead of sampling a new one. Sharded (FSDP2): every process first takes part in gathering the
-    whole weights and optimizer state, which rank 0 writes in the one-process format."""
+    process finds it). keep_round: the step ends inside its generation round, so the round is saved and a
+    resume trains on it instead of sampling a new one. Sharded (FSDP2): every process first takes part in
+    gathering the whole weights and optimizer state, which rank 0 writes in the one-process format."""
     acc = run.accelerator
     acc.wait_for_everyone()
     synced = run.ref_model if state.reference_synced else None
@@ -202,8 +206,8 @@ def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round
 
 
 def restore_state(run: TrainingRun, path: Path, sampler: PromptSampler) -> TrainState:
-    """Load checkpoint ``path`` into the run's weights, optimizer, scheduler and reference, ``sampler`` and the
-    RNGs; return its ``TrainState`` (whose ``sampler`` is the one passed)."""
+    """Load checkpoint ``path`` into the run's weights, optimizer, scheduler and reference, ``sampler`` and
+    the RNGs; return its ``TrainState`` (whose ``sampler`` is the one passed)."""
     ck = load_checkpoint(path, expected_hash=run.params_hash, device=run.accelerator.device)
     load_weights(run.policy, path)
     if is_sharded(run.policy):
@@ -253,5 +257,6 @@ def _own_pending(saved: list[dict | None] | None, accelerator, group_size: int) 
     if not rounds:
         return None
     pool = Round.concat(rounds)
-    mine = [g * group_size + i for g in range(rank, len(pool) // group_size, world) for i in range(group_size)]
+    mine = [g * group_size + i for g in range(rank, len(pool) // group_size, world)
+            for i in range(group_size)]
     return pool.rows(torch.tensor(mine, dtype=torch.long)) if mine else None

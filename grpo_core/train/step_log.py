@@ -16,9 +16,9 @@ _LOSS_TYPE_METRICS = {"cispo": ["cispo_clip_ratio"], "vespo": ["vespo/phi_seq_me
 
 def metric_columns(run: TrainingRun, reward_names: list[str]) -> list[str]:
     """The CSV's columns: TRL's metric names, plus what the run switches on: the loss type's own metric,
-    ``entropy_coef`` under an entropy bonus, the ``dynamic/*`` counts under dynamic sampling, ``async/*`` under
-    async rollouts, ``tools/*`` with tools, the ``eval/*`` metrics under evaluation during training (blank on
-    steps without one)."""
+    ``entropy_coef`` under an entropy bonus, the ``dynamic/*`` counts under dynamic sampling, ``async/*``
+    under async rollouts, ``tools/*`` with tools, the ``eval/*`` metrics under evaluation during training
+    (blank on steps without one)."""
     tools = run.round_spec.tools is not None
     extra = list(_LOSS_TYPE_METRICS.get(run.loss_fn.options.loss_type, []))
     if run.entropy.logged:
@@ -55,7 +55,8 @@ class StepLog:
         kept: list[dict] = []
         if resume_step > 0 and path.exists():
             with open(path, newline="") as fh:
-                kept = [r for r in csv.DictReader(fh) if r.get("step") and int(float(r["step"])) <= resume_step]
+                kept = [r for r in csv.DictReader(fh) if r.get("step")
+                        and int(float(r["step"])) <= resume_step]
         with atomic_path(path) as tmp, open(tmp, "w", newline="") as fh:
             writer = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
             writer.writeheader()
