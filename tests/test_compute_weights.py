@@ -96,11 +96,12 @@ def test_training_runs_forward_and_rollouts_on_one_bf16_copy_without_autocast(as
     """mixed_precision bf16: every training forward sees bf16 weights and no autocast, the rollout backend
     samples from that same module, the checkpoint holds float32 masters, and the copy equals them cast after
     the last step."""
-    import grpo_core.train.loop as loop
+    import grpo_core.train.loop as train_loop
+    import grpo_core.train.micro_batch as micro_batch
     from grpo_core.rollout import HFGenerateBackend
 
     seen, backends = [], []
-    real = loop.policy_logprobs
+    real = micro_batch.policy_logprobs
 
     def spy(model, *args, **kwargs):
         seen.append(({p.dtype for p in model.parameters()}, torch.is_autocast_enabled("cpu"), model))
@@ -110,11 +111,11 @@ def test_training_runs_forward_and_rollouts_on_one_bf16_copy_without_autocast(as
         backends.append(HFGenerateBackend(model, tokenizer, static_cache=True))
         return backends[-1]
 
-    monkeypatch.setattr(loop, "policy_logprobs", spy)
+    monkeypatch.setattr(micro_batch, "policy_logprobs", spy)
     cfg = tiny_config(*assets, DIGITS, max_steps=2, save_steps=2, learning_rate=1e-4, mixed_precision="bf16",
                       beta=0.04)
-    result = loop.train(cfg, root=tmp_path, progress=False, export=False,
-                        hooks=loop.TrainHooks(backend_factory=factory))
+    result = train_loop.train(cfg, root=tmp_path, progress=False, export=False,
+                              hooks=train_loop.TrainHooks(backend_factory=factory))
     assert seen and all(dtypes == {torch.bfloat16} and not autocast for dtypes, autocast, _ in seen)
     (backend,) = backends
     assert all(model is backend.model for _, _, model in seen)  # one bf16 copy trains and samples
