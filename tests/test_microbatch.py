@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import grpo_core.train.loop as trainer_mod
+import grpo_core.train.micro_batch as micro_batch_mod
 from grpo_core.train.batching import length_grouped_order
 from grpo_core.train.loop import TrainHooks, train
 from tests.distributed_worker import DeterministicBackend
@@ -54,7 +54,7 @@ def test_grouping_changes_padding_not_the_update(assets, tmp_path, monkeypatch, 
     and the weights after two steps, are those of the unsorted run."""
     model_dir, data = assets
     widths = []
-    real_policy_logprobs = trainer_mod.policy_logprobs
+    real_policy_logprobs = micro_batch_mod.policy_logprobs
 
     def recording(model, mb, *args, **kwargs):
         out = real_policy_logprobs(model, mb, *args, **kwargs)
@@ -62,7 +62,7 @@ def test_grouping_changes_padding_not_the_update(assets, tmp_path, monkeypatch, 
             widths[-1].append(int(mb.prompt_mask.sum(0).gt(0).sum()) + out[0].shape[1])
         return out
 
-    monkeypatch.setattr(trainer_mod, "policy_logprobs", recording)
+    monkeypatch.setattr(micro_batch_mod, "policy_logprobs", recording)
     weights, logs = {}, {}
     for grouped in (False, True):
         widths.append([])
