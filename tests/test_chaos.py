@@ -76,7 +76,12 @@ def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 600,
 
 
 def partial_writes(checkpoints: Path) -> set[str]:
-    return {e.name for e in os.scandir(checkpoints) if ".tmp-" in e.name} if checkpoints.is_dir() else set()
+    """Checkpoint folders being written (``checkpoint-N.tmp-PID``); other atomic writes in the folder (the
+    stage's ``.mlflow_run.json.tmp-PID``) are not checkpoint writes."""
+    if not checkpoints.is_dir():
+        return set()
+    return {e.name for e in os.scandir(checkpoints)
+            if e.is_dir() and e.name.startswith("checkpoint-") and ".tmp-" in e.name}
 
 
 def freeze_inside_a_checkpoint_write(checkpoints: Path, proc: subprocess.Popen, attempts: int = 20) -> None:
