@@ -2,7 +2,7 @@
 benchmarks/memory_plan.py's activation term.
 
     python -m benchmarks.activation_measure HIDDEN LAYERS HEADS KV_HEADS INTERMEDIATE ROWS TOKENS
-        CHECKPOINTING
+                                            CHECKPOINTING
 
 A random Qwen2 of that shape (float32, a 512-token vocabulary so the logits are negligible; one position's
 logits kept, as the fused head keeps one chunk) takes a warm-up step (gradients allocated: those are the

@@ -39,12 +39,12 @@ Working memory, per micro-batch of per_device_train_batch_size rows x (prompt + 
     transient weights  1 GPU / DDP under bf16: none (the compute copy is persistent, above), but DDP's
                        all-reduce bucket of the float32 gradients. Under fp16 (autocast) and for LoRA's
                        float32 adapters: autocast caches the half-precision copy of every weight a linear
-                       layer reads until the model's forward returns. FSDP2: the gathered
-                       units, the root (embeddings, final norm, untied LM head: gathered through the whole
-                       forward and backward; sharding.py passes reshard_after_forward=True explicitly, so the
-                       root is resharded only between them) and two decoder layers (the one computing, the
-                       next one prefetched), in the compute dtype; plus the unsharded gradients of the root
-                       and one layer (compute dtype) and, under bf16, that layer's float32 copy for the
+                       layer reads until the model's forward returns. FSDP2: the gathered units, the root
+                       (embeddings, final norm, untied LM head: gathered through the whole forward and
+                       backward; sharding.py passes reshard_after_forward=True explicitly, so the root is
+                       resharded only between them) and two decoder layers (the one computing, the next one
+                       prefetched), in the compute dtype; plus the unsharded gradients of the root and one
+                       layer (compute dtype) and, under bf16, that layer's float32 copy for the
                        reduce-scatter.
     activations        one layer's activations: what a Qwen2 decoder layer saves for its backward, per token
                        9*hidden + 4*intermediate + 2*kv_heads*head_dim elements

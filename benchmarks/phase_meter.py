@@ -2,10 +2,8 @@
 (benchmarks/kit_step.py).
 
 A phase is a named span - the trainer's ``record_function`` labels (``grpo/generate_round``,
-``grpo/backward``, ...)
-- and spans nest. For each span the meter keeps its wall seconds (CUDA synchronized at both ends, so the GPU's
-  work
-is inside the span that queued it) and the peak of every gauge while it was open:
+``grpo/backward``, ...) - and spans nest. For each span the meter keeps its wall seconds (CUDA synchronized at
+both ends, so the GPU's work is inside the span that queued it) and the peak of every gauge while it was open:
 
     allocator  CUDA: ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved``, reset at every span
                boundary (``reset_peak_memory_stats``). CPU: the process's peak resident set (VmHWM), reset at

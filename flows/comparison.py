@@ -5,9 +5,9 @@
 
   - learning curves (logged with their steps, so the UI draws them as lines): ``reward``, ``kl``, ``entropy``,
     ``completions/mean_length`` per training step and ``eval/accuracy`` per in-training evaluation (the train
-    log's names, as on the train run); ``accuracy`` and ``pass_at_<k>``, the held-out evaluation, at step
-    0 (the base policy) and at the last training step (the trained policy). A curve's last point is what the
-    runs table shows: the final reward and KL, the trained policy's accuracy.
+    log's names, as on the train run); ``accuracy`` and ``pass_at_<k>``, the held-out evaluation, at
+    step 0 (the base policy) and at the last training step (the trained policy). A curve's last point is what
+    the runs table shows: the final reward and KL, the trained policy's accuracy.
   - single numbers (logged at step 0, drawn as one bar per pipeline): ``accuracy_gain`` (trained - base),
     ``step_time`` (median seconds per step), ``steps``.
 

@@ -4,7 +4,7 @@
 The client and the protocol are grpo_core/rollout/vllm_server.py's. Endpoints (JSON):
 
     GET  /health               {"status", "model", "dtype", "device", "max_model_len", "weights_version",
-                               "pushes"}
+                                "pushes"}
     POST /generate             {"prompts": [[ids]], "sampling": vllm.SamplingParams kwargs, "weights_version",
                                 "wait_s"} -> {"outputs": [[{"token_ids", "finish_reason", "stop_reason",
                                 "logprobs"}]]} (one list per prompt; logprobs: each sampled token's, or None)

@@ -8,10 +8,11 @@ Prompts: the first ``evaluate.max_samples`` rows of data/validated/eval.parquet.
            at ``evaluate.temperature`` when that override is set (seed ``evaluate.seed``) -> unbiased
            ``pass@k`` for ``evaluate.pass_k`` and ``sampled/...`` means.
 Both at most ``evaluate.max_completion_length`` new tokens when set, else
-``generation.max_completion_length``. Batching: ``evaluate.batch_size`` prompts per generate call for greedy
-decoding, and ``batch_size // num_generations`` prompts for sampling, so every call holds about ``batch_size``
-sequences. ``correct`` = the first configured correctness reward (correctness / numeric / multiple_choice)
-scores its ``correct`` value (else the built-in ``correctness`` grader); ``format_ok`` = the first configured
+``generation.max_completion_length``.
+Batching: ``evaluate.batch_size`` prompts per generate call for greedy decoding, and
+``batch_size // num_generations`` prompts for sampling, so every call holds about ``batch_size`` sequences.
+``correct`` = the first configured correctness reward (correctness / numeric / multiple_choice) scores its
+``correct`` value (else the built-in ``correctness`` grader); ``format_ok`` = the first configured
 soft/strict format reward is > 0 (else the built-in ``soft_format``).
 
 Outputs: ``metrics/eval.json`` = {"base": {...}, "trained": {...}, "delta": {trained - base}},

@@ -3,8 +3,8 @@ as one full, unsharded state dict - the very format a one-process run saves - so
 world size and the export is a plain HF folder.
 
     shard_model            fully_shard each decoder layer (the model's ``_no_split_modules``), then the root
-    gather_weights         the full weights (a collective: every process calls it; rank 0, or all, get
-                           tensors)
+    gather_weights         the full weights (a collective: every process calls it;
+                           rank 0, or all, get tensors)
     load_full_weights      full weights into the shards (every process passes the whole dict)
     gather_optimizer_state / load_optimizer_state
                            AdamW's state in torch's plain format ({index: state}, indices in parameter order),

@@ -7,8 +7,8 @@ the shapes the public code-RL datasets use:
 
     stdin/stdout  [{"input": "1 2\\n", "output": "3\\n"}, ...]  or  {"inputs": [...], "outputs": [...]}
                   (APPS, CodeContests, open-r1's ``verification_info["test_cases"]``): the program reads the
-                  input, its stdout must equal the output (trailing whitespace of each line and at the end
-                  ignored)
+                  input, its stdout must equal the output
+                  (trailing whitespace of each line and at the end ignored)
     assert        "assert f(1) == 2\\n..." (one test: the program, then this code)  or  ["assert ...", ...]
                   (MBPP's ``test_list``: one run per assert)
 

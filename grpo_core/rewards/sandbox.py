@@ -7,17 +7,17 @@ with the project), built the same way whether the trainer runs as root or as an 
                  library, the shared libraries), the interpreter's prefix when it lives elsewhere, and the
                  reward's ``readonly_paths``; nothing else: no /home, /root, /etc, project tree or virtual
                  environment. Its own /proc (its own processes only), a minimal /dev (null, zero, full,
-                 random, urandom, tty), and fresh size-capped tmpfs /tmp (the working directory, the program
-                 is /tmp/main.py) and /dev/shm
+                 random, urandom, tty), and fresh size-capped tmpfs /tmp (the working directory,
+                 the program is /tmp/main.py) and /dev/shm
     namespaces   new user, pid, network (its own loopback only), ipc, uts, mount and cgroup namespaces
     identity     uid and gid 65534 inside, no capabilities, no nested user namespaces; outside, the trainer's
                  user, or as root the user nobody (65534): bwrap itself is started as nobody (setpriv), so the
-                 jail is never root outside (a jail mapped to root could chmod the host's /dev/null, which it
-                 sees)
+                 jail is never root outside
+                 (a jail mapped to root could chmod the host's /dev/null, which it sees)
     seccomp      the deny list of ``grpo_core/rewards/seccomp.py`` (EPERM), foreign architectures killed
     limits       ``Limits``: CPU seconds, address space, file size (its stdout and stderr too), processes
-                 (counted in its own user namespace, so per run), open files; set inside the jail by
-                 util-linux's prlimit
+                 (counted in its own user namespace, so per run), open files;
+                 set inside the jail by util-linux's prlimit
     environment  PATH, LANG and HOME=/tmp; the system Python (``interpreter()``) in isolated mode (-I)
 
 The run ends at its wall-clock limit or when its program exits: killing bwrap kills the jail's init, and the

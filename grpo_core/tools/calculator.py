@@ -46,8 +46,7 @@ def calculator(expression: str) -> str:
 
     Args:
         expression: numbers (decimals allowed) joined by +, -, *, /, //, % or ** with parentheses,
-        e.g. "48/2 + 7"
-            or "(12.5 * 4) - 3". Thousands separators are not allowed: write 1200, not 1,200.
+            e.g. "48/2 + 7" or "(12.5 * 4) - 3". Thousands separators are not allowed: write 1200, not 1,200.
 
     Returns:
         The value, as a decimal number (rounded to 6 decimal places when it does not terminate sooner).

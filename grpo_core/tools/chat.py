@@ -7,7 +7,8 @@ most hub tokenizers, and TRL then sets one by recognising the exact chat templat
 recognised by rendering a probe call with the model's own chat template:
 
     <tool_call>{"name": ..., "arguments": {...}}</tool_call>    Hermes: Qwen2.5, Qwen3, and ChatML templates
-    like them {"name": ..., "parameters": {...}}<|eot_id|>                 Llama 3.1 / 3.2 (one call per turn)
+                                                                like them
+    {"name": ..., "parameters": {...}}<|eot_id|>                Llama 3.1 / 3.2 (one call per turn)
 
 and the matching template below parses it (TRL 1.16's ``qwen3_template`` / ``llama3_template``, Apache-2.0,
 with the turn markers read from the chat template itself: its generation prompt opens the assistant message,

@@ -1,7 +1,7 @@
 """Training: the GRPO loop as named phases, and what it holds and writes.
 
-    loop.py        train(): set up, resume, then per step round -> gradients -> guards -> update -> log ->
-                   save
+    loop.py        train(): set up, resume, then
+                   per step round -> gradients -> guards -> update -> log -> save
     setup.py       the set-up phase: accelerator, policy placement, reference, data, rewards, rollout backend
     state.py       TrainState (what a checkpoint holds), TrainingRun (the long-lived objects), PromptSampler
     batching.py    the batch arithmetic (BatchPlan) and the order of a step's rows across micro-batches

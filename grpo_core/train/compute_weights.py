@@ -11,8 +11,8 @@ exports, the reference's TR-DPO mix and the async sampler read them. A copy of i
     N processes         the float32 gradients all-reduced (averaged) once, after the step's last micro-batch:
                         the reduction in float32, as FSDP2's ``reduce_dtype``; the copy is not DDP-wrapped
     optimizer step      on the float32 masters (AdamW state float32): an lr-1e-6 update survives
-    after the step      the masters cast into the copy (``sync_weights``), which is also what rollouts sample
-                        from
+    after the step      the masters cast into the copy (``sync_weights``),
+                        which is also what rollouts sample from
 
 Bytes per parameter: masters 4 + gradients 4 + AdamW 8 + the copy 2 = 18, what the float32 masters plus the
 bf16 rollout copy cost before; the copy now does both jobs. Under autocast (the previous way) every op cast

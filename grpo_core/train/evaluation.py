@@ -2,12 +2,10 @@
 (``metric_for_best_model``).
 
     every eval_steps and at the last step: the policy on the first eval_max_samples held-out prompts, greedy,
-    then
-      num_generations_eval samples each at the training temperature (grpo_core/evaluation.py)
+      then num_generations_eval samples each at the training temperature (grpo_core/evaluation.py)
       -> summarize_evaluation -> eval/* metrics in the step's log line and the tracker
     at each checkpoint: its eval/<metric> against the best so far -> TrainState.best_step / best_value;
-    the best
-      checkpoint is never pruned, and load_best_model_at_end exports its weights.
+      the best checkpoint is never pruned, and load_best_model_at_end exports its weights.
 
 Rank 0 evaluates (the unwrapped policy, or under FSDP2 the whole sampling copy) and broadcasts the numbers.
 Every RNG is saved before and restored after, so a run with evaluation trains exactly as one without (with a

@@ -1,9 +1,9 @@
 """How training spreads over ``train.num_processes`` processes, read from ``train.accelerate_config``.
 
-    no file, or distributed_type MULTI_GPU        DDP: every process holds the whole policy; gradients
-    all-reduced MULTI_GPU with fsdp_config (fsdp_version: 2)  FSDP2: the trainer shards policy and reference
-    itself with
-                                                  torch's ``fully_shard`` (grpo_core/model/sharding.py)
+    no file, or distributed_type MULTI_GPU        DDP: every process holds the whole policy;
+                                                  gradients all-reduced
+    MULTI_GPU with fsdp_config (fsdp_version: 2)  FSDP2: the trainer shards policy and reference itself
+                                                  with torch's ``fully_shard`` (grpo_core/model/sharding.py)
 
 The file stays an accelerate config: ``accelerate launch --config_file`` starts the processes on GPUs
 (``torch.distributed.run`` does on CPU, gloo), and the trainer reads ``fsdp_config`` from it. Sharding is the
