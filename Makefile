@@ -59,7 +59,7 @@ repro: setup
 	$(VENV)/bin/dvc repro
 
 lint: setup
-	$(VENV)/bin/ruff check grpo_core flows tests benchmarks
+	$(VENV)/bin/ruff check .
 
 bench: setup
 	$(PY) -m benchmarks.run --config cpu-tiny
