@@ -119,7 +119,7 @@ def run_and_kill(repo: Path, kill: str, rng: random.Random) -> str:
         proc.wait()
         log.close()
     if kill == "checkpoint write":  # the kill landed inside the write: its partial folder is left behind
-        assert any(checkpoints.glob("checkpoint-*.tmp-*")), "the checkpoint write ended before the kill"
+        assert partial_writes(checkpoints), "the checkpoint write ended before the kill"
     return f"{kill}, {logged_steps(repo)} steps logged"
 
 

@@ -76,7 +76,6 @@ def test_at_most_four_functions_take_more_than_eight_parameters():
     """The four kept: the contract's functional ``grpo_loss`` and the same call on the loss object, and two
     reward factories whose parameters are the keyword arguments params.yaml passes."""
     over = offenders(lambda fn: [f"{parameter_count(fn)} parameters"] if parameter_count(fn) > 8 else [])
-    assert len(over) <= 4, over
     assert sorted(o.split(" ")[1].rstrip(":") for o in over) == [
         "__call__", "code_execution", "grpo_loss", "keyword_hits"], over
 
