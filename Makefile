@@ -10,7 +10,7 @@ export DO_NOT_TRACK := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 
-.PHONY: setup browser test test-fast repro lint bench bench-learning bench-gpu bench-gpu-wheels ui pictures clean
+.PHONY: setup browser test test-durations test-fast repro lint bench bench-learning bench-gpu bench-gpu-wheels ui pictures clean
 
 # torch==2.13.0 goes in first: it is the CPU wheel on this machine, and the project's range
 # (torch>=2.13,<2.15) is then already satisfied, so pip never fetches a CUDA build.
@@ -49,8 +49,17 @@ browser:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
 	  else echo "the browser test needs Debian's chromium: sudo apt-get install chromium chromium-driver" >&2; fi; }
 
+# Both cores: a module runs whole on one worker, the longest first (tests/conftest.py, docs/testing.md)
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
 test: setup browser
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q $(XDIST) --durations=15
+
+# tests/durations.json (the order the workers take modules in) measured again: after a new slow test module
+test-durations: setup browser
+	$(PY) -m pytest -q $(XDIST) --junitxml=.test-durations.xml
+	$(PY) -m tests.durations .test-durations.xml
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"

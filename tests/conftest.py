@@ -1,6 +1,8 @@
 """Test-session environment: offline, no telemetry. Thread counts are left to torch's defaults."""
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -13,10 +15,13 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 @pytest.fixture(scope="session")
 def smollm2_pipeline(tmp_path_factory):
     """(repo, log): configs/smollm2-135m-word-problems.yaml scaled down under `dvc repro` in a fresh clone,
-    once for the whole run (tests/real_model.py)."""
+    once for the whole run (tests/real_model.py, tests/shared_runs.py)."""
     from tests.real_model import build_smollm2_pipeline
+    from tests.shared_runs import once_per_run
 
-    return build_smollm2_pipeline(tmp_path_factory.mktemp("smollm2"))
+    repo, log = once_per_run(tmp_path_factory, "smollm2",
+                             lambda folder: [str(p) for p in build_smollm2_pipeline(folder)])
+    return Path(repo), log
 
 
 @pytest.fixture(scope="session")
@@ -42,3 +47,54 @@ def clean_env(monkeypatch):
                 "GRPO_EXPERIMENT_NAME", "DVC_ROOT"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Both cores (`make test` runs `pytest -n 2 --dist loadgroup`; docs/testing.md)
+
+try:
+    from xdist.scheduler import LoadGroupScheduling
+except ImportError:  # without pytest-xdist the suite runs in one process
+    LoadGroupScheduling = None
+
+if LoadGroupScheduling is not None:
+
+    class ModuleGroupScheduling(LoadGroupScheduling):
+        """loadgroup, with a test module as the default group: a module runs whole on one worker (its module
+        fixtures are built once), and modules marked with one ``xdist_group`` share a worker (a session-wide
+        set-up they all use is built there, with no worker waiting for another's)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            group = super()._split_scope(nodeid)
+            return group if group != nodeid else nodeid.split("::", 1)[0]
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_xdist_make_scheduler(config, log):
+        if config.getvalue("dist") == "loadgroup":
+            return ModuleGroupScheduling(config, log)
+        return None
+
+
+# a module tests/durations.json does not know yet (new since it was measured): about a median module's cost
+NEW_MODULE_S = 5.0
+
+
+def scope_of(item) -> str:
+    """What ModuleGroupScheduling sends to one worker together: the item's xdist_group, else its module."""
+    group = item.get_closest_marker("xdist_group")
+    return str(group.args[0]) if group else item.nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    """On xdist workers: the costliest scopes first (their modules' seconds in tests/durations.json), so
+    no long module starts last while the other worker idles; each scope's tests keep their order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    from tests.durations import DURATIONS
+
+    seconds = json.loads(DURATIONS.read_text())
+    modules: dict[str, set[str]] = {}
+    for item in items:
+        modules.setdefault(scope_of(item), set()).add(item.nodeid.split("::", 1)[0])
+    cost = {scope: sum(seconds.get(m, NEW_MODULE_S) for m in names) for scope, names in modules.items()}
+    items.sort(key=lambda item: -cost[scope_of(item)])

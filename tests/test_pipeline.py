@@ -1,6 +1,6 @@
 """End to end: `dvc repro` on a tiny config in a fresh clone of the repository.
 
-One clone runs the whole pipeline once per test session (``built_pipeline``, shared with
+One clone runs the whole pipeline once per test run (``built_pipeline``, shared with
 tests/test_prefect_flow.py); tests that change anything work on a copy of it.
 """
 
@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.shared_runs import once_per_run
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -92,16 +94,16 @@ def copy_repo(src: Path, dest: Path) -> Path:
     return dest
 
 
-_BUILT: dict[str, tuple[Path, str]] = {}
-
-
 def built_pipeline(tmp_path_factory) -> tuple[Path, str]:
-    """(repo, output of its first `dvc repro`): built once per session, never modified afterwards."""
-    if "repo" not in _BUILT:
-        repo = make_clone(tmp_path_factory.mktemp("pipeline") / "repo")
+    """(repo, output of its first `dvc repro`): built once per test run (tests/shared_runs.py), never modified
+    afterwards."""
+    def build(folder: Path) -> list[str]:
+        repo = make_clone(folder / "repo")
         proc = dvc(repo, "repro")
-        _BUILT["repo"] = (repo, proc.stdout + proc.stderr)
-    return _BUILT["repo"]
+        return [str(repo), proc.stdout + proc.stderr]
+
+    repo, log = once_per_run(tmp_path_factory, "pipeline", build)
+    return Path(repo), log
 
 
 def mlflow_client(repo: Path):

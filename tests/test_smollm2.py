@@ -17,7 +17,8 @@ from tests.test_pipeline import copy_repo, dvc
 CHAT_PREFIX = ("<|im_start|>system\nSolve the problem. End your reply with: The answer is N.<|im_end|>\n"
                "<|im_start|>user\n")
 
-pytestmark = pytest.mark.slow
+# with tests/test_gguf.py's real-model tests: one xdist worker builds the shared run (conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]
 
 
 def test_the_recipe_converts_the_gguf_and_runs_every_stage(smollm2_pipeline):
