@@ -1,4 +1,5 @@
-"""Test-session environment: offline, no telemetry. Thread counts are left to torch's defaults."""
+"""Test-session environment: offline, no telemetry. Thread counts are torch's defaults in a one-process run;
+each pytest-xdist worker runs one thread (its core), set before torch is imported."""
 
 import json
 import os
@@ -6,6 +7,10 @@ from pathlib import Path
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers of torch's default two threads each on two cores spend the time waiting on one another;
+    # the processes a test starts inherit it (the stages pin their own, model.cpu_threads)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
