@@ -171,6 +171,22 @@ def sample_policy(policy: str, model_cfg, inp: EvaluateInputs, ctx, rows: list[d
             torch.cuda.empty_cache()
 
 
+def add_task_metrics(summaries: dict, inp: EvaluateInputs, frame, rows: list[dict],
+                     indices: list[int]) -> None:
+    """With a reasoning_gym reward judging correctness, each policy's summary gains accuracy and mean score
+    per task (the rows' ``task``) and the mean score over all (``grpo_core.evaluation.task_metrics``)."""
+    from grpo_core.evaluation import task_metrics
+    from grpo_core.rewards.judges import CORRECTNESS_FUNCTIONS, reward_index
+
+    judge = reward_index(inp.rewards, CORRECTNESS_FUNCTIONS)
+    if judge is None or inp.rewards[judge].function != "reasoning_gym":
+        return
+    task_of = {i: row.get("task") for i, row in zip(indices, rows)}
+    score = f"reward/{inp.rewards[judge].name}"
+    for policy, summary in summaries.items():
+        summary.update(task_metrics(frame[frame["policy"] == policy], task_of, score))
+
+
 # --------------------------------------------------------------------------------------------------
 # registry
 
@@ -376,9 +392,10 @@ def run(ctx) -> int:
             records += sample_policy(policy, model_cfg, inp, ctx, rows, indices)
         frame = pd.DataFrame.from_records(records)
         summaries = {p: summarize_evaluation(frame[frame["policy"] == p], e.pass_k, names) for p in policies}
+        add_task_metrics(summaries, inp, frame, rows, indices)
         metrics = jsonable(eval_report(summaries["base"], summaries["trained"]))
-        for k in ("num_prompts", "num_samples_per_prompt"):  # sizes, not results: no delta
-            metrics["delta"].pop(k, None)
+        for k in [k for k in metrics["delta"] if k.endswith(("num_prompts", "num_samples_per_prompt"))]:
+            metrics["delta"].pop(k)  # sizes, not results: no delta
 
         write_json_atomic(ctx.path(METRICS), metrics)
         with atomic_path(ctx.path(COMPLETIONS)) as tmp:
