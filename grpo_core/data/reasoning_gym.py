@@ -22,6 +22,7 @@ import difflib
 import hashlib
 import json
 import random
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,18 +30,60 @@ from typing import Any
 
 from grpo_core.common.files import write_json_atomic, write_jsonl_atomic
 from grpo_core.common.options import ConfigError, Options, option
-from grpo_core.data.validation import normalise_prompt
-from grpo_core.rewards.reasoning_gym import (
-    CONFIG_COLUMN,
-    METADATA_COLUMN,
-    TASK_COLUMN,
-    encode_value,
-    require_reasoning_gym,
-)
+
+#: the columns a reasoning-gym row adds to prompt and answer, what its task's scorer reads
+#: (grpo_core/rewards/reasoning_gym.py): the dataset name, its generator config (JSON), the entry's metadata
+TASK_COLUMN, CONFIG_COLUMN, METADATA_COLUMN = "task", "task_config", "metadata"
+# plain JSON turns tuples into lists and int keys into strings; some scorers compare against either
+_TUPLE, _ITEMS = "__tuple__", "__items__"
 
 #: generator keys this section sets for every task, and where
 RESERVED_KEYS = {"seed": "reasoning_gym.seed / eval_seed", "size": "reasoning_gym.train_size / eval_size"}
 SUMMARY_FILE = "summary.json"
+
+
+def require_reasoning_gym():
+    """The reasoning_gym package, or an ImportError saying how to install it."""
+    try:
+        import reasoning_gym
+    except ImportError as err:
+        raise ImportError("reasoning-gym tasks need the reasoning-gym package: pip install -e "
+                          "'.[reasoning-gym]' (make setup installs it)") from err
+    return reasoning_gym
+
+
+def encode_value(value: Any) -> Any:
+    """``value`` as plain JSON data that ``decode_value`` turns back into what it was: tuples and mappings
+    with keys other than strings are tagged. Raises TypeError on anything JSON cannot hold (sets, objects)."""
+    if isinstance(value, tuple):
+        return {_TUPLE: [encode_value(v) for v in value]}
+    if isinstance(value, list):
+        return [encode_value(v) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value) and not {_TUPLE, _ITEMS} & value.keys():
+            return {k: encode_value(v) for k, v in value.items()}
+        return {_ITEMS: [[encode_value(k), encode_value(v)] for k, v in value.items()]}
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    raise TypeError(f"{type(value).__name__} {str(value)[:60]!r} has no JSON form")
+
+
+def decode_value(value: Any) -> Any:
+    if isinstance(value, list):
+        return [decode_value(v) for v in value]
+    if isinstance(value, dict):
+        if value.keys() == {_TUPLE}:
+            return tuple(decode_value(v) for v in value[_TUPLE])
+        if value.keys() == {_ITEMS}:
+            return {decode_value(k): decode_value(v) for k, v in value[_ITEMS]}
+        return {k: decode_value(v) for k, v in value.items()}
+    return value
+
+
+def prompt_key(question: str) -> str:
+    """A question as validate's duplicate and overlap checks key it (data/validation.py ``normalise_prompt``
+    for a text prompt: whitespace runs collapsed, case-folded), so what is deduplicated here passes there."""
+    return re.sub(r"\s+", " ", question).strip().casefold()
 
 
 @dataclass
@@ -161,7 +204,7 @@ def draw_task(task: ReasoningGymTask, key: str, share: int, seed: int, max_draws
     for index in range(max_draws if share else 0):
         entry = dataset[index]
         stats["drawn"] += 1
-        prompt = normalise_prompt(entry["question"])
+        prompt = prompt_key(entry["question"])
         if prompt in held_out:
             stats["held_out"] += 1
         elif prompt in seen:
@@ -207,7 +250,7 @@ def prepare_reasoning_gym(cfg: ReasoningGymConfig, data_dir: str | Path,
     for i, task in enumerate(cfg.tasks):
         check_task(task, f"reasoning_gym.tasks[{i}]")
     evaluation, eval_stats = build_split(cfg, "eval")
-    held_out = frozenset(normalise_prompt(r["prompt"]) for r in evaluation)
+    held_out = frozenset(prompt_key(r["prompt"]) for r in evaluation)
     train, train_stats = build_split(cfg, "train", held_out)
     data_dir = Path(data_dir)
     write_jsonl_atomic(data_dir / "train.jsonl", train)

@@ -1,11 +1,12 @@
 """reasoning-gym's own scorers as a reward: each row names its task, and the task's ``score_answer`` scores
 the answer read from the completion, partial credit kept as the task defines it.
 
-A row of a reasoning-gym split (``grpo_core/data/reasoning_gym.py`` writes them) carries what scoring needs:
+A row of a reasoning-gym split (``grpo_core/data/reasoning_gym.py`` writes and decodes them) carries what
+scoring needs:
 
     task         the reasoning-gym dataset name, e.g. chain_sum
     task_config  the generator's config as JSON (the scorer of some tasks reads its dataset's config)
-    metadata     the entry's metadata as JSON, tuples and non-string keys kept (``encode_value``)
+    metadata     the entry's metadata as JSON, tuples and non-string keys kept (``decode_value``)
     answer       the reference answer, as reasoning-gym wrote it
 
 The scorer is strict (``chain_sum``'s gives "The answer is -4" 0.125 where "-4" is 1.0), so the answer is
@@ -21,53 +22,18 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from grpo_core.data.reasoning_gym import (
+    CONFIG_COLUMN,
+    METADATA_COLUMN,
+    TASK_COLUMN,
+    decode_value,
+    require_reasoning_gym,
+)
 from grpo_core.rewards.base import RewardFunction, RewardValue, named, texts
 from grpo_core.rewards.parsing import extract_boxed, extract_section, last_number_text
 
-#: the columns a reasoning-gym row adds to prompt and answer (see the module docstring)
-TASK_COLUMN, CONFIG_COLUMN, METADATA_COLUMN = "task", "task_config", "metadata"
-# plain JSON turns tuples into lists and int keys into strings; some scorers compare against either
-_TUPLE, _ITEMS = "__tuple__", "__items__"
 # "The answer is 12", "the final answer is: **12**." - the rest of that line
 _ANSWER_IS = re.compile(r"answer\s+is\s*:?[ \t]*([^\n]*)", re.IGNORECASE)
-
-
-def require_reasoning_gym():
-    """The reasoning_gym package, or an ImportError saying how to install it."""
-    try:
-        import reasoning_gym
-    except ImportError as err:
-        raise ImportError("reasoning-gym tasks need the reasoning-gym package: pip install -e "
-                          "'.[reasoning-gym]' (make setup installs it)") from err
-    return reasoning_gym
-
-
-def encode_value(value: Any) -> Any:
-    """``value`` as plain JSON data that ``decode_value`` turns back into what it was: tuples and mappings
-    with keys other than strings are tagged. Raises TypeError on anything JSON cannot hold (sets, objects)."""
-    if isinstance(value, tuple):
-        return {_TUPLE: [encode_value(v) for v in value]}
-    if isinstance(value, list):
-        return [encode_value(v) for v in value]
-    if isinstance(value, dict):
-        if all(isinstance(k, str) for k in value) and not {_TUPLE, _ITEMS} & value.keys():
-            return {k: encode_value(v) for k, v in value.items()}
-        return {_ITEMS: [[encode_value(k), encode_value(v)] for k, v in value.items()]}
-    if value is None or isinstance(value, str | int | float | bool):
-        return value
-    raise TypeError(f"{type(value).__name__} {str(value)[:60]!r} has no JSON form")
-
-
-def decode_value(value: Any) -> Any:
-    if isinstance(value, list):
-        return [decode_value(v) for v in value]
-    if isinstance(value, dict):
-        if value.keys() == {_TUPLE}:
-            return tuple(decode_value(v) for v in value[_TUPLE])
-        if value.keys() == {_ITEMS}:
-            return {decode_value(k): decode_value(v) for k, v in value[_ITEMS]}
-        return {k: decode_value(v) for k, v in value.items()}
-    return value
 
 
 @functools.lru_cache(maxsize=64)
@@ -82,9 +48,12 @@ def _answer_is(text: str) -> str | None:
     found = _ANSWER_IS.findall(text)
     if not found:
         return None
-    # markdown bold and math dollars around it, and the sentence's full stop, are not part of the answer
-    answer = found[-1].strip().strip("*$").strip()
-    return answer[:-1].rstrip() if answer.endswith(".") else answer
+    # markdown bold and math dollars around it, and the sentence's one full stop (after them or inside), are
+    # not part of the answer
+    answer = found[-1].strip()
+    stopped = answer.endswith(".")
+    answer = answer.removesuffix(".").strip().strip("*$").strip()
+    return answer if stopped else answer.removesuffix(".").rstrip()
 
 
 #: the ways an answer is read from a completion: each gives the answer text, or None when it finds none
@@ -99,7 +68,7 @@ EXTRACTORS: dict[str, Callable[[str, str], str | None]] = {
 _STATED: dict[str, Callable[[str, str], str]] = {
     "answer_tag": lambda answer, tag: f"<{tag}>{answer}</{tag}>",
     "boxed": lambda answer, tag: f"\\boxed{{{answer}}}",
-    "answer_is": lambda answer, tag: f"The answer is {answer}",
+    "answer_is": lambda answer, tag: f"The answer is {answer}.",
     "last_number": lambda answer, tag: answer,
     "whole": lambda answer, tag: answer,
 }
