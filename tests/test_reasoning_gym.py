@@ -206,6 +206,7 @@ def test_two_tasks_through_every_stage(tmp_path, monkeypatch):
     raw["train"].update(num_generations=4, per_device_train_batch_size=8, max_steps=2, save_steps=2,
                         async_rollouts=False)
     raw["evaluate"].update(max_samples=8, num_generations=2, pass_k=[1, 2], batch_size=16)
+    raw["tracking"]["promotion_metric"] = "mean_score"  # the task's own score may gate promotion
     repo = in_stage_repo(tmp_path, raw, monkeypatch, "test-reasoning-gym")
     for stage in ("prepare", "convert", "validate", "calibrate", "train", "evaluate"):
         assert main([stage]) == 0, stage
@@ -219,3 +220,4 @@ def test_two_tasks_through_every_stage(tmp_path, monkeypatch):
         assert m["mean_score"] == pytest.approx(m["rewards/rg/mean"])
     assert "tasks/chain_sum/accuracy" in metrics["delta"]
     assert "tasks/chain_sum/num_prompts" not in metrics["delta"]
+    assert json.loads((repo / "reports/registry.json").read_text())["metric"] == "mean_score"

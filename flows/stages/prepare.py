@@ -57,7 +57,6 @@ def prepare_reasoning_gym(ctx, cfg) -> int:
 
 def run(ctx) -> int:
     from flows.stages.common import quiet_libraries
-    from grpo_core.embedded.build import prepare
 
     inputs = stage_inputs(ctx.cfg)
     emb = inputs.embedded
@@ -66,8 +65,11 @@ def run(ctx) -> int:
         return prepare_reasoning_gym(ctx, inputs.reasoning_gym)
     if emb is None:
         _empty(ctx, EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR)
-        print("prepare: embedded: null and reasoning_gym: null - nothing to prepare", file=sys.stderr)
+        print("prepare: embedded: null - the embedded default is not used; nothing to prepare "
+              "(reasoning_gym: null too)", file=sys.stderr)
         return 0
+    from grpo_core.embedded.build import prepare
+
     quiet_libraries()
     cfg = dataclasses.replace(emb, data_dir=str(ctx.path(emb.data_dir)),
                               model_dir=str(ctx.path(emb.model_dir)))
