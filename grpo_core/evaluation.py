@@ -218,6 +218,24 @@ def summarize_evaluation(per_sample: pd.DataFrame, ks: Iterable[int],
     return out
 
 
+def task_metrics(per_sample: pd.DataFrame, task_of: Mapping[int, str], score_column: str) -> dict[str, Any]:
+    """Greedy results per task, for data that mixes tasks (``task_of``: prompt index -> its task):
+    ``tasks/<task>/accuracy`` (the judges' correct), ``tasks/<task>/mean_score`` (``score_column``, a reward
+    with partial credit: the mean counts it) and ``tasks/<task>/num_prompts``; and ``mean_score`` over all."""
+    greedy = per_sample[per_sample["mode"] == GREEDY]
+    if not len(greedy):
+        return {}
+    # mean per prompt first, as accuracy does: a prompt with two greedy rows counts once
+    per_prompt = greedy.groupby("prompt_index").agg(correct=("correct", "mean"), score=(score_column, "mean"))
+    per_prompt["task"] = [str(task_of[i]) for i in per_prompt.index]
+    out: dict[str, Any] = {"mean_score": finite_or_none(per_prompt["score"].mean())}
+    for task, rows in per_prompt.groupby("task", sort=True):
+        out[f"tasks/{task}/accuracy"] = float(rows["correct"].mean())
+        out[f"tasks/{task}/mean_score"] = finite_or_none(rows["score"].mean())
+        out[f"tasks/{task}/num_prompts"] = int(len(rows))
+    return out
+
+
 def _is_number(x: Any) -> bool:
     return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(float(x))
 

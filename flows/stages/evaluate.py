@@ -122,10 +122,21 @@ def promotion_decision(metric: str, trained: float | None, base: float | None, c
 
 
 def known_metric_names(cfg, tools: bool = False) -> list[str]:
-    """eval.json's metric keys (tools: with the tool metrics)."""
+    """eval.json's metric keys a gate may compare (tools: with the tool metrics; a reasoning_gym reward
+    judging correctness: mean_score; its per-task keys follow the data, not the config)."""
     from grpo_core.evaluation import summary_metric_names
 
-    return summary_metric_names([r.name for r in cfg.rewards], cfg.evaluate.pass_k, sampled=True, tools=tools)
+    names = summary_metric_names([r.name for r in cfg.rewards], cfg.evaluate.pass_k, sampled=True,
+                                 tools=tools)
+    return names + (["mean_score"] if task_scorer(cfg.rewards) is not None else [])
+
+
+def task_scorer(rewards: list):
+    """The reasoning_gym reward when it judges correctness (the first correctness reward), else None."""
+    from grpo_core.rewards.judges import CORRECTNESS_FUNCTIONS, reward_index
+
+    judge = reward_index(rewards, CORRECTNESS_FUNCTIONS)
+    return rewards[judge] if judge is not None and rewards[judge].function == "reasoning_gym" else None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -169,6 +180,21 @@ def sample_policy(policy: str, model_cfg, inp: EvaluateInputs, ctx, rows: list[d
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def add_task_metrics(summaries: dict, inp: EvaluateInputs, frame, rows: list[dict],
+                     indices: list[int]) -> None:
+    """With a reasoning_gym reward judging correctness, each policy's summary gains accuracy and mean score
+    per task (the rows' ``task``) and the mean score over all (``grpo_core.evaluation.task_metrics``)."""
+    from grpo_core.evaluation import task_metrics
+
+    scorer = task_scorer(inp.rewards)
+    if scorer is None:
+        return
+    task_of = {i: row.get("task") for i, row in zip(indices, rows)}
+    score = f"reward/{scorer.name}"
+    for policy, summary in summaries.items():
+        summary.update(task_metrics(frame[frame["policy"] == policy], task_of, score))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -376,9 +402,10 @@ def run(ctx) -> int:
             records += sample_policy(policy, model_cfg, inp, ctx, rows, indices)
         frame = pd.DataFrame.from_records(records)
         summaries = {p: summarize_evaluation(frame[frame["policy"] == p], e.pass_k, names) for p in policies}
+        add_task_metrics(summaries, inp, frame, rows, indices)
         metrics = jsonable(eval_report(summaries["base"], summaries["trained"]))
-        for k in ("num_prompts", "num_samples_per_prompt"):  # sizes, not results: no delta
-            metrics["delta"].pop(k, None)
+        for k in [k for k in metrics["delta"] if k.endswith(("num_prompts", "num_samples_per_prompt"))]:
+            metrics["delta"].pop(k)  # sizes, not results: no delta
 
         write_json_atomic(ctx.path(METRICS), metrics)
         with atomic_path(ctx.path(COMPLETIONS)) as tmp:

@@ -236,14 +236,19 @@ def check_tools(toolbox, tokenizer, train_df, cfg) -> list | None:
 
 
 def gold_parser(cfg):
-    """The numbers and choice letters of ``parse_gold``, and under a math_verify reward whatever math-verify
-    parses (LaTeX golds: ``\\frac{1}{2}``, intervals, sets)."""
+    """The numbers and choice letters of ``parse_gold``, under a math_verify reward whatever math-verify
+    parses (LaTeX golds: ``\\frac{1}{2}``, intervals, sets), and under a reasoning_gym reward any text (its
+    task's scorer reads the gold; the gold check asks it)."""
     from grpo_core.rewards import parse_gold
     from grpo_core.rewards.math import parse_math_gold
 
-    if not any(spec.function == "math_verify" for spec in cfg.rewards):
+    functions = {spec.function for spec in cfg.rewards}
+    parsers = [parse_gold, *([parse_math_gold] if "math_verify" in functions else []),
+               *([lambda raw: raw if isinstance(raw, str) and raw.strip() else None]
+                 if "reasoning_gym" in functions else [])]
+    if len(parsers) == 1:
         return parse_gold
-    return lambda raw: parse_gold(raw) or parse_math_gold(raw)
+    return lambda raw: next((parsed for parse in parsers if (parsed := parse(raw))), None)
 
 
 def run(ctx) -> int:

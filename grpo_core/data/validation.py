@@ -13,7 +13,8 @@ Checks
     ``gold_parseable``   the gold answer parses with the verifier's ``parse_gold``;
     ``gold_reward:<fn>`` reward smoke test - the completion
                          ``<reasoning>\\n...\\n</reasoning>\\n<answer>\\n{gold}\\n</answer>`` (a choice as
-                         ``\\boxed{X}``) must score exactly 1.0 under each correctness reward. A published
+                         ``\\boxed{X}``; a reward with a ``gold_completion(answer)`` attribute writes its own)
+                         must score exactly 1.0 under each correctness reward. A published
                          trainer returns 1.0 when the gold cannot be parsed, which hides broken data;
     ``duplicate_prompt`` no prompt twice within a split (normalised text: case-folded, whitespace collapsed);
     ``train_eval_overlap`` no eval prompt that is also a train prompt;
@@ -293,14 +294,17 @@ def _gold_reward_checks(df: pd.DataFrame, split: str, rows: list[Any], parsed: d
     sub = df.loc[rows]
     prompts = sub[prompt_column].tolist()
     tasks = sub["task"].tolist() if "task" in sub.columns else [None] * len(rows)
-    texts = [gold_completion_text(a, parsed[r], t) for r, a, t in zip(rows, sub[answer_column], tasks)]
-    completions = [[{"role": "assistant", "content": t}] if _as_messages(p) is not None else t
-                   for p, t in zip(prompts, texts)]
+    default = [gold_completion_text(a, parsed[r], t) for r, a, t in zip(rows, sub[answer_column], tasks)]
     # TRL passes every non-prompt column as a keyword list aligned with completions
     columns = {c: sub[c].tolist() for c in sub.columns if c != prompt_column}
     for fn in reward_fns:
         name = getattr(fn, "__name__", repr(fn))
         check = f"gold_reward:{name}"
+        # a reward that reads its answer its own way says how a perfect completion states it
+        own = getattr(fn, "gold_completion", None)
+        texts = default if own is None else [own(a) for a in sub[answer_column]]
+        completions = [[{"role": "assistant", "content": t}] if _as_messages(p) is not None else t
+                       for p, t in zip(prompts, texts)]
         try:
             values = list(call_reward(fn, prompts, completions, **columns))
             if len(values) != len(rows):
@@ -313,7 +317,7 @@ def _gold_reward_checks(df: pd.DataFrame, split: str, rows: list[Any], parsed: d
             if v is None or (isinstance(v, float) and math.isnan(v)):
                 not_applicable[name] += 1
             elif abs(float(v) - 1.0) > 1e-9:
-                answer = text.rsplit("<answer>\n", 1)[-1].removesuffix("\n</answer>")
+                answer = text.rsplit("<answer>\n", 1)[-1].removesuffix("\n</answer>") if own is None else text
                 failures.append(_row(split, r, answer_column, check,
                                      f"gold completion scored {float(v):g}, expected 1.0 (answer: {answer})"))
     return failures, not_applicable

@@ -2,9 +2,10 @@
 evaluation during training) and calibration.
 
 The first configured reward whose built-in function checks the answer (``correctness``, ``numeric``,
-``multiple_choice``, ``math_verify``) judges correctness: a sample is correct when it scores that reward's
-``correct`` value. The first configured ``soft_format`` / ``strict_format`` judges the format: > 0 is well
-formed. With none configured, the built-in ``correctness`` and ``soft_format`` judge.
+``multiple_choice``, ``math_verify``, ``reasoning_gym``) judges correctness: a sample is correct when it
+scores that reward's ``correct`` value (reasoning_gym: 1.0, the task's full score). The first configured
+``soft_format`` / ``strict_format`` judges the format: > 0 is well formed. With none configured, the
+built-in ``correctness`` and ``soft_format`` judge.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from grpo_core.rewards.correctness import correctness
 from grpo_core.rewards.format import soft_format
 from grpo_core.rewards.registry import build_reward_functions
 
-CORRECTNESS_FUNCTIONS = frozenset({"correctness", "multiple_choice", "numeric", "math_verify"})
+CORRECTNESS_FUNCTIONS = frozenset({"correctness", "multiple_choice", "numeric", "math_verify",
+                                   "reasoning_gym"})
 FORMAT_FUNCTIONS = frozenset({"soft_format", "strict_format"})
 
 

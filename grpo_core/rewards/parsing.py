@@ -93,6 +93,12 @@ def last_number(text: str) -> Fraction | None:
     return None
 
 
+def last_number_text(text: str) -> str | None:
+    """The last number written in free text as it is written there (sign and separators kept), or None."""
+    matches = _NUMBER_RE.findall(_normalise(text))
+    return matches[-1] if matches else None
+
+
 def extract_number(text: str) -> Fraction | None:
     """The number a model answered: the content of the last `\\boxed{}` if any, else the last number."""
     boxed = extract_boxed(text)

@@ -23,6 +23,7 @@ from grpo_core.rewards.isolated import IsolatedReward
 from grpo_core.rewards.keywords import keyword_hits
 from grpo_core.rewards.length import overlong_penalty, reasoning_length
 from grpo_core.rewards.math import math_verify
+from grpo_core.rewards.reasoning_gym import reasoning_gym
 from grpo_core.rewards.reward_model import reward_model
 from grpo_core.rewards.sandbox import SandboxUnavailable
 from grpo_core.rewards.wrappers import clip_reward
@@ -32,6 +33,7 @@ BUILTINS: dict[str, Callable[..., RewardFunction]] = {
     "multiple_choice": multiple_choice,
     "numeric": numeric,
     "math_verify": math_verify,
+    "reasoning_gym": reasoning_gym,
     "code_execution": code_execution,
     "reward_model": reward_model,
     "strict_format": strict_format,
