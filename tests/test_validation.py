@@ -14,6 +14,7 @@ from grpo_core.data.validation import (
     DataValidationError,
     ValidationRules,
     gold_completion_text,
+    schema_failures,
     validate_frames,
 )
 
@@ -74,6 +75,16 @@ def test_clean_data_passes():
     assert report.ok, report.to_text()
     assert report.summary["splits"]["train"]["rows"] == 3
     report.raise_for_failures()
+
+
+def test_check_names_do_not_depend_on_which_schema_one_process_built_first():
+    """The prompt checks are PromptSchema's and, inherited, PromptAnswerSchema's: each reports them under the
+    same names, built in either order (pandera forgets a check's ``name=`` once one schema used it)."""
+    df = pd.DataFrame({"prompt": ["  ", 42, [{"role": "wizard", "content": "hi"}]],
+                       "answer": ["1", "2", "3"]})
+    expected = {(0, "prompt_not_empty"), (1, "prompt_type"), (2, "chat_messages_well_formed")}
+    for require_answer in (False, True, False, True):
+        assert {(f["row"], f["check"]) for f in schema_failures(df, "train", require_answer)} == expected
 
 
 def test_every_failure_is_collected():

@@ -121,24 +121,28 @@ def _short(value: Any, limit: int = VALUE_CHARS) -> str:
 
 
 class PromptSchema(pa.DataFrameModel):
-    """Rows of a prompt dataset; extra columns are allowed (they reach the reward functions)."""
+    """Rows of a prompt dataset; extra columns are allowed (they reach the reward functions).
+
+    A check is named by its method (the report's ``check``): pandera drops a ``name=`` argument once it has
+    built one schema from it, so PromptAnswerSchema, which inherits these, would report the method name after
+    PromptSchema had been built in the same process."""
 
     # Any dtype: strings (object or pandas' str dtype) and chat lists (object) are both legal.
     prompt: Series[Any] = pa.Field(nullable=False)
 
-    @pa.check("prompt", element_wise=True, name="prompt_type")
-    def _prompt_type(cls, x: Any) -> bool:
+    @pa.check("prompt", element_wise=True)
+    def prompt_type(cls, x: Any) -> bool:
         return isinstance(x, str) or _as_messages(x) is not None
 
-    @pa.check("prompt", element_wise=True, name="prompt_not_empty")
-    def _prompt_not_empty(cls, x: Any) -> bool:
+    @pa.check("prompt", element_wise=True)
+    def prompt_not_empty(cls, x: Any) -> bool:
         if isinstance(x, str):
             return bool(x.strip())
         messages = _as_messages(x)
         return messages is None or len(messages) > 0  # wrong types are prompt_type's failure
 
-    @pa.check("prompt", element_wise=True, name="chat_messages_well_formed")
-    def _chat_messages(cls, x: Any) -> bool:
+    @pa.check("prompt", element_wise=True)
+    def chat_messages_well_formed(cls, x: Any) -> bool:
         messages = _as_messages(x)
         return messages is None or all(_message_ok(m) for m in messages)
 
@@ -151,8 +155,8 @@ class PromptAnswerSchema(PromptSchema):
 
     answer: Series[Any] = pa.Field(nullable=False)
 
-    @pa.check("answer", element_wise=True, name="answer_not_empty")
-    def _answer_not_empty(cls, x: Any) -> bool:
+    @pa.check("answer", element_wise=True)
+    def answer_not_empty(cls, x: Any) -> bool:
         if isinstance(x, str):
             return bool(x.strip())
         # numbers are fine (csv/jsonl readers turn "42" into 42); bools are not answers
