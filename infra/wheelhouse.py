@@ -31,8 +31,11 @@ WHEELHOUSE = REPO / ".whl"
 STAMP = WHEELHOUSE / "kit-stamp.json"
 # What the image lacks or holds at another version, for the sides of the kit: TRL 1.16 and its datasets (with
 # dill, multiprocess), transformers as this project pins it (with the regex it needs), and ruamel.yaml (the
-# config loader, grpo_core.config.load_config), and gguf (part e converts the real model's GGUF).
-WHEELS = ("trl", "datasets", "dill", "multiprocess", "transformers", "regex", "ruamel.yaml", "gguf")
+# config loader, grpo_core.config.load_config), gguf (part e converts the real model's GGUF), and pandera with
+# what it needs that the image lacks (grpo_core.config imports validate's options, beside its schemas).
+WHEELS = ("trl", "datasets", "dill", "multiprocess", "transformers", "regex", "ruamel.yaml", "gguf",
+          "pandera", "typeguard", "pydantic", "pydantic-core", "typing-inspection", "annotated-types",
+          "typing-extensions")
 # Part e's model: the GGUF `make setup` puts in models/ (94 MiB) is over what one call carries, so it travels
 # in thirds, one per call, into .kit-model/ (ignored by git); the third call joins them
 # (benchmarks/README.md).
