@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from grpo_core.common.options import ConfigError
+from grpo_core.common.text import text_key
 
 try:
     import reasoning_gym as rg
@@ -26,7 +27,6 @@ from grpo_core.data.reasoning_gym import (  # noqa: E402
     decode_value,
     encode_value,
     prepare_reasoning_gym,
-    prompt_key,
     task_row,
 )
 from grpo_core.data.validation import ValidationRules, normalise_prompt, validate_frames  # noqa: E402
@@ -91,7 +91,7 @@ def test_extraction(text, ways, expected):
 @pytest.mark.parametrize("question", ["What is 2 + 2?", "  Two\n\nlines\t and  TABS ", "\u00c9t\u00c9 \u00df",
                                       "a\u00a0b\u2003c"])
 def test_the_dedupe_key_is_validates(question):
-    assert prompt_key(question) == normalise_prompt(question)
+    assert text_key(question) == normalise_prompt(question)
 
 
 def test_metadata_keeps_tuples_and_keys_json_drops():

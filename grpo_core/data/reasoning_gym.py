@@ -22,7 +22,6 @@ import difflib
 import hashlib
 import json
 import random
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 
 from grpo_core.common.files import write_json_atomic, write_jsonl_atomic
 from grpo_core.common.options import ConfigError, Options, option
+from grpo_core.common.text import text_key
 
 #: the columns a reasoning-gym row adds to prompt and answer, what its task's scorer reads
 #: (grpo_core/rewards/reasoning_gym.py): the dataset name, its generator config (JSON), the entry's metadata
@@ -78,12 +78,6 @@ def decode_value(value: Any) -> Any:
             return {decode_value(k): decode_value(v) for k, v in value[_ITEMS]}
         return {k: decode_value(v) for k, v in value.items()}
     return value
-
-
-def prompt_key(question: str) -> str:
-    """A question as validate's duplicate and overlap checks key it (data/validation.py ``normalise_prompt``
-    for a text prompt: whitespace runs collapsed, case-folded), so what is deduplicated here passes there."""
-    return re.sub(r"\s+", " ", question).strip().casefold()
 
 
 @dataclass
@@ -204,7 +198,7 @@ def draw_task(task: ReasoningGymTask, key: str, share: int, seed: int, max_draws
     for index in range(max_draws if share else 0):
         entry = dataset[index]
         stats["drawn"] += 1
-        prompt = prompt_key(entry["question"])
+        prompt = text_key(entry["question"])
         if prompt in held_out:
             stats["held_out"] += 1
         elif prompt in seen:
@@ -250,7 +244,7 @@ def prepare_reasoning_gym(cfg: ReasoningGymConfig, data_dir: str | Path,
     for i, task in enumerate(cfg.tasks):
         check_task(task, f"reasoning_gym.tasks[{i}]")
     evaluation, eval_stats = build_split(cfg, "eval")
-    held_out = frozenset(prompt_key(r["prompt"]) for r in evaluation)
+    held_out = frozenset(text_key(r["prompt"]) for r in evaluation)
     train, train_stats = build_split(cfg, "train", held_out)
     data_dir = Path(data_dir)
     write_jsonl_atomic(data_dir / "train.jsonl", train)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -40,6 +39,7 @@ from pandera.typing import Series
 
 from grpo_core.common.errors import ValidationFailure
 from grpo_core.common.options import Options, option
+from grpo_core.common.text import text_key
 from grpo_core.rewards.scoring import call_reward
 
 try:
@@ -100,7 +100,7 @@ def prompt_text(prompt: Any) -> str | None:
 def normalise_prompt(prompt: Any) -> str | None:
     """Key for duplicate / overlap detection: case-folded, whitespace runs collapsed, stripped."""
     text = prompt_text(prompt)
-    return None if text is None else re.sub(r"\s+", " ", text).strip().casefold()
+    return None if text is None else text_key(text)
 
 
 def _is_missing(value: Any) -> bool:
