@@ -47,8 +47,6 @@ def once_per_run(tmp_path_factory, name: str, build: Callable[[Path], object]) -
         except BaseException as exc:
             record.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"[-8000:]}))
             raise
-        temp = record.with_name(record.name + ".tmp")
-        temp.write_text(json.dumps({"value": value}))
-        temp.replace(record)  # a reader never sees half a record
+        record.write_text(json.dumps({"value": value}))  # read only under the lock: never half written
         _BUILT[name] = json.loads(record.read_text())["value"]
     return _BUILT[name]
