@@ -218,20 +218,34 @@ def summarize_evaluation(per_sample: pd.DataFrame, ks: Iterable[int],
     return out
 
 
+def _accuracy_well_formed(rows: pd.DataFrame) -> float | None:
+    """Accuracy among the greedy replies the format judge passes: whether a model that answers is right
+    more often, apart from how often it answers at all."""
+    formed = rows[rows["format_ok"] > 0.5]
+    return float(formed["correct"].mean()) if len(formed) else None
+
+
 def task_metrics(per_sample: pd.DataFrame, task_of: Mapping[int, str], score_column: str) -> dict[str, Any]:
     """Greedy results per task, for data that mixes tasks (``task_of``: prompt index -> its task):
     ``tasks/<task>/accuracy`` (the judges' correct), ``tasks/<task>/mean_score`` (``score_column``, a reward
-    with partial credit: the mean counts it) and ``tasks/<task>/num_prompts``; and ``mean_score`` over all."""
+    with partial credit: the mean counts it), ``tasks/<task>/format_compliance`` (the format judge's share:
+    beside a reasoning_gym reward, replies with an answer it can read), ``tasks/<task>/accuracy_well_formed``
+    (accuracy among those) and ``tasks/<task>/num_prompts``; and ``mean_score`` and ``accuracy_well_formed``
+    over all."""
     greedy = per_sample[per_sample["mode"] == GREEDY]
     if not len(greedy):
         return {}
     # mean per prompt first, as accuracy does: a prompt with two greedy rows counts once
-    per_prompt = greedy.groupby("prompt_index").agg(correct=("correct", "mean"), score=(score_column, "mean"))
+    per_prompt = greedy.groupby("prompt_index").agg(correct=("correct", "mean"), score=(score_column, "mean"),
+                                                    format_ok=("format_ok", "mean"))
     per_prompt["task"] = [str(task_of[i]) for i in per_prompt.index]
-    out: dict[str, Any] = {"mean_score": finite_or_none(per_prompt["score"].mean())}
+    out: dict[str, Any] = {"mean_score": finite_or_none(per_prompt["score"].mean()),
+                           "accuracy_well_formed": _accuracy_well_formed(per_prompt)}
     for task, rows in per_prompt.groupby("task", sort=True):
         out[f"tasks/{task}/accuracy"] = float(rows["correct"].mean())
         out[f"tasks/{task}/mean_score"] = finite_or_none(rows["score"].mean())
+        out[f"tasks/{task}/format_compliance"] = float(rows["format_ok"].mean())
+        out[f"tasks/{task}/accuracy_well_formed"] = _accuracy_well_formed(rows)
         out[f"tasks/{task}/num_prompts"] = int(len(rows))
     return out
 

@@ -225,6 +225,41 @@ def test_two_tasks_through_every_stage(tmp_path, monkeypatch):
         assert sum(m[f"tasks/{t}/num_prompts"] for t in ("chain_sum", "leg_counting")) == 8
         assert 0.0 <= m["tasks/chain_sum/accuracy"] <= m["tasks/chain_sum/mean_score"] <= 1.0
         assert m["mean_score"] == pytest.approx(m["rewards/rg/mean"])
+        # extract last_number: a tiny model's reply answers when it holds a number
+        assert m["tasks/chain_sum/format_compliance"] in [i / 8 for i in range(9)]
+        assert ("tasks/chain_sum/accuracy_well_formed" in m and "accuracy_well_formed" in m)
     assert "tasks/chain_sum/accuracy" in metrics["delta"]
     assert "tasks/chain_sum/num_prompts" not in metrics["delta"]
     assert json.loads((repo / "reports/registry.json").read_text())["metric"] == "mean_score"
+
+
+def test_the_format_judge_beside_the_scorer_is_an_answer_it_can_read():
+    from grpo_core.rewards.base import RewardSpec
+    from grpo_core.rewards.judges import build_judges
+    spec = RewardSpec(name="rg", function="reasoning_gym", kwargs={"extract": ["answer_is"]})
+    judges = build_judges([spec])
+    got = judges.format_fn(["q"] * 3, ["The answer is 3.", "3", "the answer is: **-7**"])
+    assert got == [1.0, 0.0, 1.0]
+    with_format = build_judges([RewardSpec(name="rg", function="reasoning_gym"),
+                                RewardSpec(name="f", function="soft_format")])
+    assert with_format.format_fn.__name__ != "reasoning_gym_answered"  # a configured format reward judges
+
+
+def test_accuracy_among_well_formed_replies_per_task():
+    import pandas as pd
+
+    from grpo_core.evaluation import task_metrics
+    # prompts 0-3 chain_sum: right+answered, wrong+answered, wrong+unanswered x2; 4-5 legs: right, wrong,
+    # both answered; a sampled row must not count
+    frame = pd.DataFrame({"prompt_index": [0, 1, 2, 3, 4, 5, 0],
+                          "mode": ["greedy"] * 6 + ["sampled"],
+                          "correct": [True, False, False, False, True, False, False],
+                          "format_ok": [True, True, False, False, True, True, False],
+                          "reward/rg": [1.0, 0.5, 0.0, 0.0, 1.0, 0.0, 0.0]})
+    task_of = {0: "chain_sum", 1: "chain_sum", 2: "chain_sum", 3: "chain_sum", 4: "legs", 5: "legs"}
+    m = task_metrics(frame, task_of, "reward/rg")
+    assert m["tasks/chain_sum/accuracy"] == 0.25 and m["tasks/chain_sum/format_compliance"] == 0.5
+    assert m["tasks/chain_sum/accuracy_well_formed"] == 0.5 and m["tasks/legs/accuracy_well_formed"] == 0.5
+    assert m["accuracy_well_formed"] == 0.5 and m["mean_score"] == pytest.approx(2.5 / 6)
+    none_formed = frame.assign(format_ok=False)
+    assert task_metrics(none_formed, task_of, "reward/rg")["accuracy_well_formed"] is None

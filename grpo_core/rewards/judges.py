@@ -5,7 +5,8 @@ The first configured reward whose built-in function checks the answer (``correct
 ``multiple_choice``, ``math_verify``, ``reasoning_gym``) judges correctness: a sample is correct when it
 scores that reward's ``correct`` value (reasoning_gym: 1.0, the task's full score). The first configured
 ``soft_format`` / ``strict_format`` judges the format: > 0 is well formed. With none configured, the
-built-in ``correctness`` and ``soft_format`` judge.
+built-in ``correctness`` and ``soft_format`` judge; beside a ``reasoning_gym`` correctness reward, a reply is
+well formed when that reward's extraction finds an answer in it (a wrong answer, not none).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from grpo_core.rewards.base import RewardFunction, RewardSpec
 from grpo_core.rewards.correctness import correctness
 from grpo_core.rewards.format import soft_format
+from grpo_core.rewards.reasoning_gym import reasoning_gym_answered
 from grpo_core.rewards.registry import build_reward_functions
 
 CORRECTNESS_FUNCTIONS = frozenset({"correctness", "multiple_choice", "numeric", "math_verify",
@@ -56,5 +58,11 @@ def build_judges(specs: Sequence[RewardSpec]) -> Judges:
                                      float(specs[ci].kwargs.get("correct", 1.0)))
     else:
         correct_fn, correct_value = correctness(), 1.0
-    format_fn = build_reward_functions([specs[fi]])[0] if fi is not None else soft_format()
+    if fi is not None:
+        format_fn = build_reward_functions([specs[fi]])[0]
+    elif ci is not None and specs[ci].function == "reasoning_gym":
+        format_fn = reasoning_gym_answered(**{k: v for k, v in specs[ci].kwargs.items()
+                                              if k in ("extract", "answer_tag")})
+    else:
+        format_fn = soft_format()
     return Judges(correct_fn, correct_value, format_fn)

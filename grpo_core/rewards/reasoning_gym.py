@@ -144,3 +144,19 @@ def reasoning_gym(extract: Sequence[str] = ("answer_tag", "boxed", "answer_is"),
 
     reward.gold_completion = gold_completion  # type: ignore[attr-defined]
     return named(reward, "reasoning_gym")
+
+
+def reasoning_gym_answered(extract: Sequence[str] = ("answer_tag", "boxed", "answer_is"),
+                           answer_tag: str = "answer") -> RewardFunction:
+    """1.0 when ``extract``'s ways (as the ``reasoning_gym`` reward reads them) find an answer in the
+    completion, else 0.0: the format judge beside that reward, so evaluation tells a wrong answer from
+    none."""
+    extract = [extract] if isinstance(extract, str) else list(extract)
+    unknown = [w for w in extract if w not in EXTRACTORS]
+    if not extract or unknown:
+        raise ValueError(f"extract: {unknown or extract!r}; choose from {', '.join(EXTRACTORS)}")
+
+    def reward(prompts: list, completions: list, **kwargs: Any) -> list[RewardValue]:
+        return [float(extract_answer(t, extract, answer_tag) is not None) for t in texts(completions)]
+
+    return named(reward, "reasoning_gym_answered")
