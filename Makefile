@@ -10,7 +10,7 @@ export DO_NOT_TRACK := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 
-.PHONY: setup browser test test-durations test-fast repro lint bench bench-learning bench-gpu bench-gpu-wheels ui pictures clean
+.PHONY: setup browser test test-durations test-fast repro lint bench bench-learning bench-recipes bench-gpu bench-gpu-wheels ui pictures clean
 
 # torch==2.13.0 goes in first: it is the CPU wheel on this machine, and the project's range
 # (torch>=2.13,<2.15) is then already satisfied, so pip never fetches a CUDA build.
@@ -78,6 +78,10 @@ bench: setup
 bench-learning: setup
 	$(VENV)/bin/dvc repro calibrate
 	$(PY) -m benchmarks.learning $(ARGS)
+
+# every recipe in configs/ that fits this CPU, `dvc repro` as shipped in a fresh clone, against its docs' figures
+bench-recipes: setup
+	$(PY) -m benchmarks.recipes $(ARGS)
 
 # The GPU benchmark kit (benchmarks/gpu_kit.py; benchmarks/README.md, "The GPU kit"): make bench-gpu ARGS=--smoke runs
 # the same code on CPU on a tiny model. No `setup` here: on a bare GPU machine (no venv) the machine's python3 runs it
