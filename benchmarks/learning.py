@@ -8,7 +8,15 @@ Needs the embedded default's inputs: `dvc repro calibrate` (validated data, the 
 reward weights). Every run trains from the same base model on the same prompts, rewards and weights with
 params.yaml's `train.*` (its `train.seed` replaced by the run's seed), then one evaluator scores it: greedy
 decoding of the held-out prompts (`evaluate.max_samples`), accuracy by the correctness judge, exactly as the
-evaluate stage does.
+evaluate stage does (its sample_policy and summarize_evaluation; with a reasoning_gym reward judging
+correctness, its per-task accuracy, mean score and accuracy_well_formed too). Each run also keeps its training
+reward curve (each step's `rewards/<name>/mean` as the side's trainer logged it; None where every completion's
+reward was None).
+
+Data with reward columns (a reasoning_gym: section's task, task_config, metadata, answer) reaches the rewards
+alike: our trainer hands a row's columns to each reward function; TRL gets the same dataset with
+`remove_unused_columns=False`, so its reward_funcs get them as keyword arguments,
+`fn(prompts, completions, **columns)`.
 
 Sides:
     ours      grpo_core.train.loop.train with params.yaml as it is (the hand-written decode loop and forward
@@ -109,7 +117,10 @@ def trl_args(cfg, workdir: Path, weights: list[float]) -> dict:
                 output_dir=str(workdir / "trl-out"), bf16=train["mixed_precision"] == "bf16",
                 fp16=train["mixed_precision"] == "fp16",
                 use_cpu=True, report_to="none", save_strategy="no", logging_steps=t.logging_steps,
-                disable_tqdm=True, dataloader_num_workers=0, use_vllm=False)
+                disable_tqdm=True, dataloader_num_workers=0, use_vllm=False,
+                # the dataset's other columns (answer; a reasoning-gym row's task, task_config, metadata)
+                # reach the reward functions as keyword arguments, as ours get them (TRL's default; pinned)
+                remove_unused_columns=False)
     return args
 
 
@@ -117,16 +128,35 @@ def trl_args(cfg, workdir: Path, weights: list[float]) -> dict:
 # One run (in its own process)
 
 
-def train_ours(root: Path, cfg, weights: list[float], workdir: Path) -> tuple[Path, list[float]]:
-    """(the trained model's folder, each step's mean completion length)."""
+def train_ours(root: Path, cfg, weights: list[float], workdir: Path) -> tuple[Path, list[dict]]:
+    """(the trained model's folder, the step log: one dict of metrics per logged step)."""
     import csv
 
     from grpo_core.train.loop import train
 
     result = train(cfg, reward_weights=weights, root=root, progress=False, log_path=workdir / "train_log.csv")
     with open(workdir / "train_log.csv", newline="") as fh:
-        lengths = [float(row["completions/mean_length"]) for row in csv.DictReader(fh)]
-    return result.model_dir, lengths
+        return result.model_dir, list(csv.DictReader(fh))
+
+
+def number(value) -> float | None:
+    """A step log's value as a float; None for a missing, empty or non-finite one (a NaN mean: no value)."""
+    import math
+
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def step_curves(cfg, log: list[dict]) -> tuple[list[float], dict[str, list[float | None]]]:
+    """(each step's mean completion length, each reward's per-step mean) from either trainer's step log (both
+    name them ``completions/mean_length`` and ``rewards/<name>/mean``)."""
+    steps = [entry for entry in log if number(entry.get("completions/mean_length")) is not None]
+    lengths = [number(entry["completions/mean_length"]) for entry in steps]
+    rewards = {r.name: [number(entry.get(f"rewards/{r.name}/mean")) for entry in steps] for r in cfg.rewards}
+    return lengths, rewards
 
 
 def completion_tokens(cfg, mean_lengths: list[float]) -> float:
@@ -137,7 +167,7 @@ def completion_tokens(cfg, mean_lengths: list[float]) -> float:
 
 
 def train_trl(root: Path, cfg, weights: list[float], workdir: Path,
-              manual_sampler: bool = False) -> tuple[Path, list[float]]:
+              manual_sampler: bool = False) -> tuple[Path, list[dict]]:
     """TRL's GRPOTrainer on the validated train split, the base model and our reward functions;
     ``manual_sampler``: its completions come from our hand-written decode loop instead of HF generate. Returns
     what train_ours does."""
@@ -162,9 +192,7 @@ def train_trl(root: Path, cfg, weights: list[float], workdir: Path,
     model_dir = workdir / "out" / "model"
     trainer.save_model(str(model_dir))
     tokenizer.save_pretrained(str(model_dir))
-    lengths = [e["completions/mean_length"] for e in trainer.state.log_history
-               if "completions/mean_length" in e]
-    return model_dir, lengths
+    return model_dir, list(trainer.state.log_history)
 
 
 def trl_prompt(prompt, data):
@@ -196,21 +224,30 @@ def manual_generation(trainer, tokenizer, g):
     return generate
 
 
-def greedy_accuracy(root: Path, cfg, model_dir: Path) -> dict:
-    """The evaluate stage's greedy accuracy of the policy in ``model_dir`` on the held-out prompts (its own
-    ``sample_policy``, greedy mode only)."""
-    from flows.stages.evaluate import sample_policy, stage_inputs
+def greedy_evaluation(root: Path, cfg, model_dir: Path) -> dict:
+    """The evaluate stage's greedy metrics of the policy in ``model_dir`` on the held-out prompts: its own
+    ``sample_policy`` (greedy mode only), ``summarize_evaluation`` (accuracy, format_compliance,
+    rewards/<name>/mean, mean_completion_length, num_prompts) and ``add_task_metrics`` (with a reasoning_gym
+    reward judging correctness: mean_score, accuracy_well_formed and tasks/<task>/...)."""
+    import pandas as pd
+
+    from flows.stages.evaluate import add_task_metrics, sample_policy, stage_inputs
+    from grpo_core.common.files import jsonable
     from grpo_core.data.loading import load_split
+    from grpo_core.evaluation import summarize_evaluation
 
     e = cfg.evaluate
     dataset = load_split(cfg.data, "eval", root)
     n = len(dataset) if e.max_samples is None else min(e.max_samples, len(dataset))
+    rows, indices = [dataset[i] for i in range(n)], list(range(n))
+    inp = stage_inputs(cfg)
     records = sample_policy("policy", dataclasses.replace(cfg.model, name_or_path=str(model_dir), lora=None),
-                            stage_inputs(cfg), stage_context(root, cfg), [dataset[i] for i in range(n)],
-                            list(range(n)), greedy_only=True)
-    return {"accuracy": sum(r["correct"] for r in records) / len(records),
-            "format_compliance": sum(r["format_ok"] for r in records) / len(records),
-            "num_prompts": len(records)}
+                            inp, stage_context(root, cfg), rows, indices, greedy_only=True)
+    frame = pd.DataFrame.from_records(records)
+    summaries = {"policy": summarize_evaluation(frame, [], [r.name for r in cfg.rewards])}
+    add_task_metrics(summaries, inp, frame, rows, indices)
+    summaries["policy"].pop("num_samples_per_prompt", None)  # greedy only: no sampled completions
+    return jsonable(summaries["policy"])
 
 
 def run_one(root: Path, side: str, seed: int, workdir: Path, max_steps: int | None, with_base: bool) -> dict:
@@ -224,18 +261,20 @@ def run_one(root: Path, side: str, seed: int, workdir: Path, max_steps: int | No
     weights = reward_weights(root, cfg)
     t0 = time.perf_counter()
     if side.startswith("trl"):
-        model_dir, lengths = train_trl(root, cfg, weights, workdir, manual_sampler=side == "trl-manual")
+        model_dir, log = train_trl(root, cfg, weights, workdir, manual_sampler=side == "trl-manual")
     else:
-        model_dir, lengths = train_ours(root, cfg, weights, workdir)
+        model_dir, log = train_ours(root, cfg, weights, workdir)
     train_s = time.perf_counter() - t0
+    lengths, train_rewards = step_curves(cfg, log)
     tokens = completion_tokens(cfg, lengths)
     result = {"side": side, "seed": seed, "train_s": round(train_s, 1), "steps": len(lengths),
               "completion_tokens": round(tokens), "completion_tokens_per_s": round(tokens / train_s, 1),
-              "reward_weights": weights, **greedy_accuracy(root, cfg, model_dir)}
+              "reward_weights": weights, "train_rewards": train_rewards,
+              **greedy_evaluation(root, cfg, model_dir)}
     if with_base:  # the base policy, once: the same evaluator on the untrained model
         from grpo_core.model.loading import resolve_model_path
 
-        result["base"] = greedy_accuracy(root, cfg, Path(resolve_model_path(cfg.model.name_or_path, root)))
+        result["base"] = greedy_evaluation(root, cfg, Path(resolve_model_path(cfg.model.name_or_path, root)))
     return result
 
 
@@ -283,6 +322,9 @@ def summarize(results: list[dict], sides: list[str], seeds: list[int]) -> dict:
         summary[side] = {"mean": statistics.fmean(values) if values else None,
                          "std": statistics.stdev(values) if len(values) > 1 else None,
                          "completion_tokens_per_s": statistics.fmean(speeds) if speeds else None}
+        tasks = task_means([r for r in results if r["side"] == side and r["seed"] in seeds])
+        if tasks:
+            summary[side]["tasks"] = tasks
         if side != base:
             diffs = [acc[(side, s)] - acc[(base, s)] for s in seeds if (side, s) in acc and (base, s) in acc]
             summary[side].update(baseline=base,
@@ -290,6 +332,44 @@ def summarize(results: list[dict], sides: list[str], seeds: list[int]) -> dict:
                                  worst_seed_minus_baseline=min(diffs) if diffs else None)
             summary[side].update(welch(values, [acc[(base, s)] for s in seeds if (base, s) in acc]))
     return summary
+
+
+#: the evaluate stage's per-task keys (grpo_core.evaluation.task_metrics) the table shows, beside accuracy
+TASK_METRICS = ("accuracy", "mean_score", "format_compliance", "accuracy_well_formed")
+
+
+def task_means(runs: list[dict]) -> dict[str, float | None]:
+    """Over ``runs`` (one side's seeds), the mean of each per-task metric a run has (``tasks/<task>/<metric>``
+    for TASK_METRICS, and ``mean_score`` / ``accuracy_well_formed`` over all tasks); None where no run has a
+    value (no well-formed reply: accuracy_well_formed is None). Empty for data without tasks."""
+    per_task = {k for r in runs for k in r if k.startswith("tasks/") and k.rsplit("/", 1)[1] in TASK_METRICS}
+    keys = sorted(per_task | {k for r in runs for k in ("mean_score", "accuracy_well_formed") if k in r})
+    out = {}
+    for key in keys:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        out[key] = statistics.fmean(values) if values else None
+    return out
+
+
+def task_table(sides: list[str], summary: dict) -> list[str]:
+    """Per task and over all, each side's mean over seeds of the evaluate stage's per-task metrics; no lines
+    for data without tasks."""
+    keys = sorted({k for side in sides for k in summary[side].get("tasks", {})})
+    if not keys:
+        return []
+
+    def cell(x):
+        return "–" if x is None else f"{x:.3f}"
+
+    tasks = sorted({k.split("/")[1] for k in keys if k.startswith("tasks/")})
+    rows = [(task, metric, f"tasks/{task}/{metric}") for task in tasks for metric in TASK_METRICS]
+    rows += [("all", metric, metric) for metric in ("mean_score", "accuracy_well_formed")]
+    lines = ["", "per task (greedy, held-out; mean over seeds):",
+             "| task | metric | " + " | ".join(sides) + " |", "|" + "---|" * (len(sides) + 2)]
+    lines += ["| " + " | ".join([task, metric, *(cell(summary[side].get("tasks", {}).get(key))
+                                                 for side in sides)]) + " |"
+              for task, metric, key in rows if key in keys]
+    return lines
 
 
 def welch(a: list[float], b: list[float]) -> dict:
@@ -334,7 +414,7 @@ def table(results: list[dict], sides: list[str], seeds: list[int], summary: dict
         tests.append("train-stage completion tokens/s (mean over seeds): "
                      + ", ".join(f"{side} {speed[side]:,.0f}"
                                  for side in sides) + (f" ({ratios})" if ratios else ""))
-    return "\n".join(lines + ([""] + tests if tests else []))
+    return "\n".join(lines + ([""] + tests if tests else []) + task_table(sides, summary))
 
 
 def seed_counts(acc: dict, sides: list[str], seeds: list[int]) -> str:
