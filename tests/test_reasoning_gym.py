@@ -263,3 +263,35 @@ def test_accuracy_among_well_formed_replies_per_task():
     assert m["accuracy_well_formed"] == 0.5 and m["mean_score"] == pytest.approx(2.5 / 6)
     none_formed = frame.assign(format_ok=False)
     assert task_metrics(none_formed, task_of, "reward/rg")["accuracy_well_formed"] is None
+
+
+def _flat(d: dict, prefix: tuple = ()) -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "reasoning_gym":  # the section is one change
+            out.update(_flat(v, (*prefix, k)))
+        else:
+            out[(*prefix, k)] = v
+    return out
+
+
+def test_the_recipe_is_the_word_problems_recipe_on_chain_sum_and_its_splits_hold(tmp_path):
+    """configs/smollm2-135m-reasoning-gym.yaml changes of the word-problems recipe only what its header says
+    why; its prepare as shipped gives every prompt asked for, none twice, none in both splits."""
+    from tests.test_stages import REPO
+    recipe = yaml.safe_load((REPO / "configs/smollm2-135m-reasoning-gym.yaml").read_text())
+    word = _flat(yaml.safe_load((REPO / "configs/smollm2-135m-word-problems.yaml").read_text()))
+    changed = {k for k, v in _flat(recipe).items() if word.get(k, "absent") != v}
+    assert changed == {
+        ("reasoning_gym",), ("rewards",), ("generation", "max_completion_length"),
+        *((("data", k)) for k in ("train_files", "eval_files", "train_dir", "eval_dir")),
+        *((("train", k)) for k in ("num_generations", "per_device_train_batch_size", "max_steps",
+                                    "save_steps")),
+        ("tracking", "experiment_name"), ("tracking", "registered_model_name")}
+    assert recipe["rewards"][0]["function"] == "reasoning_gym"
+    summary = prepare_reasoning_gym(config_from_dict(recipe).reasoning_gym, tmp_path, log=None)
+    assert (summary["num_train"], summary["num_eval"]) == (2000, 400)
+    rows = {s: [json.loads(x) for x in (tmp_path / f"{s}.jsonl").read_text().splitlines()]
+            for s in ("train", "eval")}
+    keys = {s: [text_key(r["prompt"]) for r in rs] for s, rs in rows.items()}
+    assert all(len(set(k)) == len(k) for k in keys.values()) and not set(keys["train"]) & set(keys["eval"])
