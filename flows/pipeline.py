@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import io
 import json
 import os
 import re
@@ -43,9 +44,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import httpx
 from prefect import flow, get_run_logger, task
@@ -111,11 +112,46 @@ class StageTimeout(StageFailed):
 # running one stage
 
 
+MAX_LINE_CHARS = 1 << 16  # a longer line is read in pieces: one line never holds more than this in memory
+
+
+class StageOutput:
+    """What the flow keeps of a stage's streamed output: the last ``TAIL_LINES`` lines for its messages, and
+    what each line is scanned for as it passes: DVC's line with the stage's exit code, its "didn't change"."""
+
+    def __init__(self, stage: str):
+        self.stage = stage
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.exit_code: int | None = None
+        self.unchanged = False
+        self._failure = re.compile(rf"failed to reproduce '{re.escape(stage)}': failed to run: .*?, "
+                                   r"exited with (-?\d+)")
+        self._carry = ""  # the end of an unfinished piece: DVC's line may straddle two pieces
+
+    def feed(self, piece: str) -> None:
+        self.tail.append(piece)
+        text = self._carry + piece
+        # the last match wins: DVC's own line comes after anything the stage printed
+        for match in self._failure.finditer(text):
+            self.exit_code = int(match.group(1))
+        self.unchanged = self.unchanged or f"Stage '{self.stage}' didn't change" in text
+        self._carry = "" if piece.endswith("\n") else text[-1024:]
+
+    def read(self, stream: TextIO, echo: Callable[[str], Any] | None = None) -> StageOutput:
+        """Feed every line of ``stream`` (in pieces of at most MAX_LINE_CHARS) until it ends."""
+        for piece in iter(lambda: stream.readline(MAX_LINE_CHARS), ""):
+            self.feed(piece)
+            if echo is not None:
+                echo(piece)
+        return self
+
+    def tail_text(self) -> str:
+        return "".join(self.tail)
+
+
 def stage_exit_code(output: str, stage: str) -> int | None:
     """The stage command's exit code from DVC's error line, None when DVC failed for another reason."""
-    m = re.search(rf"failed to reproduce '{re.escape(stage)}': failed to run: .*?, exited with (-?\d+)",
-                  output)
-    return int(m.group(1)) if m else None
+    return StageOutput(stage).read(io.StringIO(output)).exit_code
 
 
 def retry_transient(task, task_run, state) -> bool:  # noqa: ARG001 - Prefect's retry_condition_fn signature
@@ -159,39 +195,30 @@ def run_dvc_stage(stage: str, root: str | Path, env: Mapping[str, str], *, force
     Returns {"stage", "ran" (False when DVC skipped it as unchanged), "seconds"}.
     """
     cmd = [dvc_command(), "repro", "--single-item", stage, *(["--force"] if force else [])]
-    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-    full: list[str] = []
+    output = StageOutput(stage)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=str(root), env=dict(env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1,
                             start_new_session=True)
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            tail.append(line)
-            full.append(line) if len(full) < 20000 else None
-            (echo or sys.stdout.write)(line)
-
-    reader = threading.Thread(target=pump, daemon=True)
+    assert proc.stdout is not None
+    reader = threading.Thread(target=output.read, args=(proc.stdout, echo or sys.stdout.write), daemon=True)
     reader.start()
     try:
         rc = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         _kill_group(proc)
         reader.join(timeout=10)
-        raise StageTimeout(stage, -9, None, "".join(tail), what=f"timed out after {timeout_s:.0f}s") from None
+        raise StageTimeout(stage, -9, None, output.tail_text(),
+                           what=f"timed out after {timeout_s:.0f}s") from None
     except BaseException:  # cancelled / interrupted: take the stage down with us
         _kill_group(proc)
         raise
     reader.join(timeout=30)
-    output = "".join(full)
     if rc != 0:
-        code = stage_exit_code(output, stage)
+        code = output.exit_code
         cls = PermanentStageFailure if code in PERMANENT_EXIT_CODES else StageFailed
-        raise cls(stage, rc, code, "".join(tail))
-    return {"stage": stage, "ran": f"Stage '{stage}' didn't change" not in output,
-            "seconds": round(time.monotonic() - start, 2)}
+        raise cls(stage, rc, code, output.tail_text())
+    return {"stage": stage, "ran": not output.unchanged, "seconds": round(time.monotonic() - start, 2)}
 
 
 def _kill_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
@@ -255,7 +282,9 @@ def apply_params_overrides(params_path: Path, overrides: Mapping[str, Any]) -> N
 def _yaml12(path: Path) -> dict:
     from ruamel.yaml import YAML
 
-    return YAML(typ="safe", pure=True).load(path.read_text(encoding="utf-8")) or {}
+    from grpo_core.config import read_params_text
+
+    return YAML(typ="safe", pure=True).load(read_params_text(path)) or {}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -54,8 +54,8 @@ from grpo_core.train.parallel import ParallelOptions
 from grpo_core.train.reference import ReferenceOptions
 from grpo_core.train.round import RolloutOptions
 
-__all__ = ["ConfigError", "PipelineConfig", "TrainConfig", "load_config", "config_from_dict",
-           "training_params_hash"]
+__all__ = ["ConfigError", "PipelineConfig", "TrainConfig", "load_config", "read_params_text",
+           "config_from_dict", "training_params_hash"]
 
 
 def _group(cls: type) -> Any:
@@ -400,6 +400,23 @@ def _async_config_blocker(cfg: PipelineConfig) -> str | None:
     return None
 
 
+def read_params_text(path: Path) -> str:
+    """The parameters file's text; a ConfigError naming it when it is missing, unreadable or not UTF-8."""
+    try:
+        if not path.is_file():
+            raise ConfigError(f"{path}: no such parameters file")
+        data = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{path}: the parameters file cannot be read: {err.strerror or err}; check the "
+                          "permissions of the file and its folders") from err
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise ConfigError(f"{path}: not UTF-8 text: byte 0x{data[err.start]:02x} at byte offset {err.start} "
+                          f"(line {line}): {err.reason}; save the file as UTF-8") from err
+
+
 def load_config(path: str | Path = "params.yaml",
                 overrides: typing.Mapping[str, Any] | None = None) -> PipelineConfig:
     """Read and validate params.yaml. Raises ConfigError naming the key on any problem.
@@ -412,10 +429,9 @@ def load_config(path: str | Path = "params.yaml",
     from ruamel.yaml.error import YAMLError
 
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such parameters file")
+    text = read_params_text(path)
     try:
-        raw = YAML(typ="safe", pure=True).load(path.read_text(encoding="utf-8")) or {}
+        raw = YAML(typ="safe", pure=True).load(text) or {}
     except YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from err
     if not isinstance(raw, dict):

@@ -17,18 +17,23 @@ checkpoints directory first, so a DVC re-run never silently continues a differen
 
 ``train.num_processes > 1``: the stage re-launches itself as N processes (``launch_plan``: ``accelerate
 launch`` with ``train.accelerate_config`` on GPUs, ``torch.distributed.run`` with gloo on CPU); rank 0
-logs to MLflow and writes the plot. ``train.num_machines > 1``: every machine runs this stage, with
-MACHINE_RANK and MAIN_PROCESS_IP set, over a shared filesystem (docs/scaling.md).
+logs to MLflow and writes the plot. The launchers exit 1 whatever a rank failed with, so each rank records
+its exit code and the stage exits with that of the rank that failed first (``run_launcher``).
+``train.num_machines > 1``: every machine runs this stage, with MACHINE_RANK and MAIN_PROCESS_IP set, over a
+shared filesystem (docs/scaling.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,12 +52,14 @@ from flows.stages.common import (
     with_validated_data,
 )
 from flows.stages.runs import StageRun
+from grpo_core.common.errors import disk_full, exit_code_for
 from grpo_core.common.files import write_json_atomic
 
 FINGERPRINT = "stage_fingerprint.json"
 MLFLOW_RUN_FILE = "mlflow_run.json"  # the train run's id: a resume continues that MLflow run
 LAUNCH_MARKER = "launch.json"  # beside the checkpoints: machine 0's go for the other machines
 PLOT = "plots/training.png"
+RANK_EXITS_ENV = "GRPO_RANK_EXITS"  # the folder where each launched rank records the code it fails with
 
 
 @dataclass(frozen=True)
@@ -299,10 +306,57 @@ def _relaunch(ctx, cfg) -> int:
     cmd = launch_plan(ctx, cfg, cuda=torch.cuda.is_available())
     print(f"train: launching {cfg.train.parallel.num_processes} processes: {' '.join(cmd)}", file=sys.stderr,
           flush=True)
-    return subprocess.call(cmd, cwd=ctx.root)
+    return run_launcher(cmd, cwd=ctx.root)
+
+
+def run_launcher(cmd: list[str], cwd: str | os.PathLike) -> int:
+    """Run a launcher (torchrun, accelerate launch) and exit as its ranks did: launchers exit 1 whatever code
+    a rank failed with, so a failure is the code of the rank that failed first (``rank_exit_recorded``), or
+    the launcher's own when no rank recorded one (a rank killed by a signal, a rendezvous never formed)."""
+    with tempfile.TemporaryDirectory(prefix="grpo-rank-exits-") as folder:
+        rc = subprocess.call(cmd, cwd=cwd, env={**os.environ, RANK_EXITS_ENV: folder})
+        first = first_rank_failure(Path(folder)) if rc != 0 else None
+    return rc if first is None else first
+
+
+def first_rank_failure(folder: str | os.PathLike) -> int | None:
+    """The stage exit code of the rank that failed first, of those recorded in ``folder`` (None: none)."""
+    failures = []
+    for path in Path(folder).glob("rank-*.json"):
+        try:
+            record = json.loads(path.read_text())
+            failures.append((int(record["time_ns"]), int(record["rank"]), int(record["exit_code"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not a record of ours
+    failures = [f for f in failures if f[2] != 0]
+    return min(failures)[2] if failures else None
+
+
+@contextlib.contextmanager
+def rank_exit_recorded(environ: Mapping[str, str] | None = None) -> Iterator[None]:
+    """In a rank ``run_launcher`` started: an error leaving the block is recorded with the stage exit code it
+    becomes (as ``python -m flows.stages`` maps it) in ``$GRPO_RANK_EXITS/rank-<RANK>.json``, then raised on.
+    Elsewhere, nothing is recorded."""
+    env = os.environ if environ is None else environ
+    folder = env.get(RANK_EXITS_ENV)
+    try:
+        yield
+    except Exception as exc:
+        if folder:
+            rank = int(env.get("RANK", "0"))
+            code = exit_code_for(disk_full(exc) or exc)
+            record = {"rank": rank, "exit_code": code, "time_ns": time.time_ns()}
+            with contextlib.suppress(OSError):  # unrecorded, the launcher's own code stands
+                write_json_atomic(Path(folder) / f"rank-{rank}.json", record)
+        raise
 
 
 def run(ctx) -> int:
+    with rank_exit_recorded():
+        return _run_stage(ctx)
+
+
+def _run_stage(ctx) -> int:
     from flows.stages.common import quiet_libraries
     from grpo_core.config import only_sections
 
