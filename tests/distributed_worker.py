@@ -74,7 +74,7 @@ def launch(out: Path, model: Path, data: Path, processes: int, spec: dict) -> No
     """Run this worker as ``processes`` processes with the train stage's CPU launcher (one: plain python)."""
     import subprocess
 
-    from flows.stages.train import launch_command
+    from flows.stages.launch import launch_command
 
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(repo)}

@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 from flows.stages.common import StageConfigError
-from flows.stages.train import Machine, launch_command, launch_plan
+from flows.stages.launch import Machine, launch_command, launch_plan
 from grpo_core.train.parallel import ParallelConfigError, read_parallelism
 from tests.distributed_worker import launch
 from tests.tiny import make_prompts, make_tiny_model, read_log
@@ -160,7 +160,7 @@ def test_machines_started_with_machine_0_wait_for_its_launch_and_no_longer(tmp_p
     both."""
     import threading
 
-    from flows.stages.train import announce_launch, wait_for_machine_zero
+    from flows.stages.launch import announce_launch, wait_for_machine_zero
 
     ctx = stage_context(tmp_path, num_processes=16, num_machines=2, output_dir=str(tmp_path / "out"))
     # no LAUNCH_ID: started by hand, no wait

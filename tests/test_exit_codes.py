@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from flows.pipeline import MAX_LINE_CHARS, TAIL_LINES, PermanentStageFailure, StageFailed, StageOutput
-from flows.stages.train import RANK_EXITS_ENV, first_rank_failure, launch_command, run_launcher
+from flows.stages.launch import RANK_EXITS_ENV, first_rank_failure, launch_command, run_launcher
 
 REPO = Path(__file__).resolve().parents[1]
 UNPRIVILEGED = 65534  # nobody
@@ -108,7 +108,7 @@ def test_a_transient_code_after_long_output_is_retried_and_an_unchanged_stage_is
 RANK = """\
 import os, sys, time
 from pathlib import Path
-from flows.stages.train import RANK_EXITS_ENV, rank_exit_recorded
+from flows.stages.launch import RANK_EXITS_ENV, rank_exit_recorded
 from grpo_core.common.errors import exit_code_for, TrainingFailure, TransientFailure
 
 first, first_code, then_code = (int(a) for a in sys.argv[1:])

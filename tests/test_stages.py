@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from flows.stages import EXIT_CONFIG, EXIT_DATA, EXIT_ERROR, EXIT_TRAINING, EXIT_VALIDATION, exit_code_for
-from flows.stages.common import StageContext, find_repo_root, load_params, store_root
+from flows.stages.common import StageConfigError, StageContext, find_repo_root, load_params, store_root
 from flows.stages.evaluate import known_metric_names, promotion_decision
 from flows.stages.runs import safe_key
 
@@ -136,9 +136,12 @@ def test_roots_find_the_repo_and_the_original_store(tmp_path, monkeypatch):
 
 
 def _fake_checkpoint(ckpt_dir: Path, step: int) -> None:
+    from grpo_core.train.checkpoint import write_manifest
+
     d = ckpt_dir / f"checkpoint-{step}"
     d.mkdir(parents=True)
     (d / "trainer_state.json").write_text(json.dumps({"step": step}))
+    write_manifest(d)  # resume trusts no checkpoint without one
 
 
 def test_checkpoints_resume_only_for_the_same_inputs(tmp_path, capsys):
@@ -154,13 +157,15 @@ def test_checkpoints_resume_only_for_the_same_inputs(tmp_path, capsys):
     _fake_checkpoint(ckpt, 50)
     assert prepare_checkpoints(ctx, cfg, fp) == "resume:checkpoint-50"  # e.g. max_steps raised, or a crash
     assert (ckpt / "checkpoint-50").exists()
-    # new params: start over
+    # new params: start over (the old checkpoints set aside: tests/test_checkpoint_safety.py)
     assert prepare_checkpoints(ctx, cfg, {**fp, "params_hash": "changed"}) == "fresh"
     assert not (ckpt / "checkpoint-50").exists()
     assert "starting fresh" in capsys.readouterr().err
     assert json.loads((ckpt / FINGERPRINT).read_text())["params_hash"] == "changed"
-    _fake_checkpoint(ckpt, 500)  # past max_steps (150): retrain rather than export an overtrained model
-    assert prepare_checkpoints(ctx, cfg, {**fp, "params_hash": "changed"}) == "fresh"
+    _fake_checkpoint(ckpt, 500)  # past max_steps (150): neither an overtrained export nor a silent wipe
+    with pytest.raises(StageConfigError, match="below the newest checkpoint"):
+        prepare_checkpoints(ctx, cfg, {**fp, "params_hash": "changed"})
+    assert (ckpt / "checkpoint-500").exists()
 
 
 def test_difficulty_kept_indices_drop_only_sampled_extremes():

@@ -31,7 +31,7 @@ BF16 = "bf16"
 
 
 def run_cases(out: Path, processes: int) -> dict[str, dict]:
-    from flows.stages.train import launch_command
+    from flows.stages.launch import launch_command
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     launcher = launch_command(processes, cuda=False) if processes > 1 else [sys.executable]

@@ -10,30 +10,27 @@ too: a resumed run keeps the steps before its checkpoint) and ``plots/training.p
 
 Resume or start fresh? The checkpoints directory carries ``stage_fingerprint.json``: the training params
 hash (``grpo_core.config.training_params_hash``, which leaves out max_steps and other bookkeeping keys)
-plus md5s of the training data, the base model, the reward weights and the kept prompts. The stage
-resumes only when the fingerprint matches (a crash, or a larger ``max_steps``); otherwise - new params,
-new data, ``dvc exp run -S train.learning_rate=...``, ``train.resume: never`` - it empties the
-checkpoints directory first, so a DVC re-run never silently continues a different run.
+plus md5s of the contents of the training data and the base model, the reward weights and the kept prompts
+(``ContentHashes``: a touched, copied or re-downloaded model has the same fingerprint). The stage resumes only
+when the fingerprint matches (a crash, or a larger ``max_steps``); otherwise - new params, new data, ``dvc
+exp run -S train.learning_rate=...``, ``train.resume: never`` - it moves the checkpoints folder aside, whole,
+to ``<output_dir>/checkpoints-previous/<fingerprint prefix>-<time>/`` with its train log (the 2 newest sets
+are kept), so a DVC re-run never silently continues a different run and never deletes one; a run whose
+inputs match a kept set takes it back and resumes. That folder is no DVC out (DVC neither caches nor
+deletes it) and ignores itself in git. A ``max_steps`` below the newest checkpoint stops the stage (exit 2),
+deleting nothing.
 
-``train.num_processes > 1``: the stage re-launches itself as N processes (``launch_plan``: ``accelerate
-launch`` with ``train.accelerate_config`` on GPUs, ``torch.distributed.run`` with gloo on CPU); rank 0
-logs to MLflow and writes the plot. The launchers exit 1 whatever a rank failed with, so each rank records
-its exit code and the stage exits with that of the rank that failed first (``run_launcher``).
-``train.num_machines > 1``: every machine runs this stage, with MACHINE_RANK and MAIN_PROCESS_IP set, over a
-shared filesystem (docs/scaling.md).
+``train.num_processes > 1`` / ``train.num_machines > 1``: the stage re-launches itself as N processes on
+each machine (flows/stages/launch.py); rank 0 logs to MLflow and writes the plot.
 """
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,20 +43,33 @@ from flows.stages.common import (
     VALIDATED_EVAL,
     VALIDATED_TRAIN,
     StageConfigError,
-    md5_path,
+    md5_file,
     read_json,
     require_file,
     with_validated_data,
 )
+from flows.stages.launch import (
+    LAUNCH_MARKER,
+    Machine,
+    announce_launch,
+    launched,
+    rank_exit_recorded,
+    relaunch,
+    wait_for_machine_zero,
+)
 from flows.stages.runs import StageRun
-from grpo_core.common.errors import disk_full, exit_code_for
-from grpo_core.common.files import write_json_atomic
+from grpo_core.common.files import atomic_path, write_json_atomic, write_text_atomic
 
 FINGERPRINT = "stage_fingerprint.json"
 MLFLOW_RUN_FILE = "mlflow_run.json"  # the train run's id: a resume continues that MLflow run
-LAUNCH_MARKER = "launch.json"  # beside the checkpoints: machine 0's go for the other machines
+# Beside <output_dir>/checkpoints (a DVC out, cached whole): the checkpoint sets moved aside, and the cache of
+# large inputs' md5s. Not an out, so DVC neither caches nor deletes it; its own .gitignore hides it from git.
+KEPT_SETS_DIR = "checkpoints-previous"
+KEPT_SETS_LIMIT = 2
+INPUT_HASHES = "input_md5.json"
+LARGE_FILE_BYTES = 512 << 20  # files above this are read once per (size, mtime, inode, device)
+STASHED_LOG = "train_log.csv"  # a kept set's copy of metrics/train_log.csv, put back when it is taken back
 PLOT = "plots/training.png"
-RANK_EXITS_ENV = "GRPO_RANK_EXITS"  # the folder where each launched rank records the code it fails with
 
 
 @dataclass(frozen=True)
@@ -106,22 +116,88 @@ def allowed_prompts(ctx, drop_prompts: tuple[bool, bool]) -> list[int] | None:
     return None if kept is None else [int(i) for i in kept]
 
 
-def fingerprint(ctx, cfg, weights: list[float], allowed: list[int] | None) -> dict:
+def kept_sets_root(ctx, cfg) -> Path:
+    """``<output_dir>/checkpoints-previous``, created with a .gitignore of ``*`` (big, and never git's)."""
+    root = ctx.path(cfg.train.checkpoints.output_dir) / KEPT_SETS_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    if not (root / ".gitignore").is_file():
+        write_text_atomic(root / ".gitignore", "# the train stage's kept checkpoint sets and input md5s\n*\n")
+    return root
+
+
+class ContentHashes:
+    """md5s of contents, as ``flows.stages.common.md5_path`` hashes a file or folder, except that files above
+    ``large_file_bytes`` are read in full too - once: their md5 is remembered in ``cache_file`` under their
+    (size, mtime_ns, inode, device), so a touch or a copy costs one more read, never another fingerprint."""
+
+    def __init__(self, cache_file: Path, large_file_bytes: int = LARGE_FILE_BYTES):
+        self.cache_file, self.large_file_bytes = cache_file, large_file_bytes
+        try:
+            entries = json.loads(cache_file.read_text())
+        except (OSError, ValueError):  # none yet, or damaged: hashed afresh
+            entries = {}
+        self.entries: dict[str, dict] = entries if isinstance(entries, dict) else {}
+
+    def path_md5(self, path: Path) -> str | None:
+        """A file's md5, or a folder's (its sorted relative names and file md5s); None if absent."""
+        if path.is_file():
+            return self.file_md5(path)
+        if not path.is_dir():
+            return None
+        h = hashlib.md5()
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            h.update(f"{f.relative_to(path).as_posix()}\0{self.file_md5(f)}\n".encode())
+        return h.hexdigest()
+
+    def file_md5(self, path: Path) -> str:
+        stamp = _stat_stamp(path)
+        if stamp[0] <= self.large_file_bytes:
+            return md5_file(path)
+        key = str(path.absolute())
+        entry = self.entries.get(key)
+        if isinstance(entry, dict) and entry.get("stat") == stamp and isinstance(entry.get("md5"), str):
+            return entry["md5"]
+        md5 = md5_file(path)
+        if _stat_stamp(path) == stamp:  # not rewritten while it was read
+            self.entries[key] = {"stat": stamp, "md5": md5}
+        return md5
+
+    def save(self) -> None:
+        """Write the cache, without the entries of files gone since (a warning if it cannot be written)."""
+        self.entries = {k: v for k, v in self.entries.items() if Path(k).is_file()}
+        try:
+            write_json_atomic(self.cache_file, self.entries)
+        except OSError as err:
+            print(f"train: warning: cannot write {self.cache_file} ({err}): large inputs are read again next "
+                  "time", file=sys.stderr)
+
+
+def _stat_stamp(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
+
+
+def fingerprint(ctx, cfg, weights: list[float], allowed: list[int] | None,
+                large_file_bytes: int = LARGE_FILE_BYTES) -> dict:
+    """What the checkpoints belong to: the training params hash and the md5s of the inputs' contents."""
     from grpo_core.config import training_params_hash
     from grpo_core.model.loading import resolve_model_path
 
+    hashes = ContentHashes(kept_sets_root(ctx, cfg) / INPUT_HASHES, large_file_bytes)
     try:
         model_path = Path(resolve_model_path(cfg.model.name_or_path, ctx.root))
-        model_md5 = md5_path(model_path) if model_path.exists() else cfg.model.name_or_path  # a hub id
+        model_md5 = hashes.path_md5(model_path) if model_path.exists() else cfg.model.name_or_path  # a hub id
     except Exception:  # noqa: BLE001 - the trainer reports model problems itself
         model_md5 = cfg.model.name_or_path
-    return {
+    fp = {
         "params_hash": training_params_hash(cfg, weights),
-        "train_data_md5": md5_path(ctx.path(VALIDATED_TRAIN)),
+        "train_data_md5": hashes.path_md5(ctx.path(VALIDATED_TRAIN)),
         "base_model_md5": model_md5,
         "reward_weights": weights,
         "allowed_prompts_md5": None if allowed is None else md5_bytes(json.dumps(allowed).encode()),
     }
+    hashes.save()
+    return fp
 
 
 def md5_bytes(data: bytes) -> str:
@@ -154,201 +230,108 @@ def _run_record(run_file: Path) -> dict:
     return record if isinstance(record, dict) else {}
 
 
-def prepare_checkpoints(ctx, cfg, fp: dict) -> str:
-    """Keep the checkpoints (resume) when they belong to this exact run, else empty the directory."""
-    from grpo_core.train.checkpoint import latest_checkpoint, latest_valid_checkpoint
+def prepare_checkpoints(ctx, cfg, fp: dict, kept_limit: int = KEPT_SETS_LIMIT) -> str:
+    """Resume (``resume:checkpoint-N``) when the checkpoints belong to these very inputs. Otherwise set them
+    aside (kept, never deleted: ``kept_limit`` sets stay), take back a kept set of these inputs if there is
+    one and resume from it, else start ``fresh``."""
+    from grpo_core.train.checkpoint import remove_stale_temp_dirs
 
     ckpt_dir = ctx.path(cfg.train.checkpoints.output_dir) / "checkpoints"
-    fp_file = ckpt_dir / FINGERPRINT
-    old = json.loads(fp_file.read_text()) if fp_file.is_file() else None
-    latest = latest_checkpoint(ckpt_dir)
-    latest_step = int(latest.name.rsplit("-", 1)[1]) if latest is not None else 0
-    reason = None
-    if cfg.train.checkpoints.resume == "never":
-        reason = "train.resume is 'never'"
-    elif old != fp:
-        reason = "the training inputs changed (params, data, base model or reward weights)"
-    elif latest_step > cfg.train.max_steps:
-        reason = f"the newest checkpoint (step {latest_step}) is past train.max_steps={cfg.train.max_steps}"
-    if reason and ckpt_dir.exists() and any(ckpt_dir.iterdir()):
-        print(f"train: starting fresh, removing {ckpt_dir}: {reason}", file=sys.stderr)
-        for child in ckpt_dir.iterdir():
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
-        action = "fresh"
-    elif reason or latest is None:
-        action = "fresh"
-    else:  # the newest whose files match its manifest (a corrupt newer one is named and skipped)
-        latest = latest_valid_checkpoint(ckpt_dir,
-                                         warn=lambda msg: print(f"train: warning: {msg}", file=sys.stderr))
-        print(f"train: resuming from {latest}", file=sys.stderr)
-        action = f"resume:{latest.name}"
+    kept = kept_sets_root(ctx, cfg)
+    remove_stale_temp_dirs(ckpt_dir)  # a crash's half-deleted or half-written folders, before anything counts
+    remove_stale_temp_dirs(kept)
+    fresh_asked = cfg.train.checkpoints.resume == "never"
+    recorded = _read_fingerprint(ckpt_dir / FINGERPRINT)
+    if fresh_asked or recorded != fp:
+        reason = ("train.resume is 'never'" if fresh_asked
+                  else "the training inputs changed (params, data, base model or reward weights)")
+        _set_aside_run(ctx, ckpt_dir, kept, recorded, reason)
+        if not fresh_asked:
+            _take_back_run(ctx, ckpt_dir, kept, fp)
+        _prune_kept_sets(kept, kept_limit)
+    action = _resume_point(ckpt_dir, cfg.train.max_steps, kept)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(fp_file, fp)
+    write_json_atomic(ckpt_dir / FINGERPRINT, fp)
     return action
 
 
-def _launched() -> bool:
-    return "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-@dataclass(frozen=True)
-class Machine:
-    """Where this machine stands among ``train.num_machines``
-    (read from the environment the scheduler sets)."""
-
-    rank: int = 0
-    main_address: str | None = None  # the IP or host name of machine 0, where the rendezvous listens
-    main_port: int = 29500
-
-    @classmethod
-    def from_environment(cls, machines: int, environ=None) -> Machine:
-        env = os.environ if environ is None else environ
-        if machines == 1:
-            return cls()
-        missing = [k for k in ("MACHINE_RANK", "MAIN_PROCESS_IP") if not env.get(k)]
-        if missing:
-            raise StageConfigError(f"train.num_machines: {machines} machines, but {' and '.join(missing)} "
-                                   "not set: each machine runs the stage with MACHINE_RANK (0.."
-                                   f"{machines - 1}) and MAIN_PROCESS_IP (machine 0's address); "
-                                   "see docs/scaling.md")
-        rank = int(env["MACHINE_RANK"])
-        if not 0 <= rank < machines:
-            raise StageConfigError(f"MACHINE_RANK={rank}: must be in 0..{machines - 1} (train.num_machines)")
-        return cls(rank, env["MAIN_PROCESS_IP"], int(env.get("MAIN_PROCESS_PORT", "29500")))
-
-
-def _launch_marker(ctx, cfg) -> Path:
-    return ctx.path(cfg.train.checkpoints.output_dir) / "checkpoints" / LAUNCH_MARKER
-
-
-def announce_launch(ctx, cfg, environ=None) -> None:
-    """Machine 0, about to launch: tell the other machines (waiting in ``wait_for_machine_zero``) to
-    follow."""
-    env = os.environ if environ is None else environ
-    write_json_atomic(_launch_marker(ctx, cfg), {"launch_id": env.get("LAUNCH_ID", ""),
-                                                 "machines": cfg.train.parallel.num_machines,
-                                                 "time": time.time()})
-
-
-def wait_for_machine_zero(ctx, cfg, environ=None, poll_s: float = 2.0) -> None:
-    """Machines 1..M-1 started together with machine 0 (one Kubernetes Indexed Job, docs/scaling.md) wait
-    until machine 0's train stage announces launch ``LAUNCH_ID`` (the Job's name): until then the stages
-    before train are still writing what this stage reads. No LAUNCH_ID: started by hand once machine 0 is
-    training, no wait. Gives up after MACHINE_WAIT_S seconds (default a day)."""
-    env = os.environ if environ is None else environ
-    launch_id = env.get("LAUNCH_ID")
-    if not launch_id:
-        return
-    deadline = time.monotonic() + float(env.get("MACHINE_WAIT_S", 86400))
-    marker = _launch_marker(ctx, cfg)
-    print(f"train: machine {env.get('MACHINE_RANK')} waits for machine 0 to launch {launch_id} ({marker})",
-          file=sys.stderr, flush=True)
-    while True:
-        try:
-            if json.loads(marker.read_text()).get("launch_id") == launch_id:
-                return
-        except (OSError, ValueError):
-            pass  # not written yet (it is replaced atomically, so never half-written)
-        if time.monotonic() > deadline:
-            raise StageConfigError(f"train: machine 0 did not launch {launch_id} within MACHINE_WAIT_S="
-                                   f"{env.get('MACHINE_WAIT_S', 86400)} s (no {marker} naming it)")
-        time.sleep(poll_s)
-
-
-def launch_command(n: int, *, cuda: bool, accelerate_config: str | Path | None = None, machines: int = 1,
-                   machine: Machine = Machine()) -> list[str]:
-    """The launcher prefix for ``n`` processes over ``machines`` machines, as run on ``machine`` (the module
-    and its arguments follow).
-
-    GPUs: ``accelerate launch`` with ``train.accelerate_config`` (infra/accelerate/: DDP, or FSDP2, which the
-    trainer applies itself), or plain multi-GPU DDP without one. CPU: ``torch.distributed.run`` (gloo);
-    accelerate's own multi-CPU launch needs mpirun, and the Accelerator picks the gloo process group up from
-    torchrun's environment all the same.
-    """
-    if not cuda:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n // machines)]
-        if machines == 1:
-            return cmd + ["--standalone"]
-        return cmd + ["--nnodes", str(machines), "--node_rank", str(machine.rank), "--master_addr",
-                      str(machine.main_address), "--master_port", str(machine.main_port)]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n)]
-    cmd += ["--config_file", str(accelerate_config)] if accelerate_config else ["--multi_gpu"]
-    if machines > 1:
-        cmd += ["--num_machines", str(machines), "--machine_rank", str(machine.rank), "--main_process_ip",
-                str(machine.main_address), "--main_process_port", str(machine.main_port)]
-    return cmd
-
-
-def launch_plan(ctx, cfg, *, cuda: bool, environ=None) -> list[str]:
-    """The whole command this machine runs for ``train.num_processes`` > 1: the accelerate config checked
-    (what the trainer would refuse is refused here, before any process starts), the launcher, then this
-    stage."""
-    from grpo_core.train.parallel import check_parallelism, read_parallelism
-
-    p = cfg.train.parallel
-    config = p.accelerate_config
-    if config:
-        config = Path(config) if Path(config).is_absolute() else ctx.root / config
-        if not config.is_file():
-            raise StageConfigError(f"train.accelerate_config: {config} is not a file (see infra/accelerate/)")
-    check_parallelism(read_parallelism(config), lora=cfg.model.lora is not None,
-                      mixed_precision=cfg.train.forward.mixed_precision,
-                      quantized=cfg.model.quantization is not None)
-    machine = Machine.from_environment(p.num_machines, environ)
-    cmd = launch_command(p.num_processes, cuda=cuda, accelerate_config=config, machines=p.num_machines,
-                         machine=machine)
-    return cmd + ["-m", "flows.stages", "train", "--params", str(ctx.params_path)]
-
-
-def _relaunch(ctx, cfg) -> int:
-    import torch
-
-    cmd = launch_plan(ctx, cfg, cuda=torch.cuda.is_available())
-    print(f"train: launching {cfg.train.parallel.num_processes} processes: {' '.join(cmd)}", file=sys.stderr,
-          flush=True)
-    return run_launcher(cmd, cwd=ctx.root)
-
-
-def run_launcher(cmd: list[str], cwd: str | os.PathLike) -> int:
-    """Run a launcher (torchrun, accelerate launch) and exit as its ranks did: launchers exit 1 whatever code
-    a rank failed with, so a failure is the code of the rank that failed first (``rank_exit_recorded``), or
-    the launcher's own when no rank recorded one (a rank killed by a signal, a rendezvous never formed)."""
-    with tempfile.TemporaryDirectory(prefix="grpo-rank-exits-") as folder:
-        rc = subprocess.call(cmd, cwd=cwd, env={**os.environ, RANK_EXITS_ENV: folder})
-        first = first_rank_failure(Path(folder)) if rc != 0 else None
-    return rc if first is None else first
-
-
-def first_rank_failure(folder: str | os.PathLike) -> int | None:
-    """The stage exit code of the rank that failed first, of those recorded in ``folder`` (None: none)."""
-    failures = []
-    for path in Path(folder).glob("rank-*.json"):
-        try:
-            record = json.loads(path.read_text())
-            failures.append((int(record["time_ns"]), int(record["rank"]), int(record["exit_code"])))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # not a record of ours
-    failures = [f for f in failures if f[2] != 0]
-    return min(failures)[2] if failures else None
-
-
-@contextlib.contextmanager
-def rank_exit_recorded(environ: Mapping[str, str] | None = None) -> Iterator[None]:
-    """In a rank ``run_launcher`` started: an error leaving the block is recorded with the stage exit code it
-    becomes (as ``python -m flows.stages`` maps it) in ``$GRPO_RANK_EXITS/rank-<RANK>.json``, then raised on.
-    Elsewhere, nothing is recorded."""
-    env = os.environ if environ is None else environ
-    folder = env.get(RANK_EXITS_ENV)
+def _read_fingerprint(path: Path) -> dict | None:
     try:
-        yield
-    except Exception as exc:
-        if folder:
-            rank = int(env.get("RANK", "0"))
-            code = exit_code_for(disk_full(exc) or exc)
-            record = {"rank": rank, "exit_code": code, "time_ns": time.time_ns()}
-            with contextlib.suppress(OSError):  # unrecorded, the launcher's own code stands
-                write_json_atomic(Path(folder) / f"rank-{rank}.json", record)
-        raise
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_bookkeeping(path: Path) -> bool:
+    """A file of the stage's own beside the checkpoints (or the temp file of an interrupted write of one)."""
+    return path.is_file() and (path.name in (FINGERPRINT, MLFLOW_RUN_FILE, LAUNCH_MARKER)
+                               or path.name.startswith("."))
+
+
+def _set_aside_run(ctx, ckpt_dir: Path, kept: Path, recorded: dict | None, reason: str) -> None:
+    """Move the checkpoints folder, whole, into ``kept`` with a copy of the train log (its curve); one
+    holding only the stage's bookkeeping (no checkpoint was written) is just emptied."""
+    from grpo_core.train.checkpoint import set_aside
+
+    entries = list(ckpt_dir.iterdir()) if ckpt_dir.is_dir() else []
+    if all(_is_bookkeeping(p) for p in entries):
+        for p in entries:
+            p.unlink()
+        return
+    label = md5_bytes(json.dumps(recorded, sort_keys=True).encode())[:12] if recorded else "unknown"
+    where = set_aside(ckpt_dir, kept, label)
+    if ctx.path(TRAIN_LOG).is_file():
+        shutil.copyfile(ctx.path(TRAIN_LOG), where / STASHED_LOG)
+    print(f"train: starting fresh ({reason}); the previous checkpoints were moved, not deleted, to {where}: "
+          "a run with their inputs takes them back and resumes", file=sys.stderr)
+
+
+def _take_back_run(ctx, ckpt_dir: Path, kept: Path, fp: dict) -> None:
+    """Move the newest kept set recorded under ``fp`` back into place, with its train log."""
+    from grpo_core.train.checkpoint import kept_sets
+
+    match = next((s for s in reversed(kept_sets(kept)) if _read_fingerprint(s / FINGERPRINT) == fp), None)
+    if match is None:
+        return
+    if ckpt_dir.exists():
+        ckpt_dir.rmdir()  # empty now (an error, not a loss, if anything is left in it)
+    os.replace(match, ckpt_dir)
+    stash = ckpt_dir / STASHED_LOG
+    if stash.is_file():
+        with atomic_path(ctx.path(TRAIN_LOG)) as tmp:
+            shutil.copyfile(stash, tmp)
+        stash.unlink()
+    print(f"train: these inputs match checkpoints set aside earlier: {match} moved back to {ckpt_dir}",
+          file=sys.stderr)
+
+
+def _prune_kept_sets(kept: Path, limit: int) -> None:
+    from grpo_core.train.checkpoint import prune_kept_sets
+
+    for gone in prune_kept_sets(kept, limit):
+        print(f"train: removed {gone}, the oldest set of checkpoints kept aside (the {limit} newest stay)",
+              file=sys.stderr)
+
+
+def _resume_point(ckpt_dir: Path, max_steps: int, kept: Path) -> str:
+    """``resume:<the newest valid checkpoint>``, or ``fresh`` without one; a StageConfigError, deleting
+    nothing, when that checkpoint is past ``max_steps`` (resuming would export a model trained longer than
+    asked, retraining would throw its steps away: the user decides)."""
+    from grpo_core.train.checkpoint import checkpoint_step, latest_valid_checkpoint, list_checkpoints
+
+    if not list_checkpoints(ckpt_dir):
+        return "fresh"
+    latest = latest_valid_checkpoint(ckpt_dir,
+                                     warn=lambda msg: print(f"train: warning: {msg}", file=sys.stderr))
+    step = checkpoint_step(latest)
+    if step > max_steps:
+        raise StageConfigError(
+            f"train.max_steps={max_steps} is below the newest checkpoint, {latest} (step {step}); nothing "
+            f"was deleted. Raise train.max_steps to {step} or more to resume from it, or set train.resume: "
+            f"never to train from step 0 (the checkpoints are then moved to {kept}, which keeps the newest "
+            "sets).")
+    print(f"train: resuming from {latest}", file=sys.stderr)
+    return f"resume:{latest.name}"
 
 
 def run(ctx) -> int:
@@ -363,12 +346,12 @@ def _run_stage(ctx) -> int:
     drop_prompts = stage_inputs(ctx.cfg).drop_prompts
     cfg = only_sections(with_validated_data(ctx.cfg), TRAINER_SECTIONS)
     machine = Machine.from_environment(cfg.train.parallel.num_machines)
-    if machine.rank > 0 and not _launched():
+    if machine.rank > 0 and not launched():
         wait_for_machine_zero(ctx, cfg)  # its stages before train write what this one reads
     require_file(ctx.path(VALIDATED_TRAIN), "validate")
     weights, weights_source = reward_weights(ctx, cfg)
     allowed = allowed_prompts(ctx, drop_prompts)
-    if not _launched():
+    if not launched():
         # machine 0 alone decides resume-or-fresh: the others reach the checkpoints through the shared
         # filesystem only after machine 0's processes have joined the rendezvous, i.e. after this
         if machine.rank == 0:
@@ -376,7 +359,7 @@ def _run_stage(ctx) -> int:
             if cfg.train.parallel.num_machines > 1:
                 announce_launch(ctx, cfg)
         if cfg.train.parallel.num_processes > 1:
-            return _relaunch(ctx, cfg)
+            return relaunch(ctx, cfg)
     else:
         action = "distributed"
     if int(os.environ.get("RANK", "0")) != 0:

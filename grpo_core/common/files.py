@@ -7,6 +7,7 @@ turn them into null.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -65,26 +66,36 @@ def write_dir_atomic(path: str | Path, fill: Callable[[Path], None]) -> None:
     """Have `fill(tmp_dir)` write a folder's content, then move it to `path` (replacing an old one).
 
     The old folder is renamed aside before the new one is renamed in, so `path` is always absent or
-    complete; the aside copy is removed afterwards. What a killed earlier write left beside `path` (its
-    ``.<name>.*.tmp`` and ``.<name>.*.old`` folders) is removed first: one writer at a time (the stage lock).
+    complete; the aside copy is removed afterwards, and put back if the new one fails to land. What a killed
+    earlier write left beside `path` (its ``.<name>.*.tmp`` and ``.<name>.*.old`` folders) is removed first -
+    except an old folder whose successor never landed (a kill between the two renames), which is put back:
+    one writer at a time (the stage lock).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for old in path.parent.glob(f".{path.name}.*.old"):
+        if not path.exists() and (old / path.name).is_dir():
+            os.replace(old / path.name, path)
     for stale in [*path.parent.glob(f".{path.name}.*.tmp"), *path.parent.glob(f".{path.name}.*.old")]:
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    aside = None
     try:
         fill(tmp)
-        aside = None
         if path.exists():
             aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
             os.replace(path, aside / path.name)
         os.replace(tmp, path)
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
     except BaseException as err:
+        if aside is not None:
+            if not path.exists() and (aside / path.name).is_dir():
+                os.replace(aside / path.name, path)
+            with contextlib.suppress(OSError):
+                aside.rmdir()  # empty now; the old folder is never deleted here
         discard_partial(tmp, path, err)
         raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def discard_partial(tmp: Path, target: Path, err: BaseException) -> None:

@@ -20,11 +20,18 @@
 
 A checkpoint is written into ``checkpoint-<step>.tmp-<pid>`` and renamed into place only once every
 file is flushed, so a crash never leaves a partial checkpoint under a valid name: a checkpoint is
-complete or absent.
+complete or absent. Deleting one (pruning, a same-step re-save) first renames it to ``.trash-<pid>``, and a
+replaced one waits as ``.old-<pid>`` until its successor is in place; ``remove_stale_temp_dirs`` clears such
+leftovers (``LEFTOVER``) and puts back an ``.old`` whose successor never landed. A checkpoint without its
+manifest is never trusted.
+
+Kept sets: the stage moves a whole checkpoints folder aside (``set_aside``) instead of deleting it when its
+inputs change, into a folder of at most a few sets (``kept_sets``, ``prune_kept_sets``).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -50,6 +57,12 @@ PENDING_FILE = "pending_groups.pt"
 AHEAD_FILE = "ahead_round.pt"
 MANIFEST_FILE = "manifest.json"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+# What an interrupted write, replace or delete leaves beside a folder ``<name>``: ``tmp`` a write not yet
+# renamed in, ``old`` the folder a write of the same name replaces, ``trash`` a folder being deleted. Never
+# resumed.
+LEFTOVER = re.compile(r"^(?P<name>[^.].*?)\.(?P<kind>tmp|old|trash)-\d+$")
+# A kept set: <label>-<UTC time it was set aside>, the time sorting the sets oldest first
+_KEPT_SET = re.compile(r"^(?P<label>\w+)-(?P<stamp>\d{8}T\d{12}Z)$")
 
 
 log = logging.getLogger(__name__)
@@ -116,10 +129,8 @@ def save_checkpoint(directory: str | Path, step: int, contents: CheckpointConten
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"checkpoint-{step}"
-    # a killed or failed earlier write's (one writer: the lock)
-    for stale in directory.glob("checkpoint-*.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = directory / f"checkpoint-{step}.tmp-{os.getpid()}"
+    remove_stale_temp_dirs(directory)  # a killed or failed earlier write's (one writer: the lock)
+    tmp = _leftover_path(final, "tmp")
     tmp.mkdir()
     try:
         if c.weights is None:
@@ -145,14 +156,38 @@ def save_checkpoint(directory: str | Path, step: int, contents: CheckpointConten
     except BaseException as err:
         discard_partial(tmp, final, err)
         raise
-    if final.exists():  # re-saving the same step (e.g. the end of a resumed run): replace it whole
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    replace_folder(tmp, final)  # re-saving the same step (e.g. the end of a resumed run) replaces it whole
     if keep_last:
         for old in list_checkpoints(directory)[:-keep_last]:
             if keep_step is None or old.name != f"checkpoint-{keep_step}":
-                shutil.rmtree(old, ignore_errors=True)
+                discard_folder(old)
     return final
+
+
+def _leftover_path(path: Path, kind: str) -> Path:
+    return path.with_name(f"{path.name}.{kind}-{os.getpid()}")
+
+
+def replace_folder(new: Path, target: Path) -> None:
+    """Rename ``new`` to ``target``; an existing ``target`` waits as ``<target>.old-<pid>`` until ``new`` is
+    in place (``remove_stale_temp_dirs`` puts it back if a kill comes between the two renames)."""
+    aside = None
+    if target.exists():
+        aside = _leftover_path(target, "old")
+        os.replace(target, aside)
+    os.replace(new, target)
+    if aside is not None:
+        discard_folder(aside)
+
+
+def discard_folder(path: Path) -> None:
+    """Delete the folder ``path`` atomically: renamed to ``<path>.trash-<pid>`` first, so a crash mid-delete
+    leaves a leftover nothing resumes from (the next start removes it), never a half folder under its name."""
+    trash = _leftover_path(path, "trash")
+    if trash.exists():  # a crashed earlier process of the same pid's
+        shutil.rmtree(trash)
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def write_manifest(folder: Path) -> None:
@@ -166,13 +201,13 @@ def write_manifest(folder: Path) -> None:
 def checkpoint_problem(path: str | Path) -> str | None:
     """Why the checkpoint at ``path`` cannot be trusted, naming the file (None: every file is as written).
 
-    A checkpoint from before manifests (none in the folder) is taken as it is, with a warning."""
+    No manifest (written last) means an unfinished write, a half-deleted folder or an unknown copy: not
+    trusted."""
     path = Path(path)
     manifest = path / MANIFEST_FILE
     if not manifest.is_file():
-        log.warning("%s has no %s (written by an older version): its files are not verified", path,
-                    MANIFEST_FILE)
-        return None
+        return (f"{manifest} is missing, so its files cannot be verified (a checkpoint's manifest is written "
+                "last: without it the folder may be partial)")
     try:
         files = json.loads(manifest.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as err:
@@ -240,14 +275,63 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
 
 
 def remove_stale_temp_dirs(directory: str | Path) -> int:
-    """Delete leftovers of interrupted writes (``checkpoint-N.tmp-PID``). Returns how many."""
+    """Clear the ``LEFTOVER`` folders of interrupted writes, replaces and deletes in ``directory``; an
+    ``.old`` one whose successor never landed is put back under its name instead. Returns how many were
+    removed."""
     directory = Path(directory)
     if not directory.is_dir():
         return 0
-    stale = [p for p in directory.iterdir() if p.is_dir() and ".tmp-" in p.name]
-    for p in stale:
+    removed = 0
+    for p in sorted(directory.iterdir()):
+        m = LEFTOVER.match(p.name)
+        if m is None or not p.is_dir() or p.is_symlink():
+            continue
+        target = directory / m["name"]
+        if m["kind"] == "old" and not target.exists():
+            os.replace(p, target)
+            log.warning("put %s back: the write that replaced it was cut off before its new folder landed",
+                        target)
+            continue
         shutil.rmtree(p, ignore_errors=True)
-    return len(stale)
+        removed += 1
+    return removed
+
+
+def set_aside(folder: Path, kept_root: Path, label: str) -> Path:
+    """Move the whole ``folder`` (one rename: never half moved) to ``<kept_root>/<label>-<UTC time>``."""
+    if not re.fullmatch(r"\w+", label):
+        raise ValueError(f"set_aside: label {label!r} must be letters, digits or _")
+    kept_root.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S%fZ")
+    target = kept_root / f"{label}-{stamp}"
+    if target.exists():
+        raise FileExistsError(f"{target} exists: cannot set {folder} aside there")
+    try:
+        os.replace(folder, target)
+    except OSError as err:
+        raise CheckpointError(f"cannot move {folder} to {target} ({err}); nothing was moved or deleted: move "
+                              "it yourself, or keep the checkpoints folder on the same filesystem as its "
+                              "parent") from err
+    return target
+
+
+def kept_sets(kept_root: Path) -> list[Path]:
+    """The sets ``set_aside`` moved into ``kept_root``, oldest first (leftovers and other files ignored)."""
+    if not kept_root.is_dir():
+        return []
+    found = [(m["stamp"], p) for p in kept_root.iterdir()
+             if (m := _KEPT_SET.match(p.name)) and p.is_dir() and not p.is_symlink()]
+    return [p for _, p in sorted(found)]
+
+
+def prune_kept_sets(kept_root: Path, limit: int) -> list[Path]:
+    """Delete (``discard_folder``) the oldest kept sets beyond the newest ``limit``; returns those removed."""
+    remove_stale_temp_dirs(kept_root)
+    sets = kept_sets(kept_root)
+    doomed = sets[:-limit] if limit > 0 else sets
+    for path in doomed:
+        discard_folder(path)
+    return doomed
 
 
 @dataclass
