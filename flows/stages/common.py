@@ -53,11 +53,13 @@ class FlowBusy(TransientFailure):
 # one writer at a time
 
 
-def stage_lock_path(root: Path) -> Path:
+def stage_lock_path(root: Path, machine: int = 0) -> Path:
     """Where a repo's stage lock lives: DVC's own tmp folder (git-ignored, per work root: a
-    ``dvc exp run --temp`` copy has its own), or the repo root without one."""
+    ``dvc exp run --temp`` copy has its own), or the repo root without one. Machine k > 0 of a multi-machine
+    run holds a lock of its own there (machine 0's stage holds the repo's while they all train)."""
     tmp = root / ".dvc" / "tmp"
-    return (tmp if tmp.parent.is_dir() else root) / "grpo-stage.lock"
+    name = "grpo-stage.lock" if machine == 0 else f"grpo-stage.machine-{machine}.lock"
+    return (tmp if tmp.parent.is_dir() else root) / name
 
 
 def flow_lock_path(root: Path) -> Path:
@@ -65,12 +67,22 @@ def flow_lock_path(root: Path) -> Path:
     return stage_lock_path(root).with_name("grpo-flow.lock")
 
 
+RANK_EXITS_ENV = "GRPO_RANK_EXITS"  # set by launch.run_launcher in the ranks it starts
+
+
 def is_launched_child(environ=None) -> bool:
-    """A process a launcher started (torchrun / accelerate ranks) or another machine's stage: the stage
-    process that launched them, on machine 0, holds the lock for all of them."""
+    """A rank that this project's launcher started (``run_launcher``: the stage process that launched it holds
+    the lock for it). WORLD_SIZE, LOCAL_RANK or MACHINE_RANK alone do not say so: SLURM, Kubernetes and
+    torchrun set them around a stage that nobody else locks for."""
     env = os.environ if environ is None else environ
-    return ((int(env.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in env)
-            or int(env.get("MACHINE_RANK", "0")) > 0)
+    folder = env.get(RANK_EXITS_ENV)
+    return "LOCAL_RANK" in env and bool(folder) and os.path.isdir(folder)
+
+
+def machine_rank(environ=None) -> int:
+    """MACHINE_RANK (0 when unset): which machine of a multi-machine run this is (docs/scaling.md)."""
+    env = os.environ if environ is None else environ
+    return int(env.get("MACHINE_RANK", "0") or 0)
 
 
 @contextlib.contextmanager
@@ -107,11 +119,11 @@ def exclusive(path: Path, holder: str, refused: Callable[[str], Exception], reco
         lock.release()
 
 
-def stage_lock(root: Path, stage: str):
+def stage_lock(root: Path, stage: str, environ=None):
     """Hold the repo's stage lock while a stage writes its outputs: a second stage process in the same work
     root (two `python -m flows.stages train`, or evaluate while train runs) is refused at once, naming the
-    holder."""
-    path = stage_lock_path(root)
+    holder. On machine k > 0 (MACHINE_RANK) the lock is that machine's."""
+    path = stage_lock_path(root, machine_rank(environ))
     return exclusive(path, stage, lambda named: StageBusy(
         f"{stage}: {named} is running in {root} and holds {path}; two stages writing one repo's outputs at "
         "once would mix them. Wait for it to end, or stop it."))

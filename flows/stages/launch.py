@@ -19,12 +19,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from flows.stages.common import StageConfigError
+from flows.stages.common import RANK_EXITS_ENV, StageConfigError
 from grpo_core.common.errors import disk_full, exit_code_for
 from grpo_core.common.files import write_json_atomic
 
 LAUNCH_MARKER = "launch.json"  # beside the checkpoints: machine 0's go for the other machines
-RANK_EXITS_ENV = "GRPO_RANK_EXITS"  # the folder where each launched rank records the code it fails with
+# RANK_EXITS_ENV: the folder where each launched rank records the code it fails with; it also marks the rank
+# as ours, so it runs under its launching stage's lock (flows/stages/common.py)
 
 
 def launched() -> bool:

@@ -10,8 +10,10 @@ Extra dataset columns arrive as keyword lists aligned with `completions`; `None`
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -108,3 +110,14 @@ def is_async_reward(fn: Callable[..., Any]) -> bool:
 def texts(completions: Sequence[Any]) -> list[str]:
     """`completion_text` for each completion: (N,) → (N,) strings."""
     return [completion_text(c) for c in completions]
+
+
+# the scorer sets it, in the thread that runs a timed reward call, once it stops waiting for that call
+CALL_ABANDONED: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
+    "reward_call_abandoned", default=None)
+
+
+def call_abandoned() -> threading.Event:
+    """The event that is set once the scorer stops waiting for the reward call this thread runs (its timeout
+    passed); a fresh, never-set event outside a timed call. Read it in the call's own thread."""
+    return CALL_ABANDONED.get() or threading.Event()

@@ -50,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from grpo_core.rewards.base import RewardFunction, RewardValue, named, texts
+from grpo_core.rewards.base import RewardFunction, RewardValue, call_abandoned, named, texts
 from grpo_core.rewards.parsing import extract_section
 from grpo_core.rewards.sandbox import Jail, Limits, RunResult, SandboxUnavailable, check_sandbox, run_python
 
@@ -507,9 +507,16 @@ def code_execution(test_column: str = "tests", answer_tag: str | None = None, re
                     plan = plan_asserts(case.check) if case.check is not None else None
                     jobs.append((i, case, plan, program if plan is None else jail_program(program, plan)))
         out: list[RewardValue] = [0.0 if tests else None for tests in rows]
+        abandoned = call_abandoned()
+
+        def run(job: tuple[int, CodeTest, AssertPlan | None, str]) -> RunResult | None:
+            # past train.reward_timeout_s nobody reads this score: start no more jails
+            return None if abandoned.is_set() else run_python(job[3], job[1].stdin, limits, jail)
+
         with ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
-            results = pool.map(lambda job: run_python(job[3], job[1].stdin, limits, jail), jobs)
-            for (i, case, plan, _), result in zip(jobs, results):
+            for (i, case, plan, _), result in zip(jobs, pool.map(run, jobs)):
+                if result is None:
+                    return out
                 # the jail broke after check_sandbox passed: no score is honest now
                 if result.status == "sandbox":
                     raise SandboxUnavailable("code_execution: the jail could not start a program: "

@@ -7,15 +7,16 @@ import logging
 import math
 import numbers
 import threading
+import urllib.error
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
-from grpo_core.common.errors import TrainingFailure
+from grpo_core.common.errors import TrainingFailure, TransientFailure
 from grpo_core.common.options import Options, option
-from grpo_core.rewards.base import RewardFunction, is_async_reward
+from grpo_core.rewards.base import CALL_ABANDONED, RewardFunction, is_async_reward
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +36,61 @@ class RewardFunctionError(TrainingFailure, RuntimeError):
     """A reward function raised, or returned something other than N floats/ints/Nones."""
 
 
+class RewardServiceUnavailable(TransientFailure):
+    """A reward function could not reach the service it scores with (a judge server refused, dropped or timed
+    out the connection, or answered HTTP 5xx/429): a retry once it is back can succeed."""
+
+
+# client libraries' names for "the server could not be reached" (requests, httpx, aiohttp are not imported)
+_NETWORK_ERROR_NAMES = frozenset({"ConnectionError", "Timeout", "TimeoutError", "TransportError",
+                                  "ClientConnectionError", "ServerTimeoutError"})
+
+
+def _http_status(exc: BaseException) -> int | None:
+    """The HTTP status an HTTP client's error carries (urllib's ``code``, aiohttp's ``status``, requests' and
+    httpx's ``response.status_code``), or None."""
+    response = getattr(exc, "response", None)
+    for holder, attribute in ((exc, "code"), (exc, "status"), (response, "status_code")):
+        status = getattr(holder, attribute, None)
+        if isinstance(status, int) and 100 <= status < 600:
+            return status
+    return None
+
+
+def is_service_unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception in its chain) says a server did not answer or was overloaded: a
+    connection refused/reset/timed out, a name that did not resolve, HTTP 5xx or 429. A 4xx or an answer the
+    reward could not parse is not: the same request fails the same way again."""
+    seen: BaseException | None = exc
+    for _ in range(10):
+        if seen is None:
+            return False
+        status = _http_status(seen)
+        if status is not None:
+            return status >= 500 or status == 429
+        if (isinstance(seen, ConnectionError | TimeoutError | urllib.error.URLError)
+                or any(cls.__name__ in _NETWORK_ERROR_NAMES for cls in type(seen).__mro__)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def reward_failure(name: str, where: str, exc: BaseException) -> TransientFailure | TrainingFailure:
+    """The error for reward ``name`` raising ``exc`` on ``where`` (a sample, the batch): transient (exit 1)
+    when it could not reach its server, else RewardFunctionError (exit 4)."""
+    message = f"reward function {name!r} raised on {where}: {type(exc).__name__}: {exc}"
+    if is_service_unreachable(exc):
+        return RewardServiceUnavailable(f"{message}; its server did not answer: check it is up, then run the "
+                                        "stage again (training resumes from its last checkpoint)")
+    return RewardFunctionError(message)
+
+
 class RewardTimeout(RuntimeError):
     """A reward function call did not return within the timeout."""
 
 
+# Set inside a reward call that ``_call`` runs in a thread: the event is set when the call is abandoned at its
+# timeout, so a reward that fans work out (code_execution's pool) can stop starting more.
 @dataclass
 class Scores:
     """What ``score_completions`` returns.
@@ -105,8 +157,10 @@ def _call(fn: RewardFunction, prompts: list, completions: list, columns: Mapping
     if not timeout_s:
         return fn(prompts=prompts, completions=completions, **kwargs)
     box: dict[str, Any] = {}
+    abandoned = threading.Event()
 
     def target() -> None:
+        CALL_ABANDONED.set(abandoned)
         try:
             box["out"] = fn(prompts=prompts, completions=completions, **kwargs)
         except BaseException as exc:  # handed to the caller's thread below
@@ -116,6 +170,7 @@ def _call(fn: RewardFunction, prompts: list, completions: list, columns: Mapping
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
+        abandoned.set()
         raise RewardTimeout(f"reward function {_name(fn)!r} did not return within {timeout_s:g}s "
                             f"on a batch of {len(completions)}")
     if "err" in box:
@@ -170,9 +225,7 @@ def _per_sample(
             continue
         except Exception as exc:
             if on_error == "raise":
-                raise RewardFunctionError(
-                    f"reward function {name!r} raised on sample {i}: {type(exc).__name__}: {exc}"
-                ) from exc
+                raise reward_failure(name, f"sample {i}", exc) from exc
             values.append(math.nan)
             failures += 1
             continue
@@ -245,10 +298,8 @@ def score_completions(
                             timeout_s)
             if failures == 0 and timeouts == 0 and on_error == "raise":
                 # Every sample passes alone, yet the batch call failed: report the batch, not a sample.
-                raise RewardFunctionError(
-                    f"reward function {name!r} raised on the batch of {n} (no single sample fails): "
-                    f"{type(batch_error).__name__}: {batch_error}"
-                ) from batch_error
+                raise reward_failure(name, f"the batch of {n} (no single sample fails)",
+                                     batch_error) from batch_error
         rewards[:, k] = values
         error_counts[name] = error_counts.get(name, 0) + failures
         timeout_counts[name] = timeout_counts.get(name, 0) + timeouts

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -48,6 +47,7 @@ import torch
 
 from grpo_core.common.errors import ConfigurationError
 from grpo_core.common.rng import rng_state, set_rng_state
+from grpo_core.rollout.sockets import LOOPBACK, bound_master_store, loopback_interface
 from grpo_core.rollout.types import (
     Placement,
     RolloutBatch,
@@ -142,12 +142,6 @@ def model_source(model: torch.nn.Module) -> str:
     return str(source)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def kv_cache_bytes(config, dtype: torch.dtype, max_model_length: int,
                    num_seqs: int = CPU_MAX_NUM_SEQS) -> int:
     """Bytes of KV cache for ``num_seqs`` sequences of ``max_model_length`` tokens (K and V, every layer).
@@ -165,16 +159,27 @@ def _rendezvous(place: Placement):
     """The torch.distributed rendezvous external_launcher reads from the environment while the engine starts
     (it runs the engine inside this process and joins the trainer's group, or makes its own when there is
     none): those `accelerate launch` set are kept, the missing ones set for the start only, so no later
-    process launched from this one inherits them."""
+    process launched from this one inherits them. Yields the store this process hosts for the engine's own
+    group (None under a launcher), which must outlive the engine.
+
+    Without a launcher the engine's group is this process alone, yet torch's own master store would listen on
+    every interface and gloo on the hostname's address: the store is hosted here on loopback instead (the
+    rendezvous joins it as a client, TORCHELASTIC_USE_AGENT_STORE) and gloo is pointed at the loopback
+    interface."""
     wanted = {"RANK": place.rank, "LOCAL_RANK": place.local_rank, "WORLD_SIZE": place.world_size,
-              "MASTER_ADDR": "localhost"}
+              "MASTER_ADDR": LOOPBACK}
+    store = None
     if "MASTER_PORT" not in os.environ:
-        wanted["MASTER_PORT"] = _free_port()
+        store = bound_master_store(LOOPBACK, 0, timeout=300.0)
+        wanted.update(MASTER_PORT=store.port, TORCHELASTIC_USE_AGENT_STORE="True")
+        loopback = loopback_interface()
+        if loopback:
+            wanted["GLOO_SOCKET_IFNAME"] = loopback
     added = [key for key in wanted if key not in os.environ]
     for key in added:
         os.environ[key] = str(wanted[key])
     try:
-        yield
+        yield store
     finally:
         for key in added:
             os.environ.pop(key, None)
@@ -253,8 +258,9 @@ def start_engine(options: dict, place: Placement = Placement()):
     vllm = import_vllm()
     started = time.perf_counter()
     try:
-        with _ProcessStateKept(), _rendezvous(place):
+        with _ProcessStateKept(), _rendezvous(place) as store:
             llm = vllm.LLM(**options)
+        llm.grpo_rendezvous_store = store  # the engine's group keeps a client of it for its life
     except Exception as err:  # the engine's own reason, whatever its type, as a configuration error
         raise VLLMUnavailable(f"generation.backend: vllm: the engine for {options['model']} did not start: "
                               f"{type(err).__name__}: {err}") from err
