@@ -6,7 +6,7 @@ configs/smollm2-135m-word-problems.yaml as shipped - SmolLM2-135M-Instruct conve
 (grpo_core/model/gguf.py), data/word-problems, correctness alone, its batch, lengths, sampler and steps - with
 what a machine without DVC needs instead: the raw jsonl splits in place of validate's parquet files and the
 reward weight pinned to 1 (one reward: calibration has nothing to weigh). The same evaluator as the evaluate
-stage (greedy decoding of every held-out prompt, benchmarks/learning.py: greedy_accuracy) scores the base and
+stage (greedy decoding of every held-out prompt, benchmarks/learning.py: greedy_evaluation) scores the base and
 the trained policy. Reported: both accuracies, the train stage's wall time and completion tokens/s, the
 allocator's peak, and the reward per step. The smoke run (``spec["smoke"]``) swaps in the tiny embedded model
 and a step of 4-token completions on 4 prompts: a check of the code, not a measurement.
@@ -47,7 +47,7 @@ def recipe(model_dir: Path, workdir: Path, smoke: bool):
 def run(spec: dict) -> dict:
     import torch
 
-    from benchmarks.learning import completion_tokens, greedy_accuracy
+    from benchmarks.learning import completion_tokens, greedy_evaluation
     from grpo_core.model.gguf import convert_gguf
     from grpo_core.train.loop import train
 
@@ -60,7 +60,7 @@ def run(spec: dict) -> dict:
         convert_gguf(Path(spec.get("gguf") or GGUF), model_dir)
     convert_s = time.perf_counter() - started
     cfg = recipe(model_dir, workdir, spec.get("smoke", False))
-    base = greedy_accuracy(REPO, cfg, model_dir)
+    base = greedy_evaluation(REPO, cfg, model_dir)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -73,7 +73,7 @@ def run(spec: dict) -> dict:
     with open(workdir / "train_log.csv", newline="") as fh:
         log = list(csv.DictReader(fh))
     lengths = [float(r["completions/mean_length"]) for r in log]
-    trained = greedy_accuracy(REPO, cfg, result.model_dir)
+    trained = greedy_evaluation(REPO, cfg, result.model_dir)
     t = cfg.train
     return {"recipe": str(RECIPE.relative_to(REPO)), "smoke": bool(spec.get("smoke")),
             "shape": {"prompts_per_step": t.batch.per_device_train_batch_size // t.batch.num_generations,
