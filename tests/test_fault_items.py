@@ -24,6 +24,7 @@ from grpo_core.common.errors import EXIT_ERROR, EXIT_TRAINING, exit_code_for
 from grpo_core.rewards import code as code_reward
 from grpo_core.rewards.sandbox import RunResult
 from grpo_core.rewards.scoring import score_completions
+from tests.test_stage_lock import HOLD, stage_repo
 
 PROGRAM = "```python\nprint(input())\n```"
 
@@ -156,25 +157,11 @@ def test_a_judge_server_not_listening_is_transient(client):
 
 
 REPO = Path(__file__).resolve().parents[1]
-HOLD = """
-import sys, time
-from pathlib import Path
-from flows.stages.common import stage_lock
-with stage_lock(Path(sys.argv[1]), "train"):
-    print("held", flush=True)
-    time.sleep(120)
-"""
 
 
 @pytest.fixture()
-def stage_repo(tmp_path, monkeypatch):
-    """A repo the convert stage runs in (a model folder: nothing to convert, a second's work)."""
-    (tmp_path / ".dvc").mkdir()
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(yaml.safe_load((REPO / "params.yaml").read_text())))
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
-    monkeypatch.delenv(RANK_EXITS_ENV, raising=False)
-    return tmp_path
+def repo(tmp_path, monkeypatch):
+    return stage_repo(tmp_path, monkeypatch)
 
 
 def _hold_lock(root: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -190,16 +177,16 @@ SCHEDULER_ENVS = [{"WORLD_SIZE": "2", "LOCAL_RANK": "0", "MACHINE_RANK": "0"},
 
 
 @pytest.mark.parametrize("env", SCHEDULER_ENVS)
-def test_a_scheduler_s_rank_variables_do_not_skip_the_stage_lock(stage_repo, monkeypatch, capsys, env):
+def test_a_scheduler_s_rank_variables_do_not_skip_the_stage_lock(repo, monkeypatch, capsys, env):
     from flows.stages.__main__ import main
 
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    holder = _hold_lock(stage_repo, env)
+    holder = _hold_lock(repo, env)
     try:
         assert main(["convert"]) == EXIT_ERROR
         assert f"StageBusy: convert: `train` (PID {holder.pid}, since " in capsys.readouterr().err
-        assert not (stage_repo / "artifacts/converted_model").exists()
+        assert not (repo / "artifacts/converted_model").exists()
     finally:
         holder.kill()
         holder.wait()
@@ -215,16 +202,16 @@ def test_only_a_rank_our_launcher_started_skips_the_lock(tmp_path):
     assert not is_launched_child({"WORLD_SIZE": "2", "LOCAL_RANK": "1", "MACHINE_RANK": "1"})
 
 
-def test_machine_1_s_stage_takes_its_own_machine_s_lock(stage_repo, monkeypatch, capsys):
+def test_machine_1_s_stage_takes_its_own_machine_s_lock(repo, monkeypatch, capsys):
     from flows.stages.__main__ import main
 
-    holder = _hold_lock(stage_repo, {"MACHINE_RANK": "1"})  # machine 1's train stage
+    holder = _hold_lock(repo, {"MACHINE_RANK": "1"})  # machine 1's train stage
     try:
         monkeypatch.setenv("MACHINE_RANK", "1")
         assert main(["convert"]) == EXIT_ERROR  # a second stage on machine 1 is refused ...
         assert f"`train` (PID {holder.pid}, since " in capsys.readouterr().err
-        assert stage_lock_path(stage_repo, 1).exists()
-        with stage_lock(stage_repo, "train", {}):  # ... while machine 0's lock is not machine 1's to hold
+        assert stage_lock_path(repo, 1).exists()
+        with stage_lock(repo, "train", {}):  # ... while machine 0's lock is not machine 1's to hold
             pass
     finally:
         holder.kill()

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
-import yaml
 
 for _name in ("reasoning_gym", "trl"):
     try:
@@ -24,32 +22,16 @@ for _name in ("reasoning_gym", "trl"):
                               f"not installed ({exc}): make setup installs it") from exc
         pytest.skip(f"{_name} is not installed: {exc}", allow_module_level=True)
 
-REPO = Path(__file__).resolve().parents[1]
-# chain_sum with 2 one-digit terms (as tests/test_reasoning_gym.py)
-SMALL_SUMS = {"name": "chain_sum",
-              "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}}
-
 
 def reasoning_gym_checkout(root, monkeypatch):
     """A tiny checkout where prepare (reasoning-gym), convert, validate and calibrate ran: the inputs
     benchmarks/learning.py reads."""
     from flows.stages.__main__ import main
+    from tests.test_reasoning_gym import SMALL_SUMS, tiny_params
     from tests.tiny import in_stage_repo, make_tiny_model
 
     make_tiny_model(root / "models" / "tiny")
-    raw = yaml.safe_load((REPO / "params.yaml").read_text())
-    raw.update(embedded=None, reasoning_gym={"tasks": [SMALL_SUMS], "train_size": 32, "eval_size": 8})
-    raw["model"]["name_or_path"] = "models/tiny"
-    raw["data"]["max_prompt_length"] = 128
-    raw["rewards"] = [{"name": "rg", "function": "reasoning_gym", "kwargs": {"extract": ["last_number"]},
-                       "target_share": 1.0}]
-    raw["guards"]["reward_hacking"] = {"format_reward": None, "correctness_reward": None}
-    raw["calibrate"].update(num_prompts=4, num_generations=4)
-    raw["generation"]["max_completion_length"] = 8
-    raw["train"].update(num_generations=4, per_device_train_batch_size=8, max_steps=2, save_steps=2,
-                        async_rollouts=False)
-    raw["evaluate"].update(max_samples=8, num_generations=2, pass_k=[1, 2], batch_size=16)
-    in_stage_repo(root, raw, monkeypatch, "test-learning-reasoning-gym")
+    in_stage_repo(root, tiny_params([SMALL_SUMS]), monkeypatch, "test-learning-reasoning-gym")
     for stage in ("prepare", "convert", "validate", "calibrate"):
         assert main([stage]) == 0, stage
     return root

@@ -52,6 +52,25 @@ def score(fn, completions: list[str], rows: list[dict]) -> list:
     return fn([r["prompt"] for r in rows], completions, **columns)
 
 
+def tiny_params(tasks: list[dict]) -> dict:
+    """params.yaml with reasoning-gym ``tasks`` as the data (32 train / 8 held-out prompts) and the tiny model
+    (models/tiny), scored by the reasoning_gym reward on the last number, 2 training steps."""
+    from tests.test_stages import REPO
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw.update(embedded=None, reasoning_gym={"tasks": tasks, "train_size": 32, "eval_size": 8})
+    raw["model"]["name_or_path"] = "models/tiny"
+    raw["data"]["max_prompt_length"] = 128
+    raw["rewards"] = [{"name": "rg", "function": "reasoning_gym", "kwargs": {"extract": ["last_number"]},
+                       "target_share": 1.0}]
+    raw["guards"]["reward_hacking"] = {"format_reward": None, "correctness_reward": None}
+    raw["calibrate"].update(num_prompts=4, num_generations=4)
+    raw["generation"]["max_completion_length"] = 8
+    raw["train"].update(num_generations=4, per_device_train_batch_size=8, max_steps=2, save_steps=2,
+                        async_rollouts=False)
+    raw["evaluate"].update(max_samples=8, num_generations=2, pass_k=[1, 2], batch_size=16)
+    return raw
+
+
 def test_partial_credit_is_reasoning_gyms_own():
     """chain_sum's scorer, seed 1, entry 0 (4 - 1 - 7 = -4): "-4" is 1.0, "The answer is -4" 0.125 (the gold's
     share of the text). The reward gives what the task gives the extracted text, partial credit kept."""
@@ -196,23 +215,10 @@ def test_two_tasks_through_every_stage(tmp_path, monkeypatch):
     """prepare (reasoning-gym, two tasks) -> convert -> validate -> calibrate -> train (2 steps) -> evaluate
     on the tiny model, in-process: eval.json has the accuracy and mean score per task."""
     from flows.stages.__main__ import main
-    from tests.test_stages import REPO
     from tests.tiny import in_stage_repo, make_tiny_model
 
     make_tiny_model(tmp_path / "models" / "tiny")
-    raw = yaml.safe_load((REPO / "params.yaml").read_text())
-    raw.update(embedded=None,
-               reasoning_gym={"tasks": [SMALL_SUMS, FEW_LEGS], "train_size": 32, "eval_size": 8})
-    raw["model"]["name_or_path"] = "models/tiny"
-    raw["data"]["max_prompt_length"] = 128
-    raw["rewards"] = [{"name": "rg", "function": "reasoning_gym", "kwargs": {"extract": ["last_number"]},
-                       "target_share": 1.0}]
-    raw["guards"]["reward_hacking"] = {"format_reward": None, "correctness_reward": None}
-    raw["calibrate"].update(num_prompts=4, num_generations=4)
-    raw["generation"]["max_completion_length"] = 8
-    raw["train"].update(num_generations=4, per_device_train_batch_size=8, max_steps=2, save_steps=2,
-                        async_rollouts=False)
-    raw["evaluate"].update(max_samples=8, num_generations=2, pass_k=[1, 2], batch_size=16)
+    raw = tiny_params([SMALL_SUMS, FEW_LEGS])
     raw["tracking"]["promotion_metric"] = "mean_score"  # the task's own score may gate promotion
     repo = in_stage_repo(tmp_path, raw, monkeypatch, "test-reasoning-gym")
     for stage in ("prepare", "convert", "validate", "calibrate", "train", "evaluate"):

@@ -42,6 +42,7 @@ from grpo_core.rollout.vllm_server import (
     WeightGroup,
     rendezvous_store,
 )
+from tests.test_vllm_server import Server
 from tests.tiny import make_tiny_model, require_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -313,25 +314,11 @@ def test_an_answer_that_is_not_the_protocols_is_a_permanent_error_naming_the_ser
 # --- the real server with a token ---------------------------------------------------------------------------
 
 
-class TokenServer:
+class TokenServer(Server):
     """``python -m flows.serve`` on 127.0.0.1 with GRPO_SERVER_TOKEN in its environment."""
 
     def __init__(self, model_dir: Path, log_path: Path):
-        self.port = free_port()
-        env = {**os.environ, TOKEN_VARIABLE: TOKEN}
-        with open(log_path, "w") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "flows.serve", "--model", str(model_dir), "--port", str(self.port),
-                 "--max-model-len", "64", "--seed", "3"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-        try:
-            ServerConnection("127.0.0.1", self.port, timeout=120).wait_until_healthy()
-        except VLLMServerError:
-            self.stop()
-            pytest.fail(f"flows.serve did not start:\n{log_path.read_text()[-4000:]}")
-
-    def health(self) -> dict:
-        return ServerConnection("127.0.0.1", self.port, timeout=10).request("/health", waiting_for="a test")
+        super().__init__(model_dir, log_path, max_model_length=64, env={**os.environ, TOKEN_VARIABLE: TOKEN})
 
     def post(self, path: str, body: dict, token: str | None = None) -> int:
         """The HTTP status of a bare POST (what curl does)."""
@@ -345,15 +332,6 @@ class TokenServer:
                 return reply.status
         except urllib.error.HTTPError as err:
             return err.code
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
 
 
 @pytest.fixture(scope="module")

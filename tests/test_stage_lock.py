@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.stages.common import StageBusy, is_launched_child, stage_lock, stage_lock_path
+from flows.stages.common import RANK_EXITS_ENV, StageBusy, is_launched_child, stage_lock, stage_lock_path
 from grpo_core.common.errors import EXIT_ERROR
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,13 +30,18 @@ with stage_lock(Path(sys.argv[1]), "train"):
 
 @pytest.fixture()
 def repo(tmp_path, monkeypatch):
-    """A repo the convert stage runs in (a model folder: nothing to convert, a second's work)."""
+    return stage_repo(tmp_path, monkeypatch)
+
+
+def stage_repo(tmp_path: Path, monkeypatch) -> Path:
+    """A repo the convert stage runs in (a model folder: nothing to convert, a second's work), with no rank
+    variables set."""
     (tmp_path / ".dvc").mkdir()
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
-    for key in ("WORLD_SIZE", "LOCAL_RANK", "MACHINE_RANK"):
+    for key in ("WORLD_SIZE", "LOCAL_RANK", "MACHINE_RANK", RANK_EXITS_ENV):
         monkeypatch.delenv(key, raising=False)
     return tmp_path
 

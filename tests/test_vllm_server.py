@@ -52,14 +52,14 @@ class Server:
     """``python -m flows.serve`` for a model folder, as a child process; its log in a file."""
 
     def __init__(self, model_dir: Path, log_path: Path, max_model_length: int = MAX_MODEL_LENGTH,
-                 port: int | None = None):
+                 port: int | None = None, env: dict[str, str] | None = None):
         self.port = port or free_port()
         self.log_path = log_path
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "flows.serve", "--model", str(model_dir), "--port", str(self.port),
                  "--max-model-len", str(max_model_length), "--seed", "3"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
+                stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1], env=env)
         self.started = time.perf_counter()
         try:
             ServerConnection("127.0.0.1", self.port, timeout=120).wait_until_healthy()
