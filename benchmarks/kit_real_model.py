@@ -6,8 +6,8 @@ configs/smollm2-135m-word-problems.yaml as shipped - SmolLM2-135M-Instruct conve
 (grpo_core/model/gguf.py), data/word-problems, correctness alone, its batch, lengths, sampler and steps - with
 what a machine without DVC needs instead: the raw jsonl splits in place of validate's parquet files and the
 reward weight pinned to 1 (one reward: calibration has nothing to weigh). The same evaluator as the evaluate
-stage (greedy decoding of every held-out prompt, benchmarks/learning.py: greedy_evaluation) scores the base and
-the trained policy. Reported: both accuracies, the train stage's wall time and completion tokens/s, the
+stage (greedy decoding of every held-out prompt, benchmarks/learning.py: greedy_evaluation) scores the base
+and the trained policy. Reported: both accuracies, the train stage's wall time and completion tokens/s, the
 allocator's peak, and the reward per step. The smoke run (``spec["smoke"]``) swaps in the tiny embedded model
 and a step of 4-token completions on 4 prompts: a check of the code, not a measurement.
 """
