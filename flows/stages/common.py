@@ -264,17 +264,24 @@ def md5_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def md5_path(path: Path, max_full_bytes: int = 512 << 20) -> str | None:
+def md5_path(path: Path, max_full_bytes: int = 512 << 20,
+             file_md5: Callable[[Path], str] | None = None) -> str | None:
     """md5 of a file, or of a directory (sorted relative names + file md5s). Files larger than
-    ``max_full_bytes`` contribute their size and mtime instead of their content. None if absent."""
+    ``max_full_bytes`` contribute their size and mtime instead of their content, unless ``file_md5`` hashes
+    each file instead. None if absent."""
     path = Path(path)
     if path.is_file():
+        if file_md5 is not None:
+            return file_md5(path)
         return md5_file(path) if path.stat().st_size <= max_full_bytes else f"size:{path.stat().st_size}"
     if not path.is_dir():
         return None
     h = hashlib.md5()
     for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        st = f.stat()
-        digest = md5_file(f) if st.st_size <= max_full_bytes else f"{st.st_size}:{st.st_mtime_ns}"
+        if file_md5 is not None:
+            digest = file_md5(f)
+        else:
+            st = f.stat()
+            digest = md5_file(f) if st.st_size <= max_full_bytes else f"{st.st_size}:{st.st_mtime_ns}"
         h.update(f"{f.relative_to(path).as_posix()}\0{digest}\n".encode())
     return h.hexdigest()

@@ -44,6 +44,7 @@ from flows.stages.common import (
     VALIDATED_TRAIN,
     StageConfigError,
     md5_file,
+    md5_path,
     read_json,
     require_file,
     with_validated_data,
@@ -140,14 +141,7 @@ class ContentHashes:
 
     def path_md5(self, path: Path) -> str | None:
         """A file's md5, or a folder's (its sorted relative names and file md5s); None if absent."""
-        if path.is_file():
-            return self.file_md5(path)
-        if not path.is_dir():
-            return None
-        h = hashlib.md5()
-        for f in sorted(p for p in path.rglob("*") if p.is_file()):
-            h.update(f"{f.relative_to(path).as_posix()}\0{self.file_md5(f)}\n".encode())
-        return h.hexdigest()
+        return md5_path(path, file_md5=self.file_md5)
 
     def file_md5(self, path: Path) -> str:
         stamp = _stat_stamp(path)
@@ -201,7 +195,6 @@ def fingerprint(ctx, cfg, weights: list[float], allowed: list[int] | None,
 
 
 def md5_bytes(data: bytes) -> str:
-    import hashlib
 
     return hashlib.md5(data).hexdigest()
 
