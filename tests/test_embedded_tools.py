@@ -390,7 +390,7 @@ def test_prepare_builds_the_calculator_task(tmp_path, monkeypatch):
 # reward-hacking guard's format reward; nothing else may differ.
 RECIPE_CHANGES = {
     ("embedded", "tasks"): ["calculator"], ("embedded", "max_operand"): 99,
-    ("embedded", "warm_start_steps"): 600, ("embedded", "label_noise"): 0.6,
+    ("embedded", "warm_start_steps"): 1500, ("embedded", "label_noise"): 0.6,
     ("generation", "max_completion_length"): 64, ("train", "max_steps"): 200,
     ("train", "tools"): ["grpo_core.embedded.tools:calculator"], ("train", "max_tool_calling_iterations"): 1,
     ("train", "async_rollouts"): False,

@@ -177,7 +177,7 @@ def test_train_run_leads_with_reward_and_kl_and_the_model_is_logged_and_register
     client = client_for(server)
     sha = built_commit(repo)
     runs = children(client, parents(client)[f"baseline {sha[:7]}"])
-    assert set(runs) == {"prepare", "validate", "calibrate", "train", "evaluate"}
+    assert set(runs) == {"prepare", "validate", "calibrate", "train", "evaluate", "export"}
     train = runs["train"]
     rewards = [float(r["reward"]) for r in train_log(repo)]
     headline = [m.value for m in sorted(client.get_metric_history(train.info.run_id, "0_overview/reward"),
@@ -210,11 +210,11 @@ def test_exp_run_logs_its_stages_under_its_own_parent(two_pipelines, server):
     repo, exp_name = two_pipelines
     client = client_for(server)
     exp_runs = children(client, parents(client)[exp_name])
-    assert set(exp_runs) == {"train", "evaluate"}  # DVC re-ran just what the param feeds
+    assert set(exp_runs) == {"train", "evaluate", "export"}  # DVC re-ran just what the param feeds
     train = exp_runs["train"]
     assert train.data.params["train.learning_rate"] == "0.002" and train.data.tags["dvc.exp_name"] == exp_name
     assert train.data.tags["train.checkpoints"] == "fresh"  # new params: no resume from the old checkpoints
-    assert len(stage_runs(repo)) == 2 + 5 + 2
+    assert len(stage_runs(repo)) == 2 + 6 + 3
 
 
 # --------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ TINY = {
     "evaluate": {"max_samples": 6, "num_generations": 4, "pass_k": [1, 2, 4], "max_completion_length": 16,
                  "batch_size": 16},
 }
-STAGES = ["prepare", "convert", "validate", "calibrate", "train", "evaluate"]
+STAGES = ["prepare", "convert", "validate", "calibrate", "train", "evaluate", "export"]
 # The stages that open an MLflow run here: convert has nothing to convert for the embedded default's model
 # folder.
 TRACKED_STAGES = [s for s in STAGES if s != "convert"]

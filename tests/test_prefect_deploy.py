@@ -94,7 +94,7 @@ def test_deploy_schedule_run_and_worker_complete_the_flow(servers, tmp_path_fact
         f"{env['PREFECT_API_URL'].removesuffix('/api')}/runs/flow-run/{flow_run_id}")
     children = {r.data.tags["stage"]: r for r in client.search_runs(
         [exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
-    assert set(children) == {"train", "evaluate"}  # max_steps feeds only these: DVC skipped the rest
+    assert set(children) == {"train", "evaluate", "export"}  # what max_steps feeds: DVC skipped the rest
     train = children["train"]
     assert (train.data.tags["prefect.flow_run_id"] == flow_run_id
             and train.data.params["train.max_steps"] == "4")

@@ -99,7 +99,7 @@ def test_a_restart_under_a_running_flow_completes_and_a_long_outage_is_settled_b
     run, tasks = latest_flow_run(server.api)
     assert run["state_type"] == "COMPLETED"
     assert sorted(t["name"].split("-")[0] for t in tasks if t["state_type"] == "COMPLETED") == sorted(
-        ["prepare", "convert", "validate", "calibrate", "train", "evaluate"])
+        ["prepare", "convert", "validate", "calibrate", "train", "evaluate", "export"])
     assert mlflow_parent(repo, run["id"]).info.status == "FINISHED"
     assert steps(repo) == list(range(1, STEPS + 1))
 

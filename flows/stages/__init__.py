@@ -6,6 +6,8 @@
     calibrate sample the base policy, score, derive reward weights -> artifacts/calibration/*
     train     GRPO (grpo_core.train.loop.train) -> checkpoints, final model, metrics/train_log.csv
     evaluate  base vs trained policy on held-out prompts -> metrics/eval.json, registry
+    export    the trained policy as GGUF files + an Ollama Modelfile (artifacts/export), attached to its
+              registered version
 
 Each stage reads params.yaml (``--params`` to override the path), writes only its declared outputs (each
 atomically: temp path, then ``os.replace``) and logs an MLflow child run under the pipeline's parent run
@@ -29,4 +31,4 @@ from grpo_core.common.errors import (  # noqa: F401 - re-exported: the stage CLI
     exit_code_for,
 )
 
-STAGES = ("prepare", "convert", "validate", "calibrate", "train", "evaluate")
+STAGES = ("prepare", "convert", "validate", "calibrate", "train", "evaluate", "export")

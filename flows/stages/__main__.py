@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     from flows.stages import common
 
     common.prepare_process_env()
+    if common.is_launched_child():  # before anything slow: a rank whose launcher is already gone ends here
+        from flows.stages.launch import die_with_launcher
+
+        die_with_launcher()
     try:
         ctx = common.StageContext.create(args.stage, args.params)
         module = importlib.import_module(f"flows.stages.{args.stage}")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -261,6 +262,38 @@ def registered_version_of(client, name: str, files_md5: str) -> int | None:
         return None
     same = [int(v.version) for v in versions if (v.tags or {}).get(MODEL_MD5_TAG) == files_md5]
     return min(same) if same else None
+
+
+# where a registered version's GGUF export sits (flows/stages/export.py): its logged model's gguf/ folder
+GGUF_ARTIFACT_PATH = "gguf"
+GGUF_FILES_TAG = "gguf.files"
+
+
+def logged_model_of(model_version) -> str | None:
+    """The logged model a version was registered from: register_and_gate's source ``models:/<id>`` (a sqlite
+    registry returns no model_id)."""
+    if getattr(model_version, "model_id", None):
+        return model_version.model_id
+    match = re.fullmatch(r"models:/(m-[0-9a-f]+)", model_version.source or "")
+    return match.group(1) if match else None
+
+
+def attach_export(client, name: str, model_dir: Path, export_dir: Path) -> int | None:
+    """The export stage's files (GGUFs, Modelfile) put beside the registered version made from these model
+    files: into its logged model's artifacts under ``gguf/`` (a download of ``models:/<name>@champion`` holds
+    them) and named in its ``gguf.files`` tag. Returns the version, or None when none holds these files."""
+    version = registered_version_of(client, name, model_files_md5(model_dir))
+    if version is None:
+        return None
+    model_version = client.get_model_version(name, str(version))
+    model_id = logged_model_of(model_version)
+    if model_id:
+        client.log_model_artifacts(model_id, str(export_dir), artifact_path=GGUF_ARTIFACT_PATH)
+    else:  # a version registered from a run's artifacts: the files go into that run
+        client.log_artifacts(model_version.run_id, str(export_dir), artifact_path=GGUF_ARTIFACT_PATH)
+    files = ",".join(sorted(p.name for p in export_dir.iterdir()))
+    client.set_model_version_tag(name, str(version), GGUF_FILES_TAG, files)
+    return version
 
 
 def register_and_gate(run, inp, model_dir, base: dict, trained: dict) -> dict[str, Any]:

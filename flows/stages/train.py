@@ -328,7 +328,7 @@ def _resume_point(ckpt_dir: Path, max_steps: int, kept: Path) -> str:
 
 
 def run(ctx) -> int:
-    with rank_exit_recorded():
+    with rank_exit_recorded(ctx):
         return _run_stage(ctx)
 
 
@@ -356,7 +356,8 @@ def _run_stage(ctx) -> int:
     else:
         action = "distributed"
     if int(os.environ.get("RANK", "0")) != 0:
-        return _train(ctx, cfg, weights, allowed, tracker=None)
+        _train(ctx, cfg, weights, allowed, tracker=None)
+        return 0  # the stage's exit code; rank 0 alone reports the result
 
     quiet_libraries()
     from flows.stages.plots import read_train_log, training_figure

@@ -5,7 +5,8 @@
     per step:
       round     at a round's start: G completions per prompt, rewards (N, K), advantages (N,),
                 old log-probs (only when a round feeds > 1 step), reference log-probs (beta > 0)   -> Round
-                (async_rollouts: the round the sampler worker sampled ahead, and the next one submitted)
+                (async_rollouts: the round the sampler worker sampled ahead, and the next one submitted;
+                train.curriculum: prompts of each task's current level, which the round's accuracy may raise)
       gradients ga micro-batches: run.loss_fn(logps, old_logps, ref_logps, A, mask) (GRPOLoss); backward; clip
       guards    the step's metrics decide: apply, skip the update, roll back, or stop
       update    optimizer and schedule step; the rollout engine gets the new weights
@@ -41,6 +42,7 @@ from grpo_core.model.sharding import clip_gradients, is_sharded
 from grpo_core.train.batching import BatchPlan, length_grouped_order
 from grpo_core.train.checkpoint import latest_valid_checkpoint, remove_stale_temp_dirs
 from grpo_core.train.completions import CompletionLog, as_table, completion_rows
+from grpo_core.train.curriculum import build_sampler, close_round, curriculum_columns, observe
 from grpo_core.train.dynamic import fill_round
 from grpo_core.train.entropy import applied_entropy_coef, next_entropy_coef
 from grpo_core.train.evaluation import evaluate_held_out, evaluation_due, load_best_weights, update_best
@@ -57,6 +59,7 @@ from grpo_core.train.setup import set_up, start_sampler
 from grpo_core.train.state import (
     Prompts,
     PromptSampler,
+    Sampler,
     TrainingError,
     TrainingRun,
     TrainState,
@@ -127,10 +130,10 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, roo
     worker = hooks.sampler_worker or (SamplerWorker() if t.rollouts.async_rollouts else None)
     with worker or contextlib.nullcontext():  # the worker is spawned first: its imports overlap the set-up
         run, prompts = set_up(cfg, root, reward_weights, hooks.backend_factory)
-        sampler = PromptSampler(len(prompts.dataset), t.seed, allowed_prompts,
-                                shuffle=t.batch.shuffle_dataset)
+        sampler = build_sampler(t.levels, prompts.dataset, cfg.rewards, cfg.data, seed=t.seed,
+                                allowed=allowed_prompts, shuffle=t.batch.shuffle_dataset)
         state, resumed_from = resume_or_start(run, sampler)
-        step_log = open_step_log(run, log_path, prompts.scoring.reward_names, state.step)
+        step_log = open_step_log(run, log_path, prompts.scoring.reward_names, state.step, sampler)
         samples_log = open_completion_log(run, log_path, state.step)
         monitor = GuardMonitor(cfg.guards)
         bar = _progress_bar(run, state.step) if progress else None
@@ -153,7 +156,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, roo
             event = guard_decision(run, cfg.guards, monitor, state, metrics, hooks.tracker)
             if event is not None and event.action == "rollback":
                 state = roll_back(run, state, cfg.guards.rollback_lr_factor)
-                step_log = open_step_log(run, log_path, prompts.scoring.reward_names, state.step)
+                step_log = open_step_log(run, log_path, prompts.scoring.reward_names, state.step, sampler)
                 samples_log = open_completion_log(run, log_path, state.step)
                 monitor.reset_history()
                 _progress_to(bar, state.step)
@@ -197,7 +200,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, roo
 # Set-up and resume
 
 
-def resume_or_start(run: TrainingRun, sampler: PromptSampler) -> tuple[TrainState, Path | None]:
+def resume_or_start(run: TrainingRun, sampler: Sampler) -> tuple[TrainState, Path | None]:
     """The newest complete checkpoint's state (train.resume=auto), else step 0; and where it came from."""
     if run.accelerator.is_main_process:
         remove_stale_temp_dirs(run.checkpoint_dir)
@@ -213,11 +216,13 @@ def resume_or_start(run: TrainingRun, sampler: PromptSampler) -> tuple[TrainStat
     return state, last
 
 
-def open_step_log(run: TrainingRun, path: Path, reward_names: list[str], step: int) -> StepLog | None:
-    """Rank 0 alone owns the log (two ranks rewriting one file race on its temp name)."""
+def open_step_log(run: TrainingRun, path: Path, reward_names: list[str], step: int,
+                  sampler: Sampler) -> StepLog | None:
+    """Rank 0 alone owns the log (two ranks rewriting one file race on its temp name); a curriculum's
+    columns after the others."""
     if not run.accelerator.is_main_process:
         return None
-    return StepLog(path, metric_columns(run, reward_names), step)
+    return StepLog(path, metric_columns(run, reward_names) + curriculum_columns(sampler), step)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -241,9 +246,11 @@ def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
         indices = state.sampler.take(per_process * acc.num_processes)[
             rank * per_process:(rank + 1) * per_process]
         rows = [prompts.dataset[i] for i in indices]
-        return sample_round(backend=run.backend, tokenizer=run.tokenizer, rows=rows, row_ids=indices,
-                            encoder=prompts.encoder, scoring=prompts.scoring, spec=run.round_spec,
-                            accelerator=acc)
+        sampled = sample_round(backend=run.backend, tokenizer=run.tokenizer, rows=rows, row_ids=indices,
+                               encoder=prompts.encoder, scoring=prompts.scoring, spec=run.round_spec,
+                               accelerator=acc)
+        observe(state.sampler, indices, sampled.rewards)  # a curriculum judges all that is sampled
+        return sampled
 
     weights = prompts.scoring.weights
     with record_function("grpo/generate_round"):
@@ -257,6 +264,7 @@ def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
             round_, state.pending = filled.round, filled.pending
         else:
             round_ = assign_advantages(sample(), weights, run.advantage, plan.group_size, acc)
+    round_.metrics.update(close_round(state.sampler, acc, state.step + 1, log))
     ga = plan.micro_batches_per_step
     if run.batch.group_by_length and ga > 1:  # one micro-batch per step: nothing to regroup
         order = length_grouped_order(round_.prompt_mask.sum(1), round_.completion_mask.sum(1),

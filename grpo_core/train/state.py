@@ -2,16 +2,16 @@
 (``TrainState``), with the two functions that write and read the latter.
 
 A checkpoint (grpo_core/train/checkpoint.py) = weights + optimizer + scheduler + ``TrainState`` (step,
-micro-step, rollbacks, the data order, the in-flight round, the round sampled ahead under async rollouts,
-whether the reference was synced) + every RNG. Restoring it and
-running on gives the run that was never interrupted, bit for bit on CPU.
+micro-step, rollbacks, the data order - under a curriculum with each task's level and window -, the in-flight
+round, the round sampled ahead under async rollouts, whether the reference was synced) + every RNG. Restoring
+it and running on gives the run that was never interrupted, bit for bit on CPU.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -84,6 +84,16 @@ class PromptSampler:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
+class Sampler(Protocol):
+    """What hands a run its prompts: a PromptSampler, or a curriculum's (grpo_core/train/curriculum.py)."""
+
+    def take(self, n: int) -> list[int]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
 @dataclass
 class HeldOutPrompts:
     """What each evaluation scores, built once at set-up."""
@@ -110,7 +120,7 @@ class Prompts:
 class TrainState:
     """Everything that changes from step to step besides weights, optimizer and scheduler."""
 
-    sampler: PromptSampler       # the data order: (epoch, position)
+    sampler: Sampler             # the data order: (epoch, position); a curriculum's levels and windows too
     step: int = 0                # optimizer steps taken
     micro_step: int = 0          # micro-batches consumed: step * gradient_accumulation_steps
     rollbacks: int = 0           # guard rollbacks so far (bounded by guards.max_rollbacks)
@@ -205,7 +215,7 @@ def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round
     acc.wait_for_everyone()
 
 
-def restore_state(run: TrainingRun, path: Path, sampler: PromptSampler) -> TrainState:
+def restore_state(run: TrainingRun, path: Path, sampler: Sampler) -> TrainState:
     """Load checkpoint ``path`` into the run's weights, optimizer, scheduler and reference, ``sampler`` and
     the RNGs; return its ``TrainState`` (whose ``sampler`` is the one passed)."""
     ck = load_checkpoint(path, expected_hash=run.params_hash, device=run.accelerator.device)
