@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(a.root / "params.yaml")
     model_dir = a.root / cfg.train.checkpoints.output_dir / "model"
     source = a.root / cfg.model.name_or_path
-    rows = [json.loads(line) for line in open(a.root / "data" / "prepared" / "eval.jsonl")]
+    # the held-out split as the stages after validate read it
+    rows = pd.read_parquet(a.root / "data" / "validated" / "eval.parquet").to_dict("records")
     rows = rows[:cfg.evaluate.max_samples] if cfg.evaluate.max_samples else rows
     a.workdir.mkdir(parents=True, exist_ok=True)
     prompts = a.workdir / "prompts.json"
