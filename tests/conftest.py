@@ -103,3 +103,34 @@ def pytest_collection_modifyitems(config, items):
         modules.setdefault(scope_of(item), set()).add(item.nodeid.split("::", 1)[0])
     cost = {scope: sum(seconds.get(m, NEW_MODULE_S) for m in names) for scope, names in modules.items()}
     items.sort(key=lambda item: -cost[scope_of(item)])
+
+
+
+# what the suite's temporary folders hold at most at once (docs/testing.md: measured with a fresh clone)
+SUITE_PEAK_DISK_GIB = 8
+FREE_AT_START = pytest.StashKey[float]()
+
+
+def free_disk_gib() -> float:
+    import shutil
+    import tempfile
+
+    return shutil.disk_usage(tempfile.gettempdir()).free / 2**30
+
+
+def pytest_sessionstart(session):
+    session.config.stash[FREE_AT_START] = free_disk_gib()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Free disk where the tests write, at the start and the end: a run short of it fails in set-ups all
+    over, so the summary says so."""
+    start = config.stash.get(FREE_AT_START, None)
+    if start is None or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    short = start < SUITE_PEAK_DISK_GIB
+    terminalreporter.write_line(
+        f"disk: {start:.1f} GiB free at the start, {free_disk_gib():.1f} GiB at the end; the suite needs "
+        f"about {SUITE_PEAK_DISK_GIB} GiB" + (" -- TOO LITTLE: tests fail writing files" if short else ""),
+        red=short)
+

@@ -13,12 +13,15 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2_GGUF = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 RECIPE = "configs/smollm2-135m-word-problems.yaml"
-# Sizes only: the recipe's model, data, rewards, precision and algorithm stay as shipped.
+# Sizes only: the recipe's model, data, rewards, precision and algorithm stay as shipped. Disk counts too (a
+# checkpoint with AdamW's state is 1.5 GB, and DVC's cache holds a second copy): one checkpoint, and of the
+# recipe's GGUF types the smallest, `source` (98 MB; tests/test_gguf_export.py writes the others).
 SCALE = {
     "calibrate": {"num_prompts": 4, "num_generations": 4},
     "generation": {"max_completion_length": 12},
-    "train": {"per_device_train_batch_size": 8, "max_steps": 2, "save_steps": 1},
+    "train": {"per_device_train_batch_size": 8, "max_steps": 2, "save_steps": 2, "save_total_limit": 1},
     "evaluate": {"max_samples": 4, "batch_size": 4},
+    "export": {"gguf_types": ["source"]},
 }
 
 

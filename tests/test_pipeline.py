@@ -10,6 +10,7 @@ import csv
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -89,8 +90,21 @@ def make_clone(dest: Path, params: dict | None = None) -> Path:
     return dest
 
 
+# files nothing writes in place (a stage replaces them whole): a copy of a repo links them instead
+LINKED_SUFFIXES = {".safetensors", ".gguf", ".pt"}
+
+
 def copy_repo(src: Path, dest: Path) -> Path:
-    shutil.copytree(src, dest, symlinks=True)
+    """A copy of ``src`` to run on. DVC's cache objects (read-only) and model files are hard links, so a copy
+    of the real model's run costs no disk; everything else (SQLite stores, params, logs) is copied."""
+    def copy(source: str, target: str) -> str:
+        mode = os.stat(source).st_mode
+        if not mode & stat.S_IWUSR or Path(source).suffix in LINKED_SUFFIXES:
+            os.link(source, target)
+            return target
+        return shutil.copy2(source, target)
+
+    shutil.copytree(src, dest, symlinks=True, copy_function=copy)
     return dest
 
 
