@@ -335,6 +335,29 @@ def test_the_modelfile_for_a_chatml_template_is_ollamas_chatml(tiny):
     assert modelfile_text("m.Q8_0.gguf", chatml_tokenizer(tiny), SAMPLING) == expected
 
 
+def test_the_modelfile_system_is_the_prompt_the_policy_was_trained_under(tiny):
+    """data.system_prompt replaces the template's default; without a chat template it goes on a line of its
+    own before the prompt, as the prompt encoder rendered it in training; one the Modelfile's quotes cannot
+    hold is left to the chat, said in a comment."""
+    from transformers import AutoTokenizer
+
+    from grpo_core.data.loading import PromptEncoder
+
+    lines = modelfile_text("m.Q8_0.gguf", chatml_tokenizer(tiny), SAMPLING, system=SYSTEM).splitlines()
+    assert [line for line in lines if line.startswith("SYSTEM")] == [f'SYSTEM """{SYSTEM}"""']
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    tokenizer.chat_template = None
+    lines = modelfile_text("m.F16.gguf", tokenizer, SAMPLING, system=SYSTEM).splitlines()
+    template = 'TEMPLATE """{{ if .System }}{{ .System }}\n{{ end }}{{ .Prompt }}"""'
+    assert lines[2:5] == [*template.split("\n"), f'SYSTEM """{SYSTEM}"""']
+    # the Go template with .System = SYSTEM and .Prompt = "2 + 3 = ?", by hand, is what training rendered
+    assert PromptEncoder(tokenizer, None, SYSTEM).render("2 + 3 = ?") == f"{SYSTEM}\n2 + 3 = ?"
+    quoted = 'Say """done""" at the end.'
+    lines = modelfile_text("m.F16.gguf", tokenizer, SAMPLING, system=quoted).splitlines()
+    assert not any(line.startswith("SYSTEM") for line in lines)
+    assert any(line.startswith('# SYSTEM: the system prompt holds """') for line in lines)
+
+
 def test_the_modelfile_for_plain_templates_and_ones_it_cannot_translate(tiny):
     """The embedded tokenizer's template (the messages' contents, nothing around them); no template (plain
     completion); a template that is not fixed text around each message (numbered turns): Ollama reads the
@@ -394,6 +417,7 @@ def test_the_stage_exports_attaches_to_the_champion_and_a_failed_export_keeps_th
     shutil.copytree(tiny, tmp_path / "artifacts/model")
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
     raw["generation"].update(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1)
+    raw["data"]["system_prompt"] = SYSTEM
     repo = in_stage_repo(tmp_path, raw, monkeypatch, "test-export")
     registered_like_evaluate(repo, repo / "artifacts/model")
 
@@ -403,6 +427,7 @@ def test_the_stage_exports_attaches_to_the_champion_and_a_failed_export_keeps_th
     assert files == ["Modelfile", "embedded-grpo.F16.gguf", "embedded-grpo.Q8_0.gguf"]
     modelfile = (export / "Modelfile").read_text()
     assert "FROM ./embedded-grpo.F16.gguf\n" in modelfile and "PARAMETER temperature 0.7\n" in modelfile
+    assert f'SYSTEM """{SYSTEM}"""\n' in modelfile  # data.system_prompt: what the policy was trained under
     fields = reader_fields(export / "embedded-grpo.Q8_0.gguf")
     assert (fields["general.name"][1], fields["general.sampling.top_k"][1]) == ("embedded-grpo", 40)
     champion = MlflowClient().get_model_version_by_alias("grpo-policy", "champion")

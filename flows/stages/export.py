@@ -48,11 +48,12 @@ class ExportInputs:
     tracking: Any         # the registered model the files are attached to
     name_or_path: str = field(metadata={"param": "model.name_or_path"})   # the source GGUF, if it is one
     output_dir: str = field(metadata={"param": "train.output_dir"})       # where train wrote the model
+    system_prompt: str | None = field(metadata={"param": "data.system_prompt"})  # the Modelfile's SYSTEM
 
 
 def stage_inputs(cfg) -> ExportInputs:
     return ExportInputs(cfg.export, cfg.generation, cfg.tracking, cfg.model.name_or_path,
-                        cfg.train.checkpoints.output_dir)
+                        cfg.train.checkpoints.output_dir, cfg.data.system_prompt)
 
 
 def sampling_of(generation) -> Sampling:
@@ -106,7 +107,8 @@ def run(ctx) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(export_plan.model_dir)
-        modelfile = modelfile_text(f"{name}.{types[0]}.gguf", tokenizer, sampling_of(inp.generation))
+        modelfile = modelfile_text(f"{name}.{types[0]}.gguf", tokenizer, sampling_of(inp.generation),
+                                   system=inp.system_prompt)
     with StageRun(ctx) as run:
         summaries = write_export(out, export_plan, types, name, modelfile)
         run.log_metrics({f"gguf_bytes/{s['type']}": s["bytes"] for s in summaries})

@@ -1,6 +1,7 @@
 """Ollama's Modelfile for an exported GGUF (``grpo_core/model/gguf_export.py``): ``FROM`` the file, the
 chat ``TEMPLATE`` (a Go template derived by rendering the model's own chat template on probe chats),
-``SYSTEM`` for a template's default system prompt, stop tokens and the sampling parameters.
+``SYSTEM`` (the system prompt the policy was trained under, else the template's default), stop tokens and the
+sampling parameters.
 """
 
 from __future__ import annotations
@@ -105,24 +106,31 @@ def stop_tokens(tokenizer, layout: ChatLayout | None) -> list[str]:
     return stops
 
 
-def modelfile_text(gguf_file: str, tokenizer, sampling: Sampling) -> str:
+def modelfile_text(gguf_file: str, tokenizer, sampling: Sampling, system: str | None = None) -> str:
     """Ollama's Modelfile for ``gguf_file`` (a name beside the Modelfile): ``ollama create <name> -f
-    Modelfile``."""
+    Modelfile``. system: the system prompt the policy was trained under (params.yaml data.system_prompt), the
+    chat's default, as training rendered it; None = the template's own default, if it has one."""
     layout = chat_layout(tokenizer)
     texts = [] if layout is None else [*(t for pair in layout.around.values() for t in pair),
                                        layout.generation, layout.default_system or ""]
     if any('"""' in t for t in texts):
         layout = None  # the Modelfile's quoting cannot hold it
+    system = system or (layout.default_system if layout is not None else None)
     lines = [f"# Ollama: ollama create <name> -f {MODELFILE} && ollama run <name>", f"FROM ./{gguf_file}"]
     if layout is not None:
         lines.append(f'TEMPLATE """{go_template(layout)}"""')
-        if layout.default_system:
-            lines.append(f'SYSTEM """{layout.default_system}"""')
     elif tokenizer.chat_template:
         lines.append("# TEMPLATE: the chat template is not fixed text around each message; Ollama takes it "
                      "from the GGUF's tokenizer.chat_template")
+    elif system:  # no chat template: plain completion, the system prompt on a line of its own (as trained)
+        lines.append('TEMPLATE """{{ if .System }}{{ .System }}\n{{ end }}{{ .Prompt }}"""')
     else:
-        lines.append('TEMPLATE """{{ .Prompt }}"""')  # no chat template: plain completion
+        lines.append('TEMPLATE """{{ .Prompt }}"""')
+    if system and '"""' in system:
+        lines.append('# SYSTEM: the system prompt holds """, which a Modelfile cannot quote: send it as the '
+                     "chat's system message")
+    elif system:
+        lines.append(f'SYSTEM """{system}"""')
     lines += [f"PARAMETER stop {json.dumps(t)}" for t in stop_tokens(tokenizer, layout)]
     lines += [f"PARAMETER temperature {sampling.temperature}", f"PARAMETER top_p {sampling.top_p}",
               f"PARAMETER top_k {sampling.top_k}", f"PARAMETER min_p {sampling.min_p}",
