@@ -64,7 +64,8 @@ def test_two_gloo_processes_match_one_process_on_the_same_global_batch(assets, t
 
 def test_launch_command_per_device_kind(tmp_path):
     cpu = launch_command(4, cuda=False)
-    assert cpu[1:] == ["-m", "torch.distributed.run", "--nproc_per_node", "4", "--standalone"]
+    assert cpu[1:] == ["-m", "flows.stages.torchrun", "--nproc_per_node", "4", "--nnodes", "1", "--node_rank",
+                       "0", "--master_addr", "127.0.0.1", "--master_port", "0"]
     gpu = launch_command(8, cuda=True, accelerate_config=REPO / "infra/accelerate/fsdp2.yaml")
     assert gpu[1:] == ["-m", "accelerate.commands.launch", "--num_processes", "8", "--config_file",
                        str(REPO / "infra/accelerate/fsdp2.yaml")]

@@ -137,14 +137,16 @@ def launch_command(n: int, *, cuda: bool, accelerate_config: str | Path | None =
     and its arguments follow).
 
     GPUs: ``accelerate launch`` with ``train.accelerate_config`` (infra/accelerate/: DDP, or FSDP2, which the
-    trainer applies itself), or plain multi-GPU DDP without one. CPU: ``torch.distributed.run`` (gloo);
-    accelerate's own multi-CPU launch needs mpirun, and the Accelerator picks the gloo process group up from
-    torchrun's environment all the same.
+    trainer applies itself), or plain multi-GPU DDP without one. CPU: torchrun (gloo) with its sockets on one
+    address (``flows.stages.torchrun``; one machine: loopback, a free port); accelerate's own multi-CPU launch
+    needs mpirun, and the Accelerator takes the gloo process group from torchrun's environment all the same.
     """
     if not cuda:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n // machines)]
+        cmd = [sys.executable, "-m", "flows.stages.torchrun", "--nproc_per_node", str(n // machines)]
         if machines == 1:
-            return cmd + ["--standalone"]
+            from grpo_core.rollout.sockets import LOOPBACK
+
+            machine = Machine(0, LOOPBACK, 0)
         return cmd + ["--nnodes", str(machines), "--node_rank", str(machine.rank), "--master_addr",
                       str(machine.main_address), "--master_port", str(machine.main_port)]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n)]

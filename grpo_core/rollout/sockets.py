@@ -58,11 +58,12 @@ def local_address_towards(host: str, port: int) -> str:
         return probe.getsockname()[0]
 
 
-def bound_master_store(host: str, port: int, timeout: float,
-                       world_size: int | None = None) -> torch.distributed.TCPStore:
+def bound_master_store(host: str, port: int, timeout: float, world_size: int | None = None,
+                       multi_tenant: bool = False) -> torch.distributed.TCPStore:
     """A master TCPStore listening on ``host:port`` only (port 0: a free one, read ``.port``). The socket is
     bound here and handed over (``master_listen_fd``): the store owns it from then on and closes it with
-    itself."""
+    itself. multi_tenant: a later multi-tenant master TCPStore on the same port in this process (torchrun's)
+    shares this one's server instead of opening its own."""
     family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     listener = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -73,7 +74,8 @@ def bound_master_store(host: str, port: int, timeout: float,
         bound_port = listener.getsockname()[1]
         store = torch.distributed.TCPStore(host, bound_port, world_size, is_master=True,
                                            timeout=datetime.timedelta(seconds=timeout),
-                                           wait_for_workers=False, master_listen_fd=listener.fileno())
+                                           wait_for_workers=False, multi_tenant=multi_tenant,
+                                           master_listen_fd=listener.fileno())
     except BaseException:
         listener.close()
         raise
