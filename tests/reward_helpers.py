@@ -158,3 +158,17 @@ def hostile_programs(prompts, completions, **kwargs):
 def all_nan(prompts, completions, **kwargs):
     """A broken reward: NaN for every completion (it scores nothing)."""
     return [float("nan")] * len(completions)
+
+
+def judged_by_url(prompts, completions, url, **kwargs):
+    """A judge reward: POSTs each completion to ``url`` and reads its score (urllib; an isolated worker can
+    import it)."""
+    import json
+    import urllib.request
+
+    scores = []
+    for text in completions:
+        request = urllib.request.Request(url, data=json.dumps({"text": text}).encode(), method="POST")
+        with urllib.request.urlopen(request, timeout=2) as answer:
+            scores.append(float(json.loads(answer.read())["score"]))
+    return scores

@@ -156,6 +156,24 @@ def test_a_judge_server_not_listening_is_transient(client):
     assert "its server did not answer" in message and "'judge'" in message
 
 
+@pytest.mark.parametrize("path,expected", [("/down", EXIT_ERROR), ("/closed", EXIT_ERROR),
+                                           ("/bad", EXIT_TRAINING)])
+def test_an_isolated_judge_is_classed_as_the_same_judge_in_process(judge_url, path, expected):
+    """In its worker process (``isolated: true``) the judge's error crosses as text; whether its server did
+    not answer crosses with it."""
+    from grpo_core.rewards import build_reward_functions
+
+    url = f"http://127.0.0.1:{_closed_port()}/score" if path == "/closed" else judge_url + path
+    (judge,) = build_reward_functions([{"name": "judge", "function": "tests.reward_helpers:judged_by_url",
+                                        "isolated": True, "kwargs": {"url": url}}])
+    try:
+        code, message = _exit_code(judge)
+    finally:
+        judge.stop()
+    assert code == expected, message
+    assert "reward 'judge' (isolated) raised" in message
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -15,7 +15,7 @@ import multiprocessing
 from typing import Any
 
 from grpo_core.common.errors import TrainingFailure
-from grpo_core.rewards.scoring import RewardTimeout
+from grpo_core.rewards.scoring import RewardTimeout, is_service_unreachable
 from grpo_core.rewards.wrappers import clip_reward
 
 # a fresh worker imports the reward's modules (torch included) before its first answer
@@ -24,7 +24,12 @@ _START_TIMEOUT_S = 300.0
 
 class IsolatedRewardError(TrainingFailure, RuntimeError):
     """The isolated reward raised in its worker, or its worker could not start or died;
-    the message says which."""
+    the message says which. Where the worker's error said its server did not answer, a ConnectionError is its
+    cause, so the trainer classes it as the in-process reward's would be (transient)."""
+
+
+def _error(exc: BaseException) -> tuple[str, str, bool]:
+    return "error", f"{type(exc).__name__}: {exc}", is_service_unreachable(exc)
 
 
 def _serve(conn, resolve, function: str, kwargs: dict, name: str, clip: list[float] | None) -> None:
@@ -32,18 +37,18 @@ def _serve(conn, resolve, function: str, kwargs: dict, name: str, clip: list[flo
         fn = resolve(function, kwargs, name)
         fn = clip_reward(fn, clip) if clip is not None else fn
     except BaseException as exc:  # noqa: BLE001 - reported to the trainer, which raises it
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        conn.send(_error(exc))
         return
-    conn.send(("ready", None))
+    conn.send(("ready", None, False))
     while True:
         try:
             prompts, completions, columns = conn.recv()
         except EOFError:  # the trainer closed its end: done
             return
         try:
-            conn.send(("ok", list(fn(prompts=prompts, completions=completions, **columns))))
+            conn.send(("ok", list(fn(prompts=prompts, completions=completions, **columns)), False))
         except BaseException as exc:  # noqa: BLE001 - a failing reward is the trainer's to count or raise
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            conn.send(_error(exc))
 
 
 class IsolatedReward:
@@ -69,9 +74,10 @@ class IsolatedReward:
             self.stop()
             raise RewardTimeout(f"reward function {self.__name__!r} did not return within {timeout_s:g}s on "
                                 f"a batch of {len(completions)}; its worker process was killed")
-        status, value = self._receive()
+        status, value, unreachable = self._receive()
         if status == "error":
-            raise IsolatedRewardError(f"reward {self.__name__!r} (isolated) raised {value}")
+            error = IsolatedRewardError(f"reward {self.__name__!r} (isolated) raised {value}")
+            raise error from (ConnectionError(value) if unreachable else None)
         return value
 
     def start(self) -> None:
@@ -92,18 +98,18 @@ class IsolatedReward:
             self.stop()
             raise IsolatedRewardError(f"reward {self.__name__!r}: its worker did not start in "
                                       f"{_START_TIMEOUT_S:g}s")
-        status, value = self._receive()
+        status, value, _ = self._receive()
         if status != "ready":
             self.stop()
             raise IsolatedRewardError(f"reward {self.__name__!r}: its worker could not load it: {value}")
 
-    def _receive(self) -> tuple[str, Any]:
+    def _receive(self) -> tuple[str, Any, bool]:
         try:
             return self._conn.recv()
         except EOFError:  # the worker died mid-call (it exited, or was killed by the OOM killer)
             code = self._process.exitcode if self._process is not None else None
             self.stop()
-            return "error", f"its worker process died (exit code {code})"
+            return "error", f"its worker process died (exit code {code})", False
 
     def stop(self) -> None:
         """Kill the worker, if any (SIGKILL: whatever it was doing ends now)."""
