@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -57,3 +59,19 @@ def test_pickled_weights_are_refused(tiny, tmp_path):
     with pytest.raises(ModelLoadError, match="model.name_or_path: cannot load a causal LM"):
         load_model(ModelConfig(name_or_path=str(model_dir)))
     assert ModelConfig().trust_remote_code is False
+
+
+@pytest.mark.parametrize("damage", ["cut in half", "header overwritten"])
+def test_a_damaged_weights_file_is_a_permanent_model_error(tiny, tmp_path, damage):
+    """A weights file cut short or with a broken header (safetensors' own error) exits 5, naming the folder:
+    retrying reads the same bytes."""
+    from grpo_core.common.errors import EXIT_DATA, exit_code_for
+
+    model_dir = tmp_path / "damaged"
+    shutil.copytree(tiny, model_dir)
+    weights = model_dir / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2] if damage == "cut in half" else b"\xff" * 8 + data[8:])
+    with pytest.raises(ModelLoadError, match=r"causal LM from '.*damaged'.*SafetensorError") as e:
+        load_model(ModelConfig(name_or_path=str(model_dir)))
+    assert exit_code_for(e.value) == EXIT_DATA

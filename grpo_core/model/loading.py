@@ -150,6 +150,7 @@ def load_model(cfg: ModelConfig, root: str | Path = ".", dtype: torch.dtype | No
     linear layers in 4 bits as ``model.quantization`` says (QLoRA; bitsandbytes' ``Linear4bit``), on
     ``compute_device()`` (bitsandbytes quantizes as it places the weights); everything else stays in
     ``dtype``."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     apply_cpu_threads(cfg)
@@ -163,9 +164,9 @@ def load_model(cfg: ModelConfig, root: str | Path = ".", dtype: torch.dtype | No
         kwargs["device_map"] = {"": compute_device()}
     try:
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, SafetensorError) as err:  # SafetensorError: a damaged or cut weights file
         raise ModelLoadError(f"model.name_or_path: cannot load a causal LM from '{path}' "
-                             f"(safetensors weights required): {err}") from err
+                             f"(safetensors weights required): {type(err).__name__}: {err}") from err
 
 
 def bitsandbytes_config(cfg: ModelConfig):
