@@ -11,8 +11,8 @@ import importlib
 import sys
 import traceback
 
-from flows.stages import EXIT_CONFIG, EXIT_ERROR, STAGES, exit_code_for
-from grpo_core.common.errors import PipelineError, disk_full
+from flows.stages import EXIT_CONFIG, EXIT_ERROR, STAGES
+from grpo_core.common.errors import PipelineError, stage_failure
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,8 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.stage}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - turned into a readable message and an exit code
-        exc = disk_full(exc) or exc
-        code = exit_code_for(exc)
+        exc, code = stage_failure(exc)
         if code == EXIT_ERROR and not isinstance(exc, PipelineError):  # unexpected: where it happened matters
             traceback.print_exc()
         print(f"\n{args.stage} failed: {type(exc).__name__}: {exc}", file=sys.stderr)

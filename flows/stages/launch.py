@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from flows.stages.common import RANK_EXITS_ENV, StageConfigError, machine_rank
-from grpo_core.common.errors import disk_full, exit_code_for
+from grpo_core.common.errors import stage_failure
 from grpo_core.common.files import write_json_atomic
 
 LAUNCH_MARKER = "launch.json"  # beside the checkpoints: machine 0's go for the other machines
@@ -36,10 +36,6 @@ PEER_POLL_S = 0.5
 PEER_GRACE_S = 10.0  # machine 0's launch, once another machine recorded a failure, before it is stopped
 # RANK_EXITS_ENV: the folder where each launched rank records the code it fails with; it also marks the rank
 # as ours, so it runs under its launching stage's lock (flows/stages/common.py)
-
-
-def launched() -> bool:
-    return "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 @dataclass(frozen=True)
@@ -325,7 +321,7 @@ def rank_exit_recorded(ctx=None, environ: Mapping[str, str] | None = None) -> It
         yield
     except Exception as exc:
         with contextlib.suppress(OSError, ValueError):  # unrecorded, the launcher's own code stands
-            _record_failure(exit_code_for(disk_full(exc) or exc), ctx, env)
+            _record_failure(stage_failure(exc)[1], ctx, env)
         raise
 
 

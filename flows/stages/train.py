@@ -43,6 +43,7 @@ from flows.stages.common import (
     VALIDATED_EVAL,
     VALIDATED_TRAIN,
     StageConfigError,
+    is_launched_child,
     md5_file,
     md5_path,
     read_json,
@@ -53,7 +54,6 @@ from flows.stages.launch import (
     LAUNCH_MARKER,
     Machine,
     announce_launch,
-    launched,
     rank_exit_recorded,
     relaunch,
     wait_for_machine_zero,
@@ -339,12 +339,13 @@ def _run_stage(ctx) -> int:
     drop_prompts = stage_inputs(ctx.cfg).drop_prompts
     cfg = only_sections(with_validated_data(ctx.cfg), TRAINER_SECTIONS)
     machine = Machine.from_environment(cfg.train.parallel.num_machines)
-    if machine.rank > 0 and not launched():
+    rank = is_launched_child()  # a process our launcher started, not the stage a user or DVC ran
+    if machine.rank > 0 and not rank:
         wait_for_machine_zero(ctx, cfg)  # its stages before train write what this one reads
     require_file(ctx.path(VALIDATED_TRAIN), "validate")
     weights, weights_source = reward_weights(ctx, cfg)
     allowed = allowed_prompts(ctx, drop_prompts)
-    if not launched():
+    if not rank:
         # machine 0 alone decides resume-or-fresh: the others reach the checkpoints through the shared
         # filesystem only after machine 0's processes have joined the rendezvous, i.e. after this
         if machine.rank == 0:
@@ -355,7 +356,7 @@ def _run_stage(ctx) -> int:
             return relaunch(ctx, cfg)
     else:
         action = "distributed"
-    if int(os.environ.get("RANK", "0")) != 0:
+    if rank and int(os.environ.get("RANK", "0")) != 0:
         _train(ctx, cfg, weights, allowed, tracker=None)
         return 0  # the stage's exit code; rank 0 alone reports the result
 

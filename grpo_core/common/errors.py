@@ -103,3 +103,10 @@ def _free_bytes(path: str | os.PathLike) -> int | None:
 def exit_code_for(exc: BaseException) -> int:
     """The stage exit code for ``exc``: its own for a project error, 1 (retryable) for anything else."""
     return exc.exit_code if isinstance(exc, PipelineError) else EXIT_ERROR
+
+
+def stage_failure(exc: BaseException) -> tuple[BaseException, int]:
+    """What a stage reports for ``exc`` (a full disk said as such, ``disk_full``) and the code it exits with:
+    the one mapping a stage's exit code and a launched rank's recorded code share."""
+    reported = disk_full(exc) or exc
+    return reported, exit_code_for(reported)
