@@ -68,8 +68,8 @@ def our_replies(cfg, model_dir: Path, prompts: list[str], batch_size: int, threa
             generated += int(sum(lengths))
             replies += tokenizer.batch_decode(batch.completion_ids, skip_special_tokens=True)
     seconds = time.perf_counter() - start
-    return {"replies": replies, "tokens_per_s": generated / seconds, "seconds": seconds,
-            "backend": type(backend).__name__}
+    return {"replies": replies, "generated_tokens": generated, "tokens_per_s": generated / seconds,
+            "seconds": seconds, "backend": type(backend).__name__}
 
 
 def main(argv: list[str] | None = None) -> int:
