@@ -392,6 +392,32 @@ def test_a_sigkill_of_either_machine_is_retried_and_resumes_to_the_uninterrupted
     assert [[r[k] for k in LOGGED] for r in resumed] == [[r[k] for k in LOGGED] for r in uninterrupted]
 
 
+@pytest.mark.slow
+def test_a_machine_that_stops_answering_fails_machine_0_after_the_collective_timeout(machines):
+    """Machine 1 frozen mid-run (SIGSTOP of its stage, launcher and rank: its connections stay open, nothing
+    answers, as when a machine loses power or its network): machine 0's rank fails its next collective after
+    train.collective_timeout_s, and its stage exits 1 (retried) - where torch's default waits 30 minutes."""
+    timeout_s = 10
+    for root in machines.roots:
+        raw = yaml.safe_load((root / "params.yaml").read_text())
+        raw["train"].update(collective_timeout_s=timeout_s, max_steps=40)
+        (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    procs = machines.run_both("frozen")
+    wait_until(lambda: (machines.shared / "checkpoint-1" / "manifest.json").exists()
+               or any(p.poll() is not None for p in procs), WAIT_S, "frozen: checkpoint-1")
+    assert all(p.poll() is None for p in procs), machines.logs("frozen")
+    tree = descendants(procs[1].pid)
+    assert len(tree) >= 3, tree  # the stage, its launcher, its rank
+    for pid in tree:
+        os.kill(pid, signal.SIGSTOP)
+    start = time.monotonic()
+    code = machines.wait(procs[0], "frozen", timeout_s=180)
+    waited = time.monotonic() - start
+    assert code == EXIT_ERROR, machines.logs("frozen")
+    assert waited < timeout_s + 60, f"machine 0 took {waited:.0f} s"
+    assert newest_step(machines.shared) < 40  # it ended on the timeout, not at max_steps
+
+
 FAKE_DVC = """#!{python}
 # `dvc repro --single-item train` as the flow sees it: the stage's output, then DVC's line with its code
 import subprocess, sys

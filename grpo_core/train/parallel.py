@@ -43,6 +43,11 @@ class ParallelOptions(Options):
     accelerate_config: str | None = option(
         None, "accelerate config for num_processes > 1: infra/accelerate/ddp.yaml, or "
         "infra/accelerate/fsdp2.yaml to shard (None = DDP)")
+    collective_timeout_s: float = option(
+        1800.0, "num_processes > 1: how long a process waits in one collective (an all-reduce, a barrier) "
+        "before it fails with exit 1 (retried): a machine that died silently (power, a cut network: no "
+        "connection reset reaches the others) is noticed after this; keep it above the longest time rank 0 "
+        "spends alone (a checkpoint write, an evaluation). torch's default", gt=0)
 
     def check(self) -> None:
         if self.num_processes % self.num_machines:

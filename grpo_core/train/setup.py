@@ -9,6 +9,7 @@ what it samples from (``Prompts``).
 from __future__ import annotations
 
 import copy
+import datetime
 import logging
 import os
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
     in TF32.
     """
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import InitProcessGroupKwargs, set_seed
 
     t = cfg.train
     f = t.forward
@@ -74,8 +75,9 @@ def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> 
                                         quantized=cfg.model.quantization is not None,
                                         sharded=parallelism.fsdp is not None and launched_processes() > 1)
     # bf16 weights: no autocast
+    timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=t.parallel.collective_timeout_s))
     accelerator = Accelerator(mixed_precision="no" if compute_copy else f.mixed_precision,
-                              cpu=not torch.cuda.is_available())
+                              cpu=not torch.cuda.is_available(), kwargs_handlers=[timeout])
     if accelerator.device.type == "cuda":
         allow_tf32()
     if accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
