@@ -3,14 +3,12 @@ scheduler's rank variables."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from grpo_core.common.errors import EXIT_ERROR, EXIT_TRAINING, exit_code_for
 from grpo_core.rewards import code as code_reward
 from grpo_core.rewards.sandbox import RunResult
 from grpo_core.rewards.scoring import score_completions
+from tests.reward_helpers import judged_by_url
 from tests.test_stage_lock import HOLD, stage_repo
 
 PROGRAM = "```python\nprint(input())\n```"
@@ -100,12 +99,7 @@ def _closed_port() -> int:
 
 def _urllib_judge(url: str):
     def judge(prompts, completions, **columns):
-        scores = []
-        for text in completions:
-            request = urllib.request.Request(url, data=json.dumps({"text": text}).encode(), method="POST")
-            with urllib.request.urlopen(request, timeout=2) as answer:
-                scores.append(float(json.loads(answer.read())["score"]))
-        return scores
+        return judged_by_url(prompts, completions, url)
     return judge
 
 
