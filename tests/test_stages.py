@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -455,3 +457,14 @@ def test_evaluate_records_why_nothing_was_registered(eval_repo, monkeypatch):
                         "reason": "tracking.register_model is false"}
     assert ("Not registered: tracking.register_model is false."
             in (eval_repo / "reports/evaluation.md").read_text())
+
+
+def test_a_stage_process_does_not_print_bitsandbytes_kernels_warning():
+    """peft imports bitsandbytes, which on AVX512-BF16 CPUs warns that the hub-fetched `kernels` package is
+    absent: a stage process silences that logger (on other CPUs the warning is forced through it here)."""
+    code = ("import logging; from flows.stages.common import prepare_process_env; prepare_process_env(); "
+            "import peft, bitsandbytes; "
+            "logging.getLogger('bitsandbytes.backends.cpu.ops').warning('gemm_4bit_forward')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "gemm_4bit_forward" not in proc.stdout + proc.stderr

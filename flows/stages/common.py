@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -153,6 +154,10 @@ def prepare_process_env() -> None:
         "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
     }.items():
         os.environ.setdefault(key, value)
+    # bitsandbytes (imported by peft whenever it is installed) warns on AVX512-BF16 CPUs that the `kernels`
+    # package, which fetches a 4-bit kernel from the hub, is absent: nothing here needs it (4-bit bases use
+    # bitsandbytes' own CPU kernel), and a user reads the warning as a fault
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 def quiet_libraries() -> None:
