@@ -24,8 +24,9 @@ schema, then written into params.yaml the way ``dvc exp run -S`` writes them (ru
 DVC sees an ordinary param change, re-runs exactly the stages that read those keys and records the
 values in dvc.lock. Like ``dvc exp run -S`` without ``--temp``, the working copy's params.yaml keeps them.
 
-Stages: ``None`` runs all five in order; a subset runs just those (each ``--single-item``: their upstream
-outputs must be current). ``force=True`` re-runs the selected stages even when DVC sees no change.
+Stages: ``None`` runs every stage (flows.stages.STAGES) in order; a subset runs just those (each
+``--single-item``: their upstream outputs must be current). ``force=True`` re-runs the selected stages even
+when DVC sees no change.
 
 Run locally: ``make pipeline`` or ``python -m flows.pipeline --set train.max_steps=50``.
 Deploy (nightly schedule, process work pool): see prefect.yaml and infra/README.md.
