@@ -78,7 +78,7 @@ def launch(out: Path, model: Path, data: Path, processes: int, spec: dict) -> No
 
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(repo)}
-    launcher = launch_command(processes, cuda=False) if processes > 1 else [sys.executable]
+    launcher = launch_command(processes) if processes > 1 else [sys.executable]
     cmd = [*launcher, "-m", "tests.distributed_worker", str(out), str(model), str(data), json.dumps(spec)]
     proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

@@ -62,14 +62,9 @@ def test_two_gloo_processes_match_one_process_on_the_same_global_batch(assets, t
             assert diff.mean().item() <= 0.05 * moved.mean().item(), k  # measured 0.0004-0.025 (k_proj.bias)
 
 
-def test_launch_command_per_device_kind(tmp_path):
-    cpu = launch_command(4, cuda=False)
-    assert cpu[1:] == ["-m", "flows.stages.torchrun", "--nproc_per_node", "4", "--nnodes", "1", "--node_rank",
-                       "0", "--master_addr", "127.0.0.1", "--master_port", "0"]
-    gpu = launch_command(8, cuda=True, accelerate_config=REPO / "infra/accelerate/fsdp2.yaml")
-    assert gpu[1:] == ["-m", "accelerate.commands.launch", "--num_processes", "8", "--config_file",
-                       str(REPO / "infra/accelerate/fsdp2.yaml")]
-    assert launch_command(2, cuda=True)[-1] == "--multi_gpu"
+def test_one_machine_launches_torchrun_on_loopback_on_any_device():
+    assert launch_command(4)[1:] == ["-m", "flows.stages.torchrun", "--nproc_per_node", "4", "--nnodes", "1",
+                                     "--node_rank", "0", "--master_addr", "127.0.0.1", "--master_port", "0"]
 
 
 TWO_NODES = {"MACHINE_RANK": "1", "MAIN_PROCESS_IP": "10.0.0.1", "MAIN_PROCESS_PORT": "29501"}
@@ -86,41 +81,25 @@ def stage_context(tmp_path, **train):
                         cfg=cfg)
 
 
-def test_two_nodes_of_eight_gpus_render_one_accelerate_launch_per_node(tmp_path):
-    """What machine 1 of 2 runs for train.num_processes 16 with FSDP2, checked by accelerate's own parser."""
-    from accelerate.commands.launch import launch_command_parser
+def test_two_nodes_of_eight_gpus_render_one_torchrun_per_node(tmp_path):
+    """What machine 1 of 2 runs for train.num_processes 16 with FSDP2, checked by torchrun's own parser: eight
+    processes here, machine 0's address; the FSDP2 config is the trainer's to read, not the launcher's."""
+    from torch.distributed.run import get_args_parser
 
     ctx = stage_context(tmp_path, num_processes=16, num_machines=2,
                         accelerate_config="infra/accelerate/fsdp2.yaml")
-    cmd = launch_plan(ctx, ctx.cfg, cuda=True, environ=TWO_NODES)
-    assert cmd[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+    cmd = launch_plan(ctx, ctx.cfg, environ=TWO_NODES)
+    assert cmd[:3] == [sys.executable, "-m", "flows.stages.torchrun"]
     assert cmd[-5:] == ["-m", "flows.stages", "train", "--params", str(tmp_path / "params.yaml")]
-    args = launch_command_parser().parse_args(cmd[3:-5] + ["x.py"])
-    assert (args.num_processes, args.num_machines, args.machine_rank) == (16, 2, 1)
-    assert (args.main_process_ip, args.main_process_port) == ("10.0.0.1", 29501)
-    assert args.config_file == str(REPO / "infra/accelerate/fsdp2.yaml")
-
-
-def test_accelerate_launches_fsdp2_yaml_as_plain_processes_and_never_its_own_fsdp():
-    """What ``accelerate launch`` makes of infra/accelerate/fsdp2.yaml (its own validation and environment, as
-    run on machine 1 of 2): 8 processes on this node, no ACCELERATE_USE_FSDP / FSDP_* variables - the sharding
-    is the trainer's alone, as on CPU."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_multi_gpu_env
-
-    cmd = launch_command(16, cuda=True, accelerate_config=REPO / "infra/accelerate/fsdp2.yaml", machines=2,
-                         machine=Machine(1, "10.0.0.1", 29501))
-    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(cmd[3:] + ["x.py"]))
-    assert args.multi_gpu and not args.use_fsdp and not args.use_deepspeed
-    env = prepare_multi_gpu_env(args)
-    assert not [k for k in env if "FSDP" in k]
+    args = get_args_parser().parse_args(cmd[3:-5] + ["x.py"])
     assert (args.nproc_per_node, args.nnodes, args.node_rank) == ("8", "2", 1)
+    assert (args.master_addr, args.master_port, args.rdzv_backend) == ("10.0.0.1", 29501, "static")
 
 
 def test_two_cpu_nodes_render_torchrun_per_node(tmp_path):
     from torch.distributed.run import get_args_parser
 
-    cmd = launch_command(4, cuda=False, machines=2, machine=Machine(1, "10.0.0.1", 29501))
+    cmd = launch_command(4, machines=2, machine=Machine(1, "10.0.0.1", 29501))
     args = get_args_parser().parse_args(cmd[3:] + ["x.py"])
     assert (args.nnodes, args.node_rank, args.nproc_per_node) == ("2", 1, "2")
     assert (args.master_addr, args.master_port, args.standalone) == ("10.0.0.1", 29501, False)
@@ -129,9 +108,9 @@ def test_two_cpu_nodes_render_torchrun_per_node(tmp_path):
 def test_a_machine_without_its_rank_or_the_main_address_is_told_which_variable(tmp_path):
     ctx = stage_context(tmp_path, num_processes=16, num_machines=2)
     with pytest.raises(StageConfigError, match="MAIN_PROCESS_IP not set"):
-        launch_plan(ctx, ctx.cfg, cuda=True, environ={"MACHINE_RANK": "1"})
+        launch_plan(ctx, ctx.cfg, environ={"MACHINE_RANK": "1"})
     with pytest.raises(StageConfigError, match=r"MACHINE_RANK=2: must be in 0..1"):
-        launch_plan(ctx, ctx.cfg, cuda=True, environ={**TWO_NODES, "MACHINE_RANK": "2"})
+        launch_plan(ctx, ctx.cfg, environ={**TWO_NODES, "MACHINE_RANK": "2"})
 
 
 def test_the_launch_refuses_what_the_trainer_would_before_any_process_starts(tmp_path):
@@ -139,10 +118,10 @@ def test_the_launch_refuses_what_the_trainer_would_before_any_process_starts(tmp
     zero3.write_text("distributed_type: DEEPSPEED\ndeepspeed_config: {zero_stage: 3}\n")
     ctx = stage_context(tmp_path, num_processes=2, accelerate_config=str(zero3))
     with pytest.raises(ParallelConfigError, match="DeepSpeed is not supported"):
-        launch_plan(ctx, ctx.cfg, cuda=True)
+        launch_plan(ctx, ctx.cfg)
     ctx = stage_context(tmp_path, num_processes=2, accelerate_config="infra/accelerate/missing.yaml")
     with pytest.raises(StageConfigError, match="missing.yaml is not a file"):
-        launch_plan(ctx, ctx.cfg, cuda=True)
+        launch_plan(ctx, ctx.cfg)
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2"])

@@ -135,7 +135,7 @@ def test_two_processes_exit_with_the_code_of_the_rank_that_failed_first(tmp_path
                                                                          first_code, then_code, expected):
     script = tmp_path / "rank.py"
     script.write_text(RANK)
-    cmd = [*launch_command(2, cuda=False), str(script), str(first), str(first_code), str(then_code)]
+    cmd = [*launch_command(2), str(script), str(first), str(first_code), str(then_code)]
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert run_launcher(cmd, cwd=tmp_path) == expected

@@ -48,7 +48,7 @@ def listening(tmp_path: Path, launcher: list[str], name: str) -> dict:
 @pytest.mark.slow
 def test_a_two_process_launch_listens_on_loopback_only(tmp_path, monkeypatch):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    ours = listening(tmp_path, launch_command(2, cuda=False), "ours")
+    ours = listening(tmp_path, launch_command(2), "ours")
     # the store (torchrun's, on the port the launcher bound) and each rank's gloo socket
     assert ours["addresses"] == ["127.0.0.1"] and ours["sockets"] >= 3, ours
     assert int(ours["master_port"]) in ours["ports"]

@@ -34,7 +34,7 @@ def run_cases(out: Path, processes: int) -> dict[str, dict]:
     from flows.stages.launch import launch_command
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    launcher = launch_command(processes, cuda=False) if processes > 1 else [sys.executable]
+    launcher = launch_command(processes) if processes > 1 else [sys.executable]
     cmd = [*launcher, "-m", "tests.scoring_parity", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

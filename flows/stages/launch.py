@@ -1,6 +1,6 @@
 """How the train stage runs as several processes and machines: ``train.num_processes > 1`` re-launches the
-stage as N processes (``launch_plan``: ``accelerate launch`` with ``train.accelerate_config`` on GPUs,
-``torch.distributed.run`` with gloo on CPU); ``train.num_machines > 1``: every machine runs the stage, with
+stage as N processes (``launch_plan``: torchrun, its sockets on one address, ``flows/stages/torchrun.py``;
+NCCL on GPUs, gloo on CPU); ``train.num_machines > 1``: every machine runs the stage, with
 MACHINE_RANK and MAIN_PROCESS_IP set, machine 0 announcing its launch to the others over the shared
 checkpoints folder (docs/scaling.md). The launchers exit 1 whatever a rank failed with, so each rank records
 its exit code and the stage exits with that of the rank that failed first (``run_launcher``); on several
@@ -127,33 +127,23 @@ def wait_for_machine_zero(ctx, cfg, environ=None, poll_s: float = 2.0) -> None:
         time.sleep(poll_s)
 
 
-def launch_command(n: int, *, cuda: bool, accelerate_config: str | Path | None = None, machines: int = 1,
-                   machine: Machine = Machine()) -> list[str]:
+def launch_command(n: int, *, machines: int = 1, machine: Machine = Machine()) -> list[str]:
     """The launcher prefix for ``n`` processes over ``machines`` machines, as run on ``machine`` (the module
-    and its arguments follow).
+    and its arguments follow): torchrun with its sockets on one address (``flows.stages.torchrun``; one
+    machine: loopback, a free port), on GPUs (NCCL) and CPUs (gloo) alike. The trainer reads
+    ``train.accelerate_config`` itself (DDP, or FSDP2 which it applies), and the Accelerator takes the process
+    group from torchrun's environment: ``accelerate launch`` would add nothing the trainer uses, and it opens
+    its rendezvous store on every interface (it checks the port is free, so no store can be bound for it)."""
+    if machines == 1:
+        from grpo_core.rollout.sockets import LOOPBACK
 
-    GPUs: ``accelerate launch`` with ``train.accelerate_config`` (infra/accelerate/: DDP, or FSDP2, which the
-    trainer applies itself), or plain multi-GPU DDP without one. CPU: torchrun (gloo) with its sockets on one
-    address (``flows.stages.torchrun``; one machine: loopback, a free port); accelerate's own multi-CPU launch
-    needs mpirun, and the Accelerator takes the gloo process group from torchrun's environment all the same.
-    """
-    if not cuda:
-        cmd = [sys.executable, "-m", "flows.stages.torchrun", "--nproc_per_node", str(n // machines)]
-        if machines == 1:
-            from grpo_core.rollout.sockets import LOOPBACK
-
-            machine = Machine(0, LOOPBACK, 0)
-        return cmd + ["--nnodes", str(machines), "--node_rank", str(machine.rank), "--master_addr",
-                      str(machine.main_address), "--master_port", str(machine.main_port)]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n)]
-    cmd += ["--config_file", str(accelerate_config)] if accelerate_config else ["--multi_gpu"]
-    if machines > 1:
-        cmd += ["--num_machines", str(machines), "--machine_rank", str(machine.rank), "--main_process_ip",
-                str(machine.main_address), "--main_process_port", str(machine.main_port)]
-    return cmd
+        machine = Machine(0, LOOPBACK, 0)
+    return [sys.executable, "-m", "flows.stages.torchrun", "--nproc_per_node", str(n // machines),
+            "--nnodes", str(machines), "--node_rank", str(machine.rank), "--master_addr",
+            str(machine.main_address), "--master_port", str(machine.main_port)]
 
 
-def launch_plan(ctx, cfg, *, cuda: bool, environ=None) -> list[str]:
+def launch_plan(ctx, cfg, *, environ=None) -> list[str]:
     """The whole command this machine runs for ``train.num_processes`` > 1: the accelerate config checked
     (what the trainer would refuse is refused here, before any process starts), the launcher, then this
     stage."""
@@ -169,15 +159,12 @@ def launch_plan(ctx, cfg, *, cuda: bool, environ=None) -> list[str]:
                       mixed_precision=cfg.train.forward.mixed_precision,
                       quantized=cfg.model.quantization is not None)
     machine = Machine.from_environment(p.num_machines, environ)
-    cmd = launch_command(p.num_processes, cuda=cuda, accelerate_config=config, machines=p.num_machines,
-                         machine=machine)
+    cmd = launch_command(p.num_processes, machines=p.num_machines, machine=machine)
     return cmd + ["-m", "flows.stages", "train", "--params", str(ctx.params_path)]
 
 
 def relaunch(ctx, cfg) -> int:
-    import torch
-
-    cmd = launch_plan(ctx, cfg, cuda=torch.cuda.is_available())
+    cmd = launch_plan(ctx, cfg)
     print(f"train: launching {cfg.train.parallel.num_processes} processes: {' '.join(cmd)}", file=sys.stderr,
           flush=True)
     return run_launcher(cmd, cwd=ctx.root, peers=launch_peers(ctx, cfg))
@@ -218,7 +205,7 @@ def launch_peers(ctx, cfg, environ=None) -> Peers | None:
 
 def run_launcher(cmd: list[str], cwd: str | os.PathLike, peers: Peers | None = None,
                  grace_s: float = PEER_GRACE_S) -> int:
-    """Run a launcher (torchrun, accelerate launch) and exit as its ranks did: launchers exit 1 whatever code
+    """Run a launcher (torchrun) and exit as its ranks did: launchers exit 1 whatever code
     a rank failed with, so a failure is the code of the process that failed first (``first_rank_failure``:
     this machine's ranks, and with ``peers`` those of every machine), or the launcher's own when none recorded
     one (a rank killed by a signal, a rendezvous never formed). The launcher gets SIGTERM if this process
@@ -368,8 +355,8 @@ def parent_death_signal(sig: int, parent: int | None = None) -> Callable[[], Non
 
 
 def die_with_launcher() -> None:
-    """In a rank that run_launcher's launcher started: be killed when that launcher (torchrun's agent, or
-    accelerate launch) dies, however it dies."""
+    """In a rank that run_launcher's launcher started: be killed when that launcher (torchrun's agent) dies,
+    however it dies."""
     arm = parent_death_signal(signal.SIGKILL, parent=os.getppid())
     if arm is not None:
         arm()

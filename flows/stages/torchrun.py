@@ -5,9 +5,10 @@ Left alone, torchrun's rendezvous store listens on every interface (torch's TCPS
 whatever host it is given) and each rank's gloo device on the address the hostname resolves to, often the
 machine's network address. Here, before torchrun starts, machine 0 binds the store on ``--master_addr`` itself
 (``bound_master_store``; port 0: a free one): torchrun's static rendezvous then opens its multi-tenant store
-on that port and gets this one. On one machine the ranks' gloo listens on the loopback interface
-(``GLOO_SOCKET_IFNAME``, unless the caller set it); across machines on the hostname's address, where the other
-machines reach it. docs/security.md, "What listens where".
+on that port and gets this one. On one machine the ranks' gloo and NCCL's bootstrap sockets listen on the
+loopback interface (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``, unless the caller set them); across
+machines on the address gloo and NCCL choose (the hostname's; NCCL: its first network interface), where the
+other machines reach them. docs/security.md, "What listens where". GPUs and CPUs launch alike.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def main(argv: list[str]) -> int:
         store = bound_master_store(args.master_addr, args.master_port, STORE_TIMEOUT_S, multi_tenant=True)
         args.master_port = store.port
     if str(args.nnodes) == "1" and loopback_interface():
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # gloo's sockets; NCCL's bootstrap
+            os.environ.setdefault(variable, loopback_interface())
     try:
         run(args)
     finally:

@@ -158,7 +158,7 @@ def kv_cache_bytes(config, dtype: torch.dtype, max_model_length: int,
 def _rendezvous(place: Placement):
     """The torch.distributed rendezvous external_launcher reads from the environment while the engine starts
     (it runs the engine inside this process and joins the trainer's group, or makes its own when there is
-    none): those `accelerate launch` set are kept, the missing ones set for the start only, so no later
+    none): those the launcher (torchrun) set are kept, the missing ones set for the start only, so no later
     process launched from this one inherits them. Yields the store this process hosts for the engine's own
     group (None under a launcher), which must outlive the engine.
 

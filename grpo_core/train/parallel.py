@@ -5,10 +5,10 @@
     MULTI_GPU with fsdp_config (fsdp_version: 2)  FSDP2: the trainer shards policy and reference itself
                                                   with torch's ``fully_shard`` (grpo_core/model/sharding.py)
 
-The file stays an accelerate config: ``accelerate launch --config_file`` starts the processes on GPUs
-(``torch.distributed.run`` does on CPU, gloo), and the trainer reads ``fsdp_config`` from it. Sharding is the
-trainer's own, not accelerate's ``distributed_type: FSDP``: one code path on GPUs and on CPU, the one the
-tests run (accelerate's FSDP does not run on CPU processes). DeepSpeed is withdrawn: see
+The file stays an accelerate config (accelerate's own parser reads it), and the trainer reads
+``fsdp_config`` from it; torchrun starts the processes on GPUs and CPUs alike (flows/stages/launch.py).
+Sharding is the trainer's own, not accelerate's ``distributed_type: FSDP``: one code path on GPUs and on CPU,
+the one the tests run (accelerate's FSDP does not run on CPU processes). DeepSpeed is withdrawn: see
 ``DEEPSPEED_WITHDRAWN``.
 """
 
@@ -35,8 +35,8 @@ class ParallelOptions(Options):
     """params.yaml `train:` keys of how many processes train, on how many machines (flows/stages/train.py
     launches them)."""
 
-    num_processes: int = option(1, "processes (GPUs) over all machines; > 1 launches through `accelerate "
-                                "launch` (GPUs) or torch.distributed.run (CPU, gloo)", ge=1)
+    num_processes: int = option(1, "processes (GPUs) over all machines; > 1 launches them through torchrun "
+                                "(NCCL on GPUs, gloo on CPU)", ge=1)
     num_machines: int = option(1, "machines (nodes) the processes are spread over; > 1: each machine runs "
                                "the train stage with MACHINE_RANK and MAIN_PROCESS_IP set (docs/scaling.md)",
                                ge=1)

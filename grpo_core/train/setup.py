@@ -189,7 +189,7 @@ def place_policy(cfg: PipelineConfig, accelerator, parallelism, model, ref_model
 
 
 def launched_processes() -> int:
-    """The processes this run was launched with (accelerate launch / torchrun set WORLD_SIZE), known before
+    """The processes this run was launched with (torchrun sets WORLD_SIZE), known before
     the Accelerator exists: its mixed precision depends on whether the policy will be sharded."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
