@@ -107,7 +107,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 # what the suite's temporary folders hold at most at once (docs/testing.md: measured with a fresh clone)
-SUITE_PEAK_DISK_GIB = 8
+SUITE_PEAK_DISK_GIB = 10
 FREE_AT_START = pytest.StashKey[float]()
 
 
