@@ -64,8 +64,7 @@ def our_replies(cfg, model_dir: Path, prompts: list[str], batch_size: int, threa
     with torch.no_grad():
         for s in range(0, len(ids), batch_size):
             batch = backend.generate(ids[s:s + batch_size], 1, greedy)
-            lengths = batch.completion_mask.sum(dim=1).tolist()
-            generated += int(sum(lengths))
+            generated += int(batch.completion_mask.sum())
             replies += tokenizer.batch_decode(batch.completion_ids, skip_special_tokens=True)
     seconds = time.perf_counter() - start
     return {"replies": replies, "generated_tokens": generated, "tokens_per_s": generated / seconds,

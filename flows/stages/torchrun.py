@@ -28,17 +28,14 @@ def main(argv: list[str]) -> int:
     if args.rdzv_backend != "static":
         raise SystemExit(f"flows.stages.torchrun: the static rendezvous only (--master_addr, --master_port), "
                          f"not --rdzv_backend {args.rdzv_backend}")
-    store = None
-    if args.node_rank == 0:  # kept for the launch's life: torchrun's store is this one
+    if args.node_rank == 0:  # referenced until main returns: torchrun's store is this one
         store = bound_master_store(args.master_addr, args.master_port, STORE_TIMEOUT_S, multi_tenant=True)
         args.master_port = store.port
-    if str(args.nnodes) == "1" and loopback_interface():
+    loopback = loopback_interface()
+    if str(args.nnodes) == "1" and loopback:
         for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # gloo's sockets; NCCL's bootstrap
-            os.environ.setdefault(variable, loopback_interface())
-    try:
-        run(args)
-    finally:
-        del store
+            os.environ.setdefault(variable, loopback)
+    run(args)
     return 0
 
 
