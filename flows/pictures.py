@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +95,8 @@ def exp_run(repo: Path, learning_rate: str) -> str:
                               "-S", f"train.learning_rate={learning_rate}"])
 
 
-def pipelines(tracking_uri: str, experiment: str) -> tuple[str, list[str]]:
-    """(experiment id, names of its pipeline parent runs, oldest first)."""
+def pipelines(tracking_uri: str, experiment: str) -> tuple[str, dict[str, set[str]]]:
+    """(experiment id, its pipeline parent runs oldest first: name -> the metrics it logged)."""
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri)
@@ -105,7 +105,14 @@ def pipelines(tracking_uri: str, experiment: str) -> tuple[str, list[str]]:
         raise PicturesError(f"no experiment '{experiment}' at {tracking_uri}: did the pipeline run?")
     runs = client.search_runs([exp.experiment_id], filter_string="tags.`grpo.role` = 'pipeline'",
                               order_by=["attribute.start_time ASC"], max_results=1000)
-    return exp.experiment_id, [r.info.run_name for r in runs]
+    return exp.experiment_id, {r.info.run_name: set(r.data.metrics) for r in runs}
+
+
+def logged_curves(metrics: Iterable[Collection[str]]) -> tuple[str, ...]:
+    """The learning-curve charts (``CURVE_CHARTS``) with a curve for every pipeline, given each pipeline's
+    logged metrics: the charts the page must draw before its picture is taken."""
+    metrics = list(metrics)
+    return tuple(c for c in CURVE_CHARTS if all(c in logged for logged in metrics))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -263,11 +270,12 @@ def read_charts(driver) -> list[Chart]:
     return charts
 
 
-def curve_charts(charts: Sequence[Chart], names: Sequence[str]) -> dict[str, Chart]:
-    """The learning-curve charts (``CURVE_CHARTS``) on the page once each draws a curve of >1 point for every
-    pipeline in ``names`` (reward and KL at least); {} while the page is still loading them."""
+def curve_charts(charts: Sequence[Chart], names: Sequence[str], curves: Collection[str]) -> dict[str, Chart]:
+    """The learning-curve charts (``CURVE_CHARTS``) on the page once each of ``curves`` is there and each
+    draws a curve of >1 point for every pipeline in ``names``; {} while the page is still loading them (it
+    draws its charts one by one)."""
     shown = {c.title: c for c in charts if c.title in CURVE_CHARTS}
-    if not {"reward", "kl"} <= set(shown):
+    if not set(curves) <= set(shown):
         return {}
     return shown if all(len(c.curves.get(n, [])) > 1 for c in shown.values() for n in names) else {}
 
@@ -289,9 +297,11 @@ class Pictures:
     files: list[Path]
 
 
-def take_pictures(driver, ui_url: str, experiment_id: str, names: Sequence[str], out_dir: Path) -> Pictures:
+def take_pictures(driver, ui_url: str, experiment_id: str, names: Sequence[str], curves: Collection[str],
+                  out_dir: Path) -> Pictures:
     """The runs table and the chart view of the saved view, checked (see the module docstring), as PNGs in
-    ``out_dir``; each is written to a temp name, then renamed."""
+    ``out_dir``; each is written to a temp name, then renamed. ``curves``: the learning-curve charts to wait
+    for (``logged_curves``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     files = []
 
@@ -311,8 +321,8 @@ def take_pictures(driver, ui_url: str, experiment_id: str, names: Sequence[str],
     set_viewport(driver, WIDTH, CHARTS_HEIGHT)
     wait_for(driver, lambda d: CURVES_SECTION in page_text(d), f"the section '{CURVES_SECTION}'")
     close_panels(driver)
-    charts = wait_for(driver, lambda d: curve_charts(read_charts(d), names),
-                      f"the learning curves of {list(names)} (a curve per pipeline in each chart)")
+    charts = wait_for(driver, lambda d: curve_charts(read_charts(d), names, curves),
+                      f"the learning curves {list(curves)} of {list(names)} (a curve per pipeline in each)")
     check_curves(charts, names)
     files.append(_screenshot(driver, out_dir / CHARTS_PICTURE))
     return Pictures(headers=headers, charts=charts, files=files)
@@ -352,16 +362,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_runs:
         run_command(repo, shlex.split(args.repro))
         exp_run(repo, args.learning_rate)
-    experiment_id, names = pipelines(uri, cfg.tracking.experiment_name)
-    if len(names) < 2:
-        raise PicturesError(f"the store {uri} holds {len(names)} pipeline run(s); the pictures compare two")
-    names = names[-2:]  # the baseline and the experiment: the two newest
+    experiment_id, runs = pipelines(uri, cfg.tracking.experiment_name)
+    if len(runs) < 2:
+        raise PicturesError(f"the store {uri} holds {len(runs)} pipeline run(s); the pictures compare two")
+    names = list(runs)[-2:]  # the baseline and the experiment: the two newest
+    curves = logged_curves(runs[n] for n in names)
     with contextlib.ExitStack() as stack:
         logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="grpo-pictures-")))
         url = uri if uri.startswith(("http://", "https://")) else stack.enter_context(
             mlflow_ui(uri, logs / "mlflow-server.log", env=tool_env(repo)))
         driver = stack.enter_context(chromium())
-        pictures = take_pictures(driver, url, experiment_id, names, out)
+        pictures = take_pictures(driver, url, experiment_id, names, curves, out)
     for name in names:
         print(f"pictures: {name}: "
               + ", ".join(f"{t} {c.curves[name][0][1]:.4g} -> {c.curves[name][-1][1]:.4g}"

@@ -20,7 +20,7 @@ import yaml
 
 from flows import pictures
 from flows.comparison import CURVE_CHARTS, HEADLINE, RUN_COLOR_TAG, VIEW_TAG
-from flows.pictures import chromium, exp_run, mlflow_ui, take_pictures
+from flows.pictures import chromium, exp_run, logged_curves, mlflow_ui, take_pictures
 from tests.test_pipeline import (
     GIT,
     REPO,
@@ -253,7 +253,9 @@ def test_browser_overlays_the_two_pipelines_learning_curves_in_the_pictures(two_
     exp_id = by_name[base_name].info.experiment_id
     names = [base_name, exp_name]
 
-    pictures = take_pictures(browser, server, exp_id, names, SHOTS)
+    curves = logged_curves(set(by_name[n].data.metrics) for n in names)
+    assert set(curves) == set(CURVE_CHARTS) - {"eval/accuracy"}  # no in-training evaluation: no chart for it
+    pictures = take_pictures(browser, server, exp_id, names, curves, SHOTS)
 
     headers = [h["text"] for h in pictures.headers]
     assert (set(HEADLINE) | {"train.learning_rate"} <= set(headers)

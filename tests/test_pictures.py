@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from flows.pictures import Chart, PicturesError, check_curves, curve_charts, main, read_charts
+from flows.pictures import Chart, PicturesError, check_curves, curve_charts, logged_curves, main, read_charts
 
 NAMES = ["baseline abc1234", "learning_rate=0.0001"]
 
@@ -20,13 +20,27 @@ def chart(title, *curves):
 def test_the_chart_view_is_drawn_once_every_curve_chart_has_every_pipelines_curve():
     reward = chart("reward", [(1, 0.1), (2, 0.3)], [(1, 0.1), (2, 0.2)])
     kl = chart("kl", [(1, 0.0), (2, 0.01)], [(1, 0.0), (2, 0.02)])
+    entropy = chart("entropy", [(1, 0.9), (2, 0.8)], [(1, 0.9), (2, 0.7)])
     loading = chart("accuracy", [(0, 0.5), (2, 0.7)])  # the second pipeline's curve not drawn yet
     bars = Chart("step_time", {n: [(0, 1.0)] for n in NAMES})  # not a learning curve: not waited for
-    assert curve_charts([reward, kl, bars], NAMES) == {"reward": reward, "kl": kl}
-    assert curve_charts([reward, kl, loading], NAMES) == {}
-    assert curve_charts([reward], NAMES) == {}  # KL not on the page yet
+    curves = ("reward", "kl", "entropy")
+    assert curve_charts([reward, kl, entropy, bars], NAMES, curves) == {"reward": reward, "kl": kl,
+                                                                        "entropy": entropy}
+    assert curve_charts([reward, kl, entropy, loading], NAMES, curves) == {}
+    assert curve_charts([reward, kl], NAMES, curves) == {}  # the entropy chart not on the page yet
     one_point = chart("kl", [(1, 0.0)], [(1, 0.0)])
-    assert curve_charts([reward, one_point], NAMES) == {}
+    assert curve_charts([reward, one_point, entropy], NAMES, curves) == {}
+
+
+def test_the_charts_waited_for_are_the_curves_every_pipeline_logged():
+    baseline = {"reward", "kl", "entropy", "accuracy", "completions/mean_length", "eval/accuracy",
+                "step_time"}
+    experiment = baseline - {"eval/accuracy"}  # evaluated only at the end
+    assert logged_curves([baseline, experiment]) == ("reward", "accuracy", "kl", "entropy",
+                                                     "completions/mean_length")
+    assert logged_curves([baseline]) == ("reward", "accuracy", "eval/accuracy", "kl", "entropy",
+                                         "completions/mean_length")
+    assert logged_curves([{"step_time"}, baseline]) == ()
 
 
 class Page:
