@@ -57,21 +57,35 @@ def clean_env(monkeypatch):
 # ---------------------------------------------------------------------------------------------------
 # Both cores (`make test` runs `pytest -n 2 --dist loadgroup`; docs/testing.md)
 
+#: modules that use one session-wide run (tests/shared_runs.py) and so one worker, which builds it once with
+#: no worker waiting on another: module -> its group. A table, not xdist_group marks: xdist 3.8 groups by a
+#: suffix it writes into each item's node id, which pytest 9.2's node ids no longer take.
+SHARED_WORKER = {
+    "tests/test_gguf.py": "smollm2",
+    "tests/test_gguf_export.py": "smollm2",
+    "tests/test_smollm2.py": "smollm2",
+}
+
+
+def scope_of(nodeid: str) -> str:
+    """What one worker runs together: the test's module, or the module's group in SHARED_WORKER."""
+    module = nodeid.split("::", 1)[0]
+    return SHARED_WORKER.get(module, module)
+
+
 try:
-    from xdist.scheduler import LoadGroupScheduling
+    from xdist.scheduler import LoadScopeScheduling
 except ImportError:  # without pytest-xdist the suite runs in one process
-    LoadGroupScheduling = None
+    LoadScopeScheduling = None
 
-if LoadGroupScheduling is not None:
+if LoadScopeScheduling is not None:
 
-    class ModuleGroupScheduling(LoadGroupScheduling):
-        """loadgroup, with a test module as the default group: a module runs whole on one worker (its module
-        fixtures are built once), and modules marked with one ``xdist_group`` share a worker (a session-wide
-        set-up they all use is built there, with no worker waiting for another's)."""
+    class ModuleGroupScheduling(LoadScopeScheduling):
+        """A module runs whole on one worker (its module fixtures are built once), and the modules of one
+        SHARED_WORKER group share a worker."""
 
         def _split_scope(self, nodeid: str) -> str:
-            group = super()._split_scope(nodeid)
-            return group if group != nodeid else nodeid.split("::", 1)[0]
+            return scope_of(nodeid)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_xdist_make_scheduler(config, log):
@@ -84,12 +98,6 @@ if LoadGroupScheduling is not None:
 NEW_MODULE_S = 5.0
 
 
-def scope_of(item) -> str:
-    """What ModuleGroupScheduling sends to one worker together: the item's xdist_group, else its module."""
-    group = item.get_closest_marker("xdist_group")
-    return str(group.args[0]) if group else item.nodeid.split("::", 1)[0]
-
-
 def pytest_collection_modifyitems(config, items):
     """On xdist workers: the costliest scopes first (their modules' seconds in tests/durations.json), so
     no long module starts last while the other worker idles; each scope's tests keep their order."""
@@ -100,10 +108,9 @@ def pytest_collection_modifyitems(config, items):
     seconds = json.loads(DURATIONS.read_text())
     modules: dict[str, set[str]] = {}
     for item in items:
-        modules.setdefault(scope_of(item), set()).add(item.nodeid.split("::", 1)[0])
+        modules.setdefault(scope_of(item.nodeid), set()).add(item.nodeid.split("::", 1)[0])
     cost = {scope: sum(seconds.get(m, NEW_MODULE_S) for m in names) for scope, names in modules.items()}
-    items.sort(key=lambda item: -cost[scope_of(item)])
-
+    items.sort(key=lambda item: -cost[scope_of(item.nodeid)])
 
 
 # what the suite's temporary folders hold at most at once (docs/testing.md: measured with a fresh clone)

@@ -58,7 +58,6 @@ CONVERTED_SHA256 = {
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("smollm2")  # with tests/test_smollm2.py: one worker builds the shared run
 def test_conversion_is_the_real_smollm2_and_deterministic(converted_smollm2):
     """The folder is SmolLM2-135M-Instruct as the hub ships it (Llama, 30 layers, 134.5M parameters, 49,152
     tokens, ChatML template, <|im_end|> as EOS and pad), no GGUF quantization entry left, and the same bytes
@@ -82,7 +81,6 @@ def test_conversion_is_the_real_smollm2_and_deterministic(converted_smollm2):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("smollm2")
 def test_converted_weights_equal_transformers_own_dequantization(converted_smollm2):
     """The saved tensors are the ones transformers dequantizes from the GGUF (a second reading, straight from
     ``from_pretrained(gguf_file=...)``), and the model answers a pretrained model's answer greedily."""

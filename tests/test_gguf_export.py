@@ -511,7 +511,6 @@ def agreement(model, reference: dict) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("smollm2")
 def test_gguf_reader_finds_every_tensor_and_key_of_the_source(converted_smollm2, smollm2_export):
     """Against llama.cpp's own file (the source GGUF): the same 272 tensors, every key with the same type and
     value (the Llama hyperparameters we derive from config.json included) but the name, the file type and
@@ -546,7 +545,6 @@ def test_gguf_reader_finds_every_tensor_and_key_of_the_source(converted_smollm2,
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("smollm2")
 def test_transformers_reads_the_f16_file_as_the_trained_model(smollm2_export, greedy_reference):
     """Weights: each the trained model's, as torch rounds it to float16 (norms exact). Greedy replies to the
     held-out prompts: the same text, but for near ties (the trained model's two best logits closer than
@@ -563,7 +561,6 @@ def test_transformers_reads_the_f16_file_as_the_trained_model(smollm2_export, gr
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("smollm2")
 def test_transformers_reads_the_q8_0_file_within_the_formats_bound(smollm2_export, greedy_reference):
     """Weights: within Q8_0's own error bound of the trained model's. The trained model's greedy tokens on the
     held-out prompts: Q8_0 ranks at least Q8_0_AGREEMENT of them first, and ranks another first only where the
@@ -583,7 +580,6 @@ SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Huggin
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("smollm2")
 def test_smollm2s_modelfile_is_ollamas_chatml_with_its_default_system_prompt(converted_smollm2):
     from transformers import AutoTokenizer
 

@@ -18,7 +18,7 @@ CHAT_PREFIX = ("<|im_start|>system\nSolve the problem. End your reply with: The 
                "<|im_start|>user\n")
 
 # with tests/test_gguf.py's real-model tests: one xdist worker builds the shared run (conftest.py)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]
+pytestmark = pytest.mark.slow
 
 
 def test_the_recipe_converts_the_gguf_and_runs_every_stage(smollm2_pipeline):
