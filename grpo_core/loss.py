@@ -15,7 +15,7 @@ Per token t of completion i (shapes: (B, T) per token, (B, 1) per sequence):
            = -(4 / tau) * sigmoid(tau (r - 1)) * A_i                               sapo
            = -phi(w_i) * A_i * logp_it                                             vespo
     l_it  *= OPSM's keep mask (B, 1) when off_policy_mask_threshold is set
-    kl_it  = exp(ref_it - logp_it) - (ref_it - logp_it) - 1   (k3), times r when kl_ratio_correction
+    kl_it  = exp(ref_it - logp_it) - (ref_it - logp_it) - 1   (k3), times r when use_bias_correction_kl
     L      = aggregate(l + beta * kl, mask) / ga  -  coef * H / ga
 
 ga is the step's gradient accumulation (micro-batches per optimizer step; not for dapo, cispo, vespo, whose
@@ -51,6 +51,9 @@ class LossOptions(Options):
     loss_type: LossType = option(
         "dapo", "the policy term and its aggregation, TRL's names (formulas in docs/algorithm.md)")
     beta: float = option(0.0, "KL coefficient against the reference model (0 = no reference model)", ge=0)
+    use_bias_correction_kl: bool = option(
+        True, "beta > 0: the per-token KL times the importance ratio, so its gradient is the unbiased "
+        "reverse KL's, on-policy too (DeepSeek-V3.2; TRL's name and default)")
     epsilon: float = option(0.2, "lower clip range: ratio >= 1 - epsilon", gt=0, lt=1)
     epsilon_high: float | None = option(None, "upper clip range: ratio <= 1 + epsilon_high (None = epsilon); "
                                         "cispo: the cap on the importance weight itself (e.g. 5.0)", gt=0)
@@ -120,7 +123,7 @@ class GRPOLoss:
         ratio       exp(logratio) per token, or exp(masked mean logratio) per sequence    (B, T) | (B, 1)
         policy      the loss type's term: max(pg_loss1, pg_loss2) for the clipped family  (B, T) | (B, 1)
         weights     OPSM's keep mask (B, 1), the entropy mask (B, T), the sampler ratio
-        kl          beta * k3, times the ratio when kl_ratio_correction                  (B, T)
+        kl          beta * k3, times the ratio when use_bias_correction_kl               (B, T)
         aggregate   the loss type's normaliser                                            ()
         step share  / gradient_accumulation_steps (not the token-sum types), minus the entropy bonus
         stats       detached 0-dim diagnostics
@@ -145,7 +148,7 @@ class GRPOLoss:
                  advantages: torch.Tensor, mask: torch.Tensor, *,
                  num_items: int | float | torch.Tensor | None = None,
                  sampling_logps: torch.Tensor | None = None, entropy_mask: torch.Tensor | None = None,
-                 sampler_ratio: torch.Tensor | None = None, kl_ratio_correction: bool = True,
+                 sampler_ratio: torch.Tensor | None = None,
                  entropies: torch.Tensor | None = None, entropy_coef: float = 0.0,
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss of one micro-batch, its share of the step's loss, and its statistics; the arguments and the
@@ -163,7 +166,8 @@ class GRPOLoss:
         per_token_loss = self.weighted(per_token_loss, advantages, logps, old_logps, present, mask, extra)
         per_token_kl = None
         if self.options.beta != 0.0:
-            per_token_kl = self.kl_term(logps, ref_logps, ratio, kl_ratio_correction)  # (B, T)
+            per_token_kl = self.kl_term(logps, ref_logps, ratio,
+                                        self.options.use_bias_correction_kl)  # (B, T)
             per_token_loss = per_token_loss + self.options.beta * per_token_kl
         loss = aggregate(per_token_loss, mask, self.options.loss_type, self.max_completion_length,
                          num_items)  # ()
@@ -218,10 +222,10 @@ class GRPOLoss:
 
     @staticmethod
     def kl_term(logps: torch.Tensor, ref_logps: torch.Tensor, ratio: torch.Tensor,
-                kl_ratio_correction: bool) -> torch.Tensor:
+                bias_correction: bool) -> torch.Tensor:
         """Per-token k3 KL to the reference (B, T), unscaled by beta."""
         per_token_kl = k3_kl(logps, ref_logps)
-        if kl_ratio_correction:
+        if bias_correction:
             # Sampled under pi_old, so E_old[r * k3] is the KL of pi_theta (DeepSeek-V3.2); r is not
             # detached, which changes the KL gradient even on-policy where r == 1.
             per_token_kl = per_token_kl * ratio
@@ -285,8 +289,8 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: to
               sampler_ratio: torch.Tensor | None = None,
               **options) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss of one micro-batch and its statistics: ``GRPOLoss`` built from
-    ``LossOptions(epsilon=epsilon_low, **options)``, then called. ``options`` are LossOptions' keys (TRL's
-    names; defaults and limits there).
+    ``LossOptions(epsilon=epsilon_low, use_bias_correction_kl=kl_ratio_correction, **options)``, then called.
+    ``options`` are LossOptions' other keys (TRL's names; defaults and limits there).
 
     Args:
         logps: (B, T) log-probs of the sampled completion tokens under the current policy (with grad).
@@ -298,7 +302,7 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: to
         epsilon_low: TRL's ``epsilon`` (the lower clip range); every other key of ``LossOptions`` (loss_type,
             beta, epsilon_high, delta, importance_sampling_level, the sapo / vespo shapes,
             off_policy_mask_threshold) by its own name, meanings and defaults there.
-        kl_ratio_correction: multiply the per-token KL by the importance ratio (TRL
+        kl_ratio_correction: multiply the per-token KL by the importance ratio (LossOptions' and TRL's
             ``use_bias_correction_kl``, default True there too).
         max_completion_length: dr_grpo's constant normaliser L; None = T.
         num_items: dapo's (and cispo's, vespo's) normaliser, the number of completion tokens in the whole
@@ -319,12 +323,20 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: to
     # with several bad arguments, a tensor is named
     _check_tensors(logps, old_logps, ref_logps, advantages, mask)
     try:
-        loss_options = LossOptions(epsilon=epsilon_low, **options)
-    except ConfigError as err:  # this form's name for TRL's epsilon
-        raise ConfigError(str(err).replace("epsilon:", "epsilon_low:", 1)) from None
+        loss_options = LossOptions(epsilon=epsilon_low, use_bias_correction_kl=kl_ratio_correction, **options)
+    except ConfigError as err:
+        raise ConfigError(_functional_names(str(err))) from None
     return GRPOLoss(loss_options, max_completion_length)(
         logps, old_logps, ref_logps, advantages, mask, num_items=num_items, sampling_logps=sampling_logps,
-        entropy_mask=entropy_mask, sampler_ratio=sampler_ratio, kl_ratio_correction=kl_ratio_correction)
+        entropy_mask=entropy_mask, sampler_ratio=sampler_ratio)
+
+
+def _functional_names(message: str) -> str:
+    """A LossOptions error as grpo_loss names its keys: ``epsilon_low`` and ``kl_ratio_correction``."""
+    for key, name in (("epsilon", "epsilon_low"), ("use_bias_correction_kl", "kl_ratio_correction")):
+        if message.startswith(f"{key}:"):
+            return name + message[len(key):]
+    return message
 
 
 def ratio_from_logratio(logratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:

@@ -260,7 +260,8 @@ def test_train_keys_are_grouped_by_owner_and_every_key_has_one_group():
     """params.yaml's flat `train:` keys each live in one group (t.loss, t.optim, ...) or on TrainConfig
     itself, with TRL's names; a key set flat lands in its group and nowhere else."""
     owner = train_key_owner()
-    assert len(owner) == 88 and owner["epsilon"] == "loss" and owner["learning_rate"] == "optim"
+    assert len(owner) == 89 and owner["epsilon"] == "loss" and owner["learning_rate"] == "optim"
+    assert owner["use_bias_correction_kl"] == "loss"
     assert owner["seed"] is None and owner["reward_weights"] == "advantage"
     assert owner["collective_timeout_s"] == "parallel"
     cfg = config_from_dict(base(), {"train.epsilon": 0.3, "train.steps_per_generation": 2})

@@ -536,7 +536,8 @@ def good_arguments():
         ({"importance_sampling_level": "tokens"}, "importance_sampling_level"),
         ({"beta": -0.1}, "beta"),
         ({"beta": 0.1, "ref_logps": None}, "ref_logps"),
-        ({"epsilon_low": 1.5}, "epsilon_low"),
+        ({"epsilon_low": 1.5}, "epsilon_low:"),
+        ({"kl_ratio_correction": "yes"}, "kl_ratio_correction:"),
         ({"epsilon_high": -0.1}, "epsilon_high"),
         ({"delta": 0.0}, "delta"),
         ({"loss_type": "dr_grpo", "max_completion_length": 2}, "max_completion_length"),
@@ -554,7 +555,7 @@ def good_arguments():
 def test_bad_arguments_raise_value_error_naming_them(changes, named):
     arguments = good_arguments() | changes
     positional = [arguments.pop(name) for name in ("logps", "old_logps", "ref_logps", "advantages", "mask")]
-    with pytest.raises(ValueError, match=named):
+    with pytest.raises(ValueError, match=f"^{named}"):
         grpo_loss(*positional, **arguments)
 
 

@@ -25,9 +25,11 @@ def loss_config(**changes) -> LossOptions:
 
 
 def functional_options(config: LossOptions) -> dict:
-    """The same options as grpo_loss keywords (TRL's ``epsilon`` is grpo_loss's ``epsilon_low``)."""
+    """The same options as grpo_loss keywords (TRL's ``epsilon`` and ``use_bias_correction_kl`` are
+    grpo_loss's ``epsilon_low`` and ``kl_ratio_correction``)."""
     options = dataclasses.asdict(config)
     options["epsilon_low"] = options.pop("epsilon")
+    options["kl_ratio_correction"] = options.pop("use_bias_correction_kl")
     return options
 
 
@@ -86,13 +88,14 @@ def test_the_object_equals_grpo_loss_bit_for_bit(loss_type, level, dtype):
     config = loss_config(loss_type=loss_type, importance_sampling_level=level, beta=0.04, delta=1.5,
                          epsilon_high=5.0 if loss_type == "cispo" else 0.28, off_policy_mask_threshold=0.05,
                          sapo_temperature_pos=0.9, vespo_k_neg=2.5)
-    loss_fn = GRPOLoss(config, max_completion_length=10)  # built once ...
+    uncorrected = dataclasses.replace(config, use_bias_correction_kl=False)
+    loss_fns = [GRPOLoss(c, max_completion_length=10) for c in (config, uncorrected)]  # built once ...
     for seed, T in ((0, 7), (1, 4)):  # ... called on micro-batches of different widths
         logps, tensors, extras = micro_batch(T=T, seed=seed, dtype=dtype)
-        for keywords in ({}, extras,
-                         {**extras, "kl_ratio_correction": False, "num_items": torch.tensor(31.0)}):
-            ours = run(loss_fn, logps, tensors, **keywords)
-            theirs = run(grpo_loss, logps, tensors, max_completion_length=10, **functional_options(config),
+        for options, keywords in ((config, {}), (config, extras),
+                                  (uncorrected, {**extras, "num_items": torch.tensor(31.0)})):
+            ours = run(loss_fns[options is uncorrected], logps, tensors, **keywords)
+            theirs = run(grpo_loss, logps, tensors, max_completion_length=10, **functional_options(options),
                          **keywords)
             assert_same_results(ours, theirs)
             assert torch.isfinite(ours[0]) and ours[2].abs().sum() > 0

@@ -93,7 +93,7 @@ def setup(tmp_path_factory):
     return root, model_dir, data, tokenizer, script_args
 
 
-def run_ours(setup, forward_backend: str):
+def run_ours(setup, forward_backend: str, bias_correction: bool):
     from transformers import AutoModelForCausalLM
 
     from grpo_core.train.loop import TrainHooks, train
@@ -105,8 +105,8 @@ def run_ours(setup, forward_backend: str):
     cfg = tiny_config(model_dir, data, rewards, num_generations=G, per_device_train_batch_size=G * PROMPTS,
                       max_completion_length=COMPLETION, learning_rate=LR, beta=BETA, loss_type="dapo",
                       max_steps=STEPS, adam_beta2=0.99, lr_scheduler_type="constant", resume="never",
-                      max_grad_norm=MAX_GRAD_NORM,
-                      output_dir=f"ours-{forward_backend}", forward_backend=forward_backend)
+                      max_grad_norm=MAX_GRAD_NORM, use_bias_correction_kl=bias_correction,
+                      output_dir=f"ours-{forward_backend}-{bias_correction}", forward_backend=forward_backend)
     logged: list[dict] = []
 
     class Tracker:
@@ -115,13 +115,15 @@ def run_ours(setup, forward_backend: str):
 
     hooks = TrainHooks(tracker=Tracker(), backend_factory=lambda m, tok: ScriptedBackend(script, tok))
     result = train(cfg, reward_weights=WEIGHTS, root=root, progress=False,
-                   log_path=f"ours-{forward_backend}.csv", hooks=hooks)
+                   log_path=f"ours-{forward_backend}-{bias_correction}.csv", hooks=hooks)
     model = AutoModelForCausalLM.from_pretrained(result.model_dir, dtype=torch.float32)
     return dict(model.named_parameters()), logged
 
 
-@pytest.fixture(scope="module")
-def trl_run(setup):
+@pytest.fixture(scope="module", params=[True, False], ids=["kl-bias-corrected", "kl-plain"])
+def trl_run(setup, request):
+    """TRL's three steps, with its use_bias_correction_kl (the KL times the importance ratio) on and off:
+    (the setting, the weights, the log)."""
     import datasets
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
@@ -129,11 +131,11 @@ def trl_run(setup):
     root, model_dir, data, tokenizer, script_args = setup
     script = Script(*script_args)
     torch.manual_seed(0)
-    args = GRPOConfig(output_dir=str(root / "trl"), num_generations=G,
+    args = GRPOConfig(output_dir=str(root / f"trl-{request.param}"), num_generations=G,
                       per_device_train_batch_size=G * PROMPTS, max_completion_length=COMPLETION,
                       learning_rate=LR, beta=BETA, loss_type="dapo",
                       max_steps=STEPS, adam_beta2=0.99, lr_scheduler_type="constant", reward_weights=WEIGHTS,
-                      max_grad_norm=MAX_GRAD_NORM,
+                      max_grad_norm=MAX_GRAD_NORM, use_bias_correction_kl=request.param,
                       bf16=False, gradient_checkpointing=False, use_cpu=True, report_to="none",
                       save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0)
     rows = [json.loads(line) for line in open(data)]
@@ -148,13 +150,13 @@ def trl_run(setup):
     trainer._generate_single_turn = scripted
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
-    return dict(trainer.model.named_parameters()), logged
+    return request.param, dict(trainer.model.named_parameters()), logged
 
 
 @pytest.mark.parametrize("forward_backend", ["manual", "hf"])
 def test_three_steps_on_the_same_completions_end_on_trls_weights(setup, trl_run, forward_backend):
-    ours, our_log = run_ours(setup, forward_backend)
-    theirs, their_log = trl_run
+    bias_correction, theirs, their_log = trl_run
+    ours, our_log = run_ours(setup, forward_backend, bias_correction)
     from transformers import AutoModelForCausalLM
 
     base = dict(AutoModelForCausalLM.from_pretrained(setup[1]).named_parameters())
