@@ -258,34 +258,21 @@ def apply_params_overrides(params_path: Path, overrides: Mapping[str, Any]) -> N
     ``dvc exp run -S`` (DVC's ruamel round-trip writer: comments and layout kept)."""
     from dvc.utils.serialize import modify_yaml
 
+    from grpo_core.common.params_file import read_params, set_dotted
     from grpo_core.config import ConfigError, config_from_dict
 
     bad = [k for k in overrides if not isinstance(k, str) or not k or k.startswith(".") or k.endswith(".")]
     if bad:
         raise ConfigError("params_overrides: keys must be dotted params.yaml keys like "
                           f"'train.learning_rate', got {bad}")
-    cfg_raw = _yaml12(params_path)
+    cfg_raw = read_params(params_path)
     # raises naming the key
     config_from_dict(cfg_raw, dict(overrides), source=f"{params_path} + params_overrides")
     # a stage running now (started by hand or by `dvc repro`) read the old values: refused,
     # not rewritten under it
     with stage_lock(params_path.parent, "params.yaml overrides"), modify_yaml(str(params_path)) as data:
         for dotted, value in overrides.items():
-            node = data
-            parts = dotted.split(".")
-            for part in parts[:-1]:
-                if part not in node or node[part] is None:
-                    node[part] = {}
-                node = node[part]
-            node[parts[-1]] = value
-
-
-def _yaml12(path: Path) -> dict:
-    from ruamel.yaml import YAML
-
-    from grpo_core.config import read_params_text
-
-    return YAML(typ="safe", pure=True).load(read_params_text(path)) or {}
+            set_dotted(data, dotted, value)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from typing import Any
 from grpo_core.advantages import AdvantageOptions
 from grpo_core.calibration import CalibrateConfig
 from grpo_core.common.options import ConfigError, Options, construct, convert, describe, option, unknown_key
+from grpo_core.common.params_file import read_params, set_dotted
 from grpo_core.data.loading import DATA_FILES_FORMS, DataConfig
 from grpo_core.data.reasoning_gym import ReasoningGymConfig
 from grpo_core.data.validation import ValidateConfig
@@ -48,8 +49,8 @@ from grpo_core.train.parallel import ParallelOptions
 from grpo_core.train.reference import ReferenceOptions
 from grpo_core.train.round import RolloutOptions
 
-__all__ = ["ConfigError", "PipelineConfig", "TrainConfig", "load_config", "read_params_text",
-           "config_from_dict", "training_params_hash"]
+__all__ = ["ConfigError", "PipelineConfig", "TrainConfig", "load_config", "config_from_dict",
+           "training_params_hash"]
 
 
 def _group(cls: type) -> Any:
@@ -237,6 +238,7 @@ def config_from_dict(raw: dict, overrides: typing.Mapping[str, Any] | None = Non
               for name, value in raw.items()}
     cfg = PipelineConfig(**kwargs)
     _resolve_generation_batch_size(cfg)
+    _resolve_async_rollouts(cfg)
     check_across_sections(cfg)
     return cfg
 
@@ -244,13 +246,7 @@ def config_from_dict(raw: dict, overrides: typing.Mapping[str, Any] | None = Non
 def _apply_overrides(raw: dict, overrides: typing.Mapping[str, Any]) -> dict:
     """``{"train.learning_rate": 1e-4}`` -> raw["train"]["learning_rate"] = 1e-4 (keys checked at build)."""
     for dotted, value in overrides.items():
-        parts = dotted.split(".")
-        node = raw
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{dotted}: cannot override inside a non-mapping value")
-        node[parts[-1]] = value
+        set_dotted(raw, dotted, value)
     return raw
 
 
@@ -271,8 +267,16 @@ def _resolve_generation_batch_size(cfg: PipelineConfig) -> None:
     b.steps_per_generation = g.generation_batch_size // per_step
 
 
+def _resolve_async_rollouts(cfg: PipelineConfig) -> None:
+    """train.async_rollouts "auto" -> on unless something rules it out: what the checks and the trainer read
+    is a bool."""
+    if cfg.train.rollouts.async_rollouts == "auto":
+        cfg.train.rollouts.async_rollouts = async_rollouts_blocker(cfg) is None
+
+
 def check_across_sections(cfg: PipelineConfig) -> None:
-    """What no single section can check alone; each section checked its own keys when it was built."""
+    """What no single section can check alone (each section checked its own keys when it was built); reads
+    the config, never changes it."""
     t = cfg.train
     t.batch_plan  # noqa: B018 - raises when the batch does not hold whole groups
     if (t.loss.loss_type == "vespo" and cfg.generation.backend == "vllm"
@@ -296,9 +300,6 @@ def check_across_sections(cfg: PipelineConfig) -> None:
                                   "as prepare's output, so leave the key out (point "
                                   "data.* / model.name_or_path at your own files instead)")
     _check_eval(cfg)
-    # resolved here: what the trainer and the checks below read is a bool
-    if t.rollouts.async_rollouts == "auto":
-        t.rollouts.async_rollouts = async_rollouts_blocker(cfg) is None
     why = _async_config_blocker(cfg) if t.rollouts.async_rollouts is True else None
     if why is not None:
         raise ConfigError(f"train.async_rollouts: {why} - set train.async_rollouts: false")
@@ -399,43 +400,12 @@ def _async_config_blocker(cfg: PipelineConfig) -> str | None:
     return None
 
 
-def read_params_text(path: Path) -> str:
-    """The parameters file's text; a ConfigError naming it when it is missing, unreadable or not UTF-8."""
-    try:
-        if not path.is_file():
-            raise ConfigError(f"{path}: no such parameters file")
-        data = path.read_bytes()
-    except OSError as err:
-        raise ConfigError(f"{path}: the parameters file cannot be read: {err.strerror or err}; check the "
-                          "permissions of the file and its folders") from err
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = data.count(b"\n", 0, err.start) + 1
-        raise ConfigError(f"{path}: not UTF-8 text: byte 0x{data[err.start]:02x} at byte offset {err.start} "
-                          f"(line {line}): {err.reason}; save the file as UTF-8") from err
-
-
 def load_config(path: str | Path = "params.yaml",
                 overrides: typing.Mapping[str, Any] | None = None) -> PipelineConfig:
-    """Read and validate params.yaml. Raises ConfigError naming the key on any problem.
-
-    Parsed as YAML 1.2, the way DVC reads and writes it: ``dvc exp run -S`` rewrites params.yaml and
-    drops the quotes of ``mixed_precision: "no"``, which a YAML 1.1 parser would read as ``false``
-    (and YAML 1.1 reads ``5e-4`` as a string).
-    """
-    from ruamel.yaml import YAML
-    from ruamel.yaml.error import YAMLError
-
+    """Read and validate params.yaml (YAML 1.2, as DVC writes it: grpo_core/common/params_file.py). Raises
+    ConfigError naming the key on any problem."""
     path = Path(path)
-    text = read_params_text(path)
-    try:
-        raw = YAML(typ="safe", pure=True).load(text) or {}
-    except YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from err
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    return config_from_dict(raw, overrides, source=str(path))
+    return config_from_dict(read_params(path), overrides, source=str(path))
 
 
 _NEWER_KEYS = {"curriculum"}  # added since checkpoints were written: hashed only when set, so those resume

@@ -1,5 +1,6 @@
 """params.yaml loading: the shipped file validates; every kind of mistake is an error naming the key."""
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ import yaml
 from grpo_core.common.options import describe
 from grpo_core.config import (
     ConfigError,
+    check_across_sections,
     config_from_dict,
     describe_train,
     load_config,
@@ -109,6 +111,24 @@ def test_overrides_apply_and_are_checked():
     assert cfg.train.optim.learning_rate == 1e-4 and cfg.train.max_steps == 3
     with pytest.raises(ConfigError, match="train.max_stepz: unknown key; did you mean 'max_steps'"):
         config_from_dict(base(), {"train.max_stepz": 3})
+    with pytest.raises(ConfigError, match="train.max_steps.x: cannot override inside a non-mapping value"):
+        config_from_dict(base(), {"train.max_steps.x": 3})
+    cfg = config_from_dict({**base(), "tracking": None}, {"tracking.experiment_name": "e"})  # a null section
+    assert cfg.tracking.experiment_name == "e"
+
+
+def test_the_checks_across_sections_read_the_config_and_never_change_it():
+    """async_rollouts "auto" is resolved when the config is built (what the trainer reads is a bool); the
+    checks that run after it leave a config as they found it."""
+    cfg = config_from_dict(base(), {"train.async_rollouts": "auto"})
+    assert isinstance(cfg.train.rollouts.async_rollouts, bool)
+    before = copy.deepcopy(cfg)
+    cfg.train.rollouts.async_rollouts = "auto"
+    check_across_sections(cfg)
+    assert cfg.train.rollouts.async_rollouts == "auto"
+    cfg.train.rollouts.async_rollouts = before.train.rollouts.async_rollouts
+    check_across_sections(cfg)
+    assert cfg == before
 
 
 def test_ints_are_accepted_for_floats_but_not_bools():

@@ -171,7 +171,9 @@ def test_three_steps_on_the_same_completions_end_on_trls_weights(setup, trl_run,
         assert gap < 5e-3 * moved, f"{name}: ours and TRL's weights differ by {gap:.2e} after {STEPS} steps"
     assert len(our_log) == len(their_log) == STEPS
     for step, (mine, trls) in enumerate(zip(our_log, their_log), start=1):
-        for key in ("reward", "reward_std", "kl", "completions/mean_length", "rewards/digits/mean"):
+        for key in ("reward", "reward_std", "kl", "completions/mean_length", "rewards/digits/mean",
+                    "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean",
+                    "clip_ratio/high_max", "clip_ratio/region_mean"):
             trl_key = key.replace("rewards/digits", "rewards/digit_count")
             assert mine[key] == pytest.approx(trls[trl_key], rel=1e-4, abs=1e-6), f"step {step}: {key}"
         assert mine["loss"] == pytest.approx(trls["loss"], rel=1e-3, abs=1e-6), f"step {step}: loss"

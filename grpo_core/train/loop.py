@@ -49,6 +49,7 @@ from grpo_core.train.evaluation import evaluate_held_out, evaluation_due, load_b
 from grpo_core.train.export import export_model, whole_model
 from grpo_core.train.forward import frozen_logprobs
 from grpo_core.train.guards import GuardEvent, GuardMonitor, GuardsConfig, GuardStop, decide
+from grpo_core.train.metrics import loss_stat_means, reduce_across_processes
 from grpo_core.train.micro_batch import micro_batch_loss
 from grpo_core.train.optim import scale_learning_rate
 from grpo_core.train.parallel import finite_everywhere, gather_values, global_sum
@@ -364,27 +365,17 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[Round],
     return StepGradients(losses, stats, entropies, grad_norm, num_items, local_tokens, window)
 
 
-_ALWAYS_LOGGED = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-_PROCESS_MEAN_METRICS = ("loss", "vespo/phi_seq_mean")
-_TOKEN_MEAN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                       "clip_ratio/region_mean", "cispo_clip_ratio")
-
-
 def step_metrics(run: TrainingRun, state: TrainState, grads: StepGradients) -> dict[str, Any]:
-    """TRL's metric names for the step about to be taken: the round's reward metrics, loss, KL, clipping,
-    entropy, grad norm. On N processes every rank gets the numbers one process would (one all-reduce)."""
+    """The step's metrics (grpo_core/train/metrics.py declares them) but those set after the update: the
+    round's, loss, the loss's statistics, entropy, grad norm. On N processes every rank gets the numbers one
+    process would."""
+    acc = run.accelerator
     metrics = {"step": state.step + 1, **state.round.metrics}
     metrics["loss"] = torch.stack(grads.losses).sum().item()
-    for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                "cispo_clip_ratio", "vespo/phi_seq_mean"):
-        vals = [float(s[key]) for s in grads.stats if key in s]
-        if vals:
-            metrics[key] = sum(vals) / len(vals)
-        elif key in _ALWAYS_LOGGED:  # the step log's fixed columns: 0 where this loss type has no such value
-            metrics[key] = 0.0
+    metrics.update(loss_stat_means(grads.stats, acc))
     metrics["entropy"] = torch.stack(grads.entropies).mean().item()
-    if run.accelerator.num_processes > 1:
-        metrics.update(_reduce_metrics(run.accelerator, metrics, float(grads.local_tokens)))
+    if acc.num_processes > 1:
+        metrics.update(reduce_across_processes(acc, metrics, float(grads.local_tokens)))
     metrics["grad_norm"] = float(grads.grad_norm)
     return metrics
 
@@ -537,23 +528,6 @@ def _inside_round(state: TrainState, plan: BatchPlan) -> bool:
     """Whether the micro-steps taken so far end inside a generation round (spg micro-batches, num_iterations
     times over): a new step trains on the round in hand, and a checkpoint must keep it."""
     return state.micro_step % plan.micro_batches_per_round_trained != 0
-
-
-def _reduce_metrics(accelerator, metrics: dict, local_tokens: float) -> dict:
-    """One all-reduce for the step's per-process metrics, so every rank logs (and its guards judge) the
-    numbers one process would: the loss and the per-sequence means are plain means over processes (each holds
-    as many sequences, and its loss share is already scaled to the global batch), the token means are weighted
-    by each process's loss tokens."""
-    plain = [k for k in _PROCESS_MEAN_METRICS if k in metrics]
-    weighted = [k for k in _TOKEN_MEAN_METRICS if k in metrics]
-    local = [float(metrics[k]) for k in plain] + [local_tokens] + [float(metrics[k]) * local_tokens
-                                                                   for k in weighted]
-    total = accelerator.reduce(torch.tensor(local, dtype=torch.float64, device=accelerator.device),
-                               "sum").tolist()
-    out = {k: v / accelerator.num_processes for k, v in zip(plain, total)}
-    tokens = max(total[len(plain)], 1.0)
-    out.update({k: v / tokens for k, v in zip(weighted, total[len(plain) + 1:])})
-    return out
 
 
 def _passed_save_step(step: int, plan: BatchPlan, save_steps: int) -> bool:

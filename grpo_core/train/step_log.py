@@ -8,42 +8,33 @@ from pathlib import Path
 
 from grpo_core.common.files import atomic_path
 from grpo_core.evaluation import eval_metric_names
+from grpo_core.train.metrics import columns, undeclared
 from grpo_core.train.state import TrainingRun
 
-# the metric a loss type logs besides the clip ratios (TRL's names)
-_LOSS_TYPE_METRICS = {"cispo": ["cispo_clip_ratio"], "vespo": ["vespo/phi_seq_mean"]}
+
+def switches(run: TrainingRun) -> set[str]:
+    """What the run switches on that the metric table's optional metrics hang on (``Metric.when``)."""
+    on = {run.loss_fn.options.loss_type} & {"cispo", "vespo"}
+    if run.entropy.logged:
+        on.add("entropy_coef")
+    if run.generation.backend == "vllm" and run.sampler_correction.vllm_importance_sampling_correction:
+        on.add("sampler_correction")
+    if run.rollouts.dynamic_sampling:
+        on.add("dynamic_sampling")
+    if run.rollouts.async_rollouts:
+        on.add("async")
+    if run.round_spec.tools is not None:
+        on.add("tools")
+    return on
 
 
 def metric_columns(run: TrainingRun, reward_names: list[str]) -> list[str]:
-    """The CSV's columns: TRL's metric names, plus what the run switches on: the loss type's own metric,
-    ``entropy_coef`` under an entropy bonus, the ``dynamic/*`` counts under dynamic sampling, ``async/*``
-    under async rollouts, ``tools/*`` with tools, the ``eval/*`` metrics under evaluation during training
-    (blank on steps without one)."""
+    """The CSV's columns: the metric table's for this run (grpo_core/train/metrics.py), then the ``eval/*``
+    metrics under evaluation during training (blank on steps without one)."""
     tools = run.round_spec.tools is not None
-    extra = list(_LOSS_TYPE_METRICS.get(run.loss_fn.options.loss_type, []))
-    if run.entropy.logged:
-        extra.append("entropy_coef")
-    if run.generation.backend == "vllm" and run.sampler_correction.vllm_importance_sampling_correction:
-        extra += ["sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
-                  "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
-                  "sampling/importance_sampling_ratio/max"]
-    if run.rollouts.dynamic_sampling:
-        extra += ["dynamic/groups_dropped", "dynamic/generation_rounds", "dynamic/tied_groups_used"]
-    if run.rollouts.async_rollouts:
-        extra += ["async/staleness", "async/wait_time"]
-    if tools:
-        extra += ["tools/call_frequency", "tools/failure_frequency", "tools/mean_turns"]
     evaluation = ([*eval_metric_names(run.evaluation, reward_names, tools), "eval/runtime"]
                   if run.evaluation.eval_strategy == "steps" else [])
-    cols = ["step", "loss", "reward", "reward_std", "frac_reward_zero_std"]
-    for name in reward_names:
-        cols += [f"rewards/{name}/mean", f"rewards/{name}/std"]
-    cols += ["kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-             *extra,
-             "completions/mean_length", "completions/min_length", "completions/max_length",
-             "completions/clipped_ratio", "grad_norm", "learning_rate", "reward_errors", "reward_timeouts",
-             "num_tokens", "guard/skipped", "step_time", "generation_time", *evaluation]
-    return cols
+    return columns(switches(run), reward_names) + evaluation
 
 
 class StepLog:
@@ -63,6 +54,11 @@ class StepLog:
             writer.writerows(kept)
 
     def append(self, metrics: dict) -> None:
+        """One line; a metric that is not a column is an error, never dropped."""
+        dropped = undeclared(metrics, self.columns)
+        if dropped:
+            raise ValueError(f"{self.path}: the metrics {dropped} are not columns of the step log; declare "
+                             "them in grpo_core/train/metrics.py")
         with open(self.path, "a", newline="") as fh:
-            csv.DictWriter(fh, fieldnames=self.columns, extrasaction="ignore").writerow(
+            csv.DictWriter(fh, fieldnames=self.columns).writerow(
                 {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in metrics.items()})
