@@ -40,7 +40,8 @@ class EvalOptions(Options):
 
     eval_strategy: Literal["no", "steps"] = option(
         "no", "steps = score the policy on held-out prompts (the eval split) every eval_steps and at the "
-        "last step, into the step log and the tracker as eval/* (grpo_core/train/evaluation.py); no = never")
+        "last step, into the step log and the tracker as eval/* (grpo_core/train/periodic_eval.py); "
+        "no = never")
     eval_steps: int | None = option(None, "eval_strategy steps: optimizer steps between evaluations (None = "
                                     "logging_steps, as in TRL)", ge=1)
     eval_max_samples: int | None = option(100, "held-out prompts each evaluation scores: the first N of the "

@@ -170,7 +170,7 @@ def test_export_is_a_full_precision_model_that_samples_as_the_4bit_policy(assets
     from transformers import AutoModelForCausalLM
 
     from grpo_core.model.loading import load_policy, load_tokenizer
-    from grpo_core.train.checkpoint import load_weights
+    from grpo_core.train.checkpoint import restore_policy_weights
 
     root, res = straight
     exported = AutoModelForCausalLM.from_pretrained(res.model_dir).eval()
@@ -188,7 +188,7 @@ def test_export_is_a_full_precision_model_that_samples_as_the_4bit_policy(assets
 
     cfg = qlora_config(assets)
     policy, _ = load_policy(cfg.model)  # the trained policy: the 4-bit base + the exported adapters
-    load_weights(policy, res.model_dir / "adapter")
+    restore_policy_weights(policy, res.model_dir / "adapter")
     policy.eval()
     quant_base, _ = load_policy(cfg.model)  # adapters at B = 0: the 4-bit base itself
     quant_base.eval()

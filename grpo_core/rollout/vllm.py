@@ -501,7 +501,7 @@ class VLLMBackend:
         self.llm.sleep(level=2)  # weights and KV cache released; level 2 discards the weights' contents
         self.asleep, self.weights_stale = True, True
 
-    def load_weights(self) -> None:
+    def push_weights(self) -> None:
         """Copy the policy's weights into the engine now (``generate`` does it by itself when they are stale;
         a sharded policy's copy is collective, so the trainer calls this on every process at once)."""
         if self.asleep:
@@ -532,7 +532,7 @@ class VLLMBackend:
         from vllm import SamplingParams as VLLMSamplingParams
 
         if self.weights_stale:
-            self.load_weights()
+            self.push_weights()
         if self.asleep:
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["kv_cache"])

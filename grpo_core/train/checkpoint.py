@@ -341,7 +341,7 @@ class LoadedCheckpoint:
     optimizer: dict
     scheduler: dict
     rollout_buffer: dict | None
-    reference_file: Path | None  # the synced reference's weights (load with ``load_reference``)
+    reference_file: Path | None  # the synced reference's weights (load with ``restore_reference_weights``)
     pending_groups: list | None = None  # dynamic sampling's pending groups, one buffer (or None) per process
     ahead_round: dict | None = None     # async rollouts: the round sampled ahead (a Round buffer)
 
@@ -389,7 +389,7 @@ def _load_on_cpu(file: Path) -> Any:
     return torch.load(file, weights_only=True, map_location="cpu") if file.exists() else None
 
 
-def load_weights(model, path: Path) -> None:
+def restore_policy_weights(model, path: Path) -> None:
     """A checkpoint's trained weights into ``model``: every weight, or under LoRA the adapters alone (what
     peft's ``save_pretrained`` wrote, in its own key names)."""
     from safetensors.torch import load_file
@@ -423,7 +423,7 @@ def load_weights(model, path: Path) -> None:
                             f"unexpected {unexpected[:5]})")
 
 
-def load_reference(model: torch.nn.Module, path: Path) -> None:
+def restore_reference_weights(model: torch.nn.Module, path: Path) -> None:
     """A checkpoint's synced reference weights (``CheckpointContents.reference``) into ``model``."""
     from safetensors.torch import load_file, load_model
 

@@ -10,7 +10,7 @@
       gradients ga micro-batches: run.loss_fn(logps, old_logps, ref_logps, A, mask) (GRPOLoss); backward; clip
       guards    the step's metrics decide: apply, skip the update, roll back, or stop
       update    optimizer and schedule step; the rollout engine gets the new weights
-      evaluate  every eval_steps: the policy on held-out prompts -> eval/* (grpo_core/train/evaluation.py)
+      evaluate  every eval_steps: the policy on held-out prompts -> eval/* (grpo_core/train/periodic_eval.py)
       log       the step log (CSV) and the tracker
       save      every save_steps and at the end (with the round when the step ends inside it); the best
                 checkpoint by metric_for_best_model is kept
@@ -45,7 +45,6 @@ from grpo_core.train.completions import CompletionLog, as_table, completion_rows
 from grpo_core.train.curriculum import build_sampler, close_round, curriculum_columns, observe
 from grpo_core.train.dynamic import fill_round
 from grpo_core.train.entropy import applied_entropy_coef, next_entropy_coef
-from grpo_core.train.evaluation import evaluate_held_out, evaluation_due, load_best_weights, update_best
 from grpo_core.train.export import export_model, whole_model
 from grpo_core.train.forward import frozen_logprobs
 from grpo_core.train.guards import GuardEvent, GuardMonitor, GuardsConfig, GuardStop, decide
@@ -53,6 +52,7 @@ from grpo_core.train.metrics import loss_stat_means, reduce_across_processes
 from grpo_core.train.micro_batch import micro_batch_loss
 from grpo_core.train.optim import scale_learning_rate
 from grpo_core.train.parallel import finite_everywhere, gather_values, global_sum
+from grpo_core.train.periodic_eval import evaluate_held_out, evaluation_due, load_best_weights, update_best
 from grpo_core.train.reference import mix_reference
 from grpo_core.train.round import Round, assign_advantages, sample_round
 from grpo_core.train.sampler_worker import SamplerWorker, receive_round, take_round_ahead

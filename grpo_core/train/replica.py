@@ -54,11 +54,11 @@ class EngineFromShards:
 
     def __init__(self, engine_backend):
         self.inner = engine_backend
-        self.inner.load_weights()  # collective: every process builds its backend at the same point of set-up
+        self.inner.push_weights()  # collective: every process builds its backend at the same point of set-up
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
         self.inner.sync_weights(policy)
-        self.inner.load_weights()
+        self.inner.push_weights()
 
     def generate(self, prompt_ids, num_generations, sampling):
         return self.inner.generate(prompt_ids, num_generations, sampling)

@@ -204,10 +204,10 @@ def _send_error(conn, exc: BaseException) -> None:
 
 
 class SamplerWorker:
-    """The trainer's handle on the sampler worker: ``start``, ``load_weights``, ``submit``, ``receive``,
+    """The trainer's handle on the sampler worker: ``start``, ``copy_weights``, ``submit``, ``receive``,
     ``close``.
 
-    ``start``'s policy: the unwrapped policy (CPU); its copy lives in shared memory, so ``load_weights``
+    ``start``'s policy: the unwrapped policy (CPU); its copy lives in shared memory, so ``copy_weights``
     copies the trainable tensors, no transfer. reference: the frozen reference the worker scores rounds
     sampled ahead with (shared in place), ``ADAPTERS_OFF`` under LoRA, or None (the trainer scores them).
     make_backend: ``(model, tokenizer) -> RolloutBackend`` (a module-level callable: the worker is spawned),
@@ -254,7 +254,7 @@ class SamplerWorker:
                          torch.get_num_threads(), make_backend))
 
     @torch.no_grad()
-    def load_weights(self, policy: torch.nn.Module) -> None:
+    def copy_weights(self, policy: torch.nn.Module) -> None:
         """The policy's trainable tensors into the worker's copy (frozen ones never change)."""
         if self.in_flight:
             raise SamplerWorkerError("the sampler worker's weights were about to change while it samples")
@@ -375,7 +375,7 @@ def submit_round(run: TrainingRun, prompts: Prompts, state: TrainState, per_proc
     train on it, so the worker also scores its tokens under these (the old log-probs) and, off this process's
     critical path, under the reference."""
     indices = state.sampler.take(per_process)
-    run.sampler.load_weights(run.policy)
+    run.sampler.copy_weights(run.policy)
     run.sampler.submit(SampleRequest(row_ids=indices, rows=[prompts.dataset[i] for i in indices],
                                      rng_state=torch.get_rng_state(), old_logps=ahead,
                                      ref_logps=ahead and run.sampler.scores_reference,

@@ -35,12 +35,12 @@ from grpo_core.model.sharding import shard_model
 from grpo_core.rewards import build_reward_functions
 from grpo_core.rollout import Placement, backend_for
 from grpo_core.train.compute_weights import ComputeWeights, uses_compute_weights
-from grpo_core.train.evaluation import (
-    load_held_out,
-)
 from grpo_core.train.forward import LogprobOptions
 from grpo_core.train.optim import build_optimizer_and_scheduler
 from grpo_core.train.parallel import ParallelConfigError, check_parallelism, read_parallelism
+from grpo_core.train.periodic_eval import (
+    load_held_out,
+)
 from grpo_core.train.replica import EngineFromShards, ReplicaRollouts
 from grpo_core.train.reward_weights import training_reward_weights
 from grpo_core.train.round import RoundSpec, Scoring

@@ -30,8 +30,8 @@ from grpo_core.train.checkpoint import (
     CheckpointContents,
     CheckpointOptions,
     load_checkpoint,
-    load_reference,
-    load_weights,
+    restore_policy_weights,
+    restore_reference_weights,
     save_checkpoint,
 )
 from grpo_core.train.completions import CompletionLogOptions
@@ -219,14 +219,14 @@ def restore_state(run: TrainingRun, path: Path, sampler: Sampler) -> TrainState:
     """Load checkpoint ``path`` into the run's weights, optimizer, scheduler and reference, ``sampler`` and
     the RNGs; return its ``TrainState`` (whose ``sampler`` is the one passed)."""
     ck = load_checkpoint(path, expected_hash=run.params_hash, device=run.accelerator.device)
-    load_weights(run.policy, path)
+    restore_policy_weights(run.policy, path)
     if is_sharded(run.policy):
         load_optimizer_state(run.policy, run.optimizer, ck.optimizer)
     else:
         run.optimizer.load_state_dict(ck.optimizer)
     run.scheduler.load_state_dict(ck.scheduler)
     if ck.reference_file is not None and run.ref_model is not None:
-        load_reference(run.ref_model, ck.reference_file)
+        restore_reference_weights(run.ref_model, ck.reference_file)
     sampler.load_state_dict(ck.state["sampler"])
     restore_rngs(ck.state["rng"], run.accelerator.process_index, run.seed, ck.state["step"])
     return TrainState(sampler=sampler, step=ck.state["step"], micro_step=ck.state["micro_step"],

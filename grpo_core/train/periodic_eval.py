@@ -31,7 +31,7 @@ from grpo_core.evaluation import (
 )
 from grpo_core.rewards.judges import build_judges
 from grpo_core.rollout import GenerationConfig, sampling_params
-from grpo_core.train.checkpoint import load_weights
+from grpo_core.train.checkpoint import restore_policy_weights
 from grpo_core.train.state import HeldOutPrompts, TrainingRun, TrainState
 
 
@@ -113,6 +113,6 @@ def load_best_weights(run: TrainingRun, state: TrainState) -> Path | None:
     if not run.evaluation.load_best_model_at_end or state.best_step is None or state.best_step == state.step:
         return None
     path = run.checkpoint_dir / f"checkpoint-{state.best_step}"
-    load_weights(run.policy, path)
+    restore_policy_weights(run.policy, path)
     run.backend.sync_weights(run.policy)
     return path
