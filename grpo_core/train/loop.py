@@ -3,10 +3,11 @@
     set up      policy, reference, optimizer, rollout backend, data, rewards     -> TrainingRun
     resume      the newest complete checkpoint, or step 0                        -> TrainState
     per step:
-      round     at a round's start: G completions per prompt, rewards (N, K), advantages (N,),
-                old log-probs (only when a round feeds > 1 step), reference log-probs (beta > 0)   -> Round
-                (async_rollouts: the round the sampler worker sampled ahead, and the next one submitted;
-                train.curriculum: prompts of each task's current level, which the round's accuracy may raise)
+      round     at a round's start, sample_next_round: G completions per prompt, rewards (N, K),
+                advantages (N,) -> Round (async_rollouts: the round the sampler worker sampled ahead, and
+                the next one submitted; train.curriculum: prompts of each task's current level, which the
+                round's accuracy may raise); then prepare_round: old log-probs (only when a round feeds > 1
+                step), reference log-probs (beta > 0)
       gradients ga micro-batches: run.loss_fn(logps, old_logps, ref_logps, A, mask) (GRPOLoss); backward; clip
       guards    the step's metrics decide: apply, skip the update, roll back, or stop
       update    optimizer and schedule step; the rollout engine gets the new weights
@@ -148,7 +149,7 @@ def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, roo
         while state.step < t.max_steps:
             step_start = time.perf_counter()
             if not _inside_round(state, run.plan):
-                state.round = new_round(run, prompts, state)
+                state.round = prepare_round(run, sample_next_round(run, prompts, state))
             entropy_coef = applied_entropy_coef(state.entropy_coef, state.last_entropy,
                                                 adaptive=run.entropy.use_adaptive_entropy,
                                                 target=run.entropy.entropy_target)
@@ -230,11 +231,10 @@ def open_step_log(run: TrainingRun, path: Path, reward_names: list[str], step: i
 # Round
 
 
-def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
-    """This process's share of the next global batch of prompts, sampled and scored (with dynamic sampling:
-    its quota of groups whose rewards differ, ``grpo_core/train/dynamic.py``, the surplus left in
-    ``state.pending``); rows length-grouped within each step's span; the frozen log-probs the round's steps
-    need.
+def sample_next_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
+    """This process's share of the next global batch of prompts, sampled, scored and given advantages (with
+    dynamic sampling: its quota of groups whose rewards differ, ``grpo_core/train/dynamic.py``, the surplus
+    left in ``state.pending``; with async rollouts: the round sampled ahead).
 
     One global prompt order: each sampling takes the global batch and every process its own slice of it, so N
     processes train on exactly the prompts one process would.
@@ -266,6 +266,14 @@ def new_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> Round:
         else:
             round_ = assign_advantages(sample(), weights, run.advantage, plan.group_size, acc)
     round_.metrics.update(close_round(state.sampler, acc, state.step + 1, log))
+    return round_
+
+
+def prepare_round(run: TrainingRun, round_: Round) -> Round:
+    """A sampled round made ready to train on: rows length-grouped within each step's span; the frozen
+    log-probs its steps need (old, when the round outlives this policy; reference, beta > 0); the sampler
+    correction's ratio."""
+    plan, acc = run.plan, run.accelerator
     ga = plan.micro_batches_per_step
     if run.batch.group_by_length and ga > 1:  # one micro-batch per step: nothing to regroup
         order = length_grouped_order(round_.prompt_mask.sum(1), round_.completion_mask.sum(1),
