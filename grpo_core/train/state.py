@@ -136,6 +136,28 @@ class TrainState:
                                  # (saved when in hand)
     ahead_step: int | None = None  # the optimizer steps behind the weights that sampled ``ahead``
 
+    def state_dict(self) -> dict:
+        """What a checkpoint's trainer_state.json holds of this state (the step is the checkpoint's own; the
+        rounds go in files of their own)."""
+        return {"micro_step": self.micro_step, "sampler": self.sampler.state_dict(),
+                "rollbacks": self.rollbacks, "entropy_coef": self.entropy_coef,
+                "last_entropy": self.last_entropy, "best_step": self.best_step, "best_value": self.best_value,
+                "ahead_step": self.ahead_step}
+
+    @classmethod
+    def from_state_dict(cls, saved: dict, sampler: Sampler, *, step: int, entropy_coef: float,
+                        round: Round | None, ahead: Round | None, pending: Round | None,
+                        reference_synced: bool) -> TrainState:
+        """The state a checkpoint saved (``state_dict``) with its rounds; ``sampler`` takes the saved data
+        order. A key an older checkpoint lacks takes its default (``entropy_coef``: the run's setting)."""
+        sampler.load_state_dict(saved["sampler"])
+        return cls(sampler=sampler, step=step, micro_step=saved["micro_step"],
+                   rollbacks=saved.get("rollbacks", 0), round=round, reference_synced=reference_synced,
+                   entropy_coef=saved.get("entropy_coef", entropy_coef),
+                   last_entropy=saved.get("last_entropy", float("inf")), pending=pending,
+                   best_step=saved.get("best_step"), best_value=saved.get("best_value"), ahead=ahead,
+                   ahead_step=saved.get("ahead_step"))
+
 
 @dataclass
 class TrainingRun:
@@ -198,11 +220,7 @@ def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round
         weights, optimizer_state = None, run.optimizer.state_dict()
         reference = synced.state_dict() if synced is not None else None
     if acc.is_main_process:
-        meta = {"micro_step": state.micro_step, "sampler": state.sampler.state_dict(),
-                "params_hash": run.params_hash, "rollbacks": state.rollbacks,
-                "entropy_coef": state.entropy_coef, "last_entropy": state.last_entropy,
-                "world_size": acc.num_processes, "best_step": state.best_step, "best_value": state.best_value,
-                "ahead_step": state.ahead_step,
+        meta = {**state.state_dict(), "params_hash": run.params_hash, "world_size": acc.num_processes,
                 "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         contents = CheckpointContents(
             model=run.policy, tokenizer=run.tokenizer, optimizer_state=optimizer_state,
@@ -227,18 +245,16 @@ def restore_state(run: TrainingRun, path: Path, sampler: Sampler) -> TrainState:
     run.scheduler.load_state_dict(ck.scheduler)
     if ck.reference_file is not None and run.ref_model is not None:
         restore_reference_weights(run.ref_model, ck.reference_file)
-    sampler.load_state_dict(ck.state["sampler"])
     restore_rngs(ck.state["rng"], run.accelerator.process_index, run.seed, ck.state["step"])
-    return TrainState(sampler=sampler, step=ck.state["step"], micro_step=ck.state["micro_step"],
-                      rollbacks=ck.state.get("rollbacks", 0),
-                      round=Round.from_buffer(ck.rollout_buffer) if ck.rollout_buffer is not None else None,
-                      reference_synced=ck.reference_file is not None,
-                      pending=_own_pending(ck.pending_groups, run.accelerator, run.plan.group_size),
-                      entropy_coef=ck.state.get("entropy_coef", run.entropy.entropy_coef),
-                      last_entropy=ck.state.get("last_entropy", float("inf")),
-                      best_step=ck.state.get("best_step"), best_value=ck.state.get("best_value"),
-                      ahead=Round.from_buffer(ck.ahead_round) if ck.ahead_round is not None else None,
-                      ahead_step=ck.state.get("ahead_step"))
+
+    def as_round(buffer: dict | None) -> Round | None:
+        return Round.from_buffer(buffer) if buffer is not None else None
+
+    return TrainState.from_state_dict(
+        ck.state, sampler, step=ck.state["step"], entropy_coef=run.entropy.entropy_coef,
+        round=as_round(ck.rollout_buffer), ahead=as_round(ck.ahead_round),
+        pending=_own_pending(ck.pending_groups, run.accelerator, run.plan.group_size),
+        reference_synced=ck.reference_file is not None)
 
 
 def _gather_pending(accelerator, pending: Round | None) -> list[dict | None]:
