@@ -25,8 +25,10 @@ reward magnitude - what the user configured.
 
 Dead functions - mean within-group std below ``dead_std_threshold`` (or no group with two valid
 values) - get weight 0 and the flag ``dead``; their target share is redistributed over the live ones
-by the renormalisation above. A function is flagged ``dominant`` when its share of the (diagonal)
-within-group variance under *uniform* weights (all 1), v_k / sum_j v_j, exceeds ``dominant_share``.
+by the renormalisation above. When every function is dead the sample has nothing to weigh them by, and
+the weights are the configured target shares themselves (all zeros would make training a no-op). A
+function is flagged ``dominant`` when its share of the (diagonal) within-group variance under *uniform*
+weights (all 1), v_k / sum_j v_j, exceeds ``dominant_share``.
 
 Ignoring covariance is an approximation (format and correctness are usually positively correlated).
 The output therefore also reports the *realised* share under the chosen weights computed from the data
@@ -333,9 +335,12 @@ def calibrate_weights(rewards: Any, group_size: int, names: Sequence[str],
         weights = raw * (targets.sum() / raw.sum())  # live weights sum to the configured total
     elif live.any():
         warnings.append("every live reward function has target_share 0: all weights are 0")
-    else:
-        warnings.append("no reward function varies within groups: every one is dead, all weights are 0 "
-                        "(training on these prompts would see zero advantages)")
+    else:  # nothing to weigh by: zeros would make training a no-op, so the configured shares stand
+        weights, effective = targets.copy(), targets / targets.sum()
+        warnings.append("no reward function varies within groups on the calibration sample (every one is "
+                        "dead): nothing to weigh them by, so the weights are the configured target shares; "
+                        "calibrate more prompts or samples (calibrate.num_prompts, num_generations), or "
+                        "check that the base model ever solves them")
     if correctness_index is not None and not live[correctness_index]:
         warnings.append(f"the correctness function '{names[correctness_index]}' is dead on the calibration "
                         "sample (no group has both passes and failures): its weight is 0, so training will "

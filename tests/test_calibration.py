@@ -159,14 +159,17 @@ def test_difficulty_profile_and_selection():
     np.testing.assert_array_equal(pass_rates(np.array([0.9, 1.0]), 2, threshold=0.5), [1.0])
 
 
-def test_dead_correctness_warns_and_all_dead_falls_to_zero():
+def test_dead_correctness_warns_and_all_dead_keeps_the_configured_shares():
     r = np.array([[0, 0, 0, 0], [1, 0, 1, 0]], dtype=float).T  # correctness never solved, format varies
     out = calibrate_weights(r, 2, ["c", "f"], [0.8, 0.2], correctness_index=0)
     assert out["weights"] == {"c": 0.0, "f": pytest.approx(1.0)}  # f gets the whole configured total
     assert any("correctness function 'c' is dead" in w for w in out["warnings"])
     dead = calibrate_weights(np.ones((4, 2)), 2, ["c", "f"], [0.8, 0.2])
-    assert dead["weights_list"] == [0.0, 0.0] and dead["flags"] == {"c": ["dead"], "f": ["dead"]}
-    assert dead["warnings"]
+    assert dead["weights_list"] == [0.8, 0.2] and dead["flags"] == {"c": ["dead"], "f": ["dead"]}
+    assert dead["target_shares"]["effective"] == {"c": pytest.approx(0.8), "f": pytest.approx(0.2)}
+    assert any("configured target shares" in w for w in dead["warnings"])
+    lone = calibrate_weights(np.zeros((4, 1)), 4, ["c"], [1.0], correctness_index=0)  # never solved
+    assert lone["weights_list"] == [1.0]
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
