@@ -325,22 +325,7 @@ def calibrate_weights(rewards: Any, group_size: int, names: Sequence[str],
         if live.sum() > 1 and np.isfinite(approx_uniform[i]) and approx_uniform[i] > dominant_share:
             flags[n].append("dominant")
 
-    weights = np.zeros(k)
-    live_targets = np.where(live, targets, 0.0)
-    effective = np.zeros(k)
-    if live_targets.sum() > 0:
-        effective = live_targets / live_targets.sum()  # dead shares redistributed pro rata
-        raw = np.zeros(k)
-        raw[live] = np.sqrt(effective[live] / v[live])
-        weights = raw * (targets.sum() / raw.sum())  # live weights sum to the configured total
-    elif live.any():
-        warnings.append("every live reward function has target_share 0: all weights are 0")
-    else:  # nothing to weigh by: zeros would make training a no-op, so the configured shares stand
-        weights, effective = targets.copy(), targets / targets.sum()
-        warnings.append("no reward function varies within groups on the calibration sample (every one is "
-                        "dead): nothing to weigh them by, so the weights are the configured target shares; "
-                        "calibrate more prompts or samples (calibrate.num_prompts, num_generations), or "
-                        "check that the base model ever solves them")
+    weights, effective = _rule_weights(live, targets, v, warnings)
     if correctness_index is not None and not live[correctness_index]:
         warnings.append(f"the correctness function '{names[correctness_index]}' is dead on the calibration "
                         "sample (no group has both passes and failures): its weight is 0, so training will "
@@ -371,6 +356,26 @@ def calibrate_weights(rewards: Any, group_size: int, names: Sequence[str],
         "difficulty": stats["difficulty"],
         "warnings": warnings,
     }
+
+
+def _rule_weights(live: np.ndarray, targets: np.ndarray, v: np.ndarray,
+                  warnings: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(weights, effective target shares) by the module docstring's rule; a warning where it cannot apply."""
+    live_targets = np.where(live, targets, 0.0)
+    if live_targets.sum() > 0:
+        effective = live_targets / live_targets.sum()  # dead shares redistributed pro rata
+        raw = np.zeros(len(targets))
+        raw[live] = np.sqrt(effective[live] / v[live])
+        return raw * (targets.sum() / raw.sum()), effective  # live weights sum to the configured total
+    if live.any():
+        warnings.append("every live reward function has target_share 0: all weights are 0")
+        return np.zeros(len(targets)), np.zeros(len(targets))
+    # nothing to weigh by: zeros would make training a no-op, so the configured shares stand
+    warnings.append("no reward function varies within groups on the calibration sample (every one is dead): "
+                    "nothing to weigh them by, so the weights are the configured target shares; calibrate "
+                    "more prompts or samples (calibrate.num_prompts, num_generations), or check that the "
+                    "base model ever solves them")
+    return targets.copy(), targets / targets.sum()
 
 
 def select_training_prompts(pass_rates: Sequence[float | None], drop_always_solved: bool,

@@ -74,6 +74,19 @@ def test_the_step_log_refuses_a_metric_it_has_no_column_for(tmp_path):
     assert (tmp_path / "log.csv").read_text().splitlines() == ["step,reward", "1,0.5"]
 
 
+def test_a_column_a_round_turns_out_to_need_widens_the_log_in_the_tables_order(tmp_path):
+    """The sampler correction's metrics come with a backend that reports its own log-probs, known once a round
+    has them: the file is rewritten with their column where the table puts it, earlier lines blank there."""
+    log = StepLog(tmp_path / "log.csv", ["step", "reward", "grad_norm"], 0,
+                  possible=["step", "reward", "sampling/importance_sampling_ratio/max", "grad_norm"])
+    log.append({"step": 1, "reward": 0.5, "grad_norm": 1.0})
+    log.append({"step": 2, "reward": 0.25, "sampling/importance_sampling_ratio/max": 1.5, "grad_norm": 2.0})
+    assert (tmp_path / "log.csv").read_text().splitlines() == [
+        "step,reward,sampling/importance_sampling_ratio/max,grad_norm", "1,0.5,,1", "2,0.25,1.5,2"]
+    with pytest.raises(ValueError, match="not columns"):
+        log.append({"step": 3, "reward": 0.0, "grad_norm": 1.0, "dynamic/groups_dropped": 1.0})
+
+
 # rank -> (micro-batch 1, micro-batch 2) of each extreme; NaN: no sequence with a token there
 LOW_MIN = {0: (0.1, math.nan), 1: (0.3, 0.2)}
 HIGH_MAX = {0: (0.5, math.nan), 1: (0.4, math.nan)}

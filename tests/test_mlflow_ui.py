@@ -182,8 +182,9 @@ def test_train_run_leads_with_reward_and_kl_and_the_model_is_logged_and_register
     rewards = [float(r["reward"]) for r in train_log(repo)]
     headline = [m.value for m in sorted(client.get_metric_history(train.info.run_id, "0_overview/reward"),
                                         key=lambda m: m.step)]
-    assert headline == rewards == [
+    assert headline == [
         m.value for m in sorted(client.get_metric_history(train.info.run_id, "reward"), key=lambda m: m.step)]
+    assert headline == pytest.approx(rewards, rel=1e-5, abs=1e-12)  # the train log: 6 significant digits
     assert len(client.get_metric_history(train.info.run_id, "0_overview/kl")) == len(rewards)
 
     evaluate = runs["evaluate"]

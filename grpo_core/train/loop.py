@@ -224,7 +224,9 @@ def open_step_log(run: TrainingRun, path: Path, reward_names: list[str], step: i
     columns after the others."""
     if not run.accelerator.is_main_process:
         return None
-    return StepLog(path, metric_columns(run, reward_names) + curriculum_columns(sampler), step)
+    levels = curriculum_columns(sampler)
+    return StepLog(path, metric_columns(run, reward_names) + levels, step,
+                   possible=metric_columns(run, reward_names, late=True) + levels)
 
 
 # ---------------------------------------------------------------------------------------------------
