@@ -109,8 +109,7 @@ def loss_stat_means(stats: list[dict], accelerator) -> dict[str, float]:
     """The step's loss statistics from its micro-batches' (``stats``, GRPOLoss's, one dict each): each the
     mean over micro-batches, min and max taken across processes per micro-batch first; 0 for an "always"
     metric this loss type does not compute. A statistic the table does not declare is an error."""
-    declared = {m.name: m for m in LOSS_STATS}
-    unknown = sorted({k for s in stats for k in s} - set(declared))
+    unknown = sorted({k for s in stats for k in s} - {m.name for m in LOSS_STATS})
     if unknown:
         raise ValueError(f"the loss computes {unknown}, which grpo_core/train/metrics.py does not declare")
     out: dict[str, float] = {}
