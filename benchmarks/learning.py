@@ -99,7 +99,7 @@ def reward_weights(root: Path, cfg) -> list[float]:
 def trl_args(cfg, workdir: Path, weights: list[float]) -> dict:
     """GRPOConfig keyword arguments for params ``cfg``'s train and generation sections: the same values under
     TRL's names (most are the same name)."""
-    from grpo_core.config import flat_train
+    from grpo_core.train.options import flat_train
 
     t, g = cfg.train, cfg.generation
     sampling = ("max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")

@@ -9,8 +9,8 @@ a module imports only its own layer and those below.
     data/, rewards/, tools/          prompts (loading, validation); reward functions; tool calling
     rollout/                         generation: backends behind one interface, multi-turn, sample-and-score
     evaluation.py                    a policy on held-out prompts and its metrics (pass@k)
-    train/, config.py                the training loop as named phases; params.yaml assembled from the options
-                                     each module above declares
+    train/                           the training loop as named phases; `train:`'s options (train/options.py)
+    config.py                        params.yaml assembled from the options each module above declares
 
 ``flows/`` (the stage commands, Prefect, MLflow) sits on top and is never imported from here.
 """

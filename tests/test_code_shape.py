@@ -1,8 +1,9 @@
 """What a reader of grpo_core can rely on: a function says by its parameters what it depends on - none but the
-config assembly (grpo_core/config.py) takes the whole `train:` config (each takes the group of options it
-reads: t.loss, t.optim, ...) - and none is longer than one sitting's read (90 lines). Files stay short
-(config.py at most 500 lines, any other at most 600), long parameter lists are the named exceptions, an option
-is read by its owner only, and ruff passes with lines of at most 110 columns."""
+declaration of `train:` and the config assembly (grpo_core/train/options.py, config.py) takes the whole
+`train:` config (each takes the group of options it reads: t.loss, t.optim, ...) - and none is longer than
+one sitting's read (90 lines). Files stay short (config.py at most 500 lines, any other at most 600), long
+parameter lists are the named exceptions, an option is read by its owner only, and ruff passes with lines
+of at most 110 columns."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def offenders(check, skip: tuple[str, ...] = ()) -> list[str]:
 
 
 def test_only_the_config_assembly_takes_the_whole_train_config():
-    assert offenders(takes_the_train_config, skip=("config.py",)) == []
-    assert offenders(takes_the_train_config) != []  # the check sees config.py's own
+    assert offenders(takes_the_train_config, skip=("config.py", "train/options.py")) == []
+    assert offenders(takes_the_train_config) != []  # the check sees the declaration's own
 
 
 def test_no_code_reads_train_keys_through_a_whole_run_config():

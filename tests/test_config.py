@@ -13,11 +13,10 @@ from grpo_core.config import (
     config_from_dict,
     describe_train,
     load_config,
-    train_key_owner,
-    training_params_hash,
 )
 from grpo_core.data.loading import DataConfig
 from grpo_core.rollout import GenerationConfig
+from grpo_core.train.options import train_key_owner, training_params_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -288,3 +287,17 @@ def test_train_keys_are_grouped_by_owner_and_every_key_has_one_group():
     assert cfg.train.loss.epsilon == 0.3 and cfg.train.batch_plan.micro_batches_per_round == 2
     assert not hasattr(cfg.train, "epsilon")  # one place: the group, not a copy on the train config
     assert {row[0] for row in describe_train()} == set(owner)
+
+
+def test_a_pipeline_config_is_the_sections_a_training_run_reads():
+    """The trainer takes ``RunSections`` (it never imports config.py): PipelineConfig must hold each of its
+    sections, with the same type."""
+    import typing
+
+    from grpo_core.config import PipelineConfig
+    from grpo_core.train.options import RunSections
+
+    wanted = typing.get_type_hints(RunSections)
+    held = typing.get_type_hints(PipelineConfig)
+    assert set(wanted) == {"data", "model", "generation", "rewards", "train", "guards"}
+    assert {name: held.get(name) for name in wanted} == wanted

@@ -113,7 +113,8 @@ LAYERS = [
     ("grpo_core.tools", "grpo_core.data", "grpo_core.rewards"),
     ("grpo_core.rollout",),
     ("grpo_core.evaluation",),
-    ("grpo_core.train", "grpo_core.config"),  # config assembles the options the layers below declare
+    ("grpo_core.train",),
+    ("grpo_core.config",),  # assembles params.yaml from the options the layers below declare
     ("flows",),
 ]
 

@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 def test_trl_gets_the_recipe_of_params_yaml_value_for_value(tmp_path):
     from trl import GRPOConfig
 
-    from grpo_core.config import flat_train, load_config
+    from grpo_core.config import load_config
+    from grpo_core.train.options import flat_train
 
     cfg = load_config(REPO / "params.yaml", {"generation.min_p": 0.05, "generation.repetition_penalty": 1.1})
     t, g = flat_train(cfg.train), cfg.generation  # params.yaml's train: keys, TRL's names

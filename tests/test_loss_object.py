@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_core.config import TrainConfig
 from grpo_core.loss import GRPOLoss, LossOptions, grpo_loss
+from grpo_core.train.options import TrainConfig
 
 F64 = torch.float64
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from benchmarks import memory_plan as mp
-from grpo_core.config import TrainConfig
 from grpo_core.model.loading import LoraConfig, ModelConfig, load_policy
 from grpo_core.train.optim import build_optimizer_and_scheduler
+from grpo_core.train.options import TrainConfig
 from tests.tiny import make_tiny_model
 
 

@@ -10,9 +10,9 @@ import pytest
 
 from flows.stages import common
 from grpo_core.common.errors import InputUnreadable
-from grpo_core.config import training_params_hash
 from grpo_core.train.checkpoint import latest_checkpoint, load_checkpoint
 from grpo_core.train.loop import train
+from grpo_core.train.options import training_params_hash
 from grpo_core.train.reward_weights import CALIBRATION_WEIGHTS, CalibrationMismatch, training_reward_weights
 from tests.tiny import make_prompts, make_tiny_model, tiny_config
 

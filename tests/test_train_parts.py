@@ -8,11 +8,11 @@ import torch
 from safetensors.torch import load_file
 
 from benchmarks.levers import train_overrides
-from grpo_core.config import train_key_owner
 from grpo_core.train.batching import trim_padding
 from grpo_core.train.checkpoint import list_checkpoints
 from grpo_core.train.loop import train
 from grpo_core.train.optim import build_optimizer_and_scheduler
+from grpo_core.train.options import train_key_owner
 from grpo_core.train.round import Round
 from tests.tiny import make_prompts, make_tiny_model, tiny_config, train_options
 

@@ -9,7 +9,7 @@ interrupted or extended run resumes), ``<train.output_dir>/model/``, ``metrics/t
 too: a resumed run keeps the steps before its checkpoint) and ``plots/training.png``.
 
 Resume or start fresh? The checkpoints directory carries ``stage_fingerprint.json``: the training params
-hash (``grpo_core.config.training_params_hash``, which leaves out max_steps and other bookkeeping keys)
+hash (``grpo_core.train.options.training_params_hash``, which leaves out max_steps and other bookkeeping keys)
 plus md5s of the contents of the training data and the base model, the reward weights and the kept prompts
 (``ContentHashes``: a touched, copied or re-downloaded model has the same fingerprint). The stage resumes only
 when the fingerprint matches (a crash, or a larger ``max_steps``); otherwise - new params, new data, ``dvc
@@ -174,8 +174,8 @@ def _stat_stamp(path: Path) -> list[int]:
 def fingerprint(ctx, cfg, weights: list[float], allowed: list[int] | None,
                 large_file_bytes: int = LARGE_FILE_BYTES) -> dict:
     """What the checkpoints belong to: the training params hash and the md5s of the inputs' contents."""
-    from grpo_core.config import training_params_hash
     from grpo_core.model.loading import resolve_model_path
+    from grpo_core.train.options import training_params_hash
 
     hashes = ContentHashes(kept_sets_root(ctx, cfg) / INPUT_HASHES, large_file_bytes)
     try:

@@ -35,7 +35,6 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from grpo_core.config import PipelineConfig
 from grpo_core.loss import sampler_correction
 from grpo_core.model.fastforward import use_manual_forward
 from grpo_core.model.loading import DTYPES, load_model
@@ -52,6 +51,7 @@ from grpo_core.train.guards import GuardEvent, GuardMonitor, GuardsConfig, Guard
 from grpo_core.train.metrics import loss_stat_means, reduce_across_processes
 from grpo_core.train.micro_batch import micro_batch_loss
 from grpo_core.train.optim import scale_learning_rate
+from grpo_core.train.options import RunSections
 from grpo_core.train.parallel import finite_everywhere, gather_values, global_sum
 from grpo_core.train.periodic_eval import evaluate_held_out, evaluation_due, load_best_weights, update_best
 from grpo_core.train.reference import mix_reference
@@ -114,7 +114,7 @@ class TrainHooks:
     sampler_worker: SamplerWorker | None = None
 
 
-def train(cfg: PipelineConfig, *, reward_weights: list[float] | None = None, root: str | Path = ".",
+def train(cfg: RunSections, *, reward_weights: list[float] | None = None, root: str | Path = ".",
           allowed_prompts: list[int] | None = None, progress: bool = True,
           log_path: str | Path = "metrics/train_log.csv", export: bool = True,
           hooks: TrainHooks | None = None) -> TrainResult:

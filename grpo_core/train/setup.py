@@ -1,5 +1,5 @@
-"""The set-up phase of a training run: from a PipelineConfig to the objects a run holds (``TrainingRun``) and
-what it samples from (``Prompts``).
+"""The set-up phase of a training run: from the sections a run reads (``RunSections``) to the objects a run
+holds (``TrainingRun``) and what it samples from (``Prompts``).
 
     accelerator, seeds -> policy (float32 masters; LoRA, QLoRA) and reference -> data, rewards, reward weights
       -> placement (DDP, FSDP2 shards, the bf16 compute copy, a cast copy to sample from), optimizer, schedule
@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from grpo_core.config import PipelineConfig, training_params_hash
 from grpo_core.data.loading import PromptEncoder, load_split
 from grpo_core.loss import (
     GRPOLoss,
@@ -37,6 +36,7 @@ from grpo_core.rollout import Placement, backend_for
 from grpo_core.train.compute_weights import ComputeWeights, uses_compute_weights
 from grpo_core.train.forward import LogprobOptions
 from grpo_core.train.optim import build_optimizer_and_scheduler
+from grpo_core.train.options import RunSections, training_params_hash
 from grpo_core.train.parallel import ParallelConfigError, check_parallelism, read_parallelism
 from grpo_core.train.periodic_eval import (
     load_held_out,
@@ -54,7 +54,7 @@ from grpo_core.train.state import (
 log = logging.getLogger(__name__)
 
 
-def set_up(cfg: PipelineConfig, root: Path, reward_weights, backend_factory) -> tuple[TrainingRun, Prompts]:
+def set_up(cfg: RunSections, root: Path, reward_weights, backend_factory) -> tuple[TrainingRun, Prompts]:
     """Accelerator, seed, policy (fp32 masters), reference, data, rewards, optimizer, rollout backend.
 
     On N processes the policy is DDP-wrapped, or under FSDP2 (``train.accelerate_config`` with fsdp_config)
@@ -151,7 +151,7 @@ class PlacedPolicy:
     replica: Any      # a whole copy that samples (sharded runs, the cast copy), else None
 
 
-def place_policy(cfg: PipelineConfig, accelerator, parallelism, model, ref_model, make_sampler, *,
+def place_policy(cfg: RunSections, accelerator, parallelism, model, ref_model, make_sampler, *,
                  compute_copy: bool) -> PlacedPolicy:
     """Shard, wrap or copy the float32 policy (and move or shard the reference) for this run's strategy; build
     the optimizer over the weights it steps and the rollout backend (``make_sampler``: module -> backend) over
@@ -202,7 +202,7 @@ def allow_tf32() -> None:
     torch.backends.cudnn.conv.fp32_precision = "tf32"
 
 
-def samples_from_a_cast_copy(cfg: PipelineConfig, policy: torch.nn.Module) -> bool:
+def samples_from_a_cast_copy(cfg: RunSections, policy: torch.nn.Module) -> bool:
     """Whether rollouts sample from a copy of the policy in ``model.dtype`` (e.g. bf16) instead of the float32
     masters: full fine-tuning with a half-precision model.dtype, sampled by HF generate or the decode loop.
     The masters under autocast would run every decode step on float32 weights (a cast of each weight per op, a
