@@ -29,7 +29,7 @@ Persistent state, per process
     compute copy       full fine-tuning under mixed_precision bf16 on 1 GPU or DDP: the bf16 copy of the
                        masters that every training forward and backward and every rollout run on
                        (train/compute_weights.py), 2 B/param. Without mixed precision, a half-precision
-                       model.dtype: a copy in model.dtype that rollouts sample from (train/loop.py
+                       model.dtype: a copy in model.dtype that rollouts sample from (train/policy.py
                        samples_from_a_cast_copy).
     LoRA (DDP)         the frozen base in model.dtype; adapters r*(in + out) for each of q, k, v, o, gate, up,
                        down in every layer (peft's "all-linear" leaves out lm_head), float32, with gradients,
@@ -351,8 +351,8 @@ def reference_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> in
 
 def replica_bytes(shape: ModelShape, recipe: Recipe, strategy: Strategy) -> int:
     """The whole copy rollouts sample from: FSDP2's, the bf16 compute copy (which training runs on too), and
-    full fine-tuning's with a half-precision model.dtype (train/loop.py samples_from_a_cast_copy); LoRA and
-    full float32 sample from the policy itself."""
+    full fine-tuning's with a half-precision model.dtype (grpo_core/train/policy.py samples_from_a_cast_copy);
+    LoRA and full float32 sample from the policy itself."""
     if has_compute_copy(recipe, strategy):
         return compute_bytes(recipe, strategy) * parameter_count(shape)
     cast_copy = strategy.kind != "lora" and recipe.dtype_bytes != MASTER_BYTES

@@ -120,3 +120,27 @@ def test_ruff_passes_with_lines_at_most_110():
     out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(root)], cwd=root,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def fields_typed_any(cls: type) -> list[str]:
+    """A dataclass's fields whose annotation (a string under postponed evaluation) is or holds ``Any``."""
+    import dataclasses
+
+    return [f.name for f in dataclasses.fields(cls) if "Any" in str(f.type).replace("|", " ").split()]
+
+
+def test_a_training_run_and_its_policy_have_no_field_a_reader_must_guess():
+    from dataclasses import dataclass
+
+    from grpo_core.train.policy import Policy
+    from grpo_core.train.state import TrainingRun
+
+    assert fields_typed_any(TrainingRun) == [] and fields_typed_any(Policy) == []
+    assert {"policy", "accelerator", "tokenizer"} <= {f for f in TrainingRun.__dataclass_fields__}
+
+    @dataclass
+    class Loose:
+        backend: Any  # noqa: F821 - a string under postponed evaluation, never resolved
+        replica: torch.nn.Module | Any = None  # noqa: F821
+
+    assert fields_typed_any(Loose) == ["backend", "replica"]

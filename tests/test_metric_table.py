@@ -93,14 +93,15 @@ HIGH_MAX = {0: (0.5, math.nan), 1: (0.4, math.nan)}
 
 
 def _two_processes(rank: int, port: int, out) -> None:
-    import torch.distributed as dist
+    from accelerate import Accelerator
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    accelerator = types.SimpleNamespace(num_processes=2, device=torch.device("cpu"))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    accelerator = Accelerator(cpu=True)  # gloo over the two processes, as a launched train stage has it
     stats = [{"clip_ratio/low_min": torch.tensor(LOW_MIN[rank][j]),
               "clip_ratio/high_max": torch.tensor(HIGH_MAX[rank][j])} for j in range(2)]
     out[rank] = loss_stat_means(stats, accelerator)
-    dist.destroy_process_group()
+    accelerator.end_training()
 
 
 def test_low_min_and_high_max_are_taken_across_processes_per_micro_batch():

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import grpo_core.train.loop as trainer_mod
+import grpo_core.train.policy as policy_mod
 import grpo_core.train.setup as setup_mod
 from grpo_core.rewards import RewardFunctionError
 from grpo_core.rollout import default_backend
@@ -47,7 +48,7 @@ def recorded_micro_batches(monkeypatch) -> list[list]:
 def recorded_first_gradients(monkeypatch) -> dict[str, torch.Tensor]:
     """Filled as the run goes: the clipped gradients the optimizer's first step applies, by parameter name."""
     grads = {}
-    real = setup_mod.build_optimizer_and_scheduler
+    real = policy_mod.build_optimizer_and_scheduler
 
     def build(model, options, max_steps):
         optimizer, scheduler = real(model, options, max_steps)
@@ -60,7 +61,7 @@ def recorded_first_gradients(monkeypatch) -> dict[str, torch.Tensor]:
         optimizer.register_step_pre_hook(record)
         return optimizer, scheduler
 
-    monkeypatch.setattr(setup_mod, "build_optimizer_and_scheduler", build)
+    monkeypatch.setattr(policy_mod, "build_optimizer_and_scheduler", build)
     return grads
 
 

@@ -1,8 +1,8 @@
 """bf16 compute weights over float32 master weights: mixed precision as Megatron keeps it.
 
-The policy (``run.policy``) holds the float32 master weights: the optimizer updates them and checkpoints,
-exports, the reference's TR-DPO mix and the async sampler read them. A copy of it in bf16
-(``ComputeWeights.model``, ``run.model``) runs every forward and backward of training, and every rollout:
+The policy's masters (``Policy.masters``) hold the float32 weights: the optimizer updates them and
+checkpoints, exports, the reference's TR-DPO mix and the async sampler read them. A copy of it in bf16
+(``ComputeWeights.model``, ``Policy.module``) runs every forward and backward of training, and every rollout:
 
     forward, backward   on the bf16 copy: bf16 weights and activations, a bf16 residual stream, no autocast
     each gradient       moved, as soon as autograd has accumulated it, into a float32 gradient on its master

@@ -38,25 +38,23 @@ from torch.profiler import record_function
 from grpo_core.loss import sampler_correction
 from grpo_core.model.fastforward import use_manual_forward
 from grpo_core.model.loading import DTYPES, load_model
-from grpo_core.model.sharding import clip_gradients, is_sharded
 from grpo_core.train.batching import BatchPlan, length_grouped_order
 from grpo_core.train.checkpoint import latest_valid_checkpoint, remove_stale_temp_dirs
 from grpo_core.train.completions import CompletionLog, as_table, completion_rows
 from grpo_core.train.curriculum import build_sampler, close_round, curriculum_columns, observe
 from grpo_core.train.dynamic import fill_round
 from grpo_core.train.entropy import applied_entropy_coef, next_entropy_coef
-from grpo_core.train.export import export_model, whole_model
+from grpo_core.train.export import export_model
 from grpo_core.train.forward import frozen_logprobs
 from grpo_core.train.guards import GuardEvent, GuardMonitor, GuardsConfig, GuardStop, decide
 from grpo_core.train.metrics import loss_stat_means, reduce_across_processes
 from grpo_core.train.micro_batch import micro_batch_loss
-from grpo_core.train.optim import scale_learning_rate
 from grpo_core.train.options import RunSections
 from grpo_core.train.parallel import finite_everywhere, gather_values, global_sum
 from grpo_core.train.periodic_eval import evaluate_held_out, evaluation_due, load_best_weights, update_best
-from grpo_core.train.reference import mix_reference
 from grpo_core.train.round import Round, assign_advantages, sample_round
-from grpo_core.train.sampler_worker import SamplerWorker, receive_round, take_round_ahead
+from grpo_core.train.rounds_ahead import receive_round, take_round_ahead
+from grpo_core.train.sampler_worker import SamplerWorker
 from grpo_core.train.setup import set_up, start_sampler
 from grpo_core.train.state import (
     Prompts,
@@ -141,9 +139,7 @@ def train(cfg: RunSections, *, reward_weights: list[float] | None = None, root: 
         bar = _progress_bar(run, state.step) if progress else None
 
         metrics: dict[str, Any] = {}
-        run.model.train()
-        # the masters (a bf16 compute copy is run.model): the sampler worker copies the mode
-        run.policy.train()
+        run.policy.train_mode()
         if worker is not None:
             start_sampler(run, cfg.rewards, prompts, worker, hooks.backend_factory)
         while state.step < t.max_steps:
@@ -169,7 +165,7 @@ def train(cfg: RunSections, *, reward_weights: list[float] | None = None, root: 
             if run.entropy.logged:
                 metrics["entropy_coef"] = state.entropy_coef
             metrics.update({"guard/skipped": float(skipped),
-                            "learning_rate": run.scheduler.get_last_lr()[0],
+                            "learning_rate": run.policy.learning_rate(),
                             "num_tokens": grads.num_items * run.accelerator.num_processes,
                             # generation included when it sampled
                             "step_time": time.perf_counter() - step_start})
@@ -188,7 +184,7 @@ def train(cfg: RunSections, *, reward_weights: list[float] | None = None, root: 
                  state.best_value)
     if export:
         with record_function("grpo/export"):
-            final = whole_model(run.policy, run.replica)  # collective when sharded without a replica
+            final = run.policy.whole()  # collective when sharded without a replica
             if run.accelerator.is_main_process:
                 export_model(final, run.tokenizer, model_dir, DTYPES[cfg.model.dtype],
                              full_precision_base=lambda: load_model(cfg.model, root))  # QLoRA merges into it
@@ -211,7 +207,7 @@ def resume_or_start(run: TrainingRun, sampler: Sampler) -> tuple[TrainState, Pat
     if last is None:
         return TrainState(sampler=sampler, entropy_coef=run.entropy.entropy_coef), None
     state = restore_state(run, last, sampler)
-    run.backend.sync_weights(run.policy)
+    run.policy.sync_rollouts()
     log.info("resumed from %s (step %d)", last, state.step)
     if state.step >= run.max_steps:
         log.info("already trained to step %d >= max_steps %d", state.step, run.max_steps)
@@ -249,9 +245,9 @@ def sample_next_round(run: TrainingRun, prompts: Prompts, state: TrainState) -> 
         indices = state.sampler.take(per_process * acc.num_processes)[
             rank * per_process:(rank + 1) * per_process]
         rows = [prompts.dataset[i] for i in indices]
-        sampled = sample_round(backend=run.backend, tokenizer=run.tokenizer, rows=rows, row_ids=indices,
-                               encoder=prompts.encoder, scoring=prompts.scoring, spec=run.round_spec,
-                               accelerator=acc)
+        sampled = sample_round(backend=run.policy.rollouts, tokenizer=run.tokenizer, rows=rows,
+                               row_ids=indices, encoder=prompts.encoder, scoring=prompts.scoring,
+                               spec=run.round_spec, accelerator=acc)
         observe(state.sampler, indices, sampled.rewards)  # a curriculum judges all that is sampled
         return sampled
 
@@ -280,7 +276,7 @@ def prepare_round(run: TrainingRun, round_: Round) -> Round:
     if run.batch.group_by_length and ga > 1:  # one micro-batch per step: nothing to regroup
         order = length_grouped_order(round_.prompt_mask.sum(1), round_.completion_mask.sum(1),
                                      plan.group_size, span=ga * plan.micro_batch_size,
-                                     keep_groups=use_manual_forward(run.model,
+                                     keep_groups=use_manual_forward(run.policy.module,
                                                                     run.logprobs.forward.forward_backend))
         round_ = round_.rows(order)
     sc = run.sampler_correction
@@ -290,16 +286,16 @@ def prepare_round(run: TrainingRun, round_: Round) -> Round:
     # weights' own)
     if outlives and round_.old_logps is None:
         with record_function("grpo/old_logprobs"):
-            round_.old_logps = frozen_logprobs(run.model, round_, run.logprobs)
+            round_.old_logps = frozen_logprobs(run.policy.module, round_, run.logprobs)
     if corrected:
         round_.sampler_ratio = sampler_correction(round_.old_logps, round_.sampling_logps,
                                                   round_.model_mask(), sc.vllm_importance_sampling_mode,
                                                   sc.vllm_importance_sampling_clip_min,
                                                   sc.vllm_importance_sampling_clip_max)
         round_.metrics.update(sampler_metrics(acc, round_))
-    if run.ref_model is not None and round_.ref_logps is None:  # a round sampled ahead brings them
+    if run.policy.reference is not None and round_.ref_logps is None:  # a round sampled ahead brings them
         with record_function("grpo/ref_logprobs"):
-            round_.ref_logps = frozen_logprobs(run.ref_model, round_, run.logprobs)
+            round_.ref_logps = frozen_logprobs(run.policy.reference, round_, run.logprobs)
     return round_
 
 
@@ -353,8 +349,8 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[Round],
     for j, (mb, loss_mask) in enumerate(zip(micro_batches, loss_masks)):
         # DDP: all-reduce once, after the last micro-batch. FSDP2 reduce-scatters every micro-batch: deferring
         # would keep whole, unsharded gradients on every process - the memory sharding exists to save.
-        defer_sync = j < ga - 1 and acc.num_processes > 1 and not is_sharded(run.model)
-        with acc.no_sync(run.model) if defer_sync else contextlib.nullcontext():
+        defer_sync = j < ga - 1 and acc.num_processes > 1 and not run.policy.sharded
+        with run.policy.gradient_sync(acc, defer=defer_sync):
             with record_function("grpo/policy_forward"):
                 part = micro_batch_loss(run, mb, loss_mask, num_items=num_items, entropy_coef=entropy_coef)
             # one answer on every process, or their backward passes part ways
@@ -366,12 +362,7 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[Round],
         entropies.append(part.mean_entropy)
         if part.trained_entropy is not None:
             window = part.trained_entropy if window is None else window + part.trained_entropy
-    # the masters' float32 gradients, averaged over processes as DDP would
-    if run.compute_weights is not None:
-        run.compute_weights.all_reduce_gradients(acc.num_processes)
-    max_norm = run.optim.max_grad_norm if run.optim.max_grad_norm > 0 else float("inf")
-    grad_norm = (clip_gradients(run.policy.parameters(), max_norm) if is_sharded(run.model)
-                 else acc.clip_grad_norm_(run.policy.parameters(), max_norm))  # the masters' gradients
+    grad_norm = run.policy.finish_gradients(acc, run.optim.max_grad_norm)  # the masters', averaged, clipped
     return StepGradients(losses, stats, entropies, grad_norm, num_items, local_tokens, window)
 
 
@@ -422,14 +413,14 @@ def guard_decision(run: TrainingRun, guards: GuardsConfig, monitor: GuardMonitor
 def roll_back(run: TrainingRun, state: TrainState, lr_factor: float) -> TrainState:
     """Back to the newest checkpoint, with the learning rate multiplied by ``lr_factor``."""
     last = latest_valid_checkpoint(run.checkpoint_dir)
-    run.optimizer.zero_grad(set_to_none=True)
+    run.policy.zero_grad()
     if run.sampler is not None and run.sampler.in_flight:
         # sampled by the abandoned weights: dropped (the checkpoint has its own round ahead)
         run.sampler.receive()
     restored = restore_state(run, last, state.sampler)
     restored.rollbacks = state.rollbacks + 1
-    run.backend.sync_weights(run.policy)  # an external engine must not sample with the abandoned weights
-    scale_learning_rate(run.optimizer, run.scheduler, lr_factor)
+    run.policy.sync_rollouts()  # an external engine must not sample with the abandoned weights
+    run.policy.scale_learning_rate(lr_factor)
     log.warning("rolled back to %s; learning rate x%g", last, lr_factor)
     return restored
 
@@ -439,15 +430,14 @@ def apply_update(run: TrainingRun, state: TrainState, skipped: bool) -> None:
     weights to the rollout engine and, every ref_model_sync_steps, to the reference (TR-DPO)."""
     if not skipped:
         with record_function("grpo/optimizer_step"):
-            run.optimizer.step()
-            run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
+            run.policy.step()
+    run.policy.zero_grad()
     state.micro_step += run.plan.micro_batches_per_step
     state.step += 1
     with record_function("grpo/sync_weights"):
-        run.backend.sync_weights(run.policy)
-    if run.ref_model is not None and run.reference.due(state.step):
-        mix_reference(run.ref_model, run.policy, run.reference.ref_model_mixup_alpha)
+        run.policy.sync_rollouts()
+    if run.policy.reference is not None and run.reference.due(state.step):
+        run.policy.mix_into_reference(run.reference.ref_model_mixup_alpha)
         state.reference_synced = True
 
 

@@ -127,14 +127,15 @@ def loss_stat_means(stats: list[dict], accelerator) -> dict[str, float]:
 
 def _extreme_across_processes(accelerator, values: torch.Tensor, reduce: str) -> torch.Tensor:
     """Per micro-batch, the min or max over processes of ``values`` (one per micro-batch), NaN (no sequence
-    with a token) skipped unless every process has NaN."""
-    import torch.distributed as dist
-
-    sign = -1.0 if reduce == "min" else 1.0
-    signed = torch.nan_to_num(values * sign, nan=-math.inf).to(accelerator.device)
-    dist.all_reduce(signed, op=dist.ReduceOp.MAX)
-    signed = signed.cpu()
-    return torch.where(torch.isinf(signed) & (signed < 0), torch.nan, signed * sign)
+    with a token) skipped unless every process has NaN: every process's vector gathered, then TRL's
+    nanmin / nanmax over processes."""
+    gathered = accelerator.gather(values.to(accelerator.device)[None]).cpu()  # (processes, micro-batches)
+    seen = ~torch.isnan(gathered)
+    if reduce == "min":
+        extreme = torch.where(seen, gathered, math.inf).amin(dim=0)
+    else:
+        extreme = torch.where(seen, gathered, -math.inf).amax(dim=0)
+    return torch.where(seen.any(dim=0), extreme, torch.nan)
 
 
 def reduce_across_processes(accelerator, metrics: dict, local_tokens: float) -> dict[str, float]:

@@ -29,7 +29,7 @@ def micro_batch_loss(run: TrainingRun, mb: Round, loss_mask: torch.Tensor, *, nu
     cut to C', advantages (B,), loss mask (B, C'); the high-entropy token mask (``top_entropy_quantile``) and
     the entropy bonus (``entropy_coef``)."""
     e, acc = run.entropy, run.accelerator
-    logps, entropy, _ = policy_logprobs(run.model, mb, run.logprobs, compute_entropy=True)
+    logps, entropy, _ = policy_logprobs(run.policy.module, mb, run.logprobs, compute_entropy=True)
     width, device = logps.shape[1], logps.device
     mask = loss_mask[:, :width].to(device)
     trained = None

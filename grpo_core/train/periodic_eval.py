@@ -31,7 +31,6 @@ from grpo_core.evaluation import (
 )
 from grpo_core.rewards.judges import build_judges
 from grpo_core.rollout import GenerationConfig, sampling_params
-from grpo_core.train.checkpoint import restore_policy_weights
 from grpo_core.train.state import HeldOutPrompts, TrainingRun, TrainState
 
 
@@ -67,7 +66,7 @@ def evaluate_held_out(run: TrainingRun, held_out: HeldOutPrompts) -> dict[str, f
                                          rollout_func=run.round_spec.rollout_func)
                      for mode in held_out.modes]  # sampled as training samples
             records = score_policy(run.tokenizer, held_out.rows, range(len(held_out.rows)), held_out.encoder,
-                                   grading, modes, backend=run.backend)
+                                   grading, modes, backend=run.policy.rollouts)
         finally:
             set_rng_state(saved)
         metrics = _eval_metrics(records, run.evaluation, held_out.reward_names,
@@ -113,6 +112,5 @@ def load_best_weights(run: TrainingRun, state: TrainState) -> Path | None:
     if not run.evaluation.load_best_model_at_end or state.best_step is None or state.best_step == state.step:
         return None
     path = run.checkpoint_dir / f"checkpoint-{state.best_step}"
-    restore_policy_weights(run.policy, path)
-    run.backend.sync_weights(run.policy)
+    run.policy.restore_weights(path)
     return path

@@ -23,7 +23,7 @@ from grpo_core.model.sharding import gather_weights
 class ReplicaRollouts:
     """A rollout backend (``grpo_core.rollout.RolloutBackend``) over a whole copy of the policy: a sharded
     policy's, or (unsharded, half-precision model.dtype) the copy in model.dtype that
-    ``loop.samples_from_a_cast_copy`` asks for.
+    ``policy.samples_from_a_cast_copy`` asks for.
 
     replica: an unsharded model with the policy's architecture (built before sharding); make_backend: replica
     -> the backend that samples from it. ``sync_weights(policy)`` is collective: every process calls it.

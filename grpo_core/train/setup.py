@@ -8,13 +8,10 @@ holds (``TrainingRun``) and what it samples from (``Prompts``).
 
 from __future__ import annotations
 
-import copy
 import datetime
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -30,18 +27,16 @@ from grpo_core.model.loading import (
     load_reference,
     owns_weights,
 )
-from grpo_core.model.sharding import shard_model
 from grpo_core.rewards import build_reward_functions
 from grpo_core.rollout import Placement, backend_for
-from grpo_core.train.compute_weights import ComputeWeights, uses_compute_weights
+from grpo_core.train.compute_weights import uses_compute_weights
 from grpo_core.train.forward import LogprobOptions
-from grpo_core.train.optim import build_optimizer_and_scheduler
 from grpo_core.train.options import RunSections, training_params_hash
 from grpo_core.train.parallel import ParallelConfigError, check_parallelism, read_parallelism
 from grpo_core.train.periodic_eval import (
     load_held_out,
 )
-from grpo_core.train.replica import EngineFromShards, ReplicaRollouts
+from grpo_core.train.policy import Placing, place_policy
 from grpo_core.train.reward_weights import training_reward_weights
 from grpo_core.train.round import RoundSpec, Scoring
 from grpo_core.train.sampler_worker import ADAPTERS_OFF, SamplerWorker, WorkerRecipe
@@ -57,11 +52,9 @@ log = logging.getLogger(__name__)
 def set_up(cfg: RunSections, root: Path, reward_weights, backend_factory) -> tuple[TrainingRun, Prompts]:
     """Accelerator, seed, policy (fp32 masters), reference, data, rewards, optimizer, rollout backend.
 
-    On N processes the policy is DDP-wrapped, or under FSDP2 (``train.accelerate_config`` with fsdp_config)
-    sharded, as is the reference; a sharded run samples from a whole copy of the policy (``ReplicaRollouts``),
-    or with vLLM straight from the shards (``EngineFromShards``); an unsharded one with a half-precision
-    model.dtype samples from a copy in that dtype (``samples_from_a_cast_copy``). On CUDA, float32 matmuls run
-    in TF32.
+    The policy is placed as the run's strategy asks (grpo_core/train/policy.py: one process or DDP, FSDP2
+    shards, the bf16 compute copy; a sharded or half-precision run samples from a copy). On CUDA, float32
+    matmuls run in TF32.
     """
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, set_seed
@@ -110,8 +103,9 @@ def set_up(cfg: RunSections, root: Path, reward_weights, backend_factory) -> tup
         place=Placement(accelerator.process_index, accelerator.local_process_index,
                         accelerator.num_processes),
         dtype=DTYPES[cfg.model.dtype]))
-    placed = place_policy(cfg, accelerator, parallelism, model, ref_model,
-                          lambda m: make_backend(m, tokenizer), compute_copy=compute_copy)
+    placing = Placing(accelerator, cfg.model, cfg.generation, t.optim, t.max_steps, f.mixed_precision,
+                      make_sampler=lambda m: make_backend(m, tokenizer))
+    policy = place_policy(placing, model, ref_model, fsdp=parallelism.fsdp, compute_copy=compute_copy)
     if accelerator.num_processes > 1:
         # each process samples a stream of its own, as TRL seeds them (device_specific: seed + rank); only
         # now, once the weights exist: every process must build the same initial weights (FSDP2 shards are not
@@ -127,65 +121,12 @@ def set_up(cfg: RunSections, root: Path, reward_weights, backend_factory) -> tup
                       completions=t.completions, generation=cfg.generation, round_spec=round_spec,
                       logprobs=LogprobOptions(f, cfg.generation.temperature,
                                               t.batch.per_device_train_batch_size),
-                      loss_fn=loss_fn, accelerator=accelerator, model=placed.model, policy=placed.policy,
-                      ref_model=ref_model, tokenizer=tokenizer, optimizer=placed.optimizer,
-                      scheduler=placed.scheduler, backend=placed.backend,
+                      loss_fn=loss_fn, accelerator=accelerator, policy=policy, tokenizer=tokenizer,
                       params_hash=training_params_hash(cfg, weights.tolist()),
-                      checkpoint_dir=root / t.checkpoints.output_dir / "checkpoints", replica=placed.replica,
-                      compute_weights=placed.backend if compute_copy else None)
+                      checkpoint_dir=root / t.checkpoints.output_dir / "checkpoints")
     held_out = load_held_out(run.evaluation, cfg.data, cfg.generation, cfg.rewards, root=root, seed=t.seed,
                              encoder=encoder, reward_fns=reward_fns)
     return run, Prompts(dataset, encoder, Scoring(reward_fns, reward_names, weights), held_out)
-
-
-@dataclass
-class PlacedPolicy:
-    """The policy as training holds it: what trains, what the optimizer steps,
-    and what rollouts sample from."""
-
-    model: Any        # forward and backward: DDP-wrapped, sharded, or the bf16 compute copy
-    policy: Any       # the weights the optimizer steps (unwrapped)
-    optimizer: Any
-    scheduler: Any
-    backend: Any      # the rollout backend
-    replica: Any      # a whole copy that samples (sharded runs, the cast copy), else None
-
-
-def place_policy(cfg: RunSections, accelerator, parallelism, model, ref_model, make_sampler, *,
-                 compute_copy: bool) -> PlacedPolicy:
-    """Shard, wrap or copy the float32 policy (and move or shard the reference) for this run's strategy; build
-    the optimizer over the weights it steps and the rollout backend (``make_sampler``: module -> backend) over
-    the module that samples."""
-    t = cfg.train
-    replica = None
-    if parallelism.fsdp is not None and accelerator.num_processes > 1:
-        # a colocated engine holds the whole copy: no replica beside it
-        # (a server's client pushes from the replica)
-        engine = cfg.generation.backend == "vllm" and cfg.generation.vllm_mode == "colocate"
-        if not engine:
-            # whole, before sharding
-            replica = copy.deepcopy(model).to(accelerator.device, DTYPES[cfg.model.dtype])
-        shard_model(model.to(accelerator.device), parallelism.fsdp, t.forward.mixed_precision)
-        if ref_model is not None:
-            shard_model(ref_model.to(accelerator.device), parallelism.fsdp)
-        optimizer, scheduler = build_optimizer_and_scheduler(model, t.optim, t.max_steps)  # over the shards
-        backend = EngineFromShards(make_sampler(model)) if engine else ReplicaRollouts(replica, make_sampler)
-        return PlacedPolicy(model, model, optimizer, scheduler, backend, replica)
-    if ref_model is not None and owns_weights(ref_model):
-        ref_model.to(accelerator.device)
-    if compute_copy:  # float32 masters stepped by the optimizer; their bf16 copy trains and samples
-        policy = model.to(accelerator.device)
-        optimizer, scheduler = build_optimizer_and_scheduler(policy, t.optim, t.max_steps)
-        backend = ComputeWeights(policy, make_sampler)
-        return PlacedPolicy(backend.model, policy, optimizer, scheduler, backend, None)
-    optimizer, scheduler = build_optimizer_and_scheduler(model, t.optim, t.max_steps)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    policy = accelerator.unwrap_model(model)
-    if samples_from_a_cast_copy(cfg, policy):
-        replica = copy.deepcopy(policy).to(DTYPES[cfg.model.dtype]).eval()  # refreshed after every step
-        return PlacedPolicy(model, policy, optimizer, scheduler, ReplicaRollouts(replica, make_sampler),
-                            replica)
-    return PlacedPolicy(model, policy, optimizer, scheduler, make_sampler(policy), None)
 
 
 def launched_processes() -> int:
@@ -202,30 +143,18 @@ def allow_tf32() -> None:
     torch.backends.cudnn.conv.fp32_precision = "tf32"
 
 
-def samples_from_a_cast_copy(cfg: RunSections, policy: torch.nn.Module) -> bool:
-    """Whether rollouts sample from a copy of the policy in ``model.dtype`` (e.g. bf16) instead of the float32
-    masters: full fine-tuning with a half-precision model.dtype, sampled by HF generate or the decode loop.
-    The masters under autocast would run every decode step on float32 weights (a cast of each weight per op, a
-    float32 residual stream) and HF's static KV cache would get K and V in two dtypes; a bf16 copy runs as a
-    bf16 model does. Not under LoRA (the frozen base is in model.dtype already) nor vLLM (its engine is in
-    model.dtype)."""
-    dtype = DTYPES[cfg.model.dtype]
-    return (cfg.model.lora is None and cfg.generation.backend != "vllm" and dtype != torch.float32
-            and any(p.dtype != dtype for p in policy.parameters()))
-
-
 def start_sampler(run: TrainingRun, reward_specs: list, prompts: Prompts, worker: SamplerWorker,
                   backend_factory) -> None:
     """train.async_rollouts: set the sampler worker up with a copy of the policy and the reference it scores
     rounds sampled ahead with (``run.sampler``)."""
-    reference = run.ref_model
+    reference = run.policy.reference
     # none, or one that moves (TR-DPO): the trainer scores it
     if reference is None or run.reference.sync_ref_model:
         reference = None
     elif not owns_weights(reference):
         reference = ADAPTERS_OFF
     recipe = WorkerRecipe(run.round_spec, run.logprobs, run.generation, prompts.encoder)
-    worker.start(run.policy, run.tokenizer, recipe, reward_specs, prompts.scoring.reward_names,
+    worker.start(run.policy.masters, run.tokenizer, recipe, reward_specs, prompts.scoring.reward_names,
                  prompts.scoring.weights, make_backend=backend_factory, reference=reference)
     run.sampler = worker
 

@@ -22,7 +22,6 @@ from grpo_core.common.rng import restore_rngs, rng_state
 from grpo_core.data.loading import PromptEncoder
 from grpo_core.evaluation import EvalMode
 from grpo_core.loss import SamplerCorrectionOptions
-from grpo_core.model.sharding import gather_optimizer_state, gather_weights, is_sharded, load_optimizer_state
 from grpo_core.rewards.judges import Judges
 from grpo_core.rollout import GenerationConfig
 from grpo_core.train.batching import BatchOptions, BatchPlan
@@ -30,17 +29,20 @@ from grpo_core.train.checkpoint import (
     CheckpointContents,
     CheckpointOptions,
     load_checkpoint,
-    restore_policy_weights,
-    restore_reference_weights,
     save_checkpoint,
 )
 from grpo_core.train.completions import CompletionLogOptions
 from grpo_core.train.entropy import EntropyOptions
 from grpo_core.train.optim import OptimizerOptions
+from grpo_core.train.policy import Policy
 from grpo_core.train.reference import ReferenceOptions
 from grpo_core.train.round import Round, Scoring
+from grpo_core.train.sampler_worker import SamplerWorker
 
 if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from transformers import PreTrainedTokenizerBase
+
     from grpo_core.evaluation import EvalOptions
     from grpo_core.loss import GRPOLoss
     from grpo_core.train.forward import LogprobOptions
@@ -183,23 +185,12 @@ class TrainingRun:
     logprobs: LogprobOptions       # the trainer's log-prob passes (train's forward keys,
                                    # generation.temperature)
     loss_fn: GRPOLoss              # the objective, built once (grpo_core/loss.py), called per micro-batch
-    accelerator: Any
-    model: Any       # what trains (forward, backward): DDP-wrapped on N processes, fully_shard-ed under
-                     # FSDP2, or the bf16 compute copy of the masters (compute_weights)
-    policy: Any      # the weights the optimizer steps, unwrapped (under FSDP2 the sharded model itself;
-                     # the float32 masters under compute_weights): save and sync this
-    ref_model: Any   # frozen reference (beta > 0), the LoRA adapter-off view, or None (sharded as the policy)
-    tokenizer: Any
-    optimizer: Any
-    scheduler: Any
-    backend: Any             # the rollout backend (grpo_core/rollout)
+    accelerator: Accelerator
+    policy: Policy                 # weights, their copies, optimizer, schedule (grpo_core/train/policy.py)
+    tokenizer: PreTrainedTokenizerBase
     params_hash: str         # training_params_hash: a checkpoint from other params is refused
     checkpoint_dir: Path
-    replica: Any = None      # sharded runs: the whole copy of the policy that samples and is exported
-    sampler: Any = None      # train.async_rollouts: the SamplerWorker (grpo_core/train/sampler_worker.py)
-    compute_weights: Any = None  # mixed_precision bf16, unsharded full fine-tuning: the bf16 copy that is
-                                 # run.model and the rollout backend (grpo_core/train/compute_weights.py);
-                                 # None otherwise
+    sampler: SamplerWorker | None = None  # train.async_rollouts: the sampler worker (set by start_sampler)
 
 
 def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round: bool) -> None:
@@ -209,22 +200,15 @@ def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round
     gathering the whole weights and optimizer state, which rank 0 writes in the one-process format."""
     acc = run.accelerator
     acc.wait_for_everyone()
-    synced = run.ref_model if state.reference_synced else None
     pending = _gather_pending(acc, state.pending) if run.rollouts.dynamic_sampling else None
     rngs = _per_process(acc, rng_state())  # each process samples its own stream
-    if is_sharded(run.policy):
-        weights = gather_weights(run.policy)
-        optimizer_state = gather_optimizer_state(run.policy, run.optimizer)
-        reference = gather_weights(synced) if synced is not None else None
-    else:
-        weights, optimizer_state = None, run.optimizer.state_dict()
-        reference = synced.state_dict() if synced is not None else None
+    weights, optimizer_state, reference = run.policy.checkpoint_parts(with_reference=state.reference_synced)
     if acc.is_main_process:
         meta = {**state.state_dict(), "params_hash": run.params_hash, "world_size": acc.num_processes,
                 "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         contents = CheckpointContents(
-            model=run.policy, tokenizer=run.tokenizer, optimizer_state=optimizer_state,
-            scheduler=run.scheduler, state=meta, weights=weights, reference=reference, rng_states=rngs,
+            model=run.policy.masters, tokenizer=run.tokenizer, optimizer_state=optimizer_state,
+            scheduler=run.policy.scheduler, state=meta, weights=weights, reference=reference, rng_states=rngs,
             pending_groups=pending,
             rollout_buffer=state.round.to_buffer() if keep_round and state.round is not None else None,
             ahead_round=state.ahead.to_buffer() if state.ahead is not None else None)
@@ -234,17 +218,10 @@ def save_state(run: TrainingRun, state: TrainState, metrics: dict, *, keep_round
 
 
 def restore_state(run: TrainingRun, path: Path, sampler: Sampler) -> TrainState:
-    """Load checkpoint ``path`` into the run's weights, optimizer, scheduler and reference, ``sampler`` and
-    the RNGs; return its ``TrainState`` (whose ``sampler`` is the one passed)."""
+    """Load checkpoint ``path`` into the run's policy (weights, optimizer, schedule, a synced reference),
+    ``sampler`` and the RNGs; return its ``TrainState`` (whose ``sampler`` is the one passed)."""
     ck = load_checkpoint(path, expected_hash=run.params_hash, device=run.accelerator.device)
-    restore_policy_weights(run.policy, path)
-    if is_sharded(run.policy):
-        load_optimizer_state(run.policy, run.optimizer, ck.optimizer)
-    else:
-        run.optimizer.load_state_dict(ck.optimizer)
-    run.scheduler.load_state_dict(ck.scheduler)
-    if ck.reference_file is not None and run.ref_model is not None:
-        restore_reference_weights(run.ref_model, ck.reference_file)
+    run.policy.restore(path, ck.optimizer, ck.scheduler, ck.reference_file)
     restore_rngs(ck.state["rng"], run.accelerator.process_index, run.seed, ck.state["step"])
 
     def as_round(buffer: dict | None) -> Round | None:
