@@ -41,7 +41,7 @@ def test_micro_batch_gradients_sum_in_float32_on_the_masters():
     where g1 and g2 are the bf16 gradients of the two micro-batches worked out on a separate bf16 model; the
     copy keeps none."""
     masters = random_qwen2(seed=1).train()
-    weights = ComputeWeights(masters, _Recorder)
+    weights = ComputeWeights(masters)
     assert {p.dtype for p in weights.model.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in masters.parameters()} == {torch.float32}
     batches = [torch.randint(0, 37, (3, 9), generator=torch.Generator().manual_seed(s)) for s in (0, 1)]
@@ -66,7 +66,7 @@ def test_micro_batch_gradients_sum_in_float32_on_the_masters():
 
 def test_an_update_below_bf16_spacing_survives_on_the_masters_and_sync_casts_them_into_the_copy():
     masters = random_qwen2(seed=2).train()
-    weights = ComputeWeights(masters, _Recorder)
+    weights = ComputeWeights(masters)
     before = {n: p.detach().clone() for n, p in masters.named_parameters()}
     optimizer = torch.optim.AdamW(masters.parameters(), lr=1e-6, weight_decay=0.0)
     _loss(weights.model, torch.randint(0, 37, (2, 7))).backward()
@@ -76,10 +76,31 @@ def test_an_update_below_bf16_spacing_survives_on_the_masters_and_sync_casts_the
                         for n, p in masters.named_parameters())
     # most of the update is below bf16's spacing: kept in float32
     assert moved_masters > 10 * max(moved_in_bf16, 1)
-    weights.sync_weights(masters)
+    weights.refresh()
     for (name, p), master in zip(weights.model.named_parameters(), masters.parameters()):
         assert torch.equal(p, master.to(torch.bfloat16)), name
-    assert weights.inner.synced[-1] is weights.model  # the backend is told to reload from the copy
+
+
+def test_the_policy_samples_from_the_copy_and_syncs_it_from_the_masters():
+    """place_compute_copy: what trains is the bf16 copy, the rollout backend is built over that copy, and
+    sync_rollouts casts the masters into it before telling the backend to reload from it."""
+    import types
+
+    from grpo_core.train.optim import OptimizerOptions
+    from grpo_core.train.policy import Placing, place_compute_copy
+
+    masters = random_qwen2(seed=3).train()
+    placing = Placing(types.SimpleNamespace(device=torch.device("cpu")), None, None, OptimizerOptions(),
+                      max_steps=4, mixed_precision="bf16", make_sampler=_Recorder)
+    policy = place_compute_copy(placing, masters, None)
+    assert policy.module is policy.compute.model and policy.rollouts.model is policy.module
+    assert policy.masters is masters and {p.dtype for p in policy.module.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        next(masters.parameters()).add_(1.0)
+    policy.sync_rollouts()
+    first = next(policy.module.parameters())
+    assert torch.equal(first, next(masters.parameters()).to(torch.bfloat16))
+    assert policy.rollouts.synced == [policy.module]  # the backend is told to reload from the copy
 
 
 def test_only_unsharded_bf16_full_fine_tuning_takes_the_copy():

@@ -11,7 +11,7 @@ checkpoints, exports, the reference's TR-DPO mix and the async sampler read them
     N processes         the float32 gradients all-reduced (averaged) once, after the step's last micro-batch:
                         the reduction in float32, as FSDP2's ``reduce_dtype``; the copy is not DDP-wrapped
     optimizer step      on the float32 masters (AdamW state float32): an lr-1e-6 update survives
-    after the step      the masters cast into the copy (``sync_weights``),
+    after the step      the masters cast into the copy (``refresh``),
                         which is also what rollouts sample from
 
 Bytes per parameter: masters 4 + gradients 4 + AdamW 8 + the copy 2 = 18, what the float32 masters plus the
@@ -33,15 +33,15 @@ ALL_REDUCE_BUCKET_NUMEL = 2 ** 27
 
 
 class ComputeWeights:
-    """A rollout backend (``grpo_core.rollout.RolloutBackend``) over the bf16 compute copy of the policy,
-    which training also runs its forward and backward on.
+    """The bf16 compute copy of the float32 masters (the unwrapped policy): training's forward and backward
+    run on ``model``, whose gradients land on the masters in float32 as they are made (a hook per parameter).
 
-    masters: the float32 policy (unwrapped); make_backend: compute model -> the backend that samples from it.
-    ``sync_weights(masters)`` casts the masters into the copy (after every optimizer step, restore and
-    rollback).
+    ``refresh()`` casts the masters into the copy (after every optimizer step, restore and rollback);
+    ``all_reduce_gradients`` averages the masters' gradients over processes. Rollouts sample from ``model``
+    too: the policy builds its rollout backend over it (grpo_core/train/policy.py).
     """
 
-    def __init__(self, masters: torch.nn.Module, make_backend, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, masters: torch.nn.Module, dtype: torch.dtype = torch.bfloat16):
         self.model = copy.deepcopy(masters).to(dtype)
         if isinstance(masters.get_output_embeddings(), Float32Head):
             cast_lm_head_to_fp32(self.model)  # an untied float32 head stays float32 (cast_lm_head_to_fp32)
@@ -49,16 +49,12 @@ class ComputeWeights:
         self._pairs = [(p, names[n]) for n, p in self.model.named_parameters() if names[n].requires_grad]
         for p, master in self._pairs:
             p.register_post_accumulate_grad_hook(_mover(master))
-        self.inner = make_backend(self.model)
 
-    def sync_weights(self, masters: torch.nn.Module) -> None:
+    def refresh(self) -> None:
+        """The masters' current values into the copy."""
         with torch.no_grad():
             for p, master in self._pairs:
                 p.copy_(master)
-        self.inner.sync_weights(self.model)
-
-    def generate(self, prompt_ids, num_generations, sampling):
-        return self.inner.generate(prompt_ids, num_generations, sampling)
 
     def all_reduce_gradients(self, world_size: int) -> None:
         """Average the masters' float32 gradients over processes (what DDP does), in buckets of at most

@@ -61,7 +61,7 @@ class Policy:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     rollouts: RolloutBackend
     replica: torch.nn.Module | None = None   # a whole copy that samples (sharded runs, the cast copy)
-    compute: ComputeWeights | None = None    # the bf16 compute copy (it is ``module`` and ``rollouts``)
+    compute: ComputeWeights | None = None    # the bf16 compute copy: ``module``, and what rollouts sample
 
     @property
     def sharded(self) -> bool:
@@ -103,7 +103,11 @@ class Policy:
 
     def sync_rollouts(self) -> None:
         """The masters into what rounds are sampled from (collective when sharded: every process calls it)."""
-        self.rollouts.sync_weights(self.masters)
+        if self.compute is not None:  # the masters cast into the copy that trains and samples
+            self.compute.refresh()
+            self.rollouts.sync_weights(self.compute.model)
+        else:
+            self.rollouts.sync_weights(self.masters)
 
     def mix_into_reference(self, alpha: float) -> None:
         """TR-DPO: reference <- alpha * policy + (1 - alpha) * reference."""
@@ -192,8 +196,9 @@ def place_compute_copy(placing: Placing, model: torch.nn.Module, reference: torc
     samples (grpo_core/train/compute_weights.py)."""
     masters = model.to(placing.accelerator.device)
     optimizer, scheduler = build_optimizer_and_scheduler(masters, placing.optim, placing.max_steps)
-    compute = ComputeWeights(masters, placing.make_sampler)
-    return Policy(compute.model, masters, reference, optimizer, scheduler, compute, compute=compute)
+    compute = ComputeWeights(masters)
+    rollouts = placing.make_sampler(compute.model)
+    return Policy(compute.model, masters, reference, optimizer, scheduler, rollouts, compute=compute)
 
 
 def place_whole(placing: Placing, model: torch.nn.Module, reference: torch.nn.Module | None) -> Policy:
