@@ -104,8 +104,9 @@ def trl_args(cfg, workdir: Path, weights: list[float]) -> dict:
     t, g = cfg.train, cfg.generation
     sampling = ("max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
     same = ("learning_rate", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
-            "beta", "epsilon", "epsilon_high", "delta", "loss_type", "importance_sampling_level",
-            "scale_rewards", "num_iterations", "multi_objective_aggregation", "mask_truncated_completions",
+            "beta", "use_bias_correction_kl", "epsilon", "epsilon_high", "delta", "loss_type",
+            "importance_sampling_level", "scale_rewards", "num_iterations", "multi_objective_aggregation",
+            "mask_truncated_completions",
             "max_steps", "seed", "lr_scheduler_type", "weight_decay", "adam_beta1", "adam_beta2",
             "max_grad_norm", "gradient_checkpointing", "sync_ref_model", "ref_model_mixup_alpha",
             "ref_model_sync_steps", "disable_dropout", "cast_lm_head_to_fp32", "shuffle_dataset")

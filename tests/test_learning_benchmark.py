@@ -25,12 +25,14 @@ def test_trl_gets_the_recipe_of_params_yaml_value_for_value(tmp_path):
     from grpo_core.config import load_config
     from grpo_core.train.options import flat_train
 
-    cfg = load_config(REPO / "params.yaml", {"generation.min_p": 0.05, "generation.repetition_penalty": 1.1})
+    cfg = load_config(REPO / "params.yaml", {"generation.min_p": 0.05, "generation.repetition_penalty": 1.1,
+                                             "train.use_bias_correction_kl": False})  # TRL's default: True
     t, g = flat_train(cfg.train), cfg.generation  # params.yaml's train: keys, TRL's names
     args = GRPOConfig(**learning.trl_args(cfg, tmp_path, [0.6, 0.4]))
     for name in ("max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         assert getattr(args, name) == getattr(g, name), name
-    for name in ("learning_rate", "num_generations", "per_device_train_batch_size", "beta", "epsilon",
+    for name in ("learning_rate", "num_generations", "per_device_train_batch_size", "beta",
+                 "use_bias_correction_kl", "epsilon",
                  "loss_type", "scale_rewards", "num_iterations",
                  "max_steps", "seed", "adam_beta1", "adam_beta2", "weight_decay", "max_grad_norm",
                  "mask_truncated_completions", "multi_objective_aggregation", "gradient_checkpointing"):
