@@ -19,10 +19,10 @@ metrics/eval.json's `base` and `trained` values of the metric are compared: each
 stated figure, and their difference at least `min_gain`. A `dvc repro` that fails is a miss too, with the
 tail of its log. Recipes run one after the other (each takes both cores).
 
-Results (per recipe: stated, measured, wall seconds of `dvc repro`, pass or miss with the reasons) go to
-`--out` (default benchmarks/results/recipes.json, and the table beside it as recipes.md), each written to a
-temp path then renamed. Exit status 1 when a recipe misses its figures, 2 on bad input (an unknown `--only`
-name, a claims entry missing a key or naming a config that is not in configs/).
+Results (per recipe: stated, measured, wall seconds of `dvc repro`, the commit its clone ran, pass or miss
+with the reasons) go to `--out` (default benchmarks/results/recipes.json, and the table beside it as
+recipes.md), each written to a temp path then renamed. Exit status 1 when a recipe misses its figures, 2 on
+bad input (an unknown `--only` name, a claims entry missing a key or naming a config that is not in configs/).
 """
 
 from __future__ import annotations
@@ -271,6 +271,8 @@ def run_recipe(recipe: Recipe, workdir: Path) -> dict:
         clone = make_clone(recipe, workdir)
     except (ClaimsError, subprocess.CalledProcessError, OSError) as exc:
         return {**record, "status": "miss", "wall_s": None, "measured": None, "reasons": [str(exc)]}
+    record["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=clone, capture_output=True,
+                                      text=True).stdout.strip() or None  # what this recipe ran: HEAD moves on
     print(f"recipes: dvc repro of {recipe.config} in {clone} (log: {log})", file=sys.stderr, flush=True)
     start = time.perf_counter()
     with open(log, "w") as out:

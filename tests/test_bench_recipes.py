@@ -218,6 +218,9 @@ def fake_clone(tmp_path: Path, script: str):
         dvc = clone / ".venv" / "bin" / "dvc"
         dvc.write_text("#!/bin/sh\n" + script)
         dvc.chmod(0o755)
+        git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(clone)]
+        subprocess.run(["git", "init", "-q", str(clone)], check=True)
+        subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "recipe"], check=True)
         return clone
     return make
 
@@ -229,6 +232,9 @@ def test_a_run_is_compared_and_a_failed_dvc_repro_is_a_miss_with_its_log(tmp_pat
                                                                "metrics/eval.json\n"))
     good = rc.run_recipe(recipe, tmp_path / "a")
     assert good["status"] == "pass" and good["measured"]["trained"] == 0.9 and good["wall_s"] >= 0
+    head = subprocess.run(["git", "-C", str(tmp_path / "a" / recipe.stem), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert good["commit"] == head  # the commit the recipe's clone ran, not the repository's HEAD at the end
     monkeypatch.setattr(rc, "make_clone", fake_clone(tmp_path, "echo 'ERROR: stage train failed'; exit 3\n"))
     bad = rc.run_recipe(recipe, tmp_path / "b")
     assert bad["status"] == "miss" and bad["reasons"] == ["dvc repro exited 3"]
