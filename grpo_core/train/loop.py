@@ -347,10 +347,7 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[Round],
     num_items = global_sum(acc, local_tokens) / acc.num_processes
     losses, stats, entropies, window = [], [], [], None
     for j, (mb, loss_mask) in enumerate(zip(micro_batches, loss_masks)):
-        # DDP: all-reduce once, after the last micro-batch. FSDP2 reduce-scatters every micro-batch: deferring
-        # would keep whole, unsharded gradients on every process - the memory sharding exists to save.
-        defer_sync = j < ga - 1 and acc.num_processes > 1 and not run.policy.sharded
-        with run.policy.gradient_sync(acc, defer=defer_sync):
+        with run.policy.gradient_sync(acc, last=j == ga - 1):
             with record_function("grpo/policy_forward"):
                 part = micro_batch_loss(run, mb, loss_mask, num_items=num_items, entropy_coef=entropy_coef)
             # one answer on every process, or their backward passes part ways

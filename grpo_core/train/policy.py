@@ -72,9 +72,12 @@ class Policy:
         self.module.train()
         self.masters.train()
 
-    def gradient_sync(self, accelerator: Accelerator, *, defer: bool):
-        """DDP: the all-reduce deferred to the step's last micro-batch (``defer``); a no-op context otherwise
-        (FSDP2 reduce-scatters every micro-batch; a compute copy reduces in ``finish_gradients``)."""
+    def gradient_sync(self, accelerator: Accelerator, *, last: bool):
+        """The context a micro-batch's backward runs in: on N processes DDP all-reduces once, after the step's
+        ``last`` micro-batch. FSDP2 reduce-scatters every micro-batch (deferring would keep whole, unsharded
+        gradients on every process - the memory sharding exists to save); a compute copy reduces in
+        ``finish_gradients``, and accelerate's ``no_sync`` leaves its unwrapped module alone."""
+        defer = not last and accelerator.num_processes > 1 and not self.sharded
         return accelerator.no_sync(self.module) if defer else contextlib.nullcontext()
 
     def finish_gradients(self, accelerator: Accelerator, max_grad_norm: float) -> torch.Tensor:
