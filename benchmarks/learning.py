@@ -33,9 +33,12 @@ Sides:
 Each run is a subprocess with one torch thread (`--jobs` of them at a time) and the recipe's
 `model.cpu_kernels` pin (as the stages pin it, so seed N is the pipeline's train.seed N); its result is kept
 in `<workdir>/<side>-seed<seed>/result.json`, so an interrupted invocation continues where it stopped
-(`--fresh` starts over). The table (mean, sample std, per-seed difference to the baseline side - TRL when it
-runs, else the first side named - the difference of the means with its 95% confidence interval by Welch's
-test, and each side's train-stage completion tokens/s) goes to stdout and to `--out` (default
+(`--fresh` starts over). A run that fails (one killed for memory: a TRL run of the SmolLM2 reasoning-gym
+recipe peaks at 15.7 GB, so two of them do not fit 24 GB) does not stop the others; the table holds the runs
+that finished, names the failed ones, and the command exits 1. The table (mean, sample std, per-seed
+difference to the baseline side - TRL when it runs, else the first side named - the difference of the means
+with its 95% confidence interval by Welch's test, and each side's train-stage completion tokens/s) goes to
+stdout and to `--out` (default
 `benchmarks/results/learning-embedded.json`). `--root` names another checkout to take params.yaml and the dvc
 outputs from (tests use a tiny one; the SmolLM2 recipe's figures come from a checkout where it ran:
 benchmarks/README.md, "A real model").
@@ -304,8 +307,10 @@ def launch(root: Path, side: str, seed: int, workdir: Path, max_steps: int | Non
                MLFLOW_DISABLE_TELEMETRY="true", PYTHONPATH=str(REPO))
     with open(out / "log.txt", "w") as logf:
         proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{side} seed {seed} failed (exit {proc.returncode}); see {out / 'log.txt'}")
+    if proc.returncode != 0:  # the other runs go on; the table says which failed
+        print(f"  {side} seed {seed}: failed (exit {proc.returncode}); see {out / 'log.txt'}",
+              file=sys.stderr, flush=True)
+        return {"side": side, "seed": seed, "failed": proc.returncode, "log": str(out / "log.txt")}
     result = json.loads(done.read_text())
     print(f"  {side} seed {seed}: {result['accuracy']:.3f}", file=sys.stderr, flush=True)
     return result
@@ -432,7 +437,8 @@ def seed_counts(acc: dict, sides: list[str], seeds: list[int]) -> str:
 
 
 def run_all(a, jobs: list[tuple[str, int]]) -> list[dict]:
-    """Every (side, seed) run, ``a.jobs`` at a time (a kept result is not run again)."""
+    """Every (side, seed) run, ``a.jobs`` at a time (a kept result is not run again): each one's result, or
+    ``{"side", "seed", "failed": exit code, "log"}`` for a run that failed (killed for memory, say)."""
     with ThreadPoolExecutor(max_workers=a.jobs) as pool:
         # the base policy is scored once, with the first seed's first side
         return list(pool.map(lambda job: launch(a.root.resolve(), *job, a.workdir.resolve(), a.max_steps,
@@ -475,12 +481,16 @@ def main(argv: list[str] | None = None) -> int:
         results = [json.loads(f.read_text()) for f in kept if f.is_file()]
     else:
         results = run_all(a, jobs)
+    failed = [r for r in results if "failed" in r]
+    results = [r for r in results if "failed" not in r]
     summary = summarize(results, a.sides, a.seeds)
     text = table(results, a.sides, a.seeds, summary)
     base = next((r["base"]["accuracy"] for r in results if "base" in r), None)
     print(text)
     if base is not None:
         print(f"base (untrained) greedy accuracy: {base:.3f}")
+    for f in failed:
+        print(f"{f['side']} seed {f['seed']} failed (exit {f['failed']}): not in the table; see {f['log']}")
     import torch
     import transformers
     import trl
@@ -491,12 +501,12 @@ def main(argv: list[str] | None = None) -> int:
            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                         "trl": trl.__version__},
            "wall_s": round(time.perf_counter() - t0, 1), "base_accuracy": base, "summary": summary,
-           "runs": results, "table": text}
+           "runs": results, "failed": failed, "table": text}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = a.out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=1))
     tmp.replace(a.out)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

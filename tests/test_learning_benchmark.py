@@ -182,3 +182,23 @@ def test_cached_tables_the_kept_results_without_running_anything(tmp_path):
     doc = json.loads(out.read_text())
     assert "| 2 | 0.800 | – | – |" in doc["table"] and "| mean | 0.850 | 0.880 | +0.020 |" in doc["table"]
     assert doc["base_accuracy"] == 0.37 and "(ours/trl 2.50x)" in doc["table"]
+
+
+def test_a_failed_run_leaves_the_others_and_the_table_names_it(tmp_path):
+    """A run that fails (here: no repo at --root, so its subprocess exits non-zero) stops neither the other
+    runs nor the table: the kept runs are tabled, the failure is named with its log, and the command exits
+    1."""
+    for seed, acc in ((1, 0.9), (2, 0.8)):
+        (tmp_path / "work" / f"ours-seed{seed}").mkdir(parents=True)
+        (tmp_path / "work" / f"ours-seed{seed}" / "result.json").write_text(
+            json.dumps({"side": "ours", "seed": seed, "accuracy": acc, "completion_tokens_per_s": 20.0}))
+    out = tmp_path / "table.json"
+    code = learning.main(["--sides", "ours", "--seeds", "1", "3", "2", "--jobs", "1", "--root",
+                          str(tmp_path / "none"), "--workdir", str(tmp_path / "work"), "--out", str(out)])
+    assert code == 1
+    doc = json.loads(out.read_text())
+    assert [(r["side"], r["seed"]) for r in doc["runs"]] == [("ours", 1), ("ours", 2)]
+    assert [(f["side"], f["seed"]) for f in doc["failed"]] == [("ours", 3)]
+    assert doc["failed"][0]["failed"] != 0
+    assert Path(doc["failed"][0]["log"]).is_file()
+    assert "| 3 | – |" in doc["table"] and "| mean | 0.850 |" in doc["table"]
