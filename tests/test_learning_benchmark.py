@@ -86,6 +86,19 @@ def test_without_trl_the_first_side_is_the_baseline():
     assert "| 2 | 0.800 | 0.750 | -0.050 |" in table and "ours-async − ours: +0.050, 95% CI" in table
 
 
+def test_with_unequal_seeds_the_interval_is_about_the_difference_of_the_means():
+    """A side with seeds the other lacks: the mean row keeps the per-seed mean difference (seeds both have),
+    and the Welch line states the difference of the means, the number its interval is about."""
+    runs = [{"side": side, "seed": seed, "accuracy": acc} for side, seed, acc in
+            [("ours", 0, 0.40), ("trl", 0, 0.45), ("ours", 1, 0.30), ("trl", 1, 0.35), ("ours", 2, 0.20)]]
+    summary = learning.summarize(runs, ["ours", "trl"], [0, 1, 2])
+    assert summary["ours"]["mean_minus_baseline"] == pytest.approx(-0.05)       # seeds 0 and 1
+    assert summary["ours"]["difference_of_means"] == pytest.approx(-0.10)       # 0.30 - 0.40
+    table = learning.table(runs, ["ours", "trl"], [0, 1, 2], summary)
+    assert "| mean | 0.300 | 0.400 | -0.050 |" in table
+    assert "ours − trl: -0.100, 95% CI" in table and "(ours 3 seeds, trl 2 seeds)" in table
+
+
 def test_completion_tokens_count_every_completion_of_every_step():
     """Each optimizer step trains on per_device_train_batch_size x gradient_accumulation_steps completions."""
     from grpo_core.config import load_config
